@@ -1,0 +1,1 @@
+"""Buffer: the per-node data shard, owner routing, and the distributed dataloader."""

@@ -1,0 +1,162 @@
+"""SampleBatch: the unit of data that moves between DAG stages.
+
+A columnar, ragged-packed batch of samples. Per-sample scalars are 1-D tensors of
+length ``n``; variable-length fields (prompt tokens, response tokens and the per-token
+values aligned with the response) are stored flat with a lengths tensor, so a batch is a
+handful of contiguous tensors that the tensor channels move as zero-copy frames.
+
+Every sample carries ``sample_id`` (unique within a run), ``prompt_id`` (the dataset row
+it came from, as ``"e{epoch}:{row}"``) and ``policy_version`` (the weights that made it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+# Flat fields aligned with prompt tokens / response tokens, keyed by their lengths tensor.
+PROMPT_FIELDS = ("prompt_tokens",)
+RESPONSE_FIELDS = ("response_tokens", "logprobs", "ref_logprobs", "values")
+SCALAR_FIELDS = ("policy_version", "reward", "advantage")
+LENGTHS = {"prompt_tokens": "prompt_lens", **{f: "response_lens" for f in RESPONSE_FIELDS}}
+
+
+@dataclass
+class SampleBatch:
+    """Ragged columnar batch. ``tensors`` holds flat ragged fields, ``*_lens`` and scalars."""
+
+    sample_ids: list[str]
+    prompt_ids: list[str]
+    tensors: dict[str, torch.Tensor]
+    extras: list[dict[str, Any]] = field(default_factory=list)  # per-sample msgpack-able info (answer, text)
+
+    def __post_init__(self) -> None:
+        n = len(self.sample_ids)
+        if len(self.prompt_ids) != n:
+            raise ValueError(f"SampleBatch: {n} sample_ids but {len(self.prompt_ids)} prompt_ids")
+        if not self.extras:
+            self.extras = [{} for _ in range(n)]
+        if len(self.extras) != n:
+            raise ValueError(f"SampleBatch: {n} samples but {len(self.extras)} extras")
+        for name, t in self.tensors.items():
+            lens_name = LENGTHS.get(name)
+            if lens_name is None:
+                if t.dim() != 1 or t.shape[0] != n:
+                    raise ValueError(f"SampleBatch field {name!r}: expected shape [{n}], got {list(t.shape)}")
+            else:
+                lens = self.tensors.get(lens_name)
+                if lens is None:
+                    raise ValueError(f"SampleBatch field {name!r} needs {lens_name!r}")
+                if t.dim() != 1 or t.shape[0] != int(lens.sum()):
+                    raise ValueError(
+                        f"SampleBatch field {name!r}: expected {int(lens.sum())} flat values, got {list(t.shape)}"
+                    )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_lists(
+        cls,
+        sample_ids: Sequence[str],
+        prompt_ids: Sequence[str],
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[float]] | None = None,
+        policy_version: Sequence[int] | int = 0,
+        extras: Sequence[dict[str, Any]] | None = None,
+    ) -> "SampleBatch":
+        n = len(sample_ids)
+        t: dict[str, torch.Tensor] = {
+            "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+            "prompt_tokens": torch.tensor([x for p in prompts for x in p], dtype=torch.int64),
+            "response_lens": torch.tensor([len(r) for r in responses], dtype=torch.int64),
+            "response_tokens": torch.tensor([x for r in responses for x in r], dtype=torch.int64),
+        }
+        if logprobs is not None:
+            t["logprobs"] = torch.tensor([x for lp in logprobs for x in lp], dtype=torch.float32)
+        if isinstance(policy_version, int):
+            t["policy_version"] = torch.full((n,), policy_version, dtype=torch.int64)
+        else:
+            t["policy_version"] = torch.tensor(list(policy_version), dtype=torch.int64)
+        return cls(list(sample_ids), list(prompt_ids), t, list(extras) if extras else [])
+
+    @classmethod
+    def empty(cls) -> "SampleBatch":
+        z = torch.zeros(0, dtype=torch.int64)
+        return cls([], [], {"prompt_lens": z, "prompt_tokens": z.clone(), "response_lens": z.clone(),
+                            "response_tokens": z.clone()})
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def ragged(self, name: str) -> list[torch.Tensor]:
+        """Per-sample views of a flat ragged field."""
+        lens = self.tensors[LENGTHS[name]].tolist()
+        return list(torch.split(self.tensors[name], lens)) if lens else []
+
+    def num_tokens(self) -> torch.Tensor:
+        """Tokens per sample (prompt + response), int64 [n]."""
+        return self.tensors["prompt_lens"] + self.tensors["response_lens"]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def set_scalar(self, name: str, values: torch.Tensor) -> None:
+        if values.shape != (len(self),):
+            raise ValueError(f"{name}: expected shape [{len(self)}], got {list(values.shape)}")
+        self.tensors[name] = values
+
+    def set_ragged(self, name: str, flat: torch.Tensor) -> None:
+        expected = int(self.tensors[LENGTHS[name]].sum())
+        if flat.shape != (expected,):
+            raise ValueError(f"{name}: expected [{expected}] flat values, got {list(flat.shape)}")
+        self.tensors[name] = flat
+
+    # ------------------------------------------------------------------ reshaping
+    def select(self, indices: Sequence[int] | torch.Tensor) -> "SampleBatch":
+        """A new batch holding the given samples, in the given order."""
+        idx = torch.as_tensor(list(indices) if not torch.is_tensor(indices) else indices, dtype=torch.int64)
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.tensors.items():
+            if name in LENGTHS:
+                lens = self.tensors[LENGTHS[name]]
+                starts = torch.cumsum(lens, 0) - lens
+                pieces = [t[int(starts[i]): int(starts[i]) + int(lens[i])] for i in idx.tolist()]
+                out[name] = torch.cat(pieces) if pieces else t[:0].clone()
+            else:
+                out[name] = t.index_select(0, idx) if len(idx) else t[:0].clone()
+        il = idx.tolist()
+        return SampleBatch([self.sample_ids[i] for i in il], [self.prompt_ids[i] for i in il], out,
+                           [self.extras[i] for i in il])
+
+    @classmethod
+    def concat(cls, batches: Iterable["SampleBatch"]) -> "SampleBatch":
+        batches = [b for b in batches if len(b)]
+        if not batches:
+            return cls.empty()
+        names = set(batches[0].tensors)
+        for b in batches[1:]:
+            if set(b.tensors) != names:
+                raise ValueError(f"cannot concat batches with fields {sorted(names)} and {sorted(b.tensors)}")
+        tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in batches[0].tensors}
+        return cls(
+            [s for b in batches for s in b.sample_ids],
+            [p for b in batches for p in b.prompt_ids],
+            tensors,
+            [e for b in batches for e in b.extras],
+        )
+
+    # ------------------------------------------------------------------ wire
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(msgpack-able meta, named tensors) for a tensor channel. Never pickles."""
+        meta = {"sample_ids": self.sample_ids, "prompt_ids": self.prompt_ids, "extras": self.extras}
+        return meta, dict(self.tensors)
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> "SampleBatch":
+        try:
+            return cls(list(meta["sample_ids"]), list(meta["prompt_ids"]), dict(tensors), list(meta.get("extras") or []))
+        except KeyError as e:
+            raise ValueError(f"SampleBatch wire meta lacks {e.args[0]!r}") from None
