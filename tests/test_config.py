@@ -1,0 +1,89 @@
+"""The config schema: derived values, overrides, and errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distflow.core.config import ConfigError, apply_overrides, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
+
+
+def write(tmp_path: Path, raw: dict) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def base() -> dict:
+    return yaml.safe_load(QUICKSTART.read_text())
+
+
+def test_quickstart_loads_and_derives():
+    cfg = load_config(QUICKSTART)
+    assert cfg.rollout_nodes == 2 and cfg.trainer_nodes == 2 and cfg.max_staleness == 1
+    assert cfg.rollout_batch == cfg.prompts_per_step // 2
+    assert cfg.samples_per_step == cfg.prompts_per_step * cfg.group_size
+    assert cfg.buffer_capacity == 3 * cfg.samples_per_step
+    plan = cfg.plan()
+    assert [n.id for n in plan.pipeline("rollout")] == ["generate", "reward", "advantage"]
+    assert [n.id for n in plan.pipeline("trainer")] == ["reference", "update"]
+    assert cfg.total_steps(100) == 7  # ceil(100 / 16)
+    assert cfg.model_copy(update={"max_steps": 3}).total_steps(100) == 3
+
+
+def test_gsm8k_example_validates():
+    cfg = load_config(ROOT / "examples" / "grpo_gsm8k.yaml")
+    assert cfg.chat_template and cfg.node("REWARD", "COMPUTE").fn == "gsm8k"
+
+
+def test_overrides_typed_nested_and_indexed(tmp_path):
+    cfg = load_config(QUICKSTART, ["lr=1e-4", "output_dir=/tmp/x", "mesh.protocol_period_s=0.5",
+                                   "workflow.1.fn=exact_match", "max_steps=3"])
+    assert cfg.lr == 1e-4 and cfg.output_dir == "/tmp/x" and cfg.mesh.protocol_period_s == 0.5
+    assert cfg.workflow[1].fn == "exact_match" and cfg.max_steps == 3
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["lr"])
+    with pytest.raises(ConfigError, match="workflow.9"):
+        apply_overrides({"workflow": [{}]}, ["workflow.9.fn=x"])
+
+
+@pytest.mark.parametrize("change, key, needle", [
+    ({"lr": -1}, "lr", "greater than 0"),
+    ({"learning_rate": 1}, "learning_rate", "Extra inputs"),
+    ({"prompts_per_step": 15}, "prompts_per_step", "multiple of rollout_nodes"),
+    ({"max_staleness": -1}, "max_staleness", "greater than or equal"),
+    ({"trainer_nodes": 0}, "trainer_nodes", "greater than or equal"),
+    ({"engine": "sglang"}, "engine", "torch"),
+])
+def test_errors_name_the_key(tmp_path, change, key, needle):
+    raw = base()
+    raw.update(change)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, raw))
+    assert key in str(e.value) and needle in str(e.value)
+
+
+def test_workflow_errors_name_the_node(tmp_path):
+    raw = base()
+    raw["workflow"][1]["deps"] = ["nope"]
+    with pytest.raises(ConfigError, match="reward"):
+        load_config(write(tmp_path, raw))
+    raw = base()
+    raw["workflow"][0]["role"] = "JUDGE"
+    with pytest.raises(ConfigError, match=r"workflow\[0\] \(node .generate.\).*role"):
+        load_config(write(tmp_path, raw))
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
