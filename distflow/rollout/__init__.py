@@ -1,0 +1,1 @@
+"""Rollout side: generation engines, reward functions and the rollout worker."""

@@ -1,0 +1,142 @@
+"""Verifiable reward functions, looked up by name from the workflow config.
+
+Why it exists: a workflow's REWARD node names its function (``fn: gsm8k``); this module
+is the registry that turns the name into a callable ``fn(response, row) -> float`` in
+[0, 1]. ``response`` is the decoded completion (special tokens skipped); ``row`` is the
+dataset row the prompt came from. Reward functions never raise on odd model output
+(they score it 0.0); a row that lacks the field a reward needs is a configuration error
+and raises a ValueError naming the field. Users add their own with ``@register_reward``
+or by pointing the config at ``package.module:function``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Any, Callable
+
+__all__ = [
+    "RewardFn",
+    "extract_final_number",
+    "register_reward",
+    "registered_rewards",
+    "resolve_reward",
+]
+
+RewardFn = Callable[[str, dict], float]
+_REGISTRY: dict[str, RewardFn] = {}
+
+# An optionally signed number with optional thousands separators and decimals: -1,234.50.
+# A minus sign right after a digit or ')' is subtraction, not a sign: "8-5" -> 8, 5.
+_NUMBER = re.compile(r"(?:(?<![\d)])-)?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available to workflow configs as ``name``."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """A registered name (``"gsm8k"``) or a dotted path (``"my_pkg.rewards:score"``) -> the function."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"reward spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if ":" not in spec:
+        raise ValueError(f"unknown reward {spec!r}: registered rewards are {registered_rewards()} "
+                         f"(or give a dotted path 'package.module:function')")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+    fn: Any = module
+    for part in attr.split("."):
+        if not part or not hasattr(fn, part):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r} is not callable ({type(fn).__name__})")
+    return fn  # type: ignore[return-value]
+
+
+def _field(row: dict, key: str, reward: str) -> Any:
+    if not isinstance(row, dict) or key not in row:
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(f"reward {reward!r} needs the row field {key!r}; the row has {keys}")
+    return row[key]
+
+
+def _to_float(text: str) -> float | None:
+    s = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def extract_final_number(text: str) -> float | None:
+    """The final answer of a GSM8K-style solution: the first number after the last '####'
+    if there is one, else the last number in the text; None if there is none."""
+    if "####" in text:
+        m = _NUMBER.search(text.rsplit("####", 1)[1].replace("$", ""))
+        return _to_float(m.group()) if m else None
+    found = _NUMBER.findall(text.replace("$", ""))
+    return _to_float(found[-1]) if found else None
+
+
+@register_reward("successor")
+def successor(response: str, row: dict) -> float:
+    """Toy task: 1.0 if the response starts with the answer digit (``row["answer"]``)."""
+    answer = str(_field(row, "answer", "successor")).strip()
+    if not answer:
+        raise ValueError("reward 'successor': the row's 'answer' is empty")
+    if not isinstance(response, str):
+        return 0.0
+    return 1.0 if response.strip().startswith(answer) else 0.0
+
+
+@register_reward("gsm8k")
+def gsm8k(response: str, row: dict) -> float:
+    """1.0 if the response's final number equals the row's answer numerically.
+
+    The row's answer may be a bare number (``"1,234"``, ``"$5"``) or a full GSM8K solution
+    ending in ``#### 72``.
+    """
+    raw = _field(row, "answer", "gsm8k")
+    expected = _to_float(str(raw)) if isinstance(raw, (int, float, str)) and not isinstance(raw, bool) else None
+    if expected is None and isinstance(raw, str):
+        expected = extract_final_number(raw)
+    if expected is None:
+        raise ValueError(f"reward 'gsm8k': the row's 'answer' {raw!r:.60} is not a number")
+    if not isinstance(response, str):
+        return 0.0
+    got = extract_final_number(response)
+    if got is None:
+        return 0.0
+    return 1.0 if math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9) else 0.0
+
+
+@register_reward("exact_match")
+def exact_match(response: str, row: dict) -> float:
+    """1.0 if the stripped response equals the stripped ``str(row["answer"])``."""
+    answer = _field(row, "answer", "exact_match")
+    if not isinstance(response, str):
+        return 0.0
+    return 1.0 if response.strip() == str(answer).strip() else 0.0

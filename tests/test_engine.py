@@ -1,0 +1,339 @@
+"""The built-in torch rollout engine and the trainer-side logprobs agree, token for token.
+
+Real tiny Llama model built from scratch (distflow.toy), real KV-cache generation, real
+full forward passes as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from distflow.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    TorchEngine,
+    filter_top_k_top_p,
+    make_engine,
+    parse_dtype,
+)
+from distflow.toy import build_toy_model
+from distflow.trainer import logprobs as lpmod
+from distflow.trainer.logprobs import gather_response, pad_batch, scatter_response, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # A "sharp" random model (init_std 0.2): varied greedy outputs, so argmax checks bite.
+    return build_toy_model(tmp_path_factory.mktemp("toy") / "model", seed=0, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: str) -> TorchEngine:
+    eng = TorchEngine(model_dir)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: TorchEngine) -> list[list[int]]:
+    # Deliberately different lengths: 3, 6, 8 and 4 tokens (with <bos>).
+    return [engine.tokenizer(s)["input_ids"] for s in ["1=", "3947=", "123456=", "77="]]
+
+
+def _recompute(model: torch.nn.Module, prompts: list[list[int]], comps: list[Completion], pad: int,
+               temperature: float) -> torch.Tensor:
+    ids, attn, resp = pad_batch([torch.tensor(p) for p in prompts], [torch.tensor(c.tokens) for c in comps], pad)
+    with torch.no_grad():
+        return gather_response(token_logprobs(model, ids, attn, temperature), resp)
+
+
+def _unpadded_next_logits(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+
+
+# ---------------------------------------------------------------------- engine vs trainer
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
+def test_engine_logprobs_equal_trainer_recompute(engine: TorchEngine, prompts: list[list[int]], top_k: int,
+                                                 top_p: float) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=top_k, top_p=top_p)
+    comps = engine.generate(prompts, params, seed=123)
+    assert len(comps) == 4
+    flat = _recompute(engine.model, prompts, comps, engine.pad_token_id, 0.7)
+    reported = torch.tensor([x for c in comps for x in c.logprobs])
+    assert flat.shape == reported.shape == (sum(len(c.tokens) for c in comps),)
+    assert torch.allclose(flat, reported, atol=1e-4, rtol=0)
+    # Logprobs are taken before filtering: with filters on they are not renormalised,
+    # so they match log_softmax(logits / T) of an unpadded, uncached forward.
+    c0 = comps[2]
+    direct = torch.log_softmax(_unpadded_next_logits(engine.model, prompts[2]) / 0.7, -1)[c0.tokens[0]]
+    assert abs(float(direct) - c0.logprobs[0]) < 1e-4
+    assert all(lp <= 0.0 for c in comps for lp in c.logprobs)
+
+
+def test_greedy_matches_argmax_of_full_forward(engine: TorchEngine, prompts: list[list[int]]) -> None:
+    comps = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
+    for p, c in zip(prompts, comps):
+        seq = list(p)
+        for tok, lp in zip(c.tokens, c.logprobs):
+            logits = _unpadded_next_logits(engine.model, seq)
+            assert tok == int(torch.argmax(logits))
+            assert abs(lp - float(torch.log_softmax(logits, -1)[tok])) < 1e-4  # greedy reports T = 1
+            seq.append(tok)
+        if c.finish_reason == "length":
+            assert len(c.tokens) == 10
+        else:  # greedy hit <eos>: it is the last token and nothing follows it
+            assert c.tokens[-1] == engine.tokenizer.eos_token_id and len(c.tokens) < 10
+    assert {c.finish_reason for c in comps} == {"stop", "length"}
+
+
+def test_batched_generation_equals_one_by_one(engine: TorchEngine, prompts: list[list[int]]) -> None:
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    batched = engine.generate(prompts, params)
+    for p, c in zip(prompts, batched):
+        (alone,) = engine.generate([p], params)
+        assert alone.tokens == c.tokens and alone.finish_reason == c.finish_reason
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, c.logprobs)) < 1e-5
+
+
+def test_topk1_equals_greedy(engine: TorchEngine, prompts: list[list[int]]) -> None:
+    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    topk1 = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1), seed=7)
+    assert [c.tokens for c in topk1] == [c.tokens for c in greedy]
+    for a, b in zip(topk1, greedy):  # at T = 1 both report log_softmax(logits)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_tiny_top_p_is_greedy(engine: TorchEngine, prompts: list[list[int]]) -> None:
+    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    nucleus = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-6), seed=3)
+    assert [c.tokens for c in nucleus] == [c.tokens for c in greedy]
+
+
+def test_stop_token_ends_sequence(engine: TorchEngine) -> None:
+    prompt = engine.tokenizer("77=")["input_ids"]  # greedy runs 10 tokens without <eos> on this model
+    (free,) = engine.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0.0))
+    assert free.finish_reason == "length" and len(free.tokens) == 10
+    stop_tok = free.tokens[3]
+    first = free.tokens.index(stop_tok)
+    (stopped,) = engine.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0.0,
+                                                              stop_token_ids=(stop_tok,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.tokens == free.tokens[:first + 1]  # includes the stop token
+    assert len(stopped.logprobs) == len(stopped.tokens)
+
+
+def test_eos_and_max_new_tokens_over_many_samples(engine: TorchEngine, prompts: list[list[int]]) -> None:
+    eos = engine.tokenizer.eos_token_id
+    assert eos in engine.eos_token_ids
+    many = [prompts[i % 4] for i in range(64)]
+    comps = engine.generate(many, SamplingParams(max_new_tokens=16, temperature=1.0), seed=11)
+    stops = [c for c in comps if c.finish_reason == "stop"]
+    lengths = [c for c in comps if c.finish_reason == "length"]
+    assert len(stops) + len(lengths) == 64
+    assert stops, "a random policy over 17 tokens emits <eos> somewhere in 64 x 16 draws"
+    for c in stops:
+        assert c.tokens[-1] == eos and eos not in c.tokens[:-1] and 1 <= len(c.tokens) <= 16
+    for c in lengths:
+        assert len(c.tokens) == 16 and eos not in c.tokens
+    for c in comps:
+        assert len(c.logprobs) == len(c.tokens)
+    # Finished rows decode pads behind the scenes; the others must be unaffected by them.
+    flat = _recompute(engine.model, many, comps, engine.pad_token_id, 1.0)
+    assert torch.allclose(flat, torch.tensor([x for c in comps for x in c.logprobs]), atol=1e-4, rtol=0)
+
+
+def test_same_seed_same_output_and_batch_split(model_dir: str, engine: TorchEngine,
+                                               prompts: list[list[int]]) -> None:
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    a = engine.generate(prompts, params, seed=5)
+    b = engine.generate(prompts, params, seed=5)
+    c = engine.generate(prompts, params, seed=6)
+    assert a == b
+    assert [x.tokens for x in a] != [x.tokens for x in c]
+    small = TorchEngine(model_dir, max_batch_size=2)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    five = prompts + [prompts[0]]
+    assert [x.tokens for x in small.generate(five, greedy)] == [x.tokens for x in engine.generate(five, greedy)]
+    assert small.generate([], greedy) == []
+    assert engine.generate(prompts, params, seed=2**64 + 5) == engine.generate(prompts, params, seed=2**64 + 5)
+
+
+def test_load_weights_changes_outputs_and_version(tmp_path: Path, model_dir: str, prompts: list[list[int]]) -> None:
+    eng = TorchEngine(model_dir)
+    other_dir = build_toy_model(tmp_path / "other", seed=1, init_std=0.2)
+    other = TorchEngine(other_dir)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = eng.generate(prompts, greedy)
+    assert eng.version == 0
+    sd = {k: v.clone() for k, v in other.model.state_dict().items()}
+    eng.load_weights(3, sd)
+    assert eng.version == 3
+    after = eng.generate(prompts, greedy)
+    assert [c.tokens for c in after] == [c.tokens for c in other.generate(prompts, greedy)]
+    assert [c.tokens for c in after] != [c.tokens for c in before]
+    # Tied embeddings: shipping only one of the tied names is enough.
+    sd0 = {k: v for k, v in TorchEngine(model_dir).model.state_dict().items() if k != "lm_head.weight"}
+    eng.load_weights(4, sd0)
+    assert eng.version == 4 and [c.tokens for c in eng.generate(prompts, greedy)] == [c.tokens for c in before]
+
+
+def test_load_weights_rejects_bad_state_dict(engine: TorchEngine, prompts: list[list[int]]) -> None:
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    ref = engine.generate(prompts, greedy)
+    version = engine.version
+    good = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    missing = {k: v for k, v in good.items() if k != "model.norm.weight"}
+    extra = dict(good, **{"model.bogus.weight": torch.zeros(3)})
+    shape = dict(good, **{"model.norm.weight": torch.ones(65)})
+    nan = dict(good, **{"model.layers.0.mlp.up_proj.weight": torch.full_like(good["model.layers.0.mlp.up_proj.weight"],
+                                                                             float("nan"))})
+    with pytest.raises(ValueError, match=r"missing 1 key.*model\.norm\.weight"):
+        engine.load_weights(9, missing)
+    with pytest.raises(ValueError, match=r"unexpected 1 key.*model\.bogus\.weight"):
+        engine.load_weights(9, extra)
+    with pytest.raises(ValueError, match=r"shape mismatch: model\.norm\.weight: got \[65\], expected \[64\]"):
+        engine.load_weights(9, shape)
+    with pytest.raises(ValueError, match=r"non-finite values in: model\.layers\.0\.mlp\.up_proj\.weight"):
+        engine.load_weights(9, nan)
+    with pytest.raises(ValueError, match="version"):
+        engine.load_weights(-1, good)
+    assert engine.version == version  # all or nothing: nothing was applied
+    assert engine.generate(prompts, greedy) == ref
+
+
+def test_missing_or_invalid_model_dir(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TorchEngine(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        TorchEngine(str(tmp_path / "empty"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    with pytest.raises(ValueError, match="cannot load"):
+        TorchEngine(str(bad))
+
+
+def test_bad_requests_are_clear_errors(engine: TorchEngine) -> None:
+    with pytest.raises(ValueError, match="prompt 1 must be a non-empty"):
+        engine.generate([[2, 5], []], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt 0 has token 99, outside the vocabulary \[0, 17\)"):
+        engine.generate([[2, 99]], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([[2, 5]], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[2, 5]], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([[2, 5]], SamplingParams(max_new_tokens=0))
+    with pytest.raises(ValueError, match="max_position_embeddings 64"):
+        engine.generate([[2] * 60], SamplingParams(max_new_tokens=8))
+    assert engine.generate([[2, 5]], SamplingParams(max_new_tokens=2), seed=1)[0].finish_reason in ("stop", "length")
+
+
+def test_make_engine_and_protocol(model_dir: str) -> None:
+    eng = make_engine("torch", model_dir, dtype="float32")
+    assert isinstance(eng, RolloutEngine) and isinstance(eng, TorchEngine)
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'sglang'.*\['torch', 'vllm'\]"):
+        make_engine("sglang", model_dir)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="vLLM"):
+            make_engine("vllm", model_dir)
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_dtype("float8")
+    eng.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        eng.generate([[2, 5]], SamplingParams())
+
+
+def test_bfloat16_engine_runs(model_dir: str, prompts: list[list[int]]) -> None:
+    eng = TorchEngine(model_dir, dtype="bfloat16")
+    comps = eng.generate(prompts, SamplingParams(max_new_tokens=4), seed=0)
+    assert all(isinstance(x, float) and math.isfinite(x) for c in comps for x in c.logprobs)
+
+
+# ---------------------------------------------------------------------- sampling filters
+def test_filter_top_k_top_p_hand_computed() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    ninf = float("-inf")
+    k3 = filter_top_k_top_p(logits, 3, 1.0)
+    assert torch.equal(torch.isinf(k3), torch.tensor([[False, False, False, True], [True, False, False, False]]))
+    p = filter_top_k_top_p(logits, 0, 0.75)  # 0.5 < 0.75 -> keep the 0.3 token; 0.8 >= 0.75 -> drop the rest
+    assert torch.equal(torch.isinf(p), torch.tensor([[False, False, True, True], [True, True, False, False]]))
+    assert p[0, 2] == ninf and torch.isclose(p[0, 0], logits[0, 0])
+    one = filter_top_k_top_p(logits, 0, 0.1)  # the top token always survives
+    assert torch.isinf(one).sum(-1).tolist() == [3, 3]
+    assert torch.equal(filter_top_k_top_p(logits, 0, 1.0), logits)
+
+
+# ---------------------------------------------------------------------- trainer-side helpers
+def test_pad_batch_hand_computed() -> None:
+    ids, attn, resp = pad_batch([torch.tensor([5, 6]), torch.tensor([7])],
+                                [torch.tensor([8, 9, 10]), torch.tensor([], dtype=torch.int64)], pad_id=0)
+    assert ids.tolist() == [[5, 6, 8, 9, 10], [7, 0, 0, 0, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert resp.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]]
+    assert ids.dtype == torch.int64
+    with pytest.raises(ValueError, match="empty prompt"):
+        pad_batch([torch.tensor([], dtype=torch.int64)], [torch.tensor([1])], 0)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        pad_batch([torch.tensor([1]), torch.tensor([2])], [torch.tensor([1])], 0)
+
+
+def test_gather_scatter_round_trip() -> None:
+    values = torch.arange(10, dtype=torch.float32).reshape(2, 5)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]])
+    flat = gather_response(values, mask)
+    assert flat.tolist() == [2.0, 3.0, 4.0, 6.0, 7.0]
+    back = scatter_response(flat, mask)
+    assert back.tolist() == [[0, 0, 2, 3, 4], [0, 6, 7, 0, 0]]
+    with pytest.raises(ValueError, match="expected 5 flat values"):
+        scatter_response(torch.zeros(4), mask)
+    g = torch.ones(5, requires_grad=True)
+    scatter_response(g, mask).sum().backward()
+    assert g.grad.tolist() == [1.0] * 5
+
+
+def test_token_logprobs_conventions(engine: TorchEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = engine.model
+    seqs = [[2, 5, 6, 7, 13], [2, 9, 13]]
+    ids, attn, _ = pad_batch([torch.tensor(s) for s in seqs], [torch.tensor([], dtype=torch.int64)] * 2, 0)
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, attn, temperature=2.0)
+        # Hand check against an unpadded forward of sequence 1 alone.
+        logits = model(input_ids=torch.tensor([seqs[1]])).logits[0].float()
+        manual = [0.0] + [float(torch.log_softmax(logits[t - 1] / 2.0, -1)[seqs[1][t]]) for t in (1, 2)]
+        assert lp[1, :3].tolist() == pytest.approx(manual, abs=1e-5)
+        assert lp[1, 3:].tolist() == [0.0, 0.0] and lp[0, 0] == 0.0
+        # Left padding gives the same values (position ids come from the mask).
+        left_ids = torch.tensor([[0, 0, 2, 9, 13]])
+        left = token_logprobs(model, left_ids, torch.tensor([[0, 0, 1, 1, 1]]), temperature=2.0)
+        assert left[0, 2:].tolist() == pytest.approx(manual, abs=1e-5)
+        # Greedy (T = 0) is reported at T = 1.
+        assert torch.equal(token_logprobs(model, ids, attn, 0.0), token_logprobs(model, ids, attn, 1.0))
+        # Chunked fp32 materialisation gives identical numbers.
+        monkeypatch.setattr(lpmod, "_CHUNK_BYTES", 1)
+        assert torch.allclose(token_logprobs(model, ids, attn, 2.0), lp, atol=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(model, ids, attn, -1.0)
+
+
+def test_token_logprobs_is_differentiable(model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    ids, attn, resp = pad_batch([torch.tensor([2, 5, 11])], [torch.tensor([6, 1])], 0)
+    lp = token_logprobs(model, ids, attn, 0.7)
+    assert lp.dtype == torch.float32 and lp.requires_grad
+    (-(gather_response(lp, resp)).sum()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and sum(float(g.abs().sum()) for g in grads) > 0

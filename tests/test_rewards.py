@@ -1,0 +1,124 @@
+"""Reward functions on real model-like strings: right, wrong, garbage, and bad rows."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from distflow.rollout.rewards import (
+    extract_final_number,
+    register_reward,
+    registered_rewards,
+    resolve_reward,
+)
+
+
+def test_builtins_are_registered() -> None:
+    assert {"successor", "gsm8k", "exact_match"} <= set(registered_rewards())
+
+
+@pytest.mark.parametrize(
+    "response,expected",
+    [
+        ("8", 1.0),
+        ("  8\n", 1.0),
+        ("89+", 1.0),  # starts with the right digit; the rest does not matter
+        ("7", 0.0),
+        ("=8", 0.0),
+        ("", 0.0),
+        ("   ", 0.0),
+        ("\x00\ufffd8", 0.0),
+    ],
+)
+def test_successor(response: str, expected: float) -> None:
+    assert resolve_reward("successor")(response, {"prompt": "3947=", "answer": "8"}) == expected
+
+
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [
+        ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72", 1.0),
+        ("#### 72", "#### 72", 1.0),  # a full GSM8K solution as the row's answer
+        ("She sold 48 + 24 = 72 clips in total.", "72", 1.0),  # no '####': the last number
+        ("The total is $1,234.", "1234", 1.0),
+        ("#### $1,234.00", "$1,234", 1.0),
+        ("It costs 18 dollars.", 18, 1.0),  # numeric answer in the row
+        ("#### 0.5", "1/2 is .5 so #### .5", 1.0),
+        ("x = -3", "-3", 1.0),
+        ("8-5", "5", 1.0),  # subtraction, not a negative number
+        ("#### 72 because 70 + 2", "72", 1.0),  # the number right after '####' wins
+        ("so 72 ... #### 71", "72", 0.0),
+        ("She sold 72 clips, then 5 more.", "72", 0.0),  # the LAST number is the answer
+        ("I don't know", "72", 0.0),
+        ("####", "72", 0.0),
+        ("", "72", 0.0),
+        ("9" * 400, "72", 0.0),  # huge number: no overflow, no crash
+        ("\ufffd\x00#### NaN inf", "72", 0.0),
+    ],
+)
+def test_gsm8k(response: str, answer: object, expected: float) -> None:
+    assert resolve_reward("gsm8k")(response, {"answer": answer}) == expected
+
+
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [("Paris", "Paris", 1.0), ("  Paris\n", "Paris ", 1.0), ("paris", "Paris", 0.0), ("42", 42, 1.0),
+     ("Paris, France", "Paris", 0.0), ("", "", 1.0)],
+)
+def test_exact_match(response: str, answer: object, expected: float) -> None:
+    assert resolve_reward("exact_match")(response, {"answer": answer}) == expected
+
+
+def test_extract_final_number() -> None:
+    assert extract_final_number("a 1,000,000 b") == 1_000_000.0
+    assert extract_final_number("3 then 4.25.") == 4.25
+    assert extract_final_number("#### -7") == -7.0
+    assert extract_final_number("no digits") is None
+
+
+@pytest.mark.parametrize("name", ["successor", "gsm8k", "exact_match"])
+def test_row_without_answer_names_the_key(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"reward '{name}' needs the row field 'answer'.*\['prompt'\]"):
+        resolve_reward(name)("8", {"prompt": "3947="})
+
+
+def test_gsm8k_non_numeric_answer_is_a_row_error() -> None:
+    with pytest.raises(ValueError, match="not a number"):
+        resolve_reward("gsm8k")("#### 3", {"answer": "three"})
+
+
+def test_non_string_response_scores_zero() -> None:
+    for name in ("successor", "gsm8k", "exact_match"):
+        assert resolve_reward(name)(None, {"answer": "1"}) == 0.0  # type: ignore[arg-type]
+
+
+def test_resolve_unknown_lists_registered_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown reward 'nope'.*'exact_match'.*'gsm8k'.*'successor'"):
+        resolve_reward("nope")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        resolve_reward("no_such_module_xyz:fn")
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        resolve_reward("distflow.rollout.rewards:missing")
+    with pytest.raises(ValueError, match="not callable"):
+        resolve_reward("distflow.rollout.rewards:_REGISTRY")
+
+
+def test_register_and_dotted_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    @register_reward("test_length_le_3")
+    def short(response: str, row: dict) -> float:
+        return 1.0 if len(response) <= 3 else 0.0
+
+    assert resolve_reward("test_length_le_3") is short
+    assert resolve_reward("test_length_le_3")("abc", {}) == 1.0
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_length_le_3")(lambda r, row: 0.0)
+    with pytest.raises(ValueError, match="without ':'"):
+        register_reward("a:b")
+
+    mod = types.ModuleType("distflow_test_user_rewards")
+    mod.contains_cat = lambda response, row: float("cat" in response)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "distflow_test_user_rewards", mod)
+    fn = resolve_reward("distflow_test_user_rewards:contains_cat")
+    assert fn("a cat", {}) == 1.0 and fn("a dog", {}) == 0.0
