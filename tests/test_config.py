@@ -30,7 +30,7 @@ def test_quickstart_loads_and_derives():
     plan = cfg.plan()
     assert [n.id for n in plan.pipeline("rollout")] == ["generate", "reward", "advantage"]
     assert [n.id for n in plan.pipeline("trainer")] == ["reference", "update"]
-    assert cfg.total_steps(100) == 7  # ceil(100 / 16)
+    assert cfg.total_steps(100) == 4  # ceil(100 / 32)
     assert cfg.model_copy(update={"max_steps": 3}).total_steps(100) == 3
 
 
@@ -53,7 +53,7 @@ def test_overrides_typed_nested_and_indexed(tmp_path):
 @pytest.mark.parametrize("change, key, needle", [
     ({"lr": -1}, "lr", "greater than 0"),
     ({"learning_rate": 1}, "learning_rate", "Extra inputs"),
-    ({"prompts_per_step": 15}, "prompts_per_step", "multiple of rollout_nodes"),
+    ({"prompts_per_step": 31}, "prompts_per_step", "multiple of rollout_nodes"),
     ({"max_staleness": -1}, "max_staleness", "greater than or equal"),
     ({"trainer_nodes": 0}, "trainer_nodes", "greater than or equal"),
     ({"engine": "sglang"}, "engine", "torch"),
@@ -87,3 +87,12 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
+
+
+def test_every_key_is_documented():
+    from distflow.core.config import Config, MeshSettings
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    keys = [k for k in Config.model_fields if k != "mesh"] + [f"mesh.{k}" for k in MeshSettings.model_fields]
+    missing = [k for k in keys if f"`{k}`" not in text]
+    assert not missing, f"undocumented config keys: {missing}"

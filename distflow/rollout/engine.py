@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
+from distflow.hf import load_causal_lm, load_tokenizer
 
 __all__ = [
     "Completion",
@@ -170,7 +171,6 @@ class TorchEngine:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
                  max_batch_size: int = 256):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = _check_model_dir(model_path)
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -181,11 +181,11 @@ class TorchEngine:
         self.dtype = parse_dtype(dtype)
         self.max_batch_size = max_batch_size
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.tokenizer = load_tokenizer(path)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from e
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, local_files_only=True)
+            model = load_causal_lm(path, self.dtype)
         except Exception as e:
             raise ValueError(f"cannot load a causal LM from {str(path)!r}: {type(e).__name__}: {e}") from e
         self.model = model.to(self.device).eval().requires_grad_(False)

@@ -1,0 +1,183 @@
+"""Command-line entry points: ``distflow`` (run, status, toy) and ``distflow-node``.
+
+Entry points stay thin: they parse arguments and validate the config before anything
+heavy is imported, so ``--help``, ``--check`` and config errors answer in a blink; torch
+and the role code are imported only once a node really starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+from distflow.core.auth import SECRET_ENV
+from distflow.core.config import Config, ConfigError, load_config
+
+log = logging.getLogger("distflow")
+
+
+def _setup_logging(node_id: str | None = None, level: str = "INFO") -> None:
+    fmt = f"%(asctime)s %(levelname)s [{node_id or 'distflow'}] %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Separate ``key=value`` overrides from flags, wherever they stand on the line."""
+    flags, overrides = [], []
+    for a in argv:
+        if not a.startswith("-") and "=" in a:
+            overrides.append(a)
+        else:
+            flags.append(a)
+    return flags, overrides
+
+
+def parse_seeds(text: str) -> list[str]:
+    seeds = [s.strip() for s in text.split(",") if s.strip()]
+    for s in seeds:
+        host, _, port = s.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--seeds: {s!r} is not HOST:PORT")
+    return seeds
+
+
+# ---------------------------------------------------------------------- distflow-node
+def node_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distflow-node", description="Run one DistFlow node (one process, one asyncio loop).")
+    p.add_argument("--role", required=True, choices=["rollout", "trainer"])
+    p.add_argument("--config", required=True, help="workflow/run config (YAML)")
+    p.add_argument("--seeds", default="", help="HOST:PORT[,...] of any nodes already in the mesh (none for the first)")
+    p.add_argument("--host", default=None, help="address to bind (default: config bind_host, loopback)")
+    p.add_argument("--port", type=int, default=0, help="control port (0 = any free port)")
+    p.add_argument("--data-port", type=int, default=0, help="data-plane port (0 = any free port)")
+    p.add_argument("--node-id", default=None, help="unique node id (default ROLE-HOST-PORT)")
+    p.add_argument("--check", action="store_true", help="validate config, role and seeds, then exit without joining")
+    p.add_argument("--log-level", default="INFO")
+    p.epilog = "Any KEY=VALUE argument overrides that config key (e.g. lr=1e-4 mesh.protocol_period_s=0.5)."
+    return p
+
+
+def node_main(argv: Sequence[str] | None = None) -> int:
+    flags, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = node_parser().parse_args(flags)
+    try:
+        cfg = load_config(args.config, overrides)
+        seeds = parse_seeds(args.seeds)
+        secret = os.environ.get(SECRET_ENV, "")
+        if len(secret) < 16:
+            raise ConfigError(f"{SECRET_ENV} must hold the cluster secret (at least 16 characters)")
+    except ConfigError as e:
+        print(f"distflow-node: {e}", file=sys.stderr)
+        return 2
+    host = args.host or cfg.bind_host
+    node_id = args.node_id or f"{args.role}-{host}-{args.port}"
+    if args.check:
+        from distflow.launcher import check_functions
+
+        check_functions(cfg)
+        print(f"ok: {node_id} role={args.role} host={host} seeds={seeds or '(first node)'} "
+              f"pipeline={[n.id for n in cfg.plan().pipeline(args.role)]}")
+        return 0
+    _setup_logging(node_id, args.log_level)
+    from distflow.core.aio import run_loop
+
+    try:
+        return run_loop(run_node(cfg, args.role, node_id, secret, host, args.port, args.data_port, seeds))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str, port: int, data_port: int,
+                   seeds: list[str]) -> int:
+    """Start the node, run its role's loop, and stop bounded in time on a signal or error."""
+    import torch
+
+    from distflow.runtime import Runtime
+
+    torch.set_num_threads(cfg.torch_threads)
+    rt = Runtime.create(cfg, role, node_id, secret, host=host, port=port, data_port=data_port, seeds=seeds)
+    if role == "trainer":
+        from distflow.trainer.worker import run_trainer as loop_fn
+    else:
+        from distflow.rollout.worker import run_rollout as loop_fn
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await rt.start()
+    log.info("%s up: control %s, data port %d", node_id, rt.node.address, rt.channel.port)
+    work = asyncio.create_task(loop_fn(rt), name=f"{role}-loop")
+    stopper = asyncio.create_task(stop.wait(), name="signal-wait")
+    code = 0
+    try:
+        done, _ = await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            work.result()  # raises the role loop's error
+        else:
+            log.warning("%s: stopping on signal", node_id)
+            code = 143
+    except Exception as e:
+        log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=True)
+        code = 1
+    finally:
+        for t in (work, stopper):
+            t.cancel()
+        await asyncio.wait({work, stopper}, timeout=10)
+        await rt.stop()
+    return code
+
+
+# ---------------------------------------------------------------------- distflow
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="distflow", description="DistFlow: fully distributed RL for LLM post-training.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="start a whole local cluster for CONFIG and train")
+    r.add_argument("config")
+    r.epilog = "Any KEY=VALUE argument overrides that config key, e.g. output_dir=DIR lr=1e-4 workflow.1.fn=gsm8k."
+    r.add_argument("--in-process", action="store_true",
+                   help="run every node in this process, in one asyncio loop (debugging; needs trainer_nodes=1)")
+    r.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    sub.add_parser("status", help="live table of a running cluster's members", add_help=False)
+    t = sub.add_parser("toy-model", help="build the tiny toy model and tokenizer into DIR")
+    t.add_argument("dir")
+    d = sub.add_parser("toy-data", help="write the toy 'successor' prompt set (JSONL) to PATH")
+    d.add_argument("path")
+    d.add_argument("--rows", type=int, default=1024)
+    d.add_argument("--seed", type=int, default=0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"]:
+        from distflow.core.status import status_main
+
+        return status_main(argv[1:])
+    argv, overrides = split_overrides(argv)
+    args = p.parse_args(argv)
+    if overrides and args.cmd != "run":
+        p.error(f"config overrides {overrides} only apply to `distflow run`")
+    if args.cmd == "toy-model":
+        from distflow.toy import build_toy_model
+
+        print(build_toy_model(args.dir))
+        return 0
+    if args.cmd == "toy-data":
+        from distflow.toy import make_toy_dataset
+
+        make_toy_dataset(args.path, args.rows, seed=args.seed)
+        print(args.path)
+        return 0
+    from distflow.launcher import launch
+
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"distflow run: {e}", file=sys.stderr)
+        return 2
+    return launch(cfg, in_process=args.in_process, progress=not args.no_progress)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Loading Hugging Face models and tokenizers from local directories, safely.
+
+``from_pretrained`` is not thread-safe (it switches torch's default device/dtype and
+init contexts globally while it builds a model), and a node loads models from worker
+threads, possibly several at once (the in-process mode runs every node in one process).
+All loading goes through one process-wide lock, local files only, progress bars off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+
+LOAD_LOCK = threading.Lock()
+
+
+def check_model_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model_path {str(p)!r} is not a Hugging Face model directory (no config.json); "
+                                f"models load from local directories only, nothing is downloaded")
+    return p
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
+    p = check_model_dir(path)
+    with LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
+    return model.to(device)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    p = check_model_dir(path)
+    with LOAD_LOCK:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)

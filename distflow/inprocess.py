@@ -1,0 +1,65 @@
+"""``distflow run --in-process``: every node of the cluster in ONE process and ONE loop.
+
+The same Runtime, mesh, channels and role loops as a real cluster, over real loopback
+sockets, but all in this process, so ``breakpoint()`` anywhere in a role's code works
+and a debugger sees every node. torch.distributed allows one process group per process,
+so this mode needs ``trainer_nodes: 1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from distflow.core.aio import run_loop
+from distflow.core.auth import new_secret
+from distflow.core.config import Config
+
+log = logging.getLogger(__name__)
+
+
+async def _run(cfg: Config) -> int:
+    import torch
+
+    from distflow.rollout.worker import run_rollout
+    from distflow.runtime import Runtime
+    from distflow.trainer.worker import run_trainer
+
+    torch.set_num_threads(cfg.torch_threads)
+    secret = new_secret()
+    trainer = Runtime.create(cfg, "trainer", "trainer-0", secret, host=cfg.bind_host, port=0, data_port=0, seeds=[])
+    await trainer.start()
+    rollouts = [Runtime.create(cfg, "rollout", f"rollout-{i}", secret, host=cfg.bind_host, port=0, data_port=0,
+                               seeds=[trainer.node.address]) for i in range(cfg.rollout_nodes)]
+    for rt in rollouts:
+        await rt.start()
+    tasks = {asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")}
+    tasks |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
+    code = 0
+    try:
+        pending = tasks
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                t = failed[0]
+                log.error("%s failed: %s", t.get_name(), t.exception(), exc_info=t.exception())
+                code = 1
+                break
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=10)
+        for rt in [*rollouts, trainer]:
+            await rt.stop()
+    return code
+
+
+def run_in_process(cfg: Config) -> int:
+    if cfg.trainer_nodes != 1:
+        print("distflow run --in-process: needs trainer_nodes=1 (one torch.distributed group per process); "
+              "add trainer_nodes=1", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_loop(_run(cfg))

@@ -1,0 +1,108 @@
+"""What every node process has, whatever its role: identity, mesh, channel, buffer shard.
+
+A rollout node and a trainer node differ only in the pipeline they run. Both join the
+gossip mesh, open a tensor channel for the data plane, keep a BufferShard, and derive
+their rank from membership once the expected group sizes are present (sorted node ids:
+every node computes the same ranks without asking anyone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from distflow.buffer.shard import BufferShard
+from distflow.core.channels import Endpoint, Envelope, TensorChannel, make_channel
+from distflow.core.config import Config
+from distflow.core.node import MeshConfig, Member, Node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Groups:
+    """This node's view of the worker groups, fixed once formed."""
+
+    rollout: list[Member]
+    trainer: list[Member]
+    rank: int
+
+    def endpoints(self, members: list[Member]) -> list[Endpoint]:
+        return [Endpoint(m.node_id, m.host, int(m.meta["data_port"])) for m in members]
+
+
+@dataclass
+class Runtime:
+    cfg: Config
+    node: Node
+    channel: TensorChannel
+    shard: BufferShard
+    role: str
+    groups: Groups | None = None
+    handlers: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
+               data_port: int, seeds: list[str]) -> "Runtime":
+        channel = make_channel(cfg.channel, node_id, secret, host=host, port=data_port)
+        m = cfg.mesh
+        mesh_cfg = MeshConfig(protocol_period_s=m.protocol_period_s, suspicion_timeout_s=m.suspicion_timeout_s,
+                              request_timeout_s=m.request_timeout_s, join_timeout_s=m.join_timeout_s,
+                              max_frame_bytes=m.max_frame_bytes)
+        node = Node(node_id, role, secret=secret, host=host, port=port, seeds=seeds, config=mesh_cfg,
+                    meta={"state": "starting", "policy_version": 0, "device": cfg.device})
+        return cls(cfg, node, channel, BufferShard(cfg.buffer_capacity), role)
+
+    async def start(self) -> None:
+        self.channel.set_handler(self._dispatch)
+        await self.channel.start()
+        self.node.set_meta(data_port=self.channel.port)
+        await self.node.start()
+
+    def on_data(self, kind: str, handler) -> None:
+        """Route received data-plane messages of one kind to a handler."""
+        self.handlers[kind] = handler
+
+    async def _dispatch(self, env: Envelope) -> None:
+        handler = self.handlers.get(env.kind)
+        if handler is None:
+            raise ValueError(f"{self.node.address}: no handler for data message kind {env.kind!r}")
+        await handler(env)
+
+    async def form_groups(self) -> Groups:
+        """Wait until every expected rollout and trainer node is alive, then derive ranks."""
+        need_r, need_t = self.cfg.rollout_nodes, self.cfg.trainer_nodes
+
+        def complete(ms: list[Member]) -> bool:
+            roles = [m.role for m in ms if "data_port" in m.meta]
+            return roles.count("rollout") >= need_r and roles.count("trainer") >= need_t
+
+        what = f"{need_r} rollout and {need_t} trainer nodes to join the mesh"
+        members = await self.node.wait_for(complete, timeout=self.cfg.mesh.join_timeout_s, what=what)
+        rollout = sorted((m for m in members if m.role == "rollout"), key=lambda m: m.node_id)[:need_r]
+        trainer = sorted((m for m in members if m.role == "trainer"), key=lambda m: m.node_id)[:need_t]
+        mine = rollout if self.role == "rollout" else trainer
+        ids = [m.node_id for m in mine]
+        if self.node.node_id not in ids:
+            raise RuntimeError(f"{self.node.node_id}: more {self.role} nodes than rollout/trainer_nodes "
+                               f"configured; the group is {ids}")
+        self.groups = Groups(rollout, trainer, ids.index(self.node.node_id))
+        self.node.set_meta(rank=self.groups.rank, group=self.role, state="running")
+        log.info("%s: %s rank %d of %d", self.node.node_id, self.role, self.groups.rank, len(mine))
+        return self.groups
+
+    def require_alive(self, members: list[Member], what: str) -> None:
+        dead = [m.node_id for m in members if not self.node.is_alive(m.node_id)]
+        if dead:
+            raise PeerLostError(f"{', '.join(dead)} left the mesh while {what}")
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.wait_for(self.node.stop(graceful=True), timeout=10)
+        finally:
+            await asyncio.wait_for(self.channel.close(), timeout=10)
+
+
+class PeerLostError(RuntimeError):
+    """A peer this node depends on died or left."""

@@ -1,0 +1,34 @@
+"""Sample accounting: which node handled which sample ids, per step (``trace_samples: true``).
+
+Each node appends JSON lines to its own file under ``output_dir/trace/``; nothing is
+gathered anywhere during the run. Tests and users audit the invariants afterwards: each
+trainer rank got only the samples it owns, rollout shards are disjoint, every prompt of
+an epoch was trained on exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class Trace:
+    def __init__(self, output_dir: str, node_id: str, enabled: bool):
+        self.path = Path(output_dir) / "trace" / f"{node_id}.jsonl" if enabled else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def write(self, **record: Any) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_trace(output_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """node_id -> records."""
+    out = {}
+    for p in sorted((Path(output_dir) / "trace").glob("*.jsonl")):
+        out[p.stem] = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return out

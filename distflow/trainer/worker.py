@@ -1,0 +1,127 @@
+"""The trainer node's own controller loop: take my samples, update, publish weights.
+
+Each trainer rank receives only the samples it owns (owner = hash(sample_id) mod T),
+straight from the rollout nodes. A step is complete when every rollout node's part for it
+has arrived (every rollout sends one message per trainer per step, possibly empty). The
+ranks then run the trainer group's pipeline (reference logprobs -> update) as one FSDP2
+group, publish the new version to their share of the rollout nodes, and rank 0 appends
+the step's metrics. Samples older than ``max_staleness`` versions are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from distflow.buffer.batch import SampleBatch
+from distflow.buffer.redistribute import parse_part
+from distflow.core.channels import Envelope
+from distflow.core.dag import WorkflowNode
+from distflow.runtime import Groups, Runtime
+from distflow.trainer.actor import Actor
+from distflow.trainer.metrics import MetricsWriter, plot_reward_curve
+from distflow.trace import Trace
+from distflow.trainer.weights import publish
+
+log = logging.getLogger(__name__)
+
+
+async def init_process_group(rt: Runtime, groups: Groups) -> None:
+    """The trainer group's torch.distributed group. Rank 0 opens the rendezvous store on
+    any free port and gossips it; the others read it from rank 0's metadata."""
+    head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
+    if groups.rank == 0:
+        store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, 0, world, is_master=True, timeout=timeout,
+                                                                wait_for_workers=False))
+        rt.node.set_meta(pg_port=store.port)
+    else:
+        ms = await rt.node.wait_for(lambda ms: any(m.node_id == head.node_id and "pg_port" in m.meta for m in ms),
+                                    timeout=rt.cfg.mesh.join_timeout_s, what=f"{head.node_id}'s rendezvous port")
+        port = next(m.meta["pg_port"] for m in ms if m.node_id == head.node_id)
+        store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, port, world, is_master=False,
+                                                                timeout=timeout))
+    backend = "nccl" if rt.cfg.device == "cuda" else "gloo"
+    await asyncio.to_thread(dist.init_process_group, backend, store=store, rank=groups.rank, world_size=world,
+                            timeout=timeout)
+
+
+def train_step(actor: Actor, pipeline: list[WorkflowNode], batch: SampleBatch) -> dict[str, float]:
+    stats: dict[str, float] = {}
+    for node in pipeline:
+        kind = (node.role.value, node.type.value)
+        if kind == ("REFERENCE", "MODEL_INFERENCE"):
+            batch = actor.reference_logprobs(batch)
+        elif kind == ("ACTOR", "MODEL_TRAIN"):
+            stats = actor.update(node, batch)
+        else:
+            raise NotImplementedError(f"workflow node {node.id!r}: {kind} on the trainer group is not supported yet")
+    return stats
+
+
+def step_summary(actor: Actor, batch: SampleBatch, step: int) -> list[float]:
+    """Global reward/staleness sums over the step (a collective)."""
+    n = float(len(batch))
+    reward = float(batch.tensors["reward"].sum()) if n else 0.0
+    stale = float((step - batch.tensors["policy_version"]).sum()) if n else 0.0
+    return actor._all_reduce([n, reward, stale])
+
+
+async def run_trainer(rt: Runtime) -> None:
+    cfg = rt.cfg
+    total: list[int] = []
+
+    async def on_samples(env: Envelope) -> None:
+        step, batch = parse_part(env)
+        if not total:
+            total.append(int(env.meta["total_steps"]))
+        await rt.shard.put(batch, step=step, source=env.sender, timeout=cfg.step_timeout_s)
+
+    rt.on_data("samples", on_samples)
+    groups = await rt.form_groups()
+    await init_process_group(rt, groups)
+    pipeline = cfg.plan().pipeline("trainer")
+    with_ref = any(n.role.value == "REFERENCE" for n in pipeline)
+    actor = await asyncio.to_thread(Actor, cfg, with_ref)
+    rank, world = groups.rank, len(groups.trainer)
+    sources = [m.node_id for m in groups.rollout]
+    mine = [ep for i, ep in enumerate(groups.endpoints(groups.rollout)) if i % world == rank]
+    out_dir = Path(cfg.output_dir)
+    writer = MetricsWriter(out_dir) if rank == 0 else None
+    log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
+             [e.node_id for e in mine])
+
+    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
+    step, t_last, t_start = 0, time.perf_counter(), time.perf_counter()
+    while not total or step < total[0]:
+        batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
+                                         min_version=step - cfg.max_staleness, alive=rt.node.is_alive)
+        trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
+                    policy_versions=batch.tensors["policy_version"].tolist())
+        stats = await asyncio.to_thread(train_step, actor, pipeline, batch)
+        n, reward, stale = await asyncio.to_thread(step_summary, actor, batch, step)
+        state = await asyncio.to_thread(actor.full_state_dict)
+        await publish(rt.channel, mine, actor.version, state, timeout=cfg.step_timeout_s)
+        now = time.perf_counter()
+        rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1))
+        if writer is not None:
+            writer.write({"step": step, "total_steps": total[0], "policy_version": actor.version,
+                          "reward_mean": reward / max(n, 1), "samples": int(n),
+                          "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
+                          "elapsed_s": now - t_start, **stats})
+        t_last = now
+        step += 1
+        if cfg.save_every and step % cfg.save_every == 0 and step < total[0]:
+            await asyncio.to_thread(actor.save_checkpoint, out_dir / f"checkpoint-{step}", state)
+
+    await asyncio.to_thread(actor.save_checkpoint, out_dir / "checkpoint", state if step else actor.full_state_dict())
+    if writer is not None:
+        await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
+    await asyncio.to_thread(dist.barrier)
+    dist.destroy_process_group()
+    log.info("trainer rank %d: done after %d steps", rank, step)
+

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install DistFlow and its test tools into the current Python (use a venv if you like).
+# On a machine without an NVIDIA GPU, torch's CPU build is installed FIRST, so that
+# nothing pulls gigabytes of CUDA packages. vLLM/SGLang are never installed here: they
+# pin their own torch (pip install -e '.[vllm]' on GPU hosts).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: GPU found, installing torch==$TORCH_VERSION (CUDA build)"
+    "$PY" -m pip install "torch==$TORCH_VERSION"
+  else
+    echo "setup: no GPU, installing torch==$TORCH_VERSION (CPU build)"
+    # The CPU index where it is reachable; a pre-seeded local CPU wheel otherwise.
+    "$PY" -m pip install "torch==$TORCH_VERSION" \
+      --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 --timeout 15
+  fi
+fi
+EXTRAS="dev"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRAS="dev,gpu"; fi
+"$PY" -m pip install -e ".[$EXTRAS]"
+"$PY" -c "import torch, distflow; print(f'setup: distflow {distflow.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"

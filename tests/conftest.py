@@ -1,0 +1,38 @@
+"""Shared fixtures: a tiny toy model and prompt set, built once per test session.
+
+Nothing is downloaded: the model and tokenizer are built here and saved to a temp dir,
+then loaded through the real path (from_pretrained on a local directory).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory) -> Path:
+    from distflow.toy import build_toy_model
+
+    return Path(build_toy_model(tmp_path_factory.mktemp("toy") / "model", seed=0))
+
+
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory) -> Path:
+    from distflow.toy import make_toy_dataset
+
+    p = tmp_path_factory.mktemp("data") / "successor.jsonl"
+    make_toy_dataset(p, 48, seed=1)
+    return p
+
+
+def run_distflow(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (as a user would)."""
+    return subprocess.run([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})

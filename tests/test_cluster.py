@@ -1,0 +1,159 @@
+"""End to end: real `distflow run` clusters of real node processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from distflow.buffer.routing import owner
+from distflow.trace import read_trace
+from distflow.trainer.metrics import read_metrics
+from tests.conftest import ROOT, run_distflow
+
+QUICKSTART = "examples/grpo_quickstart.yaml"
+
+
+def small_run_args(toy_model: Path, toy_data: Path, out: Path, *extra: str) -> list[str]:
+    return ["run", QUICKSTART, "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
+            f"dataset={toy_data}", "toy_model=false", "prompts_per_step=16", "group_size=4", "max_new_tokens=2",
+            *extra]
+
+
+def test_two_by_two_cluster_accounts_for_every_sample(toy_model, toy_data, tmp_path):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    r = run_distflow(small_run_args(toy_model, toy_data, out, "trace_samples=true"), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 240
+
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]  # 48 prompts / 16 per step
+    for m in metrics:
+        for key in ("reward_mean", "samples_per_s", "policy_version", "staleness_mean", "loss"):
+            assert key in m, key
+        assert m["samples"] == 16 * 4
+        assert 0.0 <= m["staleness_mean"] <= 1.0  # max_staleness: 1
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3]
+
+    trace = read_trace(out)
+    assert sorted(trace) == ["rollout-0", "rollout-1", "trainer-0", "trainer-1"]
+    # Rollout ranks read disjoint shards that cover the prompt set.
+    shards = [{p for rec in trace[f"rollout-{r}"] for p in rec["prompt_ids"]} for r in range(2)]
+    assert not shards[0] & shards[1]
+    assert shards[0] | shards[1] == {f"e0:{i}" for i in range(48)}
+    # Each trainer rank received only the samples it owns; every sample trained exactly once.
+    seen: Counter[str] = Counter()
+    for rank in range(2):
+        recs = trace[f"trainer-{rank}"]
+        assert [rec["step"] for rec in recs] == [0, 1, 2]
+        for rec in recs:
+            assert all(owner(s, 2) == rank for s in rec["sample_ids"])
+            assert all(rec["step"] - v <= 1 for v in rec["policy_versions"])
+            seen.update(rec["sample_ids"])
+    assert set(seen.values()) == {1}
+    assert set(seen) == {f"e0:{i}:s{j}" for i in range(48) for j in range(4)}
+
+    # A Hugging Face checkpoint and the reward curve.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "checkpoint", local_files_only=True)
+    AutoTokenizer.from_pretrained(out / "checkpoint", local_files_only=True)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert (out / "reward_curve.png").stat().st_size > 1000
+
+
+def test_child_failure_stops_everyone_and_names_the_error(toy_model, toy_data, tmp_path):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    r = run_distflow(small_run_args(toy_model, toy_data, out, "workflow.1.fn=tests.failing:exploding_reward"),
+                     timeout=180, env={"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 1
+    assert "rollout-0 failed" in r.stderr and "rollout-1 failed" in r.stderr
+    assert "reward 'tests.failing:exploding_reward' failed" in r.stderr and "boom on row" in r.stderr
+    assert time.monotonic() - t0 < 150
+    assert not _children_of(out)
+
+
+def test_bad_workflow_function_fails_before_any_node_starts(tmp_path):
+    r = run_distflow(["run", QUICKSTART, f"output_dir={tmp_path}", "workflow.1.fn=no_such_module:reward"], timeout=60)
+    assert r.returncode == 1
+    assert "workflow node 'reward'" in r.stderr and "no_such_module" in r.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def _children_of(out: Path) -> list[int]:
+    """PIDs of live processes whose command line mentions this run's config."""
+    needle = str(out / "config.yaml").encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_ctrl_c_stops_every_child_bounded(toy_model, toy_data, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *small_run_args(toy_model, toy_data, out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_children_of(out)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_children_of(out)) == 4
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert time.monotonic() - t0 < 30
+    assert not _children_of(out)
+
+
+def test_in_process_mode_trains(toy_model, toy_data, tmp_path):
+    out = tmp_path / "run"
+    r = run_distflow(small_run_args(toy_model, toy_data, out, "trainer_nodes=1", "max_steps=2") + ["--in-process"],
+                     timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [0, 1]
+
+
+def test_node_check_validates_without_joining(tmp_path):
+    env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
+    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+    ok = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, "--seeds", "127.0.0.1:7000", "--check"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "generate" in ok.stdout
+    bad = subprocess.run(cmd + ["--role", "trainer", "--config", QUICKSTART, "--seeds", "nohost", "--check"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "nohost" in bad.stderr
+    nosecret = subprocess.run(cmd + ["--role", "trainer", "--config", QUICKSTART, "--check"], cwd=ROOT,
+                              env={k: v for k, v in env.items() if k != "DISTFLOW_SECRET"},
+                              capture_output=True, text=True, timeout=60)
+    assert nosecret.returncode == 2 and "DISTFLOW_SECRET" in nosecret.stderr
+
+
+@pytest.mark.slow
+def test_quickstart_learns(tmp_path):
+    """The shipped example, as shipped: last-10 mean reward beats first-10 by >= 0.3."""
+    out = tmp_path / "qs"
+    t0 = time.monotonic()
+    r = run_distflow(["run", QUICKSTART, "--no-progress", f"output_dir={out}", f"model_path={tmp_path / 'toy'}"],
+                     timeout=420)
+    assert r.returncode == 0, r.stderr[-3000:]
+    elapsed = time.monotonic() - t0
+    rewards = [m["reward_mean"] for m in read_metrics(out / "metrics.jsonl")]
+    assert len(rewards) >= 20
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"quickstart: {len(rewards)} steps in {elapsed:.0f}s, first-10 {first:.3f}, last-10 {last:.3f}")
+    assert last - first >= 0.3, (first, last)
+    assert elapsed < 300
