@@ -19,6 +19,8 @@ from distflow.core.node import MeshConfig, Member, Node
 
 log = logging.getLogger(__name__)
 
+HANDLER_WAIT_S = 30.0
+
 
 @dataclass
 class Groups:
@@ -29,6 +31,7 @@ class Groups:
     rank: int
 
     def endpoints(self, members: list[Member]) -> list[Endpoint]:
+        """Data endpoints as of group formation (see Runtime.endpoint for the current one)."""
         return [Endpoint(m.node_id, m.host, int(m.meta["data_port"])) for m in members]
 
 
@@ -41,6 +44,7 @@ class Runtime:
     role: str
     groups: Groups | None = None
     handlers: dict[str, object] = field(default_factory=dict)
+    _registered: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
@@ -63,11 +67,21 @@ class Runtime:
     def on_data(self, kind: str, handler) -> None:
         """Route received data-plane messages of one kind to a handler."""
         self.handlers[kind] = handler
+        self._registered.set()
 
     async def _dispatch(self, env: Envelope) -> None:
+        # Peers may send as soon as we are in the mesh, a moment before the role loop has
+        # registered its handlers: hold the message (and so the sender's ack) briefly.
+        deadline = asyncio.get_running_loop().time() + HANDLER_WAIT_S
+        while env.kind not in self.handlers and asyncio.get_running_loop().time() < deadline:
+            self._registered.clear()
+            try:
+                await asyncio.wait_for(self._registered.wait(), timeout=0.2)
+            except asyncio.TimeoutError:
+                pass
         handler = self.handlers.get(env.kind)
         if handler is None:
-            raise ValueError(f"{self.node.address}: no handler for data message kind {env.kind!r}")
+            raise ValueError(f"{self.node.node_id}: no handler for data message kind {env.kind!r}")
         await handler(env)
 
     async def form_groups(self) -> Groups:
@@ -91,6 +105,13 @@ class Runtime:
         self.node.set_meta(rank=self.groups.rank, group=self.role, state="running")
         log.info("%s: %s rank %d of %d", self.node.node_id, self.role, self.groups.rank, len(mine))
         return self.groups
+
+    def endpoint(self, node_id: str) -> Endpoint:
+        """A peer's data endpoint as the mesh knows it now (a restarted node may have moved)."""
+        m = self.node.member(node_id)
+        if m is None or "data_port" not in m.meta:
+            raise PeerLostError(f"{node_id} is not a member with a data endpoint")
+        return Endpoint(m.node_id, m.host, int(m.meta["data_port"]))
 
     def require_alive(self, members: list[Member], what: str) -> None:
         dead = [m.node_id for m in members if not self.node.is_alive(m.node_id)]

@@ -1,11 +1,18 @@
 """The rollout node's own controller loop: read my prompts, generate, score, route.
 
-There is no driver telling a rollout node what to do. It reads its own shard of the
-prompt set, and for every step: waits until its weights are within ``max_staleness``
-versions of the step, swaps in newer weights if they arrived, runs the rollout group's
-pipeline (generate -> reward -> advantage), and sends every trainer rank exactly the
-samples it owns, straight over the data plane. One message per trainer per step, empty
-or not, so trainers know when a step is complete without asking anyone.
+There is no driver telling a rollout node what to do. The prompt set is cut into
+``rollout_nodes`` shards; rollout rank r owns shard r. For every global step a node:
+catches up with the trainers (steps they have already trained are skipped), waits until
+its weights are within ``max_staleness`` versions of the step, swaps in newer weights,
+runs the rollout group's pipeline (generate -> reward -> advantage) on each shard it
+covers, and sends every trainer rank exactly the samples it owns. One message per
+trainer per shard per step, empty or not, so trainers know when a step is complete.
+
+Elasticity without a coordinator: a shard whose owner is not alive is adopted by the
+next alive rollout rank in ring order, so its prompts are re-issued and no sample is
+lost; trainers keep the first part they receive for a (step, shard) and drop repeats.
+A node cut off from the trainers waits for them (bounded by ``step_timeout_s``) instead
+of exiting; when it is back it skips to the trainers' step and gets current weights.
 """
 
 from __future__ import annotations
@@ -15,14 +22,68 @@ import logging
 import time
 
 from distflow.buffer.dataloader import PromptShard
-from distflow.buffer.redistribute import scatter
+from distflow.buffer.routing import split_by_owner
+from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
 from distflow.rollout.stages import run_pipeline
-from distflow.runtime import Runtime
+from distflow.runtime import Groups, PeerLostError, Runtime
 from distflow.trace import Trace
 from distflow.trainer.weights import WeightInbox
 
 log = logging.getLogger(__name__)
+
+
+def covered_shards(rt: Runtime, groups: Groups) -> list[int]:
+    """My shard plus every shard whose owner is down and whose next alive node (ring order) is me."""
+    ids = [m.node_id for m in groups.rollout]
+    alive = [rt.node.is_alive(i) or i == rt.node.node_id for i in ids]
+    mine = []
+    for shard in range(len(ids)):
+        cover = next(((shard + k) % len(ids) for k in range(len(ids)) if alive[(shard + k) % len(ids)]), None)
+        if cover == groups.rank:
+            mine.append(shard)
+    return mine
+
+
+def trainer_step(rt: Runtime, groups: Groups) -> int:
+    """Steps the alive trainers have finished (their gossiped policy_version)."""
+    versions = []
+    for t in groups.trainer:
+        m = rt.node.member(t.node_id)
+        if m is not None and m.state == "alive":
+            versions.append(int(m.meta.get("policy_version", 0)))
+    return min(versions) if versions else 0
+
+
+async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict) -> None:
+    """Each trainer gets the samples it owns; a trainer that is cut off is retried until it is
+    back, or until the trainers no longer need this step."""
+    trainers = [m.node_id for m in groups.trainer]
+    parts = split_by_owner(batch, len(trainers))
+    pending = dict(enumerate(trainers))
+    deadline = time.monotonic() + rt.cfg.step_timeout_s
+
+    async def one(i: int, node_id: str) -> None:
+        wire, tensors = parts[i].to_wire()
+        meta = {**extra, **wire, "step": step, "source_rank": shard, "num_sources": len(groups.rollout),
+                "part": i, "num_parts": len(trainers), "balance": "owner"}
+        await rt.channel.send(rt.endpoint(node_id), "samples", meta, tensors, timeout=rt.cfg.step_timeout_s)
+
+    while pending:
+        live = {i: t for i, t in pending.items() if rt.node.is_alive(t)}
+        results = await asyncio.gather(*(one(i, t) for i, t in live.items()), return_exceptions=True)
+        for (i, t), res in zip(live.items(), results):
+            if isinstance(res, BaseException):
+                log.warning("step %d shard %d: send to %s failed (%s); will retry", step, shard, t, res)
+            else:
+                pending.pop(i)
+        if pending:
+            if trainer_step(rt, groups) > step:
+                return  # the trainers trained this step without us (the shard was adopted)
+            if time.monotonic() > deadline:
+                raise PeerLostError(f"step {step}: trainers {list(pending.values())} unreachable "
+                                    f"for {rt.cfg.step_timeout_s:.0f}s")
+            await asyncio.sleep(0.5)
 
 
 async def run_rollout(rt: Runtime) -> None:
@@ -31,49 +92,67 @@ async def run_rollout(rt: Runtime) -> None:
     rt.on_data("weights", inbox.receive)
     groups = await rt.form_groups()
     rank = groups.rank
-    trainers = groups.endpoints(groups.trainer)
 
-    def trainers_alive() -> None:
-        rt.require_alive(groups.trainer, "the rollout node waited for weights")
+    def shard_loader(s: int) -> PromptShard:
+        return PromptShard(cfg.dataset, s, cfg.rollout_nodes, seed=cfg.seed, shuffle=cfg.shuffle,
+                           bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,))
 
-    loader = PromptShard(cfg.dataset, rank, cfg.rollout_nodes, seed=cfg.seed, shuffle=cfg.shuffle,
-                         bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,))
-    total = cfg.total_steps(loader.num_rows)
-    engine = await asyncio.to_thread(make_engine, cfg.engine, cfg.model_path, device=cfg.device,
-                                     dtype=cfg.dtype)
+    loaders = {rank: shard_loader(rank)}
+    per_epoch = loaders[rank].steps_per_epoch(cfg.prompts_per_step)
+    total = cfg.total_steps(loaders[rank].num_rows)
+    engine = await asyncio.to_thread(make_engine, cfg.engine, cfg.model_path, device=cfg.device, dtype=cfg.dtype)
     pipeline = cfg.plan().pipeline("rollout")
-    log.info("rollout rank %d: %d of %d prompts, %d steps, pipeline %s", rank,
-             len(range(rank, loader.num_rows, cfg.rollout_nodes)), loader.num_rows, total,
-             [n.id for n in pipeline])
-
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
-    step = 0
-    for epoch, _, rows in loader.iterate(cfg.rollout_batch, cfg.epochs):
-        if step >= total:
-            break
-        # The staleness bound: step k may be generated by weights no older than k - max_staleness.
-        await inbox.wait_for(step - cfg.max_staleness, cfg.step_timeout_s, trainers_alive)
+    log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank, loaders[rank].num_rows,
+             total, [n.id for n in pipeline])
+
+    def trainers_gone() -> None:  # a cut-off trainer may come back; only a graceful leave is final
+        states = [(m := rt.node.member(t.node_id)) and m.state for t in groups.trainer]
+        if all(s == "left" for s in states):
+            raise PeerLostError("every trainer left the mesh")
+
+    next_step = {rank: 0}  # per covered shard: the next step to generate
+    stalled_since = time.monotonic()
+    while inbox.version < total:  # until the trainers have published the final version
+        trainers_gone()
+        done = trainer_step(rt, groups)
+        shards = covered_shards(rt, groups)
+        for s in shards:
+            if s not in next_step:
+                log.warning("rollout rank %d: adopting shard %d from step %d (its node is down)", rank, s, done)
+                loaders.setdefault(s, shard_loader(s))
+        next_step = {s: max(next_step.get(s, 0), done) for s in shards}  # catch up; hand back returned shards
+        todo = [(k, s) for s, k in next_step.items() if k < total]
+        if not todo or inbox.version < min(todo)[0] - cfg.max_staleness:
+            # Nothing to do, or (staleness bound) weights too old: wait for the trainers.
+            if time.monotonic() - stalled_since > cfg.step_timeout_s:
+                raise TimeoutError(f"no progress for {cfg.step_timeout_s:.0f}s (weights v{inbox.version}, "
+                                   f"trainers at step {done}, my shards {next_step})")
+            try:
+                await inbox.wait_for(inbox.version + 1, 0.5, trainers_gone)
+            except TimeoutError:
+                pass
+            continue
+        step, shard = min(todo)
         fresh = inbox.take()
         if fresh is not None:
             await asyncio.to_thread(engine.load_weights, *fresh)
+        epoch, in_epoch = divmod(step, per_epoch)
+        rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
         t0 = time.perf_counter()
-        seed = (cfg.seed * 1_000_003 + rank) * 100_003 + step
+        seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
         batch = await asyncio.to_thread(run_pipeline, pipeline, engine, cfg, rows, seed)
-        gen_s = time.perf_counter() - t0
-        await scatter(rt.channel, batch, trainers, step=step, source_rank=rank, timeout=cfg.step_timeout_s,
-                      extra_meta={"total_steps": total, "epoch": epoch})
-        trace.write(step=step, rank=rank, epoch=epoch, prompt_ids=[r.prompt_id for r in rows],
+        rate = len(batch) / max(time.perf_counter() - t0, 1e-9)
+        await send_parts(rt, groups, batch, step=step, shard=shard, extra={"total_steps": total, "epoch": epoch})
+        trace.write(step=step, rank=rank, shard=shard, epoch=epoch, prompt_ids=[r.prompt_id for r in rows],
                     policy_version=engine.version)
-        rt.node.set_meta(policy_version=engine.version, samples_per_s=round(len(batch) / max(gen_s, 1e-9), 1),
-                         step=step)
-        step += 1
+        rt.node.set_meta(policy_version=engine.version, samples_per_s=round(rate, 1), step=step)
+        next_step[shard] = step + 1
+        stalled_since = time.monotonic()
 
-    # Stay until the trainers publish the final version: they may still need nothing from
-    # us, but leaving early would look like a failure to anyone watching the mesh.
-    try:
-        await inbox.wait_for(total, cfg.step_timeout_s, trainers_alive)
-    except Exception as e:  # trainers gone after our last batch was acknowledged: nothing is lost
-        log.warning("rollout rank %d: finished without the final weights: %s", rank, e)
-    rt.node.set_meta(state="done")
+    fresh = inbox.take()
+    if fresh is not None:
+        await asyncio.to_thread(engine.load_weights, *fresh)
+    rt.node.set_meta(policy_version=engine.version, state="done")
     engine.close()
-    log.info("rollout rank %d: done after %d steps", rank, step)
+    log.info("rollout rank %d: done; final weights v%d", rank, engine.version)

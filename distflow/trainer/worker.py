@@ -26,7 +26,7 @@ from distflow.runtime import Groups, Runtime
 from distflow.trainer.actor import Actor
 from distflow.trainer.metrics import MetricsWriter, plot_reward_curve
 from distflow.trace import Trace
-from distflow.trainer.weights import publish
+from distflow.trainer.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -74,54 +74,84 @@ def step_summary(actor: Actor, batch: SampleBatch, step: int) -> list[float]:
 async def run_trainer(rt: Runtime) -> None:
     cfg = rt.cfg
     total: list[int] = []
+    consumed = [0]  # steps already taken out of the buffer
+    dropped = {"late": 0, "duplicate": 0}
 
     async def on_samples(env: Envelope) -> None:
         step, batch = parse_part(env)
+        shard = env.meta.get("source_rank")
+        if not isinstance(shard, int) or not 0 <= shard < cfg.rollout_nodes:
+            raise ValueError(f"samples from {env.sender}: source_rank {shard!r} is not a shard of "
+                             f"{cfg.rollout_nodes} rollout nodes")
         if not total:
             total.append(int(env.meta["total_steps"]))
-        await rt.shard.put(batch, step=step, source=env.sender, timeout=cfg.step_timeout_s)
+        source = f"shard-{shard}"
+        # A re-issued shard (its node was down) can arrive twice, or after its step was trained:
+        # the first part wins, repeats are acknowledged and dropped.
+        if step < consumed[0] or source in rt.shard.steps_held().get(step, ()):
+            dropped["late" if step < consumed[0] else "duplicate"] += 1
+            return
+        try:
+            await rt.shard.put(batch, step=step, source=source, timeout=cfg.step_timeout_s)
+        except ValueError as e:
+            if "duplicate" not in str(e):
+                raise
+            dropped["duplicate"] += 1
 
     rt.on_data("samples", on_samples)
     groups = await rt.form_groups()
     await init_process_group(rt, groups)
     pipeline = cfg.plan().pipeline("trainer")
-    with_ref = any(n.role.value == "REFERENCE" for n in pipeline)
-    actor = await asyncio.to_thread(Actor, cfg, with_ref)
+    actor = await asyncio.to_thread(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
     rank, world = groups.rank, len(groups.trainer)
-    sources = [m.node_id for m in groups.rollout]
-    mine = [ep for i, ep in enumerate(groups.endpoints(groups.rollout)) if i % world == rank]
+    sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
+    rollout_ids = [m.node_id for m in groups.rollout]
+    mine = [node_id for i, node_id in enumerate(rollout_ids) if i % world == rank]
+    publisher = WeightPublisher(rt.channel, mine, rt.endpoint, rt.node.is_alive, timeout=min(cfg.step_timeout_s, 60.0))
+
+    def on_member(event: str, m) -> None:
+        if event == "alive":
+            publisher.peer_up(m.node_id)
+        elif event in ("dead", "left"):
+            publisher.peer_down(m.node_id)
+
+    rt.node.subscribe(on_member)
     out_dir = Path(cfg.output_dir)
     writer = MetricsWriter(out_dir) if rank == 0 else None
-    log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
-             [e.node_id for e in mine])
-
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
+    log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
+             mine)
+
     step, t_last, t_start = 0, time.perf_counter(), time.perf_counter()
     while not total or step < total[0]:
         batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
-                                         min_version=step - cfg.max_staleness, alive=rt.node.is_alive)
+                                         min_version=step - cfg.max_staleness,
+                                         alive=lambda _: any(rt.node.is_alive(i) for i in rollout_ids))
+        consumed[0] = step + 1
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors["policy_version"].tolist())
         stats = await asyncio.to_thread(train_step, actor, pipeline, batch)
         n, reward, stale = await asyncio.to_thread(step_summary, actor, batch, step)
         state = await asyncio.to_thread(actor.full_state_dict)
-        await publish(rt.channel, mine, actor.version, state, timeout=cfg.step_timeout_s)
+        publisher.offer(actor.version, state)
         now = time.perf_counter()
         rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1))
         if writer is not None:
             writer.write({"step": step, "total_steps": total[0], "policy_version": actor.version,
                           "reward_mean": reward / max(n, 1), "samples": int(n),
                           "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
-                          "elapsed_s": now - t_start, **stats})
+                          "elapsed_s": now - t_start, "dropped_parts": sum(dropped.values()), **stats})
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < total[0]:
             await asyncio.to_thread(actor.save_checkpoint, out_dir / f"checkpoint-{step}", state)
 
-    await asyncio.to_thread(actor.save_checkpoint, out_dir / "checkpoint", state if step else actor.full_state_dict())
+    final = state if step else await asyncio.to_thread(actor.full_state_dict)
+    await asyncio.to_thread(actor.save_checkpoint, out_dir / "checkpoint", final)
     if writer is not None:
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
+    await publisher.flush(timeout=30)
+    await publisher.close()
     await asyncio.to_thread(dist.barrier)
     dist.destroy_process_group()
-    log.info("trainer rank %d: done after %d steps", rank, step)
-
+    log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, dropped)
