@@ -49,7 +49,8 @@ def parse_seeds(text: str) -> list[str]:
 # ---------------------------------------------------------------------- distflow-node
 def node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distflow-node", description="Run one DistFlow node (one process, one asyncio loop).")
-    p.add_argument("--role", required=True, choices=["rollout", "trainer"])
+    p.add_argument("--role", required=True, choices=["rollout", "trainer", "controller"],
+                   help="controller only with `controller: single` (the baseline design)")
     p.add_argument("--config", required=True, help="workflow/run config (YAML)")
     p.add_argument("--seeds", default="", help="HOST:PORT[,...] of any nodes already in the mesh (none for the first)")
     p.add_argument("--host", default=None, help="address to bind (default: config bind_host, loopback)")
@@ -76,12 +77,15 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         return 2
     host = args.host or cfg.bind_host
     node_id = args.node_id or f"{args.role}-{host}-{args.port}"
+    if args.role == "controller" and cfg.controller != "single":
+        print("distflow-node: --role controller needs `controller: single` in the config", file=sys.stderr)
+        return 2
     if args.check:
         from distflow.launcher import check_functions
 
         check_functions(cfg)
         print(f"ok: {node_id} role={args.role} host={host} seeds={seeds or '(first node)'} "
-              f"pipeline={[n.id for n in cfg.plan().pipeline(args.role)]}")
+              f"pipeline={[n.id for n in cfg.plan().pipelines.get(args.role, [])]}")
         return 0
     _setup_logging(node_id, args.log_level)
     from distflow.core.aio import run_loop
@@ -103,6 +107,8 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     rt = Runtime.create(cfg, role, node_id, secret, host=host, port=port, data_port=data_port, seeds=seeds)
     if role == "trainer":
         from distflow.trainer.worker import run_trainer as loop_fn
+    elif role == "controller":
+        from distflow.controller import run_controller as loop_fn
     else:
         from distflow.rollout.worker import run_rollout as loop_fn
     stop = asyncio.Event()

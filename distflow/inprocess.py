@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 async def _run(cfg: Config) -> int:
     import torch
 
+    from distflow.controller import run_controller
     from distflow.rollout.worker import run_rollout
     from distflow.runtime import Runtime
     from distflow.trainer.worker import run_trainer
@@ -32,9 +33,12 @@ async def _run(cfg: Config) -> int:
     await trainer.start()
     rollouts = [Runtime.create(cfg, "rollout", f"rollout-{i}", secret, host=cfg.bind_host, port=0, data_port=0,
                                seeds=[trainer.node.address]) for i in range(cfg.rollout_nodes)]
-    for rt in rollouts:
+    controllers = [Runtime.create(cfg, "controller", "controller-0", secret, host=cfg.bind_host, port=0,
+                                  data_port=0, seeds=[trainer.node.address])] if cfg.controller == "single" else []
+    for rt in rollouts + controllers:
         await rt.start()
     tasks = {asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")}
+    tasks |= {asyncio.create_task(run_controller(rt), name="controller-0-loop") for rt in controllers}
     tasks |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
     code = 0
     try:
@@ -51,7 +55,7 @@ async def _run(cfg: Config) -> int:
         for t in tasks:
             t.cancel()
         await asyncio.wait(tasks, timeout=10)
-        for rt in [*rollouts, trainer]:
+        for rt in [*rollouts, *controllers, trainer]:
             await rt.stop()
     return code
 

@@ -101,6 +101,7 @@ def prepare(cfg: Config) -> Path:
 
 def start_children(cfg: Config, config_path: Path, secret: str) -> list[Child]:
     roles = [("trainer", i) for i in range(cfg.trainer_nodes)] + [("rollout", i) for i in range(cfg.rollout_nodes)]
+    roles += [("controller", i) for i in range(cfg.controller_nodes)]
     ports = _free_ports(cfg.bind_host, 2 * len(roles))
     seeds = f"{cfg.bind_host}:{ports[0]}"  # everyone joins through the first node; gossip does the rest
     env = dict(os.environ, **{SECRET_ENV: secret, "PYTHONUNBUFFERED": "1",

@@ -29,6 +29,7 @@ class Groups:
     rollout: list[Member]
     trainer: list[Member]
     rank: int
+    controller: list[Member] = field(default_factory=list)  # controller: single only
 
     def endpoints(self, members: list[Member]) -> list[Endpoint]:
         """Data endpoints as of group formation (see Runtime.endpoint for the current one)."""
@@ -86,22 +87,24 @@ class Runtime:
 
     async def form_groups(self) -> Groups:
         """Wait until every expected rollout and trainer node is alive, then derive ranks."""
-        need_r, need_t = self.cfg.rollout_nodes, self.cfg.trainer_nodes
+        need = {"rollout": self.cfg.rollout_nodes, "trainer": self.cfg.trainer_nodes,
+                "controller": self.cfg.controller_nodes}
 
         def complete(ms: list[Member]) -> bool:
             roles = [m.role for m in ms if "data_port" in m.meta]
-            return roles.count("rollout") >= need_r and roles.count("trainer") >= need_t
+            return all(roles.count(role) >= n for role, n in need.items())
 
-        what = f"{need_r} rollout and {need_t} trainer nodes to join the mesh"
+        what = " and ".join(f"{n} {role}" for role, n in need.items() if n) + " nodes to join the mesh"
         members = await self.node.wait_for(complete, timeout=self.cfg.mesh.join_timeout_s, what=what)
-        rollout = sorted((m for m in members if m.role == "rollout"), key=lambda m: m.node_id)[:need_r]
-        trainer = sorted((m for m in members if m.role == "trainer"), key=lambda m: m.node_id)[:need_t]
-        mine = rollout if self.role == "rollout" else trainer
+        by_role = {role: sorted((m for m in members if m.role == role), key=lambda m: m.node_id)[:n]
+                   for role, n in need.items()}
+        rollout, trainer = by_role["rollout"], by_role["trainer"]
+        mine = by_role[self.role]
         ids = [m.node_id for m in mine]
         if self.node.node_id not in ids:
             raise RuntimeError(f"{self.node.node_id}: more {self.role} nodes than rollout/trainer_nodes "
                                f"configured; the group is {ids}")
-        self.groups = Groups(rollout, trainer, ids.index(self.node.node_id))
+        self.groups = Groups(rollout, trainer, ids.index(self.node.node_id), by_role["controller"])
         self.node.set_meta(rank=self.groups.rank, group=self.role, state="running")
         log.info("%s: %s rank %d of %d", self.node.node_id, self.role, self.groups.rank, len(mine))
         return self.groups

@@ -157,3 +157,21 @@ def test_quickstart_learns(tmp_path):
     print(f"quickstart: {len(rewards)} steps in {elapsed:.0f}s, first-10 {first:.3f}, last-10 {last:.3f}")
     assert last - first >= 0.3, (first, last)
     assert elapsed < 300
+
+
+def test_single_controller_mode_gives_the_same_training_result(toy_model, toy_data, tmp_path):
+    """`controller: single` routes every batch through one process; same seed, same result."""
+    runs = {}
+    for mode in ("distributed", "single"):
+        out = tmp_path / mode
+        r = run_distflow(small_run_args(toy_model, toy_data, out, f"controller={mode}", "max_staleness=0",
+                                        "trace_samples=true"), timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[mode] = read_metrics(out / "metrics.jsonl")
+    assert (tmp_path / "single" / "logs" / "controller-0.log").is_file()
+    assert "forwarded 6 parts / 192 samples" in (tmp_path / "single" / "logs" / "controller-0.log").read_text()
+    assert not (tmp_path / "distributed" / "logs" / "controller-0.log").exists()
+    assert len(runs["single"]) == len(runs["distributed"]) == 3
+    for a, b in zip(runs["distributed"], runs["single"]):
+        for key in ("reward_mean", "loss", "grad_norm", "samples"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key

@@ -50,7 +50,9 @@ class Config(BaseModel):
     rollout_nodes: int = Field(1, ge=1, description="rollout worker processes (data-parallel size)")
     trainer_nodes: int = Field(1, ge=1, description="trainer processes (FSDP group size)")
     bind_host: str = Field("127.0.0.1", description="address nodes bind to; loopback unless told otherwise")
-    controller: Literal["distributed"] = "distributed"
+    controller: Literal["distributed", "single"] = Field(
+        "distributed", description="single = route every stage's output through one controller process "
+                                   "(the hybrid-controller design, kept to measure against)")
     mesh: MeshSettings = Field(default_factory=MeshSettings)
     channel: Literal["zmq", "shm", "auto"] = "zmq"
 
@@ -141,6 +143,10 @@ class Config(BaseModel):
 
     def group_sizes(self) -> dict[str, int]:
         return {"rollout": self.rollout_nodes, "trainer": self.trainer_nodes}
+
+    @property
+    def controller_nodes(self) -> int:
+        return 1 if self.controller == "single" else 0
 
     def plan(self) -> Plan:
         return plan(self.workflow, self.group_sizes())

@@ -58,8 +58,11 @@ def trainer_step(rt: Runtime, groups: Groups) -> int:
 async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict) -> None:
     """Each trainer gets the samples it owns; a trainer that is cut off is retried until it is
     back, or until the trainers no longer need this step."""
-    trainers = [m.node_id for m in groups.trainer]
-    parts = split_by_owner(batch, len(trainers))
+    if groups.controller:  # controller: single -- the whole batch goes through one process
+        trainers, parts = [groups.controller[0].node_id], [batch]
+    else:
+        trainers = [m.node_id for m in groups.trainer]
+        parts = split_by_owner(batch, len(trainers))
     pending = dict(enumerate(trainers))
     deadline = time.monotonic() + rt.cfg.step_timeout_s
 

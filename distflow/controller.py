@@ -1,0 +1,51 @@
+"""``controller: single``: the hybrid-controller design DistFlow replaces, kept to measure against.
+
+One extra process sits between the stages: every rollout node sends its whole output to
+it, and it splits each batch by owner and forwards the parts to the trainer ranks, the
+way a single driver gathers one stage's output and scatters it to the next. The data and
+the owner rule are exactly those of the distributed mode, so a run produces the same
+training result for the same seed; only the path differs. Weights still go peer to peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from distflow.buffer.redistribute import parse_part
+from distflow.buffer.routing import split_by_owner
+from distflow.core.channels import Envelope
+from distflow.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+async def run_controller(rt: Runtime) -> None:
+    cfg = rt.cfg
+    forwarded = {"parts": 0, "samples": 0}
+
+    async def on_samples(env: Envelope) -> None:
+        step, batch = parse_part(env)
+        trainers = [m.node_id for m in groups.trainer]
+        parts = split_by_owner(batch, len(trainers))
+        keep = {k: v for k, v in env.meta.items() if k not in ("sample_ids", "prompt_ids", "extras")}
+
+        async def one(i: int, node_id: str) -> None:
+            wire, tensors = parts[i].to_wire()
+            meta = {**keep, **wire, "part": i, "num_parts": len(trainers), "balance": "owner"}
+            await rt.channel.send(rt.endpoint(node_id), "samples", meta, tensors, timeout=cfg.step_timeout_s)
+
+        # The rollout node's ack waits until every trainer accepted its part: backpressure passes through.
+        await asyncio.gather(*(one(i, t) for i, t in enumerate(trainers)))
+        forwarded["parts"] += 1
+        forwarded["samples"] += len(batch)
+
+    rt.on_data("samples", on_samples)
+    groups = await rt.form_groups()
+    log.info("controller: routing %d rollout -> %d trainer nodes", len(groups.rollout), len(groups.trainer))
+    while True:  # until every trainer has finished (left the mesh)
+        states = [(m := rt.node.member(t.node_id)) and m.state for t in groups.trainer]
+        if all(s in ("left", "dead", None) for s in states):
+            break
+        await asyncio.sleep(0.2)
+    log.info("controller: done, forwarded %d parts / %d samples", forwarded["parts"], forwarded["samples"])
