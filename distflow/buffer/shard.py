@@ -1,0 +1,205 @@
+"""BufferShard: the per-node buffer between DAG stages, with backpressure and staleness.
+
+Every node keeps its incoming samples here, keyed by (step, source). Producers ``put``
+their part of a step (an empty part is still a part: it says "nothing more from me for
+this step"); the consumer ``take_step``s once every expected source delivered. Capacity
+is in samples and is enforced by making producers *wait* — a full buffer never drops
+data. Two rules keep waiting from turning into deadlock:
+
+* a part larger than the whole capacity enters when the shard is empty;
+* a part for a step a consumer is currently waiting on always enters (otherwise a
+  capacity smaller than one step would block the very parts the consumer needs).
+  Capacity therefore bounds *read-ahead* (parts of future steps), which is what it is for.
+
+``take_step`` enforces the staleness bound (``min_version``) and notices dead producers
+through an ``alive`` callback instead of waiting for its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any, Callable, Collection
+
+from distflow.buffer.batch import SampleBatch
+
+
+class SourceLostError(RuntimeError):
+    """A producer that still owes its part of a step is dead."""
+
+    def __init__(self, step: int, dead: list[str], missing: list[str]):
+        super().__init__(f"step {step}: source(s) {dead} died before delivering (still missing: {missing})")
+        self.step = step
+        self.dead = dead
+        self.missing = missing
+
+
+class StaleSampleError(ValueError):
+    """Samples older than the staleness bound. ``batch`` holds the whole (consumed) step."""
+
+    def __init__(self, step: int, stale_ids: list[str], min_version: int, batch: SampleBatch):
+        shown = stale_ids[:5] + (["..."] if len(stale_ids) > 5 else [])
+        super().__init__(f"step {step}: {len(stale_ids)} sample(s) have policy_version < {min_version}: {shown}")
+        self.step = step
+        self.stale_ids = stale_ids
+        self.min_version = min_version
+        self.batch = batch
+
+
+class BufferShard:
+    """Per-node sample buffer keyed by (step, source); see the module docstring."""
+
+    def __init__(self, capacity: int, *, name: str = "buffer", history: int = 4096, poll_interval: float = 0.05):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"BufferShard capacity must be a positive int (samples), got {capacity!r}")
+        self.capacity = capacity
+        self.name = name
+        self._history = history
+        self._poll = poll_interval
+        self._parts: dict[int, dict[str, SampleBatch]] = {}
+        self._reserved: set[tuple[int, str]] = set()  # puts in progress (waiting for capacity)
+        self._taken: set[tuple[int, str]] = set()
+        self._max_taken = -1
+        self._wanted: Counter[int] = Counter()  # steps consumers are waiting on
+        self._cond = asyncio.Condition()
+        self._held_samples = 0
+        self._held_bytes = 0
+        self._waiting = 0
+        self._c: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ producer side
+    async def put(self, batch: SampleBatch, *, step: int, source: str, timeout: float) -> None:
+        """Add ``source``'s part of ``step``; waits (up to ``timeout``) while the shard is full."""
+        if not isinstance(batch, SampleBatch):
+            raise TypeError(f"BufferShard.put expects a SampleBatch, got {type(batch).__name__}")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"source must be a non-empty str, got {source!r}")
+        key = (step, source)
+        n = len(batch)
+        async with self._cond:
+            if key in self._taken or key in self._reserved or source in self._parts.get(step, {}):
+                raise ValueError(f"{self.name}: duplicate part for step {step} from {source!r}")
+            self._reserved.add(key)
+            admitted = False
+            try:
+                if not self._admissible(n, step):
+                    self._waiting += 1
+                    try:
+                        await asyncio.wait_for(self._cond.wait_for(lambda: self._admissible(n, step)), timeout)
+                    except TimeoutError:
+                        raise TimeoutError(
+                            f"{self.name}: put of step {step} from {source!r} ({n} samples) waited {timeout:g}s "
+                            f"for capacity (holding {self._held_samples}/{self.capacity} samples)") from None
+                    finally:
+                        self._waiting -= 1
+                self._parts.setdefault(step, {})[source] = batch
+                self._held_samples += n
+                self._held_bytes += batch.nbytes()
+                self._c["in"] += n
+                self._c["puts"] += 1
+                admitted = True
+                self._cond.notify_all()
+            finally:
+                self._reserved.discard(key)
+                if not admitted:
+                    self._cond.notify_all()
+
+    def _admissible(self, n: int, step: int) -> bool:
+        return self._held_samples + n <= self.capacity or self._held_samples == 0 or self._wanted[step] > 0
+
+    # ------------------------------------------------------------------ consumer side
+    async def take_step(
+        self,
+        step: int,
+        sources: Collection[str],
+        timeout: float,
+        min_version: int | None = None,
+        alive: Callable[[str], bool] | None = None,
+    ) -> SampleBatch:
+        """Wait for every source's part of ``step``; return them concatenated in sorted-source order."""
+        if isinstance(sources, str):
+            raise TypeError("sources must be a collection of source names, not a single str")
+        srcs = sorted(set(sources))
+        for s in srcs:
+            if (step, s) in self._taken:
+                raise ValueError(f"{self.name}: step {step} from {s!r} was already taken")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self._cond:
+            self._wanted[step] += 1
+            self._cond.notify_all()  # producers blocked on this step may enter now
+            try:
+                while True:
+                    have = self._parts.get(step, {})
+                    missing = [s for s in srcs if s not in have]
+                    if not missing:
+                        break
+                    if alive is not None:
+                        dead = [s for s in missing if not alive(s)]
+                        if dead:
+                            raise SourceLostError(step, dead, missing)
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise TimeoutError(f"{self.name}: step {step} incomplete after {timeout:g}s; "
+                                           f"missing parts from {missing} (have {sorted(have)})")
+                    try:
+                        await asyncio.wait_for(self._cond.wait(), min(remaining, self._poll) if alive else remaining)
+                    except TimeoutError:
+                        pass
+                parts = [have[s] for s in srcs]
+                nonempty = [p for p in parts if len(p)]
+                # one non-empty part is returned as is (no copy); else concat raises, keeping the
+                # parts, if their fields disagree
+                batch = nonempty[0] if len(nonempty) == 1 else SampleBatch.concat(parts)
+                for s in srcs:
+                    del have[s]
+                    self._taken.add((step, s))
+                if not have:
+                    self._parts.pop(step, None)
+                self._held_samples -= sum(len(p) for p in parts)
+                self._held_bytes -= sum(p.nbytes() for p in parts)
+                self._c["out"] += len(batch)
+                self._c["takes"] += 1
+                self._prune_taken(step)
+                self._cond.notify_all()
+            finally:
+                self._wanted[step] -= 1
+                if self._wanted[step] <= 0:
+                    del self._wanted[step]
+        if min_version is not None and len(batch):
+            pv = batch.tensors.get("policy_version")
+            if pv is None:
+                raise ValueError(f"{self.name}: min_version={min_version} but step {step} has no policy_version field")
+            stale = (pv < min_version).nonzero().flatten().tolist()
+            if stale:
+                self._c["stale_rejected"] += len(stale)
+                raise StaleSampleError(step, [batch.sample_ids[i] for i in stale], min_version, batch)
+        return batch
+
+    def _prune_taken(self, step: int) -> None:
+        self._max_taken = max(self._max_taken, step)
+        if len(self._taken) > 4 * self._history:
+            floor = self._max_taken - self._history
+            self._taken = {k for k in self._taken if k[0] > floor}
+
+    # ------------------------------------------------------------------ introspection
+    def steps_held(self) -> dict[int, list[str]]:
+        """{step: [sources with a part held]}."""
+        return {s: sorted(p) for s, p in sorted(self._parts.items())}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "capacity": self.capacity,
+            "in": self._c["in"],
+            "out": self._c["out"],
+            "puts": self._c["puts"],
+            "takes": self._c["takes"],
+            "waiting": self._waiting,
+            "samples_held": self._held_samples,
+            "bytes_held": self._held_bytes,
+            "parts_held": sum(len(p) for p in self._parts.values()),
+            "stale_rejected": self._c["stale_rejected"],
+        }
