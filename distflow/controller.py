@@ -43,9 +43,9 @@ async def run_controller(rt: Runtime) -> None:
     rt.on_data("samples", on_samples)
     groups = await rt.form_groups()
     log.info("controller: routing %d rollout -> %d trainer nodes", len(groups.rollout), len(groups.trainer))
-    while True:  # until every trainer has finished (left the mesh)
-        states = [(m := rt.node.member(t.node_id)) and m.state for t in groups.trainer]
-        if all(s in ("left", "dead", None) for s in states):
+    while True:  # until every trainer has finished (done, or left the mesh)
+        members = [rt.node.member(t.node_id) for t in groups.trainer]
+        if all(m is None or m.state in ("left", "dead") or m.meta.get("state") == "done" for m in members):
             break
         await asyncio.sleep(0.2)
     log.info("controller: done, forwarded %d parts / %d samples", forwarded["parts"], forwarded["samples"])

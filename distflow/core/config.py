@@ -34,7 +34,7 @@ class MeshSettings(BaseModel):
     suspicion_timeout_s: float = Field(1.5, gt=0)
     request_timeout_s: float = Field(10.0, gt=0)
     join_timeout_s: float = Field(60.0, gt=0)
-    max_frame_bytes: int = Field(1 << 20, ge=1024)
+    max_frame_bytes: int = Field(1 << 20, ge=4096)
 
 
 class Config(BaseModel):

@@ -152,6 +152,7 @@ async def run_trainer(rt: Runtime) -> None:
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
     await publisher.flush(timeout=30)
     await publisher.close()
+    rt.node.set_meta(state="done")
     await asyncio.to_thread(dist.barrier)
     dist.destroy_process_group()
     log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, dropped)
