@@ -192,7 +192,8 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         return run_in_process(cfg)
     secret = os.environ.get(SECRET_ENV) or new_secret()
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
+    if not cfg.resume_from:
+        metrics.unlink(missing_ok=True)
     children = start_children(cfg, config_path, secret)
     print(f"distflow: {cfg.rollout_nodes} rollout + {cfg.trainer_nodes} trainer nodes, logs in "
           f"{Path(cfg.output_dir) / 'logs'}", file=sys.stderr)

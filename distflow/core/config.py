@@ -94,6 +94,7 @@ class Config(BaseModel):
     kl_coef: float = Field(0.0, ge=0)
     max_staleness: int = Field(1, ge=0, description="0 = strictly on-policy")
     save_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    resume_from: str | None = Field(None, description="continue a run from a DistFlow checkpoint directory")
     trace_samples: bool = Field(False, description="write per-node sample accounting to output_dir/trace/")
 
     # -- deadlines ------------------------------------------------------------------

@@ -33,8 +33,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _load_model(cfg: Config, device: torch.device):
-    return load_causal_lm(cfg.model_path, DTYPES[cfg.dtype], device)
+def _load_model(cfg: Config, device: torch.device, path: str | None = None):
+    return load_causal_lm(path or cfg.model_path, DTYPES[cfg.dtype], device)
+
+
+STATE_FILE = "distflow_state.json"
+OPTIM_DIR = "optimizer"
 
 
 def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -58,13 +62,32 @@ class Actor:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         mesh = init_device_mesh(self.device.type, (self.world,))
         torch.manual_seed(cfg.seed)
-        self.model = _shard(_load_model(cfg, self.device), mesh)
+        # A resumed run continues from its checkpoint; the reference stays the original model.
+        self.model = _shard(_load_model(cfg, self.device, cfg.resume_from), mesh)
         self.model.train()
         self.ref = _shard(_load_model(cfg, self.device), mesh).eval() if with_reference else None
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
         self.pad_id = 0
         self.version = 0
+        if cfg.resume_from:
+            self._resume(Path(cfg.resume_from))
+
+    def _resume(self, ckpt: Path) -> None:
+        import json
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state_file = ckpt / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"resume_from {str(ckpt)!r}: no {STATE_FILE} (not a DistFlow checkpoint)")
+        state = json.loads(state_file.read_text())
+        self.version = int(state["policy_version"])
+        optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
+        dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
+        set_optimizer_state_dict(self.model, self.optim, optim["optim"])
+        log.info("resumed from %s at policy version %d", ckpt, self.version)
 
     # ------------------------------------------------------------------ helpers
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -149,12 +172,22 @@ class Actor:
             out[name] = full.detach().to("cpu", copy=False).contiguous()
         return out
 
-    def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
-        """Rank 0 writes a Hugging Face directory (model + tokenizer) loadable with from_pretrained."""
+    def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor], run_state: dict[str, Any]) -> None:
+        """A Hugging Face directory (model + tokenizer, loadable with from_pretrained, written by
+        rank 0) plus what a resumed run needs: the sharded optimizer state (every rank writes its
+        shard with torch.distributed.checkpoint) and ``distflow_state.json`` (policy version and
+        the data position, which is the global step)."""
+        import json
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)}, checkpoint_id=str(out_dir / OPTIM_DIR))
         if self.rank != 0:
             return
         model = _load_model(self.cfg, torch.device("cpu"))
         model.load_state_dict(state, strict=True)
-        out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out_dir))
         load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))
+        (out_dir / STATE_FILE).write_text(json.dumps({"policy_version": self.version, **run_state}, indent=1))

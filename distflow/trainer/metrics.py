@@ -12,10 +12,11 @@ from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path):
+    def __init__(self, output_dir: Path, append: bool = False):
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / "metrics.jsonl"
-        self.path.write_text("")
+        if not append:
+            self.path.write_text("")
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:

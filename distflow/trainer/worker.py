@@ -117,12 +117,20 @@ async def run_trainer(rt: Runtime) -> None:
 
     rt.node.subscribe(on_member)
     out_dir = Path(cfg.output_dir)
-    writer = MetricsWriter(out_dir) if rank == 0 else None
+    writer = MetricsWriter(out_dir, append=bool(cfg.resume_from)) if rank == 0 else None
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
     log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
              mine)
 
-    step, t_last, t_start = 0, time.perf_counter(), time.perf_counter()
+    step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
+    first_step = consumed[0] = step  # a resumed run continues at its checkpoint's step
+    if step:
+        rt.node.set_meta(policy_version=step)
+        publisher.offer(step, await asyncio.to_thread(actor.full_state_dict))
+
+    def run_state() -> dict:
+        return {"step": step, "total_steps": total[0] if total else None, "seed": cfg.seed, "dataset": cfg.dataset}
+
     while not total or step < total[0]:
         batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
                                          min_version=step - cfg.max_staleness,
@@ -144,10 +152,10 @@ async def run_trainer(rt: Runtime) -> None:
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < total[0]:
-            await asyncio.to_thread(actor.save_checkpoint, out_dir / f"checkpoint-{step}", state)
+            await asyncio.to_thread(actor.save_checkpoint, out_dir / f"checkpoint-{step}", state, run_state())
 
-    final = state if step else await asyncio.to_thread(actor.full_state_dict)
-    await asyncio.to_thread(actor.save_checkpoint, out_dir / "checkpoint", final)
+    final = state if step > first_step else await asyncio.to_thread(actor.full_state_dict)
+    await asyncio.to_thread(actor.save_checkpoint, out_dir / "checkpoint", final, run_state())
     if writer is not None:
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
     await publisher.flush(timeout=30)
