@@ -54,7 +54,8 @@ class Config(BaseModel):
         "distributed", description="single = route every stage's output through one controller process "
                                    "(the hybrid-controller design, kept to measure against)")
     mesh: MeshSettings = Field(default_factory=MeshSettings)
-    channel: Literal["zmq", "shm", "auto"] = "zmq"
+    channel: Literal["zmq", "shm", "auto"] = Field(
+        "auto", description="data-plane transport; auto = shm to peers on this host, zmq to others")
 
     # -- model -----------------------------------------------------------------
     model_path: str
