@@ -54,6 +54,8 @@ def node_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="workflow/run config (YAML)")
     p.add_argument("--seeds", default="", help="HOST:PORT[,...] of any nodes already in the mesh (none for the first)")
     p.add_argument("--host", default=None, help="address to bind (default: config bind_host, loopback)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address peers use to reach this node (required with --host 0.0.0.0, e.g. in containers)")
     p.add_argument("--port", type=int, default=0, help="control port (0 = any free port)")
     p.add_argument("--data-port", type=int, default=0, help="data-plane port (0 = any free port)")
     p.add_argument("--node-id", default=None, help="unique node id (default ROLE-HOST-PORT)")
@@ -76,6 +78,11 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         print(f"distflow-node: {e}", file=sys.stderr)
         return 2
     host = args.host or cfg.bind_host
+    advertise = args.advertise_host or cfg.advertise_host
+    if host in ("0.0.0.0", "::", "") and not advertise:
+        print(f"distflow-node: --host {host or '(empty)'} binds every interface; peers need a concrete address: "
+              f"add --advertise-host ADDR (or advertise_host in the config)", file=sys.stderr)
+        return 2
     node_id = args.node_id or f"{args.role}-{host}-{args.port}"
     if args.role == "controller" and cfg.controller != "single":
         print("distflow-node: --role controller needs `controller: single` in the config", file=sys.stderr)
@@ -91,20 +98,21 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     from distflow.core.aio import run_loop
 
     try:
-        return run_loop(run_node(cfg, args.role, node_id, secret, host, args.port, args.data_port, seeds))
+        return run_loop(run_node(cfg, args.role, node_id, secret, host, args.port, args.data_port, seeds, advertise))
     except KeyboardInterrupt:
         return 130
 
 
 async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str, port: int, data_port: int,
-                   seeds: list[str]) -> int:
+                   seeds: list[str], advertise_host: str | None = None) -> int:
     """Start the node, run its role's loop, and stop bounded in time on a signal or error."""
     import torch
 
     from distflow.runtime import Runtime
 
     torch.set_num_threads(cfg.torch_threads)
-    rt = Runtime.create(cfg, role, node_id, secret, host=host, port=port, data_port=data_port, seeds=seeds)
+    rt = Runtime.create(cfg, role, node_id, secret, host=host, port=port, data_port=data_port, seeds=seeds,
+                        advertise_host=advertise_host)
     if role == "trainer":
         from distflow.trainer.worker import run_trainer as loop_fn
     elif role == "controller":

@@ -49,12 +49,13 @@ class Runtime:
 
     @classmethod
     def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
-               data_port: int, seeds: list[str]) -> "Runtime":
+               data_port: int, seeds: list[str], advertise_host: str | None = None) -> "Runtime":
         channel = make_channel(cfg.channel, node_id, secret, host=host, port=data_port)
         m = cfg.mesh
         mesh_cfg = MeshConfig(protocol_period_s=m.protocol_period_s, suspicion_timeout_s=m.suspicion_timeout_s,
                               request_timeout_s=m.request_timeout_s, join_timeout_s=m.join_timeout_s,
-                              max_frame_bytes=m.max_frame_bytes)
+                              max_frame_bytes=m.max_frame_bytes,
+                              advertise_host=advertise_host or cfg.advertise_host)
         node = Node(node_id, role, secret=secret, host=host, port=port, seeds=seeds, config=mesh_cfg,
                     meta={"state": "starting", "policy_version": 0, "device": cfg.device})
         return cls(cfg, node, channel, BufferShard(cfg.buffer_capacity), role)
@@ -130,3 +131,7 @@ class Runtime:
 
 class PeerLostError(RuntimeError):
     """A peer this node depends on died or left."""
+
+
+class ClusterStopped(PeerLostError):
+    """The peers this node works for left the mesh gracefully: the cluster is being stopped."""

@@ -50,6 +50,9 @@ class Config(BaseModel):
     rollout_nodes: int = Field(1, ge=1, description="rollout worker processes (data-parallel size)")
     trainer_nodes: int = Field(1, ge=1, description="trainer processes (FSDP group size)")
     bind_host: str = Field("127.0.0.1", description="address nodes bind to; loopback unless told otherwise")
+    advertise_host: str | None = Field(None, description="address peers use to reach a node bound to 0.0.0.0")
+    rendezvous_port: int = Field(0, ge=0, le=65535,
+                                 description="trainer rank 0's torch.distributed rendezvous port (0 = any free port)")
     controller: Literal["distributed", "single"] = Field(
         "distributed", description="single = route every stage's output through one controller process "
                                    "(the hybrid-controller design, kept to measure against)")

@@ -26,7 +26,7 @@ from distflow.buffer.routing import split_by_owner
 from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
 from distflow.rollout.stages import run_pipeline
-from distflow.runtime import Groups, PeerLostError, Runtime
+from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime
 from distflow.trace import Trace
 from distflow.trainer.weights import WeightInbox
 
@@ -89,73 +89,92 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
             await asyncio.sleep(0.5)
 
 
-async def run_rollout(rt: Runtime) -> None:
-    cfg = rt.cfg
-    inbox = WeightInbox()
-    rt.on_data("weights", inbox.receive)
-    groups = await rt.form_groups()
-    rank = groups.rank
+class RolloutLoop:
+    """One rollout node's state: its shard loaders, engine, weight inbox and trace."""
 
-    def shard_loader(s: int) -> PromptShard:
-        return PromptShard(cfg.dataset, s, cfg.rollout_nodes, seed=cfg.seed, shuffle=cfg.shuffle,
-                           bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,))
+    def __init__(self, rt: Runtime):
+        self.rt, self.cfg = rt, rt.cfg
+        self.inbox = WeightInbox()
+        rt.on_data("weights", self.inbox.receive)
 
-    loaders = {rank: shard_loader(rank)}
-    per_epoch = loaders[rank].steps_per_epoch(cfg.prompts_per_step)
-    total = cfg.total_steps(loaders[rank].num_rows)
-    engine = await asyncio.to_thread(make_engine, cfg.engine, cfg.model_path, device=cfg.device, dtype=cfg.dtype)
-    pipeline = cfg.plan().pipeline("rollout")
-    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
-    log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank, loaders[rank].num_rows,
-             total, [n.id for n in pipeline])
+    def shard_loader(self, s: int) -> PromptShard:
+        c = self.cfg
+        return PromptShard(c.dataset, s, c.rollout_nodes, seed=c.seed, shuffle=c.shuffle, bad_rows=c.bad_rows,
+                           required_keys=(c.prompt_key,))
 
-    def trainers_gone() -> None:  # a cut-off trainer may come back; only a graceful leave is final
-        states = [(m := rt.node.member(t.node_id)) and m.state for t in groups.trainer]
+    def trainers_gone(self) -> None:
+        """A cut-off trainer may come back; only a graceful leave of all of them is final."""
+        states = [(m := self.rt.node.member(t.node_id)) and m.state for t in self.groups.trainer]
         if all(s == "left" for s in states):
-            raise PeerLostError("every trainer left the mesh")
+            raise ClusterStopped("every trainer left the mesh")
 
-    next_step = {rank: 0}  # per covered shard: the next step to generate
-    stalled_since = time.monotonic()
-    while inbox.version < total:  # until the trainers have published the final version
-        trainers_gone()
-        done = trainer_step(rt, groups)
-        shards = covered_shards(rt, groups)
-        for s in shards:
-            if s not in next_step:
-                log.warning("rollout rank %d: adopting shard %d from step %d (its node is down)", rank, s, done)
-                loaders.setdefault(s, shard_loader(s))
-        next_step = {s: max(next_step.get(s, 0), done) for s in shards}  # catch up; hand back returned shards
-        todo = [(k, s) for s, k in next_step.items() if k < total]
-        if not todo or inbox.version < min(todo)[0] - cfg.max_staleness:
-            # Nothing to do, or (staleness bound) weights too old: wait for the trainers.
-            if time.monotonic() - stalled_since > cfg.step_timeout_s:
-                raise TimeoutError(f"no progress for {cfg.step_timeout_s:.0f}s (weights v{inbox.version}, "
-                                   f"trainers at step {done}, my shards {next_step})")
-            try:
-                await inbox.wait_for(inbox.version + 1, 0.5, trainers_gone)
-            except TimeoutError:
-                pass
-            continue
-        step, shard = min(todo)
-        fresh = inbox.take()
+    async def run(self) -> None:
+        rt, cfg = self.rt, self.cfg
+        self.groups = groups = await rt.form_groups()
+        rank = groups.rank
+        self.loaders = {rank: self.shard_loader(rank)}
+        self.per_epoch = self.loaders[rank].steps_per_epoch(cfg.prompts_per_step)
+        self.total = cfg.total_steps(self.loaders[rank].num_rows)
+        self.engine = await asyncio.to_thread(make_engine, cfg.engine, cfg.model_path, device=cfg.device,
+                                              dtype=cfg.dtype)
+        self.pipeline = cfg.plan().pipeline("rollout")
+        self.trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
+        log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank,
+                 self.loaders[rank].num_rows, self.total, [n.id for n in self.pipeline])
+        try:
+            await self.generate_until_done()
+        except ClusterStopped as e:
+            log.warning("rollout rank %d: %s; stopping", rank, e)
+        fresh = self.inbox.take()
         if fresh is not None:
-            await asyncio.to_thread(engine.load_weights, *fresh)
-        epoch, in_epoch = divmod(step, per_epoch)
-        rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
-        t0 = time.perf_counter()
-        seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
-        batch = await asyncio.to_thread(run_pipeline, pipeline, engine, cfg, rows, seed)
-        rate = len(batch) / max(time.perf_counter() - t0, 1e-9)
-        await send_parts(rt, groups, batch, step=step, shard=shard, extra={"total_steps": total, "epoch": epoch})
-        trace.write(step=step, rank=rank, shard=shard, epoch=epoch, prompt_ids=[r.prompt_id for r in rows],
-                    policy_version=engine.version)
-        rt.node.set_meta(policy_version=engine.version, samples_per_s=round(rate, 1), step=step)
-        next_step[shard] = step + 1
-        stalled_since = time.monotonic()
+            await asyncio.to_thread(self.engine.load_weights, *fresh)
+        rt.node.set_meta(policy_version=self.engine.version, state="done")
+        self.engine.close()
+        log.info("rollout rank %d: done; final weights v%d", rank, self.engine.version)
 
-    fresh = inbox.take()
-    if fresh is not None:
-        await asyncio.to_thread(engine.load_weights, *fresh)
-    rt.node.set_meta(policy_version=engine.version, state="done")
-    engine.close()
-    log.info("rollout rank %d: done; final weights v%d", rank, engine.version)
+    async def generate_until_done(self) -> None:
+        """Every step of every shard this node covers, until the trainers' final version."""
+        rt, cfg, groups, inbox, engine = self.rt, self.cfg, self.groups, self.inbox, self.engine
+        rank, total, loaders = groups.rank, self.total, self.loaders
+        next_step = {rank: 0}  # per covered shard: the next step to generate
+        stalled_since = time.monotonic()
+        while inbox.version < total:  # until the trainers have published the final version
+            self.trainers_gone()
+            done = trainer_step(rt, groups)
+            shards = covered_shards(rt, groups)
+            for s in shards:
+                if s not in next_step:
+                    log.warning("rollout rank %d: adopting shard %d from step %d (its node is down)", rank, s, done)
+                    loaders.setdefault(s, self.shard_loader(s))
+            next_step = {s: max(next_step.get(s, 0), done) for s in shards}  # catch up; hand back returned shards
+            todo = [(k, s) for s, k in next_step.items() if k < total]
+            if not todo or inbox.version < min(todo)[0] - cfg.max_staleness:
+                # Nothing to do, or (staleness bound) weights too old: wait for the trainers.
+                if time.monotonic() - stalled_since > cfg.step_timeout_s:
+                    raise TimeoutError(f"no progress for {cfg.step_timeout_s:.0f}s (weights v{inbox.version}, "
+                                       f"trainers at step {done}, my shards {next_step})")
+                try:
+                    await inbox.wait_for(inbox.version + 1, 0.5, self.trainers_gone)
+                except TimeoutError:
+                    pass
+                continue
+            step, shard = min(todo)
+            fresh = inbox.take()
+            if fresh is not None:
+                await asyncio.to_thread(engine.load_weights, *fresh)
+            epoch, in_epoch = divmod(step, self.per_epoch)
+            rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
+            t0 = time.perf_counter()
+            seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
+            batch = await asyncio.to_thread(run_pipeline, self.pipeline, engine, cfg, rows, seed)
+            rate = len(batch) / max(time.perf_counter() - t0, 1e-9)
+            await send_parts(rt, groups, batch, step=step, shard=shard, extra={"total_steps": total, "epoch": epoch})
+            self.trace.write(step=step, rank=rank, shard=shard, epoch=epoch,
+                             prompt_ids=[r.prompt_id for r in rows], policy_version=engine.version)
+            rt.node.set_meta(policy_version=engine.version, samples_per_s=round(rate, 1), step=step)
+            next_step[shard] = step + 1
+            stalled_since = time.monotonic()
+
+
+async def run_rollout(rt: Runtime) -> None:
+    await RolloutLoop(rt).run()

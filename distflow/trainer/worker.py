@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.redistribute import parse_part
+from distflow.buffer.shard import SourceLostError
 from distflow.core.channels import Envelope
 from distflow.core.dag import WorkflowNode
 from distflow.runtime import Groups, Runtime
@@ -36,8 +37,8 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
     any free port and gossips it; the others read it from rank 0's metadata."""
     head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
     if groups.rank == 0:
-        store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, 0, world, is_master=True, timeout=timeout,
-                                                                wait_for_workers=False))
+        store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, rt.cfg.rendezvous_port, world, is_master=True,
+                                                              timeout=timeout, wait_for_workers=False))
         rt.node.set_meta(pg_port=store.port)
     else:
         ms = await rt.node.wait_for(lambda ms: any(m.node_id == head.node_id and "pg_port" in m.meta for m in ms),
@@ -132,9 +133,16 @@ async def run_trainer(rt: Runtime) -> None:
         return {"step": step, "total_steps": total[0] if total else None, "seed": cfg.seed, "dataset": cfg.dataset}
 
     while not total or step < total[0]:
-        batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
-                                         min_version=step - cfg.max_staleness,
-                                         alive=lambda _: any(rt.node.is_alive(i) for i in rollout_ids))
+        try:
+            batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
+                                             min_version=step - cfg.max_staleness,
+                                             alive=lambda _: any(rt.node.is_alive(i) for i in rollout_ids))
+        except SourceLostError:
+            if not all((m := rt.node.member(i)) is not None and m.state == "left" for i in rollout_ids):
+                raise
+            log.warning("trainer rank %d: every rollout node left the mesh (the cluster is being stopped); "
+                        "saving a checkpoint at step %d", rank, step)
+            break
         consumed[0] = step + 1
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors["policy_version"].tolist())

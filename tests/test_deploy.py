@@ -1,0 +1,397 @@
+"""Deployment: the docker-compose file, the Dockerfile, and the pdsh launcher, for real.
+
+- docker-compose: the file is resolved by a real ``docker-compose config`` (Debian's
+  package validates without a Docker engine), and every service's command, as compose
+  resolved it, is run here with ``--check`` appended: the real ``sh -c`` launch line and
+  the real ``distflow-node``. What only a container has is stood in for: the in-container
+  paths map to the repository, and ``hostname`` answers as the container would.
+- pdsh: ``distflow-pdsh`` starts a cluster with pdsh's ``exec`` module (no ssh) on two
+  loopback "hosts" (127.0.0.1, 127.0.0.2), status lists the nodes, it trains, stop leaves
+  no process, and the cluster secret never shows in any process's command line or log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from importlib.machinery import SourceFileLoader
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import pytest
+import yaml
+
+from distflow.core.auth import new_secret
+from distflow.trainer.metrics import read_metrics
+from tests.conftest import ROOT
+from tests.netns import ensure_tool
+
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+PDSH_LAUNCHER = DEPLOY / "pdsh" / "distflow-pdsh"
+FAKE_ADDR = "172.18.0.5"
+
+
+# ====================================================================== docker-compose
+@pytest.fixture(scope="module")
+def compose() -> list[str]:
+    """The compose command: Docker's v2 plugin if present, else Debian's docker-compose (installed if allowed)."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True,
+                                                 timeout=30).returncode == 0:
+        return ["docker", "compose"]
+    reason = ensure_tool("docker-compose", "docker-compose")
+    if reason:
+        pytest.skip(reason)
+    return ["docker-compose"]
+
+
+def compose_config(compose: list[str], tmp_path: Path, secret: str, **env: str) -> dict:
+    env_file = tmp_path / "compose.env"
+    env_file.write_text(f"DISTFLOW_SECRET={secret}\n")
+    full = {k: v for k, v in os.environ.items() if not k.startswith("DISTFLOW_")}
+    full.update(DISTFLOW_ENV_FILE=str(env_file), **env)
+    # --env-file: interpolate from this test's file, never from a developer's deploy/.env
+    r = subprocess.run([*compose, "--env-file", str(env_file), "-f", str(COMPOSE), "config"], capture_output=True,
+                       text=True, timeout=120, env=full, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    return yaml.safe_load(r.stdout)
+
+
+def run_service_check(service: dict, tmp_path: Path, hostname: str) -> subprocess.CompletedProcess:
+    """Run the service's resolved command here with ``--check`` appended."""
+    def local(text: str) -> str:
+        return (text.replace("/app/", f"{ROOT}/").replace("/opt/distflow/toy-model", str(tmp_path / "toy-model"))
+                .replace("/data/", f"{tmp_path}/data/"))
+
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "hostname").write_text('#!/bin/sh\nif [ "$1" = "-i" ]; then echo "$FAKE_ADDR 10.9.9.9"; '
+                                   'else echo "$FAKE_HOSTNAME"; fi\n')
+    (fake / "hostname").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTFLOW_")}
+    env.update({k: local(str(v)) for k, v in service["environment"].items()})
+    env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}", FAKE_ADDR=FAKE_ADDR,
+               FAKE_HOSTNAME=hostname)
+    cmd = [local(c.replace("$$", "$")) for c in service["command"]] + ["--check"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+
+
+def test_compose_services_resolve_and_every_command_checks(compose, tmp_path):
+    secret = new_secret()
+    cfg = compose_config(compose, tmp_path, secret)
+    services = cfg["services"]
+    assert set(services) == {"trainer-0", "trainer", "rollout"}
+    assert services["trainer-0"]["hostname"] == "trainer-0"
+    assert services["trainer"]["deploy"]["replicas"] == 1 and services["rollout"]["deploy"]["replicas"] == 2
+    for name, svc in services.items():
+        assert svc["environment"]["DISTFLOW_SECRET"] == secret  # from the env file, nowhere else
+        assert secret not in json.dumps(svc["command"])
+        targets = [v["target"] if isinstance(v, dict) else v.split(":")[1] for v in svc["volumes"]]
+        assert targets == ["/data"], svc["volumes"]
+        assert svc["build"]["dockerfile"].endswith("Dockerfile")
+
+    expected = {  # service -> (hostname the container would have, node id, role, seeds, a pipeline stage)
+        "trainer-0": ("trainer-0", "trainer-0", "trainer", "(first node)", "'update'"),
+        "trainer": ("8d1c0e2f4a6b", "trainer-8d1c0e2f4a6b", "trainer", "['trainer-0:29600']", "'update'"),
+        "rollout": ("3f2a9c1b7e4d", "rollout-3f2a9c1b7e4d", "rollout", "['trainer-0:29600']", "'generate'"),
+    }
+    for name, (hostname, node_id, role, seeds, stage) in expected.items():
+        r = run_service_check(services[name], tmp_path, hostname)
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+        assert r.stdout.startswith(f"ok: {node_id} role={role} host={FAKE_ADDR} seeds={seeds} "), r.stdout
+        assert stage in r.stdout
+
+
+def test_compose_counts_come_from_the_environment(compose, tmp_path):
+    cfg = compose_config(compose, tmp_path, new_secret(), DISTFLOW_ROLLOUT_NODES="4", DISTFLOW_TRAINER_NODES="3",
+                         DISTFLOW_TRAINER_REPLICAS="2", DISTFLOW_RUN_NAME="big")
+    s = cfg["services"]
+    assert s["rollout"]["deploy"]["replicas"] == 4 and s["trainer"]["deploy"]["replicas"] == 2
+    for svc in s.values():
+        assert str(svc["environment"]["DISTFLOW_ROLLOUT_NODES"]) == "4"
+        assert str(svc["environment"]["DISTFLOW_TRAINER_NODES"]) == "3"
+        assert svc["environment"]["DISTFLOW_OUTPUT_DIR"] == "/data/big"
+    assert run_service_check(s["rollout"], tmp_path, "aaaa").returncode == 0
+    # The counts really reach the config: 3 rollout nodes cannot share the quickstart's 32 prompts per step.
+    bad = compose_config(compose, tmp_path, new_secret(), DISTFLOW_ROLLOUT_NODES="3")
+    r = run_service_check(bad["services"]["rollout"], tmp_path, "bbbb")
+    assert r.returncode == 2 and "prompts_per_step (32) must be a multiple of rollout_nodes (3)" in r.stderr
+
+
+def test_committed_env_example_has_no_secret_and_dot_env_is_ignored(compose, tmp_path):
+    example = (DEPLOY / "env.example").read_text()
+    assert re.search(r"^DISTFLOW_SECRET=$", example, re.M)
+    cfg = compose_config(compose, tmp_path, "")
+    r = run_service_check(cfg["services"]["rollout"], tmp_path, "cccc")
+    assert r.returncode == 2 and "DISTFLOW_SECRET must hold the cluster secret" in r.stderr
+    if shutil.which("git") and (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env"], cwd=ROOT, timeout=30)
+        assert ignored.returncode == 0, "deploy/.env must be git-ignored"
+    else:
+        assert "deploy/.env" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_dockerfile_provides_what_compose_uses():
+    lines = [ln.strip() for ln in (DEPLOY / "Dockerfile").read_text().splitlines()]
+    code = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert code[0] == "FROM python:3.11-slim"
+    torch_at = next(i for i, ln in enumerate(code) if 'pip install "torch==' in ln)
+    deps_at = next(i for i, ln in enumerate(code) if "pip install -r /tmp/requirements.txt" in ln)
+    project_at = next(i for i, ln in enumerate(code) if ln.startswith("RUN pip install --no-deps ."))
+    assert torch_at < deps_at < project_at  # torch's CPU build first (as scripts/setup.sh does), so that
+    # the project's `torch>=...` requirement is already met and no CUDA build is pulled
+    assert "download.pytorch.org/whl/cpu" in code[torch_at] or "download.pytorch.org/whl/cpu" in code[torch_at - 1]
+    assert "WORKDIR /app" in code and "COPY examples ./examples" in code
+    assert "RUN distflow toy-model /opt/distflow/toy-model" in code
+    assert "EXPOSE 29600 29601" in code
+    compose_text = COMPOSE.read_text()
+    for path in ("/app/examples/grpo_quickstart.yaml", "/app/examples/data/successor.jsonl",
+                 "/opt/distflow/toy-model", "--port 29600 --data-port 29601"):
+        assert path in compose_text
+    for path in ("examples/grpo_quickstart.yaml", "examples/data/successor.jsonl"):
+        assert (ROOT / path).is_file()
+
+
+# ====================================================================== the launcher's plan (no pdsh needed)
+def load_launcher() -> ModuleType:
+    loader = SourceFileLoader("distflow_pdsh", str(PDSH_LAUNCHER))
+    spec = importlib.util.spec_from_loader("distflow_pdsh", loader)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["distflow_pdsh"] = mod
+    loader.exec_module(mod)
+    return mod
+
+
+def test_hostfile_example_plans_ids_ports_devices_and_seeds():
+    dp = load_launcher()
+    specs = dp.parse_hostfile((DEPLOY / "pdsh" / "hostfile.example").read_text())
+    plans = dp.build_plans(specs, "/c.yaml", ["lr=1e-4"], "/run", "/work")
+    a, b, c = plans["gpu-a"], plans["gpu-b"], plans["cpu-c"]
+    assert [(n["id"], n["port"], n["data_port"], n["gpu"]) for n in a["nodes"]] == [
+        ("trainer-gpu-a-0", 29600, 29601, "0"), ("trainer-gpu-a-1", 29602, 29603, "1")]
+    assert [(n["id"], n["port"], n["gpu"]) for n in b["nodes"]] == [
+        (f"rollout-gpu-b-{i}", 29600 + 2 * i, str(i)) for i in range(4)]
+    assert [(n["id"], n["port"], n["gpu"]) for n in c["nodes"]] == [
+        ("rollout-cpu-c-0", 29700, None), ("rollout-cpu-c-1", 29702, None)]
+    assert a["overrides"] == ["lr=1e-4", "rollout_nodes=6", "trainer_nodes=2", "device=cuda"]
+    assert c["overrides"] == ["lr=1e-4", "rollout_nodes=6", "trainer_nodes=2"]
+    assert {p["seeds"] for p in plans.values()} == {"10.0.0.11:29600,10.0.0.12:29600"}
+    assert a["env"] == {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
+    assert (a["bind"], b["bind"], c["bind"]) == ("10.0.0.11", "10.0.0.12", "10.0.0.13")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a trainer=1 rollout=1 colour=blue", "hostfile:1: unknown key 'colour'"),
+    ("a trainer=1 bind=10.0.0.1\n\na rollout=1 bind=10.0.0.1", "hostfile:3: host 'a' is listed twice"),
+    ("a trainer=one bind=10.0.0.1", "hostfile:1: trainer='one' must be a non-negative integer"),
+    ("a rollout=2 bind=10.0.0.1", "a cluster needs at least one trainer and one rollout node"),
+    ("a trainer=1 bind=10.0.0.1 env.DISTFLOW_SECRET=x", "hostfile:1: never put the secret in the hostfile"),
+    ("a,b trainer=1 rollout=1", "hostfile:1: 'a,b' is not a host name"),
+    ("a trainer=1 rollout=1 bind=0.0.0.0", "bind=0.0.0.0 cannot be advertised"),
+    ("localhost trainer=1 rollout=1", "resolves to loopback"),
+    ("a trainer=1 rollout=1 bind=10.0.0.1 port=29600\nb rollout=1 bind=10.0.0.1 port=29602",
+     "b and a both use 10.0.0.1:29602"),
+    ("a trainer=1 rollout=1 bind=10.0.0.1 device=tpu", "device='tpu' must be cpu or cuda"),
+    ("a trainer=1 rollout=1 bind=10.0.0.1 port=65534", "port=65534 leaves no room for 2 nodes"),
+])
+def test_hostfile_errors_name_the_line_and_the_problem(text: str, message: str) -> None:
+    dp = load_launcher()
+    with pytest.raises(dp.LaunchError, match=re.escape(message)):
+        dp.parse_hostfile(text)
+
+
+# ====================================================================== pdsh, for real
+@pytest.fixture(scope="module")
+def pdsh() -> str:
+    reason = ensure_tool("pdsh", "pdsh")
+    if reason:
+        pytest.skip(reason)
+    return shutil.which("pdsh")
+
+
+def free_base_port(addr: str, n: int) -> int:
+    """A base port with ``n`` consecutive bindable ports, below the ephemeral range."""
+    import random
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    while True:
+        base = rng.randrange(max(1024, low - 12000), low - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((addr, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+def processes_mentioning(*needles: str) -> dict[int, str]:
+    found = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if any(n.encode() in cmd for n in needles):
+                found[int(p.name)] = cmd.replace(b"\0", b" ").decode(errors="replace")[:200]
+    return found
+
+
+class CmdlineWatch:
+    """Samples every process's command line in the background, looking for the secret."""
+
+    def __init__(self, secret: str):
+        self.secret, self.hits, self.samples = secret.encode(), [], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cmdline-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for p in Path("/proc").iterdir():
+                if p.name.isdigit():
+                    try:
+                        if self.secret in (p / "cmdline").read_bytes():
+                            self.hits.append(p.name)
+                    except OSError:
+                        pass
+            self.samples += 1
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> "CmdlineWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def launcher(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "DISTFLOW_SECRET"}
+    return subprocess.run([sys.executable, str(PDSH_LAUNCHER), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.fixture
+def pdsh_run(pdsh: str, toy_model: Path, tmp_path: Path) -> Iterator[dict]:
+    """A run dir, config, secret file and hostfile for two loopback hosts; kills leftovers at the end."""
+    from distflow.toy import make_toy_dataset
+
+    data = tmp_path / "data.jsonl"
+    make_toy_dataset(data, 400, seed=5)
+    raw = yaml.safe_load((ROOT / "examples" / "grpo_quickstart.yaml").read_text())
+    raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False, dataset=str(data),
+               prompts_per_step=4, group_size=2, max_new_tokens=2, epochs=100)  # far longer than the test
+    raw["mesh"] = {"protocol_period_s": 0.2, "join_timeout_s": 60}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    secret = new_secret()
+    secret_file = tmp_path / "secret.txt"
+    secret_file.write_text(secret)
+    secret_file.chmod(0o600)
+    p1, p2 = free_base_port("127.0.0.1", 4), free_base_port("127.0.0.2", 2)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"# two 'hosts' on loopback\n127.0.0.1 trainer=1 rollout=1 port={p1}\n"
+                        f"127.0.0.2 rollout=1 port={p2}\n")
+    run_dir = tmp_path / "run"
+    ctx = {"cfg": cfg, "secret": secret, "secret_file": secret_file, "hostfile": hostfile, "run_dir": run_dir,
+           "ports": (p1, p2), "out": tmp_path / "out",
+           "start": ["start", str(hostfile), str(cfg), "--rcmd", "exec", "--python", sys.executable,
+                     "--run-dir", str(run_dir), "--secret-file", str(secret_file)]}
+    yield ctx
+    for pid in processes_mentioning(str(run_dir), str(cfg)):  # only if the test failed half-way
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_pdsh_cluster_starts_reports_trains_and_stops_without_leaks(pdsh_run):
+    c = pdsh_run
+    p1, p2 = c["ports"]
+    ids = {"trainer-127.0.0.1-0": f"127.0.0.1:{p1}", "rollout-127.0.0.1-0": f"127.0.0.1:{p1 + 2}",
+           "rollout-127.0.0.2-0": f"127.0.0.2:{p2}"}
+    with CmdlineWatch(c["secret"]) as watch:
+        r = launcher(*c["start"])
+        assert r.returncode == 0, r.stderr
+        started = dict(ln.split("\t")[1:3] for ln in r.stdout.splitlines())
+        assert set(started) == set(ids)
+        pids = [int(v.split()[1]) for v in started.values()]
+        assert "trainer rank 0 is trainer-127.0.0.1-0 on 127.0.0.1" in r.stderr
+
+        deadline = time.monotonic() + 60
+        while True:  # the mesh as `distflow status` sees it, through the launcher
+            st = launcher("status", "--run-dir", str(c["run_dir"]), "--json", timeout=120)
+            assert st.returncode == 0, st.stderr + st.stdout
+            report = json.loads(st.stdout)
+            members = {m["id"]: m for m in report["members"]}
+            if set(members) == set(ids) and all(m["state"] == "alive" for m in members.values()):
+                break
+            assert time.monotonic() < deadline, report
+            time.sleep(1)
+        assert {i: m["address"] for i, m in members.items()} == ids
+        assert {i: m["role"] for i, m in members.items()} == {i: i.split("-")[0] for i in ids}
+        procs = {row["node"]: row for rows in report["processes"].values() for row in rows}
+        assert set(procs) == set(ids) and all(row["alive"] for row in procs.values())
+        assert sorted(row["pid"] for row in procs.values()) == sorted(pids)
+
+        metrics = c["out"] / "metrics.jsonl"
+        while len(read_metrics(metrics)) < 3:
+            assert time.monotonic() < deadline + 60, "no training steps"
+            time.sleep(0.2)
+        first = len(read_metrics(metrics))
+        while len(read_metrics(metrics)) <= first:
+            assert time.monotonic() < deadline + 90, "training stalled"
+            time.sleep(0.2)
+
+        t0 = time.monotonic()
+        stop = launcher("stop", "--run-dir", str(c["run_dir"]), "--grace", "15", timeout=120)
+        assert stop.returncode == 0, stop.stderr
+        assert time.monotonic() - t0 < 40
+    rows = [ln.split("\t") for ln in stop.stdout.splitlines()]
+    assert {row[1] for row in rows} == set(ids) and all(row[2] in ("terminated", "killed") for row in rows), rows
+    assert all(re.fullmatch(r"rc=-?\d+", row[3]) for row in rows), rows  # the keeper recorded every exit
+    assert processes_mentioning(str(c["run_dir"]), str(c["cfg"])) == {}
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+    # The secret never appeared on a command line, in a log or in anything the launcher printed.
+    assert watch.samples > 20 and watch.hits == []
+    for f in c["run_dir"].rglob("*"):
+        if f.is_file() and f.name != "secret":
+            assert c["secret"] not in f.read_text(errors="replace"), f
+    assert c["secret"] not in r.stdout + r.stderr + st.stdout + stop.stdout + stop.stderr
+    assert (c["run_dir"] / "secret").stat().st_mode & 0o777 == 0o600
+    # The logs were gathered per host.
+    collected = c["run_dir"] / "collected"
+    for node_id in ids:
+        host = node_id.split("-")[1]
+        assert f"{node_id} up: control" in (collected / host / f"{node_id}.log").read_text()
+
+
+def test_pdsh_bad_config_starts_nothing_and_says_why(pdsh_run):
+    c = pdsh_run
+    r = launcher(*c["start"], "prompts_per_step=3")
+    assert r.returncode == 2
+    assert "check failed, nothing was started" in r.stderr
+    assert "prompts_per_step (3) must be a multiple of rollout_nodes (2)" in r.stderr
+    assert processes_mentioning(str(c["run_dir"]), str(c["cfg"])) == {}
+    assert not list(c["run_dir"].glob("hosts/*/pids/*.pid"))
