@@ -140,6 +140,13 @@ def test_node_check_validates_without_joining(tmp_path):
                               env={k: v for k, v in env.items() if k != "DISTFLOW_SECRET"},
                               capture_output=True, text=True, timeout=60)
     assert nosecret.returncode == 2 and "DISTFLOW_SECRET" in nosecret.stderr
+    wildcard = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, "--host", "0.0.0.0", "--check"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert wildcard.returncode == 2 and "--advertise-host" in wildcard.stderr
+    ok = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, "--host", "0.0.0.0",
+                               "--advertise-host", "10.1.2.3", "--check"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
 
 
 @pytest.mark.slow
