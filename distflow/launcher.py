@@ -195,8 +195,11 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     if not cfg.resume_from:
         metrics.unlink(missing_ok=True)
     children = start_children(cfg, config_path, secret)
+    seed = f"{cfg.bind_host}:{children[0].port}"
+    hint = ("" if os.environ.get(SECRET_ENV) else
+            f" (export {SECRET_ENV} before `distflow run` to be able to do that: this run's secret is random)")
     print(f"distflow: {cfg.rollout_nodes} rollout + {cfg.trainer_nodes} trainer nodes, logs in "
-          f"{Path(cfg.output_dir) / 'logs'}", file=sys.stderr)
+          f"{Path(cfg.output_dir) / 'logs'}; watch with `distflow status --seeds {seed}`{hint}", file=sys.stderr)
     bar = Progress(metrics, enabled=progress and sys.stderr.isatty())
     failed: list[Child] = []
     try:
