@@ -13,7 +13,7 @@ import asyncio
 import logging
 
 from distflow.buffer.redistribute import parse_part
-from distflow.buffer.routing import split_by_owner
+from distflow.buffer.routing import balance_by_tokens, split_by_owner
 from distflow.core.channels import Envelope
 from distflow.runtime import Runtime
 
@@ -27,12 +27,12 @@ async def run_controller(rt: Runtime) -> None:
     async def on_samples(env: Envelope) -> None:
         step, batch = parse_part(env)
         trainers = [m.node_id for m in groups.trainer]
-        parts = split_by_owner(batch, len(trainers))
+        parts = (balance_by_tokens if cfg.route_by == "tokens" else split_by_owner)(batch, len(trainers))
         keep = {k: v for k, v in env.meta.items() if k not in ("sample_ids", "prompt_ids", "extras")}
 
         async def one(i: int, node_id: str) -> None:
             wire, tensors = parts[i].to_wire()
-            meta = {**keep, **wire, "part": i, "num_parts": len(trainers), "balance": "owner"}
+            meta = {**keep, **wire, "part": i, "num_parts": len(trainers), "balance": cfg.route_by}
             await rt.channel.send(rt.endpoint(node_id), "samples", meta, tensors, timeout=cfg.step_timeout_s)
 
         # The rollout node's ack waits until every trainer accepted its part: backpressure passes through.

@@ -69,6 +69,19 @@ def test_two_by_two_cluster_accounts_for_every_sample(toy_model, toy_data, tmp_p
     assert (out / "reward_curve.png").stat().st_size > 1000
 
 
+def test_token_balanced_routing_trains_every_sample_once(toy_model, toy_data, tmp_path):
+    out = tmp_path / "run"
+    r = run_distflow(small_run_args(toy_model, toy_data, out, "trace_samples=true", "route_by=tokens",
+                                    "max_new_tokens=6"), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    trace = read_trace(out)
+    seen = Counter(s for rank in range(2) for rec in trace[f"trainer-{rank}"] for s in rec["sample_ids"])
+    assert set(seen.values()) == {1} and len(seen) == 48 * 4
+    # Not owner routing: some sample sits on a rank that does not own it.
+    assert any(owner(s, 2) != rank for rank in range(2) for rec in trace[f"trainer-{rank}"]
+               for s in rec["sample_ids"])
+
+
 def test_child_failure_stops_everyone_and_names_the_error(toy_model, toy_data, tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()

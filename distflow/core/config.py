@@ -57,6 +57,8 @@ class Config(BaseModel):
         "distributed", description="single = route every stage's output through one controller process "
                                    "(the hybrid-controller design, kept to measure against)")
     mesh: MeshSettings = Field(default_factory=MeshSettings)
+    route_by: Literal["owner", "tokens"] = Field(
+        "owner", description="owner = hash(sample_id) mod trainers; tokens = balance each step's tokens across trainers")
     channel: Literal["zmq", "shm", "auto"] = Field(
         "auto", description="data-plane transport; auto = shm to peers on this host, zmq to others")
 

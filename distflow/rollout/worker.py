@@ -22,7 +22,7 @@ import logging
 import time
 
 from distflow.buffer.dataloader import PromptShard
-from distflow.buffer.routing import split_by_owner
+from distflow.buffer.routing import balance_by_tokens, split_by_owner
 from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
 from distflow.rollout.stages import run_pipeline
@@ -62,14 +62,15 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
         trainers, parts = [groups.controller[0].node_id], [batch]
     else:
         trainers = [m.node_id for m in groups.trainer]
-        parts = split_by_owner(batch, len(trainers))
+        split = balance_by_tokens if rt.cfg.route_by == "tokens" else split_by_owner
+        parts = split(batch, len(trainers))
     pending = dict(enumerate(trainers))
     deadline = time.monotonic() + rt.cfg.step_timeout_s
 
     async def one(i: int, node_id: str) -> None:
         wire, tensors = parts[i].to_wire()
         meta = {**extra, **wire, "step": step, "source_rank": shard, "num_sources": len(groups.rollout),
-                "part": i, "num_parts": len(trainers), "balance": "owner"}
+                "part": i, "num_parts": len(trainers), "balance": rt.cfg.route_by}
         await rt.channel.send(rt.endpoint(node_id), "samples", meta, tensors, timeout=rt.cfg.step_timeout_s)
 
     while pending:
