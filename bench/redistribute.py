@@ -1,23 +1,41 @@
 """Benchmark: peer-to-peer stage handoff vs a single controller; channel bandwidth vs raw baselines.
 
-Everything is measured in one run, on this machine, with real processes:
+Why it exists: DistFlow's claim is that moving each stage's output straight to its consumers
+beats routing it through one controller, and that its authenticated channels cost little over
+the raw transport. Everything is measured in one run, on this machine, with real processes.
 
 1. Stage handoff, N producers -> N consumers (N = 2, 4, 8), 64 samples per producer, each
    sample a realistic RL payload: 4,096 tokens as int64 (1,024 prompt + 3,072 response),
    fp32 logprobs and an fp32 per-token mask (carried in ``ref_logprobs``) for the response.
+   Both modes use the channel ``make_channel(kind)`` gives (default ``auto``: shared memory
+   between processes of one host, as a real node would use) on the event loop nodes run
+   (uvloop, ``distflow.core.aio.run_loop``), the same library calls
+   (``scatter`` / ``shard_receiver`` / ``gather_step``), every byte delivered and acked:
    * peer-to-peer: every producer ``scatter``s its batch straight to the owners (DistFlow);
    * single controller (baseline): every producer sends its whole batch to one controller
-     process, which gathers the step, splits it by owner and sends each consumer its part.
-   Time per handoff = from "go" to the last consumer holding its samples (median of reps).
-2. Channel bandwidth, one sender process and one receiver process, same message size:
-   * zmq channel (signed header, Poly1305 payload MAC, acked) vs plain TCP
-     ``socket.sendall`` / ``recv_into`` with a 1-byte ack per message;
+     process, which gathers the step, splits it by owner and sends each consumer its part
+     (twice the bytes through one process).
+   Time per handoff = from "go" to the last consumer holding its samples (median of paired,
+   interleaved repetitions; ranges printed). Samples are counted by id at every consumer.
+   CPU time of every process (all threads, ns, from /proc/<pid>/task/*/schedstat) is recorded
+   per handoff, which gives two more figures per N:
+   * ``ceiling``: ``cores * single_ms / p2p_total_cpu_ms`` - no schedule of the measured
+     peer-to-peer work on this many cores can beat the single controller by more than this
+     (work conservation: p2p wall >= its CPU time / cores), so it bounds ``p2p_vs_single`` on
+     this machine (to within the little work counted after the clock stops: acks, replies);
+   * ``busiest_cpu_ratio``: busiest single-controller process / busiest peer-to-peer process,
+     i.e. the speed-up when every process has its own core, as on a cluster.
+2. Channel bandwidth, one sender process and one receiver process, 16 MiB messages, each
+   acknowledged (``--window`` messages in flight, same for channel and baseline):
+   * zmq channel (signed header, AES-GMAC payload MAC, acked) vs a plain TCP socket
+     (``sendall`` / ``recv_into`` a reused buffer, 1-byte ack per message);
    * shm channel (same host) vs ``memcpy`` of the same bytes into a warm buffer (``np.copyto``,
      the copy the channel itself does).
+   Channel and baseline alternate in rounds (the host is shared: drift hits both alike); the
+   ratio is the median of the per-round ratios. CPU ms per message on each side is reported.
 
-Prints a report and ends with exactly one JSON line of the figures. The machine's core count
-is part of the JSON: with 2 cores, 2N+1 processes contend for the CPU, which caps how much
-the peer-to-peer fan-out can gain. Run: ``python bench/redistribute.py [--quick] [--channel zmq|shm]``.
+Prints a report and ends with exactly one JSON line of the figures (raw times included).
+Run: ``python bench/redistribute.py [--quick] [--channel auto|shm|zmq] [--sizes 2,4,8]``.
 """
 
 from __future__ import annotations
@@ -37,6 +55,7 @@ from typing import Any
 
 SECRET = "bench-redistribute-secret-0123456789"
 PROMPT, RESPONSE, PER_PRODUCER = 1024, 3072, 64
+REQUEST_TIMEOUT = 300.0  # seconds any one request to a worker may take
 
 
 def now() -> float:
@@ -54,6 +73,7 @@ def worker_main() -> None:
     from distflow.buffer.batch import SampleBatch
     from distflow.buffer.redistribute import gather_step, scatter, shard_receiver
     from distflow.buffer.shard import BufferShard
+    from distflow.core.aio import run_loop
     from distflow.core.channels import Endpoint, make_channel
 
     state: dict[str, Any] = {}
@@ -80,6 +100,31 @@ def worker_main() -> None:
     def with_ids(b: SampleBatch, node: str, step: int) -> SampleBatch:
         return SampleBatch([f"{node}:{step}:{i}" for i in range(len(b))], b.prompt_ids, b.tensors, b.extras)
 
+    async def bw_send(peer: Any, nbytes: int, reps: int, window: int) -> dict[str, float]:
+        if state.get("bw_x") is None or state["bw_x"]["x"].numel() != nbytes:
+            state["bw_x"] = {"x": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
+        x = state["bw_x"]
+        slots = asyncio.Semaphore(window)
+        tasks: list[asyncio.Task] = []
+
+        async def one() -> None:
+            try:
+                await state["ch"].send(peer, "bw", {}, x, timeout=60)
+            finally:
+                slots.release()
+
+        c0, t0 = time.process_time(), time.perf_counter()
+        if window == 1:
+            for _ in range(reps):
+                await state["ch"].send(peer, "bw", {}, x, timeout=60)
+        else:
+            for i in range(reps):
+                await slots.acquire()
+                tasks.append(asyncio.create_task(one(), name=f"bench-bw-send-{i}"))
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        return {"gbps": nbytes * reps / dt / 1e9, "cpu_ms": dc / reps * 1e3}
+
     async def handle(req: dict[str, Any]) -> None:
         rid, cmd = req["id"], req["cmd"]
         try:
@@ -91,57 +136,49 @@ def worker_main() -> None:
                         return None
                     ch.set_handler(sink)
                 else:
-                    recv = shard_receiver(shard, put_timeout=120)
-
-                    async def timed(env: Any) -> None:
-                        await recv(env)
-                        state["last_put"] = now()
-
-                    ch.set_handler(timed)
+                    ch.set_handler(shard_receiver(shard, put_timeout=120))
                 await ch.start()
                 state.update(ch=ch, shard=shard, node=req["node"])
                 if req.get("batch"):
                     state["batch"] = make_batch(PER_PRODUCER, req["seed"])
-                reply(rid, port=ch.port)
+                reply(rid, port=ch.port, transport=ch.stats()["transport"])
             elif cmd == "scatter":
                 eps = [Endpoint(*c) for c in req["consumers"]]
                 b = with_ids(state["batch"], state["node"], req["step"])
                 await scatter(state["ch"], b, eps, step=req["step"], source_rank=req["rank"], timeout=120)
                 reply(rid, t=now())
             elif cmd == "take":
-                t_begin = now()
                 b = await gather_step(state["shard"], req["step"], req["sources"], timeout=120)
-                reply(rid, t=now(), n=len(b), last_put=state.get("last_put", 0.0), t_begin=t_begin)
+                t = now()
+                reply(rid, t=t, ids=b.sample_ids)
             elif cmd == "relay":  # the single controller: gather everything, then send each consumer its part
                 b = await gather_step(state["shard"], req["step"], req["sources"], timeout=120)
                 eps = [Endpoint(*c) for c in req["consumers"]]
                 await scatter(state["ch"], b, eps, step=req["step"], source_rank=0, timeout=120)
                 reply(rid, t=now(), n=len(b))
             elif cmd == "bw_send":
-                peer = Endpoint(*req["peer"])
-                x = {"x": torch.randint(0, 255, (req["bytes"],), dtype=torch.uint8)}
-                for _ in range(2):  # warm-up: connection, shm slot, page faults
-                    await state["ch"].send(peer, "bw", {}, x, timeout=60)
-                t0 = time.perf_counter()
-                for _ in range(req["reps"]):
-                    await state["ch"].send(peer, "bw", {}, x, timeout=60)
-                reply(rid, gbps=req["bytes"] * req["reps"] / (time.perf_counter() - t0) / 1e9)
+                reply(rid, **await bw_send(Endpoint(*req["peer"]), req["bytes"], req["reps"], req["window"]))
             elif cmd == "sock_server":
                 srv = socket.create_server(("127.0.0.1", 0))
-                threading.Thread(target=sock_server, args=(srv, req["bytes"], req["reps"] + 2), daemon=True).start()
+                srv.settimeout(60)
+                threading.Thread(target=sock_server, args=(srv, req["bytes"], req["reps"]), daemon=True,
+                                 name="bench-sock-server").start()
                 reply(rid, port=srv.getsockname()[1])
             elif cmd == "sock_client":
-                reply(rid, gbps=sock_client(req["port"], req["bytes"], req["reps"]))
+                reply(rid, **sock_client(req["port"], req["bytes"], req["reps"], req["window"]))
             elif cmd == "memcpy":  # the same primitive the shm channel copies with, into a warm buffer
                 import numpy as np
 
                 src = torch.randint(0, 255, (req["bytes"],), dtype=torch.uint8).numpy()
                 dst = np.empty_like(src)
                 np.copyto(dst, src)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 for _ in range(req["reps"]):
                     np.copyto(dst, src)
-                reply(rid, gbps=req["bytes"] * req["reps"] / (time.perf_counter() - t0) / 1e9)
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                reply(rid, gbps=req["bytes"] * req["reps"] / dt / 1e9, cpu_ms=dc / req["reps"] * 1e3)
+            elif cmd == "cpu":
+                reply(rid, cpu=time.process_time())
             elif cmd == "stats":
                 reply(rid, stats=state["ch"].stats())
             else:
@@ -158,44 +195,60 @@ def worker_main() -> None:
                 loop.call_soon_threadsafe(q.put_nowait, line)
             loop.call_soon_threadsafe(q.put_nowait, None)
 
-        threading.Thread(target=read_stdin, daemon=True).start()
+        threading.Thread(target=read_stdin, daemon=True, name="bench-stdin").start()
         tasks: set[asyncio.Task] = set()
         while (line := await q.get()) is not None:
-            t = asyncio.create_task(handle(json.loads(line)), name="bench-request")
+            req = json.loads(line)
+            t = asyncio.create_task(handle(req), name=f"bench-{req['cmd']}-{req['id']}")
             tasks.add(t)
             t.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
         if "ch" in state:
-            await state["ch"].close()
+            await asyncio.wait_for(state["ch"].close(), 10)
 
-    asyncio.run(main())
+    run_loop(main())  # uvloop, as every node process runs
 
 
 def sock_server(srv: socket.socket, nbytes: int, reps: int) -> None:
+    """Receive ``reps`` messages of ``nbytes`` into one reused buffer; 1-byte ack after each."""
     conn, _ = srv.accept()
+    conn.settimeout(60)
     buf = bytearray(nbytes)
     view = memoryview(buf)
     for _ in range(reps):
         got = 0
         while got < nbytes:
-            got += conn.recv_into(view[got:], nbytes - got)
+            k = conn.recv_into(view[got:], nbytes - got)
+            if not k:
+                raise ConnectionError("socket baseline: client closed early")
+            got += k
         conn.sendall(b"k")
     conn.close()
     srv.close()
 
 
-def sock_client(port: int, nbytes: int, reps: int) -> float:
+def sock_client(port: int, nbytes: int, reps: int, window: int) -> dict[str, float]:
+    """Send ``reps`` messages with at most ``window`` unacknowledged (``reps`` includes nothing else)."""
     import torch
 
     data = memoryview(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy())
-    with socket.create_connection(("127.0.0.1", port)) as c:
-        for _ in range(2):
-            c.sendall(data)
-            c.recv(1)
-        t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as c:
+        c0, t0 = time.process_time(), time.perf_counter()
+        inflight = 0
         for _ in range(reps):
             c.sendall(data)
-            c.recv(1)
-        return nbytes * reps / (time.perf_counter() - t0) / 1e9
+            inflight += 1
+            if inflight >= window:
+                if c.recv(1) != b"k":
+                    raise ConnectionError("socket baseline: bad ack")
+                inflight -= 1
+        while inflight:
+            if c.recv(1) != b"k":
+                raise ConnectionError("socket baseline: bad ack")
+            inflight -= 1
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    return {"gbps": nbytes * reps / dt / 1e9, "cpu_ms": dc / reps * 1e3}
 
 
 # ============================================================================ coordinator
@@ -206,9 +259,10 @@ class Worker:
         self.pending: dict[int, Future] = {}
         self.lock = threading.Lock()
         self.next = 0
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, daemon=True, name=f"bench-reader-{self.proc.pid}").start()
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             msg = json.loads(line)
             with self.lock:
@@ -216,30 +270,48 @@ class Worker:
             fut.set_result(msg)
         with self.lock:
             for fut in self.pending.values():
-                fut.set_exception(RuntimeError("worker exited"))
+                fut.set_exception(RuntimeError(f"worker {self.proc.pid} exited"))
 
     def ask(self, cmd: str, **kw: Any) -> Future:
         fut: Future = Future()
         with self.lock:
             rid, self.next = self.next, self.next + 1
             self.pending[rid] = fut
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"id": rid, "cmd": cmd, **kw}) + "\n")
         self.proc.stdin.flush()
         return fut
 
     def stop(self) -> None:
         try:
+            assert self.proc.stdin is not None
             self.proc.stdin.close()
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=30)
         except Exception:
             self.proc.kill()
 
 
-def get(fut: Future, timeout: float = 300) -> dict[str, Any]:
+def get(fut: Future, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
     msg = fut.result(timeout=timeout)
     if "error" in msg:
         raise RuntimeError(msg["error"])
     return msg
+
+
+def cpu_ns(pid: int) -> int | None:
+    """CPU time of every thread of ``pid`` in ns (/proc/<pid>/task/*/schedstat); None if unavailable."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just exited
+    return total
 
 
 class Cluster:
@@ -249,17 +321,23 @@ class Cluster:
         self.prods = [Worker() for _ in range(max_n)]
         self.cons = [Worker() for _ in range(max_n)]
         self.ctrl = Worker()
-        ports = [get(w.ask("init", kind=kind, node=f"p{i}", batch=True, seed=i)) for i, w in enumerate(self.prods)]
+        inits = [w.ask("init", kind=kind, node=f"p{i}", batch=True, seed=i) for i, w in enumerate(self.prods)]
+        cinits = [w.ask("init", kind=kind, node=f"c{i}") for i, w in enumerate(self.cons)]
+        ctl = get(self.ctrl.ask("init", kind=kind, node="ctl"))
+        transports = {get(f)["transport"] for f in inits} | {ctl["transport"]}
+        cports = [get(f) for f in cinits]
+        transports |= {c["transport"] for c in cports}
+        self.transport = ",".join(sorted(transports))
         self.prod_ids = [f"p{i}" for i in range(max_n)]
-        cports = [get(w.ask("init", kind=kind, node=f"c{i}")) for i, w in enumerate(self.cons)]
         self.cons_eps = [[f"c{i}", "127.0.0.1", p["port"]] for i, p in enumerate(cports)]
-        self.ctrl_ep = [["ctl", "127.0.0.1", get(self.ctrl.ask("init", kind=kind, node="ctl"))["port"]]]
-        del ports
+        self.ctrl_ep = [["ctl", "127.0.0.1", ctl["port"]]]
         self.step = 0
 
-    def handoff(self, n: int, mode: str) -> float:
+    def handoff(self, n: int, mode: str) -> tuple[float, dict[str, list[float]]]:
+        """One step; returns (wall seconds, CPU ms per role: {"prod": [...], "cons": [...], "ctrl": [...]})."""
         step, self.step = self.step, self.step + 1
         cons, prods = self.cons_eps[:n], self.prod_ids[:n]
+        roles = {"prod": self.prods[:n], "cons": self.cons[:n], "ctrl": [self.ctrl] if mode == "single" else []}
         if mode == "p2p":
             takes = [w.ask("take", step=step, sources=prods) for w in self.cons[:n]]
             relay = None
@@ -269,6 +347,7 @@ class Cluster:
             relay = self.ctrl.ask("relay", step=step, sources=prods, consumers=cons)
             targets = self.ctrl_ep
         time.sleep(0.05)  # consumers are waiting before the clock starts
+        before = {r: [cpu_ns(w.proc.pid) for w in ws] for r, ws in roles.items()}
         t0 = now()
         sends = [w.ask("scatter", step=step, consumers=targets, rank=i) for i, w in enumerate(self.prods[:n])]
         for f in sends:
@@ -276,104 +355,153 @@ class Cluster:
         if relay is not None:
             get(relay)
         done = [get(f) for f in takes]
-        assert sum(d["n"] for d in done) == n * PER_PRODUCER, "samples lost"
-        return max(d["t"] for d in done) - t0
-
-    def busiest_cpu(self, n: int, mode: str, steps: int) -> float:
-        """CPU seconds per step of the busiest process (what bounds a step when every node has its
-        own cores, as in a real cluster; on this host all processes share the same few cores)."""
-        procs = [*self.prods[:n], *self.cons[:n]] + ([self.ctrl] if mode == "single" else [])
-        before = [cpu_seconds(w.proc.pid) for w in procs]
-        for _ in range(steps):
-            self.handoff(n, mode)
-        return max(cpu_seconds(w.proc.pid) - b for w, b in zip(procs, before)) / steps
+        wall = max(d["t"] for d in done) - t0
+        time.sleep(0.05)  # let trailing work (acks, shm releases) finish before reading CPU
+        after = {r: [cpu_ns(w.proc.pid) for w in ws] for r, ws in roles.items()}
+        # every sample arrives exactly once, at its owner (counted by id)
+        expected = {f"{p}:{step}:{i}" for p in prods for i in range(PER_PRODUCER)}
+        got = [s for d in done for s in d["ids"]]
+        if len(got) != len(expected) or set(got) != expected:
+            raise AssertionError(f"step {step} ({mode}, N={n}): {len(got)} samples delivered, "
+                                 f"{len(expected)} expected, {len(set(got) ^ expected)} ids wrong")
+        cpu = {r: [(a - b) / 1e6 for a, b in zip(after[r], before[r]) if a is not None and b is not None]
+               for r in roles}
+        return wall, cpu
 
     def stop(self) -> None:
         for w in [*self.prods, *self.cons, self.ctrl]:
             w.stop()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
 
 
-def bandwidth(kind: str, nbytes: int, reps: int, rounds: int) -> dict[str, float]:
-    """Channel vs baseline, interleaved in ``rounds`` (the host is shared: drift hits both alike)."""
+def handoff_figures(cluster: Cluster, n: int, reps: int, cores: int, figures: dict[str, Any]) -> None:
+    for _ in range(2):  # warm-up: connections, shm slots, first allocations
+        cluster.handoff(n, "p2p")
+        cluster.handoff(n, "single")
+    walls: dict[str, list[float]] = {"p2p": [], "single": []}
+    cpus: dict[str, list[dict[str, list[float]]]] = {"p2p": [], "single": []}
+    for i in range(reps):
+        for mode in (("p2p", "single") if i % 2 == 0 else ("single", "p2p")):  # interleaved, order alternating
+            w, c = cluster.handoff(n, mode)
+            walls[mode].append(w * 1e3)
+            cpus[mode].append(c)
+    ratios = [s / p for s, p in zip(walls["single"], walls["p2p"])]
+    p2p, single = statistics.median(walls["p2p"]), statistics.median(walls["single"])
+    mib = n * PER_PRODUCER * (PROMPT * 8 + RESPONSE * 16) / 2**20
+    print(f"N={n}: {mib:5.1f} MiB/step | peer-to-peer {spread(walls['p2p'])} ms | single controller "
+          f"{spread(walls['single'])} ms | single/p2p {statistics.median(ratios):.2f}x "
+          f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+    figures.update({f"p2p_ms_{n}": round(p2p, 2), f"single_ms_{n}": round(single, 2),
+                    f"p2p_vs_single_{n}": round(statistics.median(ratios), 3),
+                    f"p2p_ms_{n}_range": [round(min(walls["p2p"]), 2), round(max(walls["p2p"]), 2)],
+                    f"single_ms_{n}_range": [round(min(walls["single"]), 2), round(max(walls["single"]), 2)],
+                    f"p2p_vs_single_{n}_range": [round(min(ratios), 3), round(max(ratios), 3)]})
+    if not all(c["prod"] and c["cons"] for m in cpus for c in cpus[m]):
+        return  # no per-thread CPU accounting on this OS
+
+    def med(mode: str, f: Any) -> float:
+        return statistics.median(f(c) for c in cpus[mode])
+
+    total = {m: med(m, lambda c: sum(c["prod"]) + sum(c["cons"]) + sum(c["ctrl"])) for m in cpus}
+    busiest = {m: med(m, lambda c: max(c["prod"] + c["cons"] + c["ctrl"])) for m in cpus}
+    ctrl = med("single", lambda c: c["ctrl"][0])
+    ceiling = cores * single / total["p2p"]
+    prod, cons = med("p2p", lambda c: statistics.mean(c["prod"])), med("p2p", lambda c: statistics.mean(c["cons"]))
+    print(f"      CPU per handoff: peer-to-peer {total['p2p']:.1f} ms in all (producer {prod:.1f}, consumer "
+          f"{cons:.1f} each); single {total['single']:.1f} ms in all, controller {ctrl:.1f}")
+    print(f"      ceiling on {cores} cores = cores x single / p2p CPU = {ceiling:.2f}x; busiest process "
+          f"{busiest['single']:.1f} vs {busiest['p2p']:.1f} ms = {busiest['single'] / busiest['p2p']:.2f}x "
+          f"(one core per process)")
+    figures.update({f"p2p_cpu_ms_{n}": round(total["p2p"], 1), f"single_cpu_ms_{n}": round(total["single"], 1),
+                    f"controller_cpu_ms_{n}": round(ctrl, 1), f"p2p_vs_single_ceiling_{n}": round(ceiling, 3),
+                    f"busiest_cpu_ms_p2p_{n}": round(busiest["p2p"], 1),
+                    f"busiest_cpu_ms_single_{n}": round(busiest["single"], 1),
+                    f"busiest_cpu_ratio_{n}": round(busiest["single"] / busiest["p2p"], 3)})
+
+
+def bandwidth(kind: str, nbytes: int, reps: int, rounds: int, window: int) -> dict[str, Any]:
+    """Channel vs baseline, alternating in ``rounds`` (the host is shared: drift hits both alike)."""
     a, b = Worker(), Worker()
     try:
         get(a.ask("init", kind=kind, node="bw-a"))
         port = get(b.ask("init", kind=kind, node="bw-b", sink=True))["port"]
-        chan, base = [], []
-        for _ in range(rounds):
-            chan.append(get(a.ask("bw_send", peer=["bw-b", "127.0.0.1", port], bytes=nbytes, reps=reps))["gbps"])
-            if kind == "zmq":
-                sport = get(b.ask("sock_server", bytes=nbytes, reps=reps))["port"]
-                base.append(get(a.ask("sock_client", port=sport, bytes=nbytes, reps=reps))["gbps"])
-            else:
-                base.append(get(a.ask("memcpy", bytes=nbytes, reps=reps))["gbps"])
-        return {"channel_gbps": statistics.median(chan), "baseline_gbps": statistics.median(base),
-                "ratio": statistics.median(c / x for c, x in zip(chan, base))}
+        peer = ["bw-b", "127.0.0.1", port]
+        get(a.ask("bw_send", peer=peer, bytes=nbytes, reps=3, window=window))  # warm-up: connection, slots
+        chan, base, cpu = [], [], {"chan_send": [], "chan_recv": [], "base_send": [], "base_recv": []}
+        for r in range(rounds):
+            for which in (("chan", "base") if r % 2 == 0 else ("base", "chan")):
+                if which == "chan":
+                    c0 = get(b.ask("cpu"))["cpu"]
+                    res = get(a.ask("bw_send", peer=peer, bytes=nbytes, reps=reps, window=window))
+                    cpu["chan_recv"].append((get(b.ask("cpu"))["cpu"] - c0) / reps * 1e3)
+                    cpu["chan_send"].append(res["cpu_ms"])
+                    chan.append(res["gbps"])
+                elif kind == "zmq":
+                    sport = get(b.ask("sock_server", bytes=nbytes, reps=reps))["port"]
+                    c0 = get(b.ask("cpu"))["cpu"]
+                    res = get(a.ask("sock_client", port=sport, bytes=nbytes, reps=reps, window=window))
+                    cpu["base_recv"].append((get(b.ask("cpu"))["cpu"] - c0) / reps * 1e3)
+                    cpu["base_send"].append(res["cpu_ms"])
+                    base.append(res["gbps"])
+                else:
+                    res = get(a.ask("memcpy", bytes=nbytes, reps=reps))
+                    cpu["base_send"].append(res["cpu_ms"])
+                    base.append(res["gbps"])
+        ratios = [c / x for c, x in zip(chan, base)]
+        return {"chan": chan, "base": base, "ratios": ratios,
+                "cpu": {k: statistics.median(v) for k, v in cpu.items() if v}}
     finally:
         a.stop()
         b.stop()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about a minute)")
-    ap.add_argument("--channel", default="zmq", choices=["zmq", "shm"], help="channel for the handoff part")
+    ap.add_argument("--channel", default="auto", choices=["auto", "shm", "zmq"],
+                    help="channel for the handoff part (default auto: what a node on this host uses)")
     ap.add_argument("--sizes", default="2,4,8")
+    ap.add_argument("--window", type=int, default=1, help="messages in flight in the bandwidth part")
     args = ap.parse_args()
     if args.worker:
         worker_main()
         return
     sizes = [int(x) for x in args.sizes.split(",")]
-    reps = 3 if args.quick else 9
+    reps = 4 if args.quick else 12
+    cores = os.cpu_count() or 1
     per_sample = PROMPT * 8 + RESPONSE * 8 + RESPONSE * 4 * 2 + 16
-    print(f"machine: {os.cpu_count()} cores; payload {per_sample / 1024:.0f} KiB/sample, "
-          f"{PER_PRODUCER} samples ({PER_PRODUCER * per_sample / 2**20:.1f} MiB) per producer; channel {args.channel}")
-    figures: dict[str, Any] = {"cores": os.cpu_count(), "channel": args.channel, "reps": reps}
+    figures: dict[str, Any] = {"cores": cores, "channel": args.channel, "reps": reps}
 
     cluster = Cluster(max(sizes), args.channel)
+    print(f"machine: {cores} cores; payload {per_sample / 1024:.0f} KiB/sample, {PER_PRODUCER} samples "
+          f"({PER_PRODUCER * per_sample / 2**20:.1f} MiB) per producer; channel {args.channel} "
+          f"(transport {cluster.transport}); times in ms, median [min-max] of {reps} paired repetitions")
+    figures["transport"] = cluster.transport
     try:
         for n in sizes:
-            times: dict[str, list[float]] = {"p2p": [], "single": []}
-            cluster.handoff(n, "p2p")  # warm-up: connections, first allocations
-            cluster.handoff(n, "single")
-            for _ in range(reps):
-                for mode in ("p2p", "single"):  # interleaved, so drift hits both alike
-                    times[mode].append(cluster.handoff(n, mode))
-            p2p, single = statistics.median(times["p2p"]), statistics.median(times["single"])
-            ratio = statistics.median(s / p for s, p in zip(times["single"], times["p2p"]))
-            mib = n * PER_PRODUCER * per_sample / 2**20
-            print(f"N={n}: {mib:6.1f} MiB/step | peer-to-peer {p2p * 1e3:7.1f} ms | single controller "
-                  f"{single * 1e3:7.1f} ms | median single/p2p = {ratio:.2f}x")
-            figures[f"p2p_ms_{n}"] = round(p2p * 1e3, 2)
-            figures[f"single_ms_{n}"] = round(single * 1e3, 2)
-            figures[f"p2p_vs_single_{n}"] = round(ratio, 3)
-            if os.path.exists("/proc/self/stat"):
-                cpu = {m: cluster.busiest_cpu(n, m, 3 if args.quick else 10) for m in ("p2p", "single")}
-                print(f"      busiest process CPU per step: peer-to-peer {cpu['p2p'] * 1e3:6.1f} ms, single controller "
-                      f"{cpu['single'] * 1e3:6.1f} ms ({cpu['single'] / max(cpu['p2p'], 1e-3):.2f}x)")
-                figures[f"busiest_cpu_ms_p2p_{n}"] = round(cpu["p2p"] * 1e3, 1)
-                figures[f"busiest_cpu_ms_single_{n}"] = round(cpu["single"] * 1e3, 1)
+            handoff_figures(cluster, n, reps, cores, figures)
     finally:
         cluster.stop()
 
-    size, breps, rounds = (16 << 20), 8, (3 if args.quick else 7)
-    z = bandwidth("zmq", size, breps, rounds)
-    print(f"zmq channel {z['channel_gbps']:.2f} GB/s vs plain TCP socket {z['baseline_gbps']:.2f} GB/s "
-          f"({size >> 20} MiB messages, acked, cross-process): median ratio {z['ratio']:.2f}")
-    s = bandwidth("shm", size, breps, rounds)
-    print(f"shm channel {s['channel_gbps']:.2f} GB/s vs memcpy {s['baseline_gbps']:.2f} GB/s "
-          f"({size >> 20} MiB messages, acked, cross-process): median ratio {s['ratio']:.2f}")
-    figures.update(zmq_gbps=round(z["channel_gbps"], 3), socket_gbps=round(z["baseline_gbps"], 3),
-                   zmq_vs_socket=round(z["ratio"], 3), shm_gbps=round(s["channel_gbps"], 3),
-                   memcpy_gbps=round(s["baseline_gbps"], 3), shm_vs_memcpy=round(s["ratio"], 3))
+    size, rounds = 16 << 20, (5 if args.quick else 11)
+    for kind, base_name, key, breps in (("zmq", "socket", "zmq_vs_socket", 24), ("shm", "memcpy", "shm_vs_memcpy", 64)):
+        r = bandwidth(kind, size, breps, rounds, args.window)
+        cpu = r["cpu"]
+        ratios = r["ratios"]
+        print(f"{kind} channel {statistics.median(r['chan']):.2f} GB/s vs {base_name} "
+              f"{statistics.median(r['base']):.2f} GB/s ({size >> 20} MiB messages, {args.window} in flight): "
+              f"ratio {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] | CPU ms/msg "
+              + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+        figures.update({f"{kind}_gbps": round(statistics.median(r["chan"]), 3),
+                        f"{base_name}_gbps": round(statistics.median(r["base"]), 3),
+                        key: round(statistics.median(r["ratios"]), 3),
+                        f"{key}_range": [round(min(r["ratios"]), 3), round(max(r["ratios"]), 3)],
+                        **{f"{kind}_bw_cpu_ms_{k}": round(v, 3) for k, v in cpu.items()}})
+    figures["bw_window"] = args.window
     print(json.dumps(figures))
 
 

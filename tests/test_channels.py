@@ -379,6 +379,81 @@ def test_close_is_bounded_and_fails_pending_sends():
     run(main())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_inflight_limit_holds_messages_back_without_spinning(kind):
+    """With every handler slot busy the receiver stops reading (TCP pushes back); it must idle, not
+    spin on the socket, and deliver everything in order once the handler lets go."""
+
+    async def main():
+        a, b = await pair(kind, max_inflight=1)
+        gate = asyncio.Event()
+        got = []
+
+        async def handler(env):
+            await gate.wait()
+            got.append(env.meta["i"])
+
+        b.set_handler(handler)
+        sends = [asyncio.create_task(a.send(ep(b), "k", {"i": i}, {"x": torch.ones(20_000)}, timeout=10),
+                                     name=f"send-{i}") for i in range(4)]
+        await asyncio.sleep(0.2)
+        c0, t0 = time.process_time(), time.monotonic()
+        await asyncio.sleep(0.5)
+        busy = (time.process_time() - c0) / (time.monotonic() - t0)
+        assert busy < 0.2, f"blocked receiver used {busy:.0%} of a core"
+        assert got == [] and b.stats()["handlers_running"] == 1
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*sends), 10)
+        assert got == [0, 1, 2, 3]
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_loop_socket_send_waits_for_room_and_both_directions_wake():
+    """LoopSocket on its own: a send blocked on a full pipe resumes once the peer drains it, and a
+    pending receive is not lost when a send on the same socket consumes the FD's edge."""
+    from distflow.core.channels.zmq_channel import LoopSocket
+
+    async def main():
+        ctx = zmq.Context()
+        raw_a, raw_b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        for s_ in (raw_a, raw_b):
+            s_.setsockopt(zmq.SNDHWM, 1)
+            s_.setsockopt(zmq.RCVHWM, 1)
+            s_.setsockopt(zmq.LINGER, 0)
+        raw_a.bind("inproc://loop-socket-test")
+        raw_b.connect("inproc://loop-socket-test")
+        a, b = LoopSocket(raw_a), LoopSocket(raw_b)
+        sent = 0
+        with pytest.raises(zmq.Again):
+            for _ in range(100):
+                a.send_now([b"x%d" % sent])
+                sent += 1
+        assert 1 <= sent < 100  # the pipe filled up
+        blocked = asyncio.create_task(a.send([b"last"]), name="blocked-send")
+        await asyncio.sleep(0.1)
+        assert not blocked.done()
+        got = [(await asyncio.wait_for(b.recv(), 5))[0] for _ in range(sent + 1)]
+        await asyncio.wait_for(blocked, 5)
+        assert got == [b"x%d" % i for i in range(sent)] + [b"last"]
+        # a receiver waits on b; a's reply arrives while b itself sends (which drains b's FD signal)
+        recv = asyncio.create_task(b.recv(), name="waiting-recv")
+        await asyncio.sleep(0.05)
+        a.send_now([b"ping"])
+        b.send_now([b"pong"])
+        assert (await asyncio.wait_for(recv, 5)) == [b"ping"]
+        assert (await asyncio.wait_for(a.recv(), 5)) == [b"pong"]
+        a.close()
+        b.close()
+        with pytest.raises(zmq.ZMQError):
+            await b.recv()
+        ctx.term()
+
+    run(main())
+
+
 # ---------------------------------------------------------------------------------------- hostile input
 @pytest.mark.parametrize("kind", KINDS)
 def test_wrong_secret_is_dropped_and_counted(kind):
@@ -534,7 +609,7 @@ def test_tampered_payload_with_a_fresh_header_is_rejected():
 # ---------------------------------------------------------------------------------------- shared memory
 def test_shm_slots_are_reused_released_and_never_left_named():
     async def main():
-        a, b = await pair("shm")
+        a, b = await pair("shm", shm_copy_below=0)  # zero-copy views for every payload size
         kept: list[dict[str, torch.Tensor]] = []
         keep = False
 
@@ -563,6 +638,66 @@ def test_shm_slots_are_reused_released_and_never_left_named():
         await b.close()
 
     run(main())
+
+
+def test_shm_release_rides_on_the_ack_when_the_handler_keeps_nothing():
+    """Zero-copy views the handler dropped are released in the ack itself: the slot is free (and
+    reused, warm) as soon as send() returns, with no separate release message."""
+
+    async def main():
+        a, b = await pair("shm", shm_copy_below=0)
+        sums = []
+
+        async def handler(env):
+            sums.append(int(env.tensors["x"].sum()))
+
+        b.set_handler(handler)
+        for i in range(5):
+            await a.send(ep(b), "k", {}, {"x": torch.full((50_000,), i, dtype=torch.int64)}, timeout=5)
+            st = a.stats()
+            assert (st["shm_slots"], st["shm_slots_busy"]) == (1, 0)  # no sleep: the ack carried the release
+        assert sums == [50_000 * i for i in range(5)]
+        assert b.stats()["shm_releases_sent"] == 5
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_shm_small_payloads_are_copied_out_so_handlers_may_keep_them():
+    """Below ``shm_copy_below`` the receiver copies out of the segment and frees the slot in the ack:
+    kept tensors stay intact although the sender reuses (overwrites) the same slot right away."""
+
+    async def main():
+        a, b = await pair("shm", shm_copy_below=1 << 20)
+        kept: list[torch.Tensor] = []
+
+        async def handler(env):
+            kept.append(env.tensors["x"])
+
+        b.set_handler(handler)
+        for i in range(4):
+            await a.send(ep(b), "k", {}, {"x": torch.full((100_000,), float(i))}, timeout=5)
+            assert a.stats()["shm_slots_busy"] == 0
+        assert a.stats()["shm_slots"] == 1 and a.stats()["shm_sends"] == 4
+        assert [float(k.min()) for k in kept] == [0.0, 1.0, 2.0, 3.0]
+        assert [float(k.max()) for k in kept] == [0.0, 1.0, 2.0, 3.0]
+        big = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: over the threshold, zero-copy view
+        await a.send(ep(b), "k", {}, {"x": big}, timeout=5)
+        assert torch.equal(kept[-1], big) and a.stats()["shm_slots_busy"] == 1  # kept view pins its slot
+        kept.clear()
+        gc.collect()
+        await asyncio.sleep(0.1)
+        assert a.stats()["shm_slots_busy"] == 0 and b.stats()["shm_releases_sent"] == 5
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_shm_copy_threshold_is_validated():
+    with pytest.raises(ValueError, match="shm_copy_below must be a non-negative int"):
+        make_channel("shm", "a", SECRET, shm_copy_below=-1)
 
 
 def test_shm_falls_back_to_frames_when_the_receiver_cannot_map():

@@ -1,4 +1,4 @@
-"""Stage-to-stage redistribution between real processes over the real zmq channel.
+"""Stage-to-stage redistribution between real processes over the real zmq and shm channels.
 
 A pool of worker processes hosts producer and consumer nodes (each node its own channel
 and port). For every DP-size pair, each producer scatters an uneven batch for a step;
@@ -57,9 +57,10 @@ WORKER = textwrap.dedent("""
                 for s, p, r, l in zip(b.sample_ids, b.ragged("prompt_tokens"), b.ragged("response_tokens"),
                                       b.ragged("logprobs"))}
 
-    async def node(nid, capacity=None):
+    async def node(nid, capacity=None, channel=None):
         if nid not in nodes:
-            ch = make_channel("zmq", nid, SECRET)
+            kw = dict(channel or {"kind": "zmq"})
+            ch = make_channel(kw.pop("kind"), nid, SECRET, **kw)
             shard = BufferShard(capacity) if capacity else None
             if shard is not None:
                 ch.set_handler(shard_receiver(shard, put_timeout=60))
@@ -71,10 +72,10 @@ WORKER = textwrap.dedent("""
         rid, cmd = req["id"], req["cmd"]
         try:
             if cmd == "consumer":
-                ch, _ = await node(req["node"], req["capacity"])
+                ch, _ = await node(req["node"], req["capacity"], req.get("channel"))
                 reply(rid, port=ch.port)
             elif cmd == "produce":
-                ch, _ = await node(req["node"])
+                ch, _ = await node(req["node"], channel=req.get("channel"))
                 consumers = [Endpoint(*c) for c in req["consumers"]]
                 sums, times = {}, []
                 for step, n in zip(req["steps"], req["sizes"]):
@@ -85,7 +86,8 @@ WORKER = textwrap.dedent("""
                                       num_sources=req["num_sources"], extra_meta={"epoch": 0})
                     times.append(time.monotonic() - t0)
                     assert sum(r["samples"]) == n
-                reply(rid, sums=sums, times=times, sent=ch.stats()["sent_msgs"])
+                st = ch.stats()
+                reply(rid, sums=sums, times=times, sent=st["sent_msgs"], shm_sends=st.get("shm_sends", 0))
             elif cmd == "take":
                 ch, shard = await node(req["node"])
                 got, max_waiting, max_held = {}, 0, 0
@@ -184,24 +186,35 @@ def workers():
 SIZES = [7, 0, 13, 4]
 
 
-@pytest.mark.parametrize("num_producers, num_consumers", [(1, 2), (2, 2), (3, 2), (4, 3), (2, 5)])
-def test_every_sample_arrives_exactly_once_at_its_owner(workers, num_producers, num_consumers):
-    tag = f"{num_producers}to{num_consumers}"
+# The zmq channel, and the shm channel (what "auto" picks on one host) both copying small parts out of
+# shared memory and handing out zero-copy views of it.
+CHANNELS = {"zmq": {"kind": "zmq"}, "shm-copy": {"kind": "shm", "shm_min_bytes": 0},
+            "shm-view": {"kind": "shm", "shm_min_bytes": 0, "shm_copy_below": 0}}
+CASES = ([("zmq", p, c) for p, c in [(1, 2), (2, 2), (3, 2), (4, 3), (2, 5)]]
+         + [(k, p, c) for k in ("shm-copy", "shm-view") for p, c in [(2, 2), (4, 3)]])
+
+
+@pytest.mark.parametrize("channel, num_producers, num_consumers", CASES)
+def test_every_sample_arrives_exactly_once_at_its_owner(workers, channel, num_producers, num_consumers):
+    tag = f"{channel}-{num_producers}to{num_consumers}"
+    chan = CHANNELS[channel]
     steps = [0, 1]
     # producers on workers 0.., consumers on the last workers: some pairs share a process, most do not
     cons = [(f"c{j}-{tag}", workers[len(workers) - 1 - j]) for j in range(num_consumers)]
-    ports = [result(w.request("consumer", node=n, capacity=1000))["port"] for n, w in cons]
+    ports = [result(w.request("consumer", node=n, capacity=1000, channel=chan))["port"] for n, w in cons]
     endpoints = [[n, "127.0.0.1", p] for (n, _), p in zip(cons, ports)]
     prods = [(f"p{i}-{tag}", workers[i]) for i in range(num_producers)]
     takes = [w.request("take", node=n, steps=steps, sources=[p for p, _ in prods]) for n, w in cons]
     sizes = {p: [SIZES[(i + s) % len(SIZES)] for s in steps] for i, (p, _) in enumerate(prods)}
     produced = [w.request("produce", node=p, consumers=endpoints, steps=steps, sizes=sizes[p], seed=10 * i,
-                          rank=i, num_sources=num_producers) for i, (p, w) in enumerate(prods)]
+                          rank=i, num_sources=num_producers, channel=chan) for i, (p, w) in enumerate(prods)]
     sent: dict[str, list] = {}
     for (p, _), fut in zip(prods, produced):
         r = result(fut)
         assert len(r["sums"]) == sum(sizes[p])
         assert r["sent"] == len(steps) * num_consumers  # one message per consumer per step, empty or not
+        if chan["kind"] == "shm":  # every non-empty part went through shared memory
+            assert r["shm_sends"] > 0
         sent.update(r["sums"])
     received: dict[str, list] = {}
     for j, ((n, _), fut) in enumerate(zip(cons, takes)):

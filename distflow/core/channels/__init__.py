@@ -26,7 +26,7 @@ from distflow.core.channels.shm_channel import ShmChannel, shm_available, sweep_
 from distflow.core.channels.zmq_channel import ZmqChannel
 
 KINDS = ("zmq", "shm", "nccl", "auto")
-_SHM_KW = frozenset({"shm_min_bytes", "max_free_slots", "mapping_idle_s", "sweep_min_age"})
+_SHM_KW = frozenset({"shm_min_bytes", "shm_copy_below", "max_free_slots", "mapping_idle_s", "sweep_min_age"})
 _NCCL_KW = frozenset({"device", "nccl_timeout"})
 
 __all__ = [
@@ -40,7 +40,7 @@ def make_channel(kind: str, node_id: str, secret: str | bytes, host: str = "127.
     """A channel endpoint for ``node_id`` bound (on ``start()``) to host:port (0 = ephemeral).
 
     kind: "zmq" | "shm" | "nccl" | "auto". Extra keywords go to the backend
-    (e.g. ``max_message_bytes``, ``max_inflight``, ``shm_min_bytes``, ``device``).
+    (e.g. ``max_message_bytes``, ``max_inflight``, ``shm_min_bytes``, ``shm_copy_below``, ``device``).
     """
     if kind == "zmq":
         return ZmqChannel(node_id, secret, host, port, **kw)

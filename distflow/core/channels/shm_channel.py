@@ -25,10 +25,15 @@ Segment life cycle (no segment may outlive its processes, even under SIGKILL):
 Zero copy on the receiving side: the handler gets tensors that *view the segment*, and
 may keep them as long as it likes. A slot is busy from the send until every tensor of
 that message has been freed on the receiver (a ``weakref.finalize`` on the shared numpy
-view); the receiver then sends a signed ``release`` back over the ZMQ connection and the
-sender may reuse the slot. The ack still comes when the handler returns (backpressure is
-unchanged). Slots a receiver keeps simply make the sender's pool grow. A receiver that
-wants private memory copies (``SampleBatch.concat``/``select`` do). Payload bytes in shared
+view); the release then goes back to the sender, which may reuse the slot: inside the
+ack when the handler kept nothing (the common case: the slot is free, and warm, as soon as
+``send`` returns), else in a signed ``release`` message over the ZMQ connection. The ack still
+comes when the handler returns (backpressure is unchanged). Slots a receiver keeps simply
+make the sender's pool grow. Payloads under ``shm_copy_below`` (1 MiB) are copied out of the
+segment on receipt instead, and their slot is released in the ack: copying a small part costs
+less than a release message (a wake-up of two processes), and an all-to-all step sends many
+small parts. A receiver that wants private memory of a large payload copies
+(``SampleBatch.concat``/``select`` do). Payload bytes in shared
 memory are not MACed (the signed header names the segment; segments are 0600 files of
 the same uid, and any process of that uid can read the cluster secret anyway).
 Peers on another host, or payloads under ``shm_min_bytes``, travel as inline frames.
@@ -253,6 +258,7 @@ class ShmChannel(ZmqChannel):
         port: int = 0,
         *,
         shm_min_bytes: int = 64 << 10,
+        shm_copy_below: int = 1 << 20,
         max_free_slots: int = 4,
         mapping_idle_s: float = 300.0,
         sweep_min_age: float = 2.0,
@@ -261,7 +267,10 @@ class ShmChannel(ZmqChannel):
         super().__init__(node_id, secret, host, port, **kw)
         if not shm_available():
             raise OSError(f"shared memory directory {SHM_DIR} is not available; use the zmq channel")
+        if not isinstance(shm_copy_below, int) or isinstance(shm_copy_below, bool) or shm_copy_below < 0:
+            raise ValueError(f"shm_copy_below must be a non-negative int (bytes), got {shm_copy_below!r}")
         self._shm_min_bytes = shm_min_bytes
+        self._copy_below = shm_copy_below
         self._max_free_slots = max_free_slots
         self._mapping_idle_s = mapping_idle_s
         self._sweep_min_age = sweep_min_age
@@ -271,11 +280,13 @@ class ShmChannel(ZmqChannel):
         self._rel_pending: dict[bytes, tuple[str, bytes, list[list[Any]]]] = {}  # ident -> (sender, sess, slots)
         self._rel_flush: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
 
     async def start(self) -> None:
         _install_hooks()
         sweep_stale_segments(self._sweep_min_age)
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         await super().start()
 
     async def close(self) -> None:
@@ -404,8 +415,14 @@ class ShmChannel(ZmqChannel):
         except ValueError as e:
             self._drop("bad_release", str(e))
             return
+        self._apply_releases(p, msg.get("slots"))
+
+    def _on_ack(self, p: _PeerOut, ack: dict[str, Any]) -> None:
+        if "rel" in ack:  # releases that rode on the ack (the handler kept no view of its tensors)
+            self._apply_releases(p, ack["rel"])
+
+    def _apply_releases(self, p: _PeerOut, slots: Any) -> None:
         pool = self._pools.get(p.endpoint)
-        slots = msg.get("slots")
         if pool is None or not isinstance(slots, list):
             return
         by_name = {s.name: s for s in pool.slots}
@@ -450,8 +467,12 @@ class ShmChannel(ZmqChannel):
         if spans:
             lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
             arr = np.frombuffer(m.mm, dtype=np.uint8, count=hi - lo, offset=lo)
-            fin = weakref.finalize(arr, self._release_threadsafe, ident, sender, header["sess"], name, use)
-            fin.atexit = False
+            if hi - lo < self._copy_below:  # a private copy is cheaper than a release round trip
+                arr = arr.copy()
+                self._queue_release(ident, sender, header["sess"], name, use, flush=False)  # rides on the ack
+            else:
+                fin = weakref.finalize(arr, self._release_threadsafe, ident, sender, header["sess"], name, use)
+                fin.atexit = False
             base = torch.from_numpy(arr)
             del arr
             for h, o in zip(headers, offsets):
@@ -493,16 +514,33 @@ class ShmChannel(ZmqChannel):
         loop = self._loop
         if loop is None or self._closed:
             return
+        if threading.get_ident() == self._loop_thread:  # the usual case: no self-pipe wake-up needed
+            self._queue_release(ident, sender, sess, name, use)
+            return
         try:
             loop.call_soon_threadsafe(self._queue_release, ident, sender, sess, name, use)
         except RuntimeError:  # loop closed
             pass
 
-    def _queue_release(self, ident: bytes, sender: str, sess: bytes, name: str, use: int) -> None:
-        entry = self._rel_pending.setdefault(ident, (sender, sess, []))
+    def _queue_release(self, ident: bytes, sender: str, sess: bytes, name: str, use: int,
+                       flush: bool = True) -> None:
+        entry = self._rel_pending.get(ident)
+        if entry is None or entry[1] != sess:
+            if entry is not None:  # a new session on the same connection: flush the old one first
+                self._flush_releases()
+            entry = self._rel_pending[ident] = (sender, sess, [])
         entry[2].append([name, use])
-        if self._rel_flush is None and not self._closed:
-            self._rel_flush = asyncio.get_running_loop().call_soon(self._flush_releases)
+        if flush and self._rel_flush is None and not self._closed and self._loop is not None:
+            self._rel_flush = self._loop.call_soon(self._flush_releases)
+
+    def _ack_extra(self, ident: bytes, header: dict[str, Any]) -> dict[str, Any]:
+        """Releases queued for this sender ride on the ack (one message fewer per send)."""
+        entry = self._rel_pending.get(ident)
+        if entry is None or entry[1] != header["sess"]:
+            return {}
+        del self._rel_pending[ident]
+        self._counters["shm_releases_sent"] += len(entry[2])
+        return {"rel": entry[2]}
 
     def _flush_releases(self) -> None:
         self._rel_flush = None
@@ -513,8 +551,7 @@ class ShmChannel(ZmqChannel):
             body = msgpack.packb({"t": "rel", "from": self.node_id, "to": sender, "sess": sess, "slots": slots},
                                  use_bin_type=True)
             try:
-                self._router.send_multipart([ident, MAGIC_REL, body, self._auth.tag([body], DOMAIN)],
-                                            flags=zmq.NOBLOCK)
+                self._router.send_now([ident, MAGIC_REL, body, self._auth.tag([body], DOMAIN)], copy=True)
                 self._counters["shm_releases_sent"] += len(slots)
             except zmq.ZMQError as e:  # the sender's pool just grows; it never reuses an unreleased slot
                 log.warning("channel %s: could not send shm release to %s: %s", self.node_id, sender, e)

@@ -15,9 +15,10 @@ time, a per-sender sequence number, the message kind, user meta, the tensor head
 header. The inline payload frames are covered by a one-time MAC whose tag sits inside
 the signed header: AES-GMAC keyed per message by ``Authenticator.tag([session, nonce])``
 (a fresh key per message, so GMAC's nonce rule holds trivially), or HMAC-SHA256 when the
-``cryptography`` package is missing. GMAC runs at ~15 GB/s per core where HMAC-SHA256
-runs at ~1 GB/s, which is what lets an authenticated channel keep up with a raw TCP
-socket (MACing the payload on both ends at 1 GB/s would cost more than the transfer).
+``cryptography`` package is missing. GMAC runs at 10-40 GB/s per core (memory-bound on
+cold data) where HMAC-SHA256 runs at ~1 GB/s; still, on loopback, where the "network" is
+itself a memory copy, the two GMAC passes (sender, receiver) are what the channel adds to a
+raw TCP socket's cost (see bench/redistribute.py).
 Replay: the receiver keeps, per sender, the newest session and the highest sequence
 number seen, and drops anything not newer.
 
@@ -28,6 +29,12 @@ DEALER per peer, an ack reader task per DEALER, and a future per outstanding seq
 number. The DEALER is not ``IMMEDIATE`` (with it, libzmq discards acks that arrived but
 were not read yet when the peer closes); instead a send that times out resets that peer's
 DEALER, so nothing stale stays queued for a dead peer and delivered long after.
+
+Sockets are plain zmq sockets driven by the loop through :class:`LoopSocket` (non-blocking
+calls, FD wake-ups), not ``zmq.asyncio``: its per-call machinery cost more Python time than the
+protocol itself, and with N producers x N consumers messages per step that time is the
+peer-to-peer handoff's main cost. Subclasses may add fields to acks (``_ack_extra``) and
+read them (``_on_ack``): the shm channel returns its slot releases that way.
 """
 
 from __future__ import annotations
@@ -45,7 +52,6 @@ from typing import Any, Callable, Sequence
 import msgpack
 import torch
 import zmq
-import zmq.asyncio
 
 from distflow.core.auth import TAG_SIZE, Authenticator
 from distflow.core.channels import codec
@@ -73,6 +79,11 @@ except Exception:  # pragma: no cover - depends on the environment
     _AESGCM = None
 
 GMAC_CHUNK = 1 << 30  # AES-GCM takes at most 2**31-1 bytes of associated data per call
+# plain ints and the backend socket methods: pyzmq's flag enums and multipart wrappers cost a
+# Python-level call per bitwise operation / frame, more than the frames themselves
+_NOBLOCK, _EVENTS, _POLLIN, _POLLOUT = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_SNDMORE, _RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
+_zsend, _zrecv, _zget = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
 
 
 class PayloadError(ChannelError):
@@ -113,6 +124,97 @@ def payload_tag(alg: str, key: bytes, frames: Sequence[Any]) -> bytes:
     raise PayloadError("unsupported_mac", f"unknown payload MAC algorithm {alg!r}")
 
 
+class LoopSocket:
+    """A plain zmq socket driven by the running asyncio loop (used from the loop thread only).
+
+    Why not ``zmq.asyncio``: its per-call futures, poller re-registration and flag enums cost
+    more Python time per message than the channel protocol itself. Every call here is
+    ``NOBLOCK``; only one that would block waits on the socket's FD. That FD is edge-triggered
+    (any zmq call may consume its signal), so a wait re-checks ``ZMQ_EVENTS`` first, a send
+    (recv) wakes the waiters for input (output) that is ready, and an FD signal nobody waits
+    for is drained by reading ``ZMQ_EVENTS`` (the level-triggered loop would spin on it).
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._waiters: dict[int, list[asyncio.Future]] = {_POLLIN: [], _POLLOUT: []}
+        self._loop.add_reader(self._fd, self._wake)
+        self.closed = False
+
+    def _wake(self, event: int = _POLLIN | _POLLOUT) -> None:
+        woke = False
+        for ev, waiters in self._waiters.items():
+            if ev & event and waiters:
+                self._waiters[ev], woke = [], True
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(None)
+        if not woke:
+            _zget(self.sock, _EVENTS)  # drains the FD's signal; a later waiter checks EVENTS itself
+
+    async def _wait(self, event: int) -> None:
+        """Return once ``event`` (POLLIN or POLLOUT) may be ready (spurious wake-ups are fine)."""
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+        if _zget(self.sock, _EVENTS) & event:
+            return
+        fut = self._loop.create_future()
+        self._waiters[event].append(fut)
+        try:
+            await fut
+        finally:
+            if fut in self._waiters[event]:  # cancelled
+                self._waiters[event].remove(fut)
+
+    async def recv(self, copy: bool = True) -> list[Any]:
+        """The next multipart message: bytes frames, or zmq.Frame objects with ``copy=False``."""
+        sock = self.sock
+        while True:
+            if _zget(sock, _EVENTS) & _POLLIN:  # checked first: a NOBLOCK recv that fails raises (slow)
+                try:
+                    frames = [_zrecv(sock, _NOBLOCK, copy)]
+                    break
+                except zmq.Again:  # pragma: no cover - defensive: EVENTS and recv disagreed
+                    pass
+            await self._wait(_POLLIN)
+        while _zget(sock, _RCVMORE):  # the rest of a multipart message is there already
+            frames.append(_zrecv(sock, _NOBLOCK, copy))
+        if self._waiters[_POLLOUT] and _zget(sock, _EVENTS) & _POLLOUT:
+            self._wake(_POLLOUT)  # the recv consumed the FD signal a blocked sender is after
+        return frames
+
+    def send_now(self, frames: Sequence[Any], copy: bool = False) -> None:
+        """Send without waiting; zmq.Again when the pipe is full (never for a ROUTER). Only the first
+        frame can meet a full pipe: zmq takes a message's other frames once it took the first."""
+        sock, last = self.sock, len(frames) - 1
+        for i, f in enumerate(frames):
+            _zsend(sock, f, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=copy)
+        if self._waiters[_POLLIN] and _zget(sock, _EVENTS) & _POLLIN:
+            self._wake(_POLLIN)  # the send consumed the FD signal of input a receiver is after
+
+    async def send(self, frames: Sequence[Any], copy: bool = False) -> None:
+        while True:
+            try:
+                return self.send_now(frames, copy)
+            except zmq.Again:
+                await self._wait(_POLLOUT)
+
+    def close(self, linger: int = 0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        for waiters in self._waiters.values():
+            for w in waiters:
+                if not w.done():
+                    w.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
+            waiters.clear()
+        self.sock.close(linger=linger)
+
+
 @dataclass
 class Outgoing:
     """A prepared payload: how it travels, extra header fields, frames, and a release hook."""
@@ -127,7 +229,7 @@ class Outgoing:
 @dataclass
 class _PeerOut:
     endpoint: Endpoint
-    sock: zmq.asyncio.Socket
+    sock: LoopSocket
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     next_seq: int = 1
     order: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -181,8 +283,8 @@ class ZmqChannel(TensorChannel):
         self._session = os.urandom(16)
         self._start_ns = time.time_ns()
         self._handler: Handler | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._router: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._router: LoopSocket | None = None
         self._recv_task: asyncio.Task | None = None
         self._handler_tasks: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
@@ -199,7 +301,7 @@ class ZmqChannel(TensorChannel):
         if self._started:
             raise RuntimeError(f"channel {self.node_id} already started")
         self._started = True
-        self._ctx = zmq.asyncio.Context(io_threads=1)
+        self._ctx = zmq.Context(io_threads=1)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
@@ -213,7 +315,7 @@ class ZmqChannel(TensorChannel):
         except zmq.ZMQError as e:
             router.close(0)
             raise OSError(f"channel {self.node_id}: cannot bind data port {self.host}:{self.port}: {e}") from e
-        self._router = router
+        self._router = LoopSocket(router)
         self.port = int(router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._slots = asyncio.Semaphore(self._max_inflight)
         self._recv_task = asyncio.create_task(self._recv_loop(), name=f"channel-recv-{self.node_id}")
@@ -350,7 +452,7 @@ class ZmqChannel(TensorChannel):
             tag = self._auth.tag([hbytes], DOMAIN)
             p.pending[seq] = fut
             try:
-                await p.sock.send_multipart([MAGIC_MSG, hbytes, tag, *out.frames], copy=False)
+                await p.sock.send([MAGIC_MSG, hbytes, tag, *out.frames], copy=False)
             except BaseException:
                 p.pending.pop(seq, None)
                 raise
@@ -394,7 +496,7 @@ class ZmqChannel(TensorChannel):
         if ":" in peer.host:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(peer.address)
-        p = _PeerOut(peer, sock, next_seq=self._next_seq.pop(peer, 1))
+        p = _PeerOut(peer, LoopSocket(sock), next_seq=self._next_seq.pop(peer, 1))
         p.reader = asyncio.create_task(self._ack_loop(p), name=f"channel-acks-{self.node_id}->{peer.node_id}")
         self._peers_out[peer] = p
         return p
@@ -416,11 +518,11 @@ class ZmqChannel(TensorChannel):
     async def _ack_loop(self, p: _PeerOut) -> None:
         while True:
             try:
-                frames = await p.sock.recv_multipart()
+                frames = await p.sock.recv()
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
-                if self._closed:
+                if self._closed or p.sock.closed:
                     return
                 log.warning("channel %s: ack socket to %s failed: %s", self.node_id, p.endpoint.node_id, e)
                 await asyncio.sleep(0.05)
@@ -433,6 +535,7 @@ class ZmqChannel(TensorChannel):
             except ValueError as e:
                 self._drop("bad_ack", str(e))
                 continue
+            self._on_ack(p, ack)
             fut = p.pending.get(ack["seq"])
             if fut is None or fut.done():
                 self._counters["late_acks"] += 1
@@ -442,6 +545,13 @@ class ZmqChannel(TensorChannel):
     def _on_peer_message(self, p: _PeerOut, frames: list[bytes]) -> None:
         """Messages other than acks coming back on a DEALER (subclasses: shm slot releases)."""
         self._drop("bad_ack", "unknown reply type")
+
+    def _on_ack(self, p: _PeerOut, ack: dict[str, Any]) -> None:
+        """An authentic ack from ``p`` arrived (subclasses: releases it carries)."""
+
+    def _ack_extra(self, ident: bytes, header: dict[str, Any]) -> dict[str, Any]:
+        """Extra fields for the ack to ``ident`` (subclasses: piggybacked shm releases)."""
+        return {}
 
     def _parse_reply(self, frames: list[bytes], peer: Endpoint, magic: bytes, typ: str) -> dict[str, Any]:
         """Check a signed reply (ack, release) from ``peer`` to this channel session."""
@@ -469,7 +579,7 @@ class ZmqChannel(TensorChannel):
         while True:
             await self._slots.acquire()
             try:
-                frames = await self._router.recv_multipart(copy=False)
+                frames = await self._router.recv(copy=False)
             except asyncio.CancelledError:
                 self._slots.release()
                 raise
@@ -567,6 +677,7 @@ class ZmqChannel(TensorChannel):
             del tensors
             try:
                 await self._handler(env)
+                del env  # tensors the handler did not keep die now, before the ack (shm: release rides on it)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -619,20 +730,17 @@ class ZmqChannel(TensorChannel):
         if self._closed or self._router is None:
             return
         ack = {"t": "ack", "from": self.node_id, "to": header["from"], "sess": header["sess"],
-               "seq": header["seq"], "ok": code == "ok", "code": code, "err": err[:4000]}
+               "seq": header["seq"], "ok": code == "ok", "code": code, "err": err[:4000],
+               **self._ack_extra(ident, header)}
         if code != "ok":
             self._counters["nacks_sent"] += 1
         body = msgpack.packb(ack, use_bin_type=True)
         frames = [ident, MAGIC_ACK, body, self._auth.tag([body], DOMAIN)]
-        # pyzmq sends at once when nothing is queued, so the ack normally leaves in the same loop
-        # step as the handler's return (a handler that triggers close() still gets its ack out).
-        fut = self._router.send_multipart(frames)
+        # A ROUTER send never blocks (a full pipe drops), so the ack leaves in the same loop step as
+        # the handler's return (a handler that triggers close() still gets its ack out).
         try:
-            if not fut.done():
-                await asyncio.wait_for(fut, 5.0)
-            elif fut.exception() is not None:
-                raise fut.exception()
-        except (zmq.ZMQError, TimeoutError) as e:
+            self._router.send_now(frames, copy=True)
+        except zmq.ZMQError as e:
             log.warning("channel %s: could not ack %s#%s: %s", self.node_id, header["from"], header["seq"], e)
 
 
