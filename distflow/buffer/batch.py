@@ -119,12 +119,19 @@ class SampleBatch:
         """A new batch holding the given samples, in the given order."""
         idx = torch.as_tensor(list(indices) if not torch.is_tensor(indices) else indices, dtype=torch.int64)
         out: dict[str, torch.Tensor] = {}
+        gathers: dict[str, torch.Tensor] = {}  # one flat gather index per lengths field, vectorised
         for name, t in self.tensors.items():
             if name in LENGTHS:
-                lens = self.tensors[LENGTHS[name]]
-                starts = torch.cumsum(lens, 0) - lens
-                pieces = [t[int(starts[i]): int(starts[i]) + int(lens[i])] for i in idx.tolist()]
-                out[name] = torch.cat(pieces) if pieces else t[:0].clone()
+                lens_name = LENGTHS[name]
+                if lens_name not in gathers:
+                    lens = self.tensors[lens_name]
+                    sel_lens = lens[idx]
+                    sel_starts = (torch.cumsum(lens, 0) - lens)[idx]
+                    out_starts = torch.cumsum(sel_lens, 0) - sel_lens
+                    total = int(sel_lens.sum())
+                    gathers[lens_name] = torch.arange(total) + torch.repeat_interleave(sel_starts - out_starts,
+                                                                                       sel_lens)
+                out[name] = t[gathers[lens_name]]
             else:
                 out[name] = t.index_select(0, idx) if len(idx) else t[:0].clone()
         il = idx.tolist()
