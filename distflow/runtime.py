@@ -31,10 +31,6 @@ class Groups:
     rank: int
     controller: list[Member] = field(default_factory=list)  # controller: single only
 
-    def endpoints(self, members: list[Member]) -> list[Endpoint]:
-        """Data endpoints as of group formation (see Runtime.endpoint for the current one)."""
-        return [Endpoint(m.node_id, m.host, int(m.meta["data_port"])) for m in members]
-
 
 @dataclass
 class Runtime:
@@ -116,11 +112,6 @@ class Runtime:
         if m is None or "data_port" not in m.meta:
             raise PeerLostError(f"{node_id} is not a member with a data endpoint")
         return Endpoint(m.node_id, m.host, int(m.meta["data_port"]))
-
-    def require_alive(self, members: list[Member], what: str) -> None:
-        dead = [m.node_id for m in members if not self.node.is_alive(m.node_id)]
-        if dead:
-            raise PeerLostError(f"{', '.join(dead)} left the mesh while {what}")
 
     async def stop(self) -> None:
         try:

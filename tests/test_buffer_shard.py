@@ -13,7 +13,7 @@ import torch
 
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.routing import balance_by_tokens, owner, split_by_owner, token_partition
-from distflow.buffer.shard import BufferShard, SourceLostError, StaleSampleError
+from distflow.buffer.shard import BufferShard, DuplicatePartError, SourceLostError, StaleSampleError
 
 
 def make_batch(prefix: str, n: int, version: int = 0, start: int = 0) -> SampleBatch:
@@ -102,10 +102,10 @@ def test_duplicate_parts_are_rejected():
     async def main():
         s = BufferShard(10)
         await s.put(make_batch("a", 1), step=3, source="p", timeout=1)
-        with pytest.raises(ValueError, match="duplicate part for step 3 from 'p'"):
+        with pytest.raises(DuplicatePartError, match="duplicate part for step 3 from 'p'"):
             await s.put(make_batch("a", 1), step=3, source="p", timeout=1)
         await s.take_step(3, ["p"], timeout=1)
-        with pytest.raises(ValueError, match="duplicate part for step 3 from 'p'"):
+        with pytest.raises(DuplicatePartError, match="duplicate part for step 3 from 'p'"):
             await s.put(make_batch("a", 1), step=3, source="p", timeout=1)
         with pytest.raises(ValueError, match="already taken"):
             await s.take_step(3, ["p"], timeout=1)

@@ -34,6 +34,10 @@ class SourceLostError(RuntimeError):
         self.missing = missing
 
 
+class DuplicatePartError(ValueError):
+    """A second part for a (step, source) already held or taken."""
+
+
 class StaleSampleError(ValueError):
     """Samples older than the staleness bound. ``batch`` holds the whole (consumed) step."""
 
@@ -80,7 +84,7 @@ class BufferShard:
         n = len(batch)
         async with self._cond:
             if key in self._taken or key in self._reserved or source in self._parts.get(step, {}):
-                raise ValueError(f"{self.name}: duplicate part for step {step} from {source!r}")
+                raise DuplicatePartError(f"{self.name}: duplicate part for step {step} from {source!r}")
             self._reserved.add(key)
             admitted = False
             try:

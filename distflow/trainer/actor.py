@@ -146,7 +146,7 @@ class Actor:
                                         clip_high=self.cfg.clip_high, ref_logprobs=ref, kl_coef=kl_coef,
                                         token_normalizer=normalizer)
             loss.backward()
-            w = float(resp.sum()) / normalizer / self.world  # this micro-batch's share of the global token mean
+            w = float(resp.sum()) / max(global_tokens, 1.0)  # this micro-batch's share of the global token mean
             sums["loss"] += float(loss.detach()) / self.world
             for k in ("pg_loss", "kl", "clip_frac"):
                 if k in metrics:

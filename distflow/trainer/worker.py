@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.redistribute import parse_part
-from distflow.buffer.shard import SourceLostError
+from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.core.channels import Envelope
 from distflow.core.dag import WorkflowNode
 from distflow.runtime import Groups, Runtime
@@ -89,14 +89,12 @@ async def run_trainer(rt: Runtime) -> None:
         source = f"shard-{shard}"
         # A re-issued shard (its node was down) can arrive twice, or after its step was trained:
         # the first part wins, repeats are acknowledged and dropped.
-        if step < consumed[0] or source in rt.shard.steps_held().get(step, ()):
-            dropped["late" if step < consumed[0] else "duplicate"] += 1
+        if step < consumed[0]:
+            dropped["late"] += 1
             return
         try:
             await rt.shard.put(batch, step=step, source=source, timeout=cfg.step_timeout_s)
-        except ValueError as e:
-            if "duplicate" not in str(e):
-                raise
+        except DuplicatePartError:  # two copies arrived at once
             dropped["duplicate"] += 1
 
     rt.on_data("samples", on_samples)
