@@ -466,6 +466,7 @@ def main() -> None:
                     help="channel for the handoff part (default auto: what a node on this host uses)")
     ap.add_argument("--sizes", default="2,4,8")
     ap.add_argument("--window", type=int, default=1, help="messages in flight in the bandwidth part")
+    ap.add_argument("--parts", default="handoff,bandwidth", help="which parts to run (comma-separated)")
     args = ap.parse_args()
     if args.worker:
         worker_main()
@@ -476,9 +477,20 @@ def main() -> None:
     per_sample = PROMPT * 8 + RESPONSE * 8 + RESPONSE * 4 * 2 + 16
     figures: dict[str, Any] = {"cores": cores, "channel": args.channel, "reps": reps}
 
-    cluster = Cluster(max(sizes), args.channel)
+    parts = set(args.parts.split(","))
+    if parts - {"handoff", "bandwidth"}:
+        ap.error(f"--parts: unknown part(s) {sorted(parts - {'handoff', 'bandwidth'})} (known: handoff, bandwidth)")
+    if "handoff" in parts:
+        run_handoff(sizes, reps, cores, args.channel, per_sample, figures)
+    if "bandwidth" in parts:
+        run_bandwidth(args.quick, args.window, figures)
+    print(json.dumps(figures))
+
+
+def run_handoff(sizes: list[int], reps: int, cores: int, channel: str, per_sample: int, figures: dict[str, Any]) -> None:
+    cluster = Cluster(max(sizes), channel)
     print(f"machine: {cores} cores; payload {per_sample / 1024:.0f} KiB/sample, {PER_PRODUCER} samples "
-          f"({PER_PRODUCER * per_sample / 2**20:.1f} MiB) per producer; channel {args.channel} "
+          f"({PER_PRODUCER * per_sample / 2**20:.1f} MiB) per producer; channel {channel} "
           f"(transport {cluster.transport}); times in ms, median [min-max] of {reps} paired repetitions")
     figures["transport"] = cluster.transport
     try:
@@ -487,13 +499,15 @@ def main() -> None:
     finally:
         cluster.stop()
 
-    size, rounds = 16 << 20, (5 if args.quick else 11)
+
+def run_bandwidth(quick: bool, window: int, figures: dict[str, Any]) -> None:
+    size, rounds = 16 << 20, (5 if quick else 11)
     for kind, base_name, key, breps in (("zmq", "socket", "zmq_vs_socket", 24), ("shm", "memcpy", "shm_vs_memcpy", 64)):
-        r = bandwidth(kind, size, breps, rounds, args.window)
+        r = bandwidth(kind, size, breps, rounds, window)
         cpu = r["cpu"]
         ratios = r["ratios"]
         print(f"{kind} channel {statistics.median(r['chan']):.2f} GB/s vs {base_name} "
-              f"{statistics.median(r['base']):.2f} GB/s ({size >> 20} MiB messages, {args.window} in flight): "
+              f"{statistics.median(r['base']):.2f} GB/s ({size >> 20} MiB messages, {window} in flight): "
               f"ratio {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] | CPU ms/msg "
               + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
         figures.update({f"{kind}_gbps": round(statistics.median(r["chan"]), 3),
@@ -501,8 +515,7 @@ def main() -> None:
                         key: round(statistics.median(r["ratios"]), 3),
                         f"{key}_range": [round(min(r["ratios"]), 3), round(max(r["ratios"]), 3)],
                         **{f"{kind}_bw_cpu_ms_{k}": round(v, 3) for k, v in cpu.items()}})
-    figures["bw_window"] = args.window
-    print(json.dumps(figures))
+    figures["bw_window"] = window
 
 
 if __name__ == "__main__":

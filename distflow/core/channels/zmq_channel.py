@@ -40,16 +40,16 @@ read them (``_on_ack``): the shm channel returns its slot releases that way.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import os
 import struct
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import torch
 import zmq
 
@@ -65,155 +65,20 @@ from distflow.core.channels.base import (
     TensorChannel,
     log,
 )
+from distflow.core.channels.loop_socket import LoopSocket
+from distflow.core.channels.payload_mac import ChunkMac, PayloadError, default_mac_alg, payload_tag
+
+__all__ = ["ZmqChannel", "LoopSocket", "PayloadError", "Outgoing", "MAGIC_MSG", "MAGIC_ACK", "MAGIC_CHUNK"]
 
 MAGIC_MSG = b"DFD1"
 MAGIC_ACK = b"DFA1"
+MAGIC_CHUNK = b"DFC1"
 PROTOCOL = 1
 DOMAIN = b"data"
 OFFLOAD_BYTES = 1 << 20  # copies / hashing that release the GIL run in a worker thread above this size
-GMAC_OFFLOAD_BYTES = 64 << 20  # GMAC holds the GIL: a thread only helps keep the loop responsive
-
-try:  # AES-GMAC from OpenSSL via `cryptography` (~17 GB/s with VAES/VPCLMULQDQ); optional.
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM as _AESGCM
-except Exception:  # pragma: no cover - depends on the environment
-    _AESGCM = None
-
-GMAC_CHUNK = 1 << 30  # AES-GCM takes at most 2**31-1 bytes of associated data per call
-# plain ints and the backend socket methods: pyzmq's flag enums and multipart wrappers cost a
-# Python-level call per bitwise operation / frame, more than the frames themselves
-_NOBLOCK, _EVENTS, _POLLIN, _POLLOUT = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
-_SNDMORE, _RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
-_zsend, _zrecv, _zget = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
-
-
-class PayloadError(ChannelError):
-    """An authentic message whose payload cannot be accepted; the code goes back in the NACK."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def default_mac_alg() -> str:
-    return "aes-gmac" if _AESGCM is not None else "hmac-sha256"
-
-
-def payload_tag(alg: str, key: bytes, frames: Sequence[Any]) -> bytes:
-    """One-time MAC over payload frames. ``key``: 32 bytes, unique per message.
-
-    aes-gmac: one 16-byte GMAC tag per (frame, chunk of <= 1 GiB), nonce = (frame index, chunk
-    index), all concatenated; frame lengths are fixed by the signed header. hmac-sha256: one tag
-    over the length-prefixed frames.
-    """
-    if alg == "aes-gmac":
-        if _AESGCM is None:
-            raise PayloadError("unsupported_mac", "payload MAC aes-gmac needs the `cryptography` package")
-        gmac = _AESGCM(key)
-        tags = []
-        for i, f in enumerate(frames):
-            mv = memoryview(f).cast("B")
-            for j, off in enumerate(range(0, max(mv.nbytes, 1), GMAC_CHUNK)):
-                tags.append(gmac.encrypt(struct.pack("<IQ", i, j), b"", mv[off:off + GMAC_CHUNK]))
-        return b"".join(tags)
-    if alg == "hmac-sha256":
-        h = hmac.new(key, digestmod=hashlib.sha256)
-        for f in frames:
-            h.update(struct.pack("<Q", memoryview(f).nbytes))
-            h.update(f)
-        return h.digest()
-    raise PayloadError("unsupported_mac", f"unknown payload MAC algorithm {alg!r}")
-
-
-class LoopSocket:
-    """A plain zmq socket driven by the running asyncio loop (used from the loop thread only).
-
-    Why not ``zmq.asyncio``: its per-call futures, poller re-registration and flag enums cost
-    more Python time per message than the channel protocol itself. Every call here is
-    ``NOBLOCK``; only one that would block waits on the socket's FD. That FD is edge-triggered
-    (any zmq call may consume its signal), so a wait re-checks ``ZMQ_EVENTS`` first, a send
-    (recv) wakes the waiters for input (output) that is ready, and an FD signal nobody waits
-    for is drained by reading ``ZMQ_EVENTS`` (the level-triggered loop would spin on it).
-    """
-
-    def __init__(self, sock: zmq.Socket) -> None:
-        self.sock = sock
-        self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
-        self._waiters: dict[int, list[asyncio.Future]] = {_POLLIN: [], _POLLOUT: []}
-        self._loop.add_reader(self._fd, self._wake)
-        self.closed = False
-
-    def _wake(self, event: int = _POLLIN | _POLLOUT) -> None:
-        woke = False
-        for ev, waiters in self._waiters.items():
-            if ev & event and waiters:
-                self._waiters[ev], woke = [], True
-                for w in waiters:
-                    if not w.done():
-                        w.set_result(None)
-        if not woke:
-            _zget(self.sock, _EVENTS)  # drains the FD's signal; a later waiter checks EVENTS itself
-
-    async def _wait(self, event: int) -> None:
-        """Return once ``event`` (POLLIN or POLLOUT) may be ready (spurious wake-ups are fine)."""
-        if self.closed:
-            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
-        if _zget(self.sock, _EVENTS) & event:
-            return
-        fut = self._loop.create_future()
-        self._waiters[event].append(fut)
-        try:
-            await fut
-        finally:
-            if fut in self._waiters[event]:  # cancelled
-                self._waiters[event].remove(fut)
-
-    async def recv(self, copy: bool = True) -> list[Any]:
-        """The next multipart message: bytes frames, or zmq.Frame objects with ``copy=False``."""
-        sock = self.sock
-        while True:
-            if _zget(sock, _EVENTS) & _POLLIN:  # checked first: a NOBLOCK recv that fails raises (slow)
-                try:
-                    frames = [_zrecv(sock, _NOBLOCK, copy)]
-                    break
-                except zmq.Again:  # pragma: no cover - defensive: EVENTS and recv disagreed
-                    pass
-            await self._wait(_POLLIN)
-        while _zget(sock, _RCVMORE):  # the rest of a multipart message is there already
-            frames.append(_zrecv(sock, _NOBLOCK, copy))
-        if self._waiters[_POLLOUT] and _zget(sock, _EVENTS) & _POLLOUT:
-            self._wake(_POLLOUT)  # the recv consumed the FD signal a blocked sender is after
-        return frames
-
-    def send_now(self, frames: Sequence[Any], copy: bool = False) -> None:
-        """Send without waiting; zmq.Again when the pipe is full (never for a ROUTER). Only the first
-        frame can meet a full pipe: zmq takes a message's other frames once it took the first."""
-        sock, last = self.sock, len(frames) - 1
-        for i, f in enumerate(frames):
-            _zsend(sock, f, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=copy)
-        if self._waiters[_POLLIN] and _zget(sock, _EVENTS) & _POLLIN:
-            self._wake(_POLLIN)  # the send consumed the FD signal of input a receiver is after
-
-    async def send(self, frames: Sequence[Any], copy: bool = False) -> None:
-        while True:
-            try:
-                return self.send_now(frames, copy)
-            except zmq.Again:
-                await self._wait(_POLLOUT)
-
-    def close(self, linger: int = 0) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
-        for waiters in self._waiters.values():
-            for w in waiters:
-                if not w.done():
-                    w.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "socket closed"))
-            waiters.clear()
-        self.sock.close(linger=linger)
-
+GMAC_OFFLOAD_BYTES = 64 << 20  # GMAC runs at 10-25 GB/s: below this a thread hop costs more than it saves
+STREAM_MIN_BYTES = 4 << 20  # inline payloads this big are streamed in chunks (MAC overlaps the transfer)
+STREAM_CHUNK = 1 << 20  # fits L2: the receiver MACs each chunk while it is still in cache
 
 @dataclass
 class Outgoing:
@@ -224,6 +89,8 @@ class Outgoing:
     frames: list[Any]
     nbytes: int
     release: Callable[[bool], None] | None = None  # called once with acked=True/False
+    chunks: list[memoryview] | None = None  # a streamed payload: sent after the header, one message each
+    chunk_mac: ChunkMac | None = None
 
 
 @dataclass
@@ -241,6 +108,19 @@ class _PeerIn:
     start_ns: int
     session: bytes
     last_seq: int
+
+
+@dataclass
+class _StreamIn:
+    """A streamed payload being received: its buffers, the chunk plan and the next chunk due."""
+
+    ident: bytes
+    header: dict[str, Any]
+    bufs: list[np.ndarray]
+    plan: list[tuple[int, int, int]]  # chunk index -> (frame, offset, length)
+    mac: ChunkMac
+    timer: asyncio.TimerHandle
+    next: int = 0
 
 
 class ZmqChannel(TensorChannel):
@@ -262,6 +142,9 @@ class ZmqChannel(TensorChannel):
         mac_alg: str | None = None,
         pack_below: int = 16 << 10,
         close_timeout: float = 2.0,
+        stream_min_bytes: int = STREAM_MIN_BYTES,
+        stream_chunk: int = STREAM_CHUNK,
+        stream_timeout: float = 120.0,
     ) -> None:
         if not isinstance(node_id, str) or not node_id:
             raise ValueError(f"node_id must be a non-empty str, got {node_id!r}")
@@ -276,10 +159,16 @@ class ZmqChannel(TensorChannel):
         self._mac_alg = mac_alg or default_mac_alg()
         if self._mac_alg not in ("aes-gmac", "hmac-sha256"):
             raise ValueError(f"mac_alg must be 'aes-gmac' or 'hmac-sha256', got {self._mac_alg!r}")
-        if self._mac_alg == "aes-gmac" and _AESGCM is None:
+        if self._mac_alg == "aes-gmac" and default_mac_alg() != "aes-gmac":
             raise ValueError("mac_alg 'aes-gmac' needs the `cryptography` package")
         self._close_timeout = close_timeout
         self._pack_below = pack_below
+        if not 4096 <= stream_chunk <= 1 << 30:
+            raise ValueError(f"stream_chunk must be between 4096 and 2**30 bytes, got {stream_chunk!r}")
+        self._stream_min_bytes = stream_min_bytes  # 0: never stream
+        self._stream_chunk = stream_chunk
+        self._stream_timeout = stream_timeout
+        self._streams: dict[tuple[bytes, int], _StreamIn] = {}
         self._session = os.urandom(16)
         self._start_ns = time.time_ns()
         self._handler: Handler | None = None
@@ -338,6 +227,9 @@ class ZmqChannel(TensorChannel):
                 tasks.append(p.reader)
         for t in tasks:
             t.cancel()
+        for st in self._streams.values():
+            st.timer.cancel()
+        self._streams.clear()
         if tasks:
             done, pending = await asyncio.wait(tasks, timeout=self._close_timeout)
             if pending:
@@ -371,6 +263,9 @@ class ZmqChannel(TensorChannel):
             "remote_errors": c["remote_errors"],
             "send_timeouts": c["send_timeouts"],
             "handlers_running": len(self._handler_tasks),
+            "streams_sent": c["streams_sent"],
+            "streams_received": c["streams_received"],
+            "streams_open": len(self._streams),
             "dropped": dict(self._dropped),
             "dropped_total": sum(self._dropped.values()),
             **self._extra_stats(),
@@ -457,6 +352,8 @@ class ZmqChannel(TensorChannel):
                 p.pending.pop(seq, None)
                 raise
         try:
+            if out.chunks:
+                await self._send_chunks(p, seq, out, fut)
             ack = await fut
         finally:
             p.pending.pop(seq, None)
@@ -466,10 +363,40 @@ class ZmqChannel(TensorChannel):
         self._counters["sent_msgs"] += 1
         self._counters["sent_bytes"] += out.nbytes
 
+    async def _send_chunks(self, p: _PeerOut, seq: int, out: Outgoing, answered: asyncio.Future) -> None:
+        """Stream chunk messages ``[MAGIC_CHUNK, (seq, index), tag, data]``: while libzmq's I/O thread
+        puts chunk k on the wire (zero-copy), this thread MACs chunk k+1. Every few chunks the loop
+        gets a turn (acks, other tasks); an early answer (the receiver refused the header) stops it."""
+        assert out.chunks is not None and out.chunk_mac is not None
+        mac, sock = out.chunk_mac, p.sock
+        for k, chunk in enumerate(out.chunks):
+            if k % 8 == 7:
+                await asyncio.sleep(0)
+                if answered.done():
+                    return
+            await sock.send([MAGIC_CHUNK, struct.pack("<QQ", seq, k), mac.tag(k, chunk), chunk], copy=False)
+        self._counters["streams_sent"] += 1
+
     async def _prepare_payload(self, peer: Endpoint, tensors: dict[str, torch.Tensor]) -> Outgoing:
-        """Inline frames: zero-copy views of the tensors, payload MAC tag in the header."""
+        """Inline frames: zero-copy views of the tensors, payload MAC tag in the header; at least
+        ``stream_min_bytes``: streamed in chunks, each with its own MAC."""
         headers, frames = codec.encode(_to_cpu(tensors), pack_below=self._pack_below)
+        if self._stream_min_bytes and sum(h["nbytes"] for h in headers) >= self._stream_min_bytes:
+            return self._stream_outgoing(headers, frames)
         return await self._inline_outgoing(headers, frames)
+
+    def _stream_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
+        nbytes = sum(h["nbytes"] for h in headers)
+        if nbytes > self._max_message_bytes:
+            raise ValueError(f"payload of {nbytes} bytes is over the {self._max_message_bytes}-byte message limit")
+        views = [memoryview(f).cast("B") for f in frames]
+        cs = self._stream_chunk
+        nonce = os.urandom(16)
+        key = self._auth.tag([b"payload-key", self._session, nonce], DOMAIN)
+        header = {"tens": headers, "fs": [v.nbytes for v in views], "cs": cs,
+                  "pm": {"alg": self._mac_alg, "nonce": nonce}}
+        return Outgoing("chunks", header, [], nbytes, chunks=[v[o:o + cs] for v in views for o in range(0, v.nbytes, cs)],
+                        chunk_mac=ChunkMac(self._mac_alg, key))
 
     async def _inline_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
         nbytes = sum(h["nbytes"] for h in headers)
@@ -579,7 +506,7 @@ class ZmqChannel(TensorChannel):
         while True:
             await self._slots.acquire()
             try:
-                frames = await self._router.recv(copy=False)
+                frames = await self._router.recv(copy=False, into=self._chunk_sink, copy_head=4)
             except asyncio.CancelledError:
                 self._slots.release()
                 raise
@@ -599,13 +526,16 @@ class ZmqChannel(TensorChannel):
             if not started:
                 self._slots.release()
 
-    def _accept(self, frames: list[zmq.Frame]) -> bool:
-        """Validate framing, MAC and replay; spawn the handler task. False if dropped."""
+    def _accept(self, frames: list[Any]) -> bool:
+        """Validate framing, MAC and replay; spawn the handler task. False if dropped (or, for a
+        streamed payload, not complete yet)."""
+        if len(frames) == 5 and frames[1] == MAGIC_CHUNK:
+            return self._accept_chunk(frames)
         if len(frames) < 4 or len(frames) > self._max_frames + 4:
             self._drop("bad_frames", f"{len(frames)} frames")
             return False
-        ident = frames[0].bytes
-        if frames[1].bytes != MAGIC_MSG:
+        ident = frames[0]
+        if frames[1] != MAGIC_MSG:
             self._drop("bad_frames", "bad magic")
             return False
         hframe, tframe = frames[2], frames[3]
@@ -616,8 +546,8 @@ class ZmqChannel(TensorChannel):
         if total > self._max_message_bytes:
             self._drop("oversized", f"payload of {total} bytes")
             return False
-        hbytes = hframe.bytes
-        if len(tframe) != TAG_SIZE or not self._auth.verify([hbytes], tframe.bytes, DOMAIN):
+        hbytes = hframe
+        if len(tframe) != TAG_SIZE or not self._auth.verify([hbytes], tframe, DOMAIN):
             self._drop("bad_mac", "header MAC does not verify")
             return False
         try:
@@ -637,12 +567,109 @@ class ZmqChannel(TensorChannel):
             self._spawn_nack(ident, header, "wrong_recipient",
                              f"message for node {header['to']!r} reached node {self.node_id!r}")
             return False
+        if header["pay"] == "chunks":
+            return self._open_stream(ident, header, frames[4:])
+        return self._start_handler(ident, header, frames[4:])
+
+    def _start_handler(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool:
         self._counters["recv_msgs"] += 1
-        task = asyncio.create_task(self._handle(ident, header, frames[4:]),
-                                   name=f"channel-handle-{self.node_id}<-{sender}#{header['seq']}")
+        task = asyncio.create_task(self._handle(ident, header, payload),
+                                   name=f"channel-handle-{self.node_id}<-{header['from']}#{header['seq']}")
         self._handler_tasks.add(task)
         task.add_done_callback(self._handler_done)
         return True
+
+    # ------------------------------------------------------------------ receive: streamed payloads
+    def _open_stream(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool:
+        """An authentic header of a streamed payload: allocate its buffers; chunks follow."""
+        fs, cs, pm = header.get("fs"), header.get("cs"), header.get("pm")
+        problem = ""
+        if payload:
+            problem = "streamed payload header with inline frames"
+        elif not isinstance(fs, list) or len(fs) > self._max_frames or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in fs):
+            problem = "stream frame sizes 'fs' must be a list of non-negative ints"
+        elif not isinstance(cs, int) or not 4096 <= cs <= 1 << 30:
+            problem = f"stream chunk size {cs!r} is not between 4096 and 2**30"
+        elif not isinstance(pm, dict) or not isinstance(pm.get("nonce"), bytes):
+            problem = "streamed payload without a payload MAC"
+        if problem:
+            self._drop("bad_header", problem)
+            self._spawn_nack(ident, header, "bad_header", problem)
+            return False
+        if sum(fs) > self._max_message_bytes:
+            msg = f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit"
+            self._drop("oversized", msg)
+            self._spawn_nack(ident, header, "oversized", msg)
+            return False
+        try:
+            mac = ChunkMac(str(pm.get("alg")), self._auth.tag([b"payload-key", header["sess"], pm["nonce"]], DOMAIN))
+            bufs = [np.empty(n, dtype=np.uint8) for n in fs]
+        except PayloadError as e:
+            self._drop(e.code, str(e))
+            self._spawn_nack(ident, header, e.code, str(e))
+            return False
+        except MemoryError:
+            self._drop("oversized", f"cannot allocate {sum(fs)} bytes")
+            self._spawn_nack(ident, header, "oversized", f"receiver cannot allocate {sum(fs)} bytes")
+            return False
+        plan = [(i, o, min(cs, n - o)) for i, n in enumerate(fs) for o in range(0, n, cs)]
+        if not plan:
+            return self._start_handler(ident, header, bufs)
+        key = (ident, header["seq"])
+        timer = asyncio.get_running_loop().call_later(self._stream_timeout, self._expire_stream, key)
+        self._streams[key] = _StreamIn(ident, header, bufs, plan, mac, timer)
+        return False
+
+    def _chunk_sink(self, frames: list[Any]) -> memoryview | None:
+        """Where the data frame of a chunk message goes: straight into its stream's buffer."""
+        if len(frames) != 4 or frames[1] != MAGIC_CHUNK or len(frames[2]) != 16:
+            return None
+        seq, k = struct.unpack("<QQ", frames[2])
+        st = self._streams.get((frames[0], seq))
+        if st is None or k != st.next:
+            return None
+        fi, off, n = st.plan[k]
+        return memoryview(st.bufs[fi])[off:off + n]
+
+    def _accept_chunk(self, frames: list[Any]) -> bool:
+        """One chunk of a streamed payload (already in its buffer when the sink placed it): check
+        order, length and MAC; the last one starts the handler."""
+        if len(frames[2]) != 16:
+            self._drop("bad_frames", "chunk id")
+            return False
+        ident, (seq, k), data = frames[0], struct.unpack("<QQ", frames[2]), frames[4]
+        st = self._streams.get((ident, seq))
+        if st is None:
+            self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
+            return False
+        if not isinstance(data, int) or k != st.next:
+            return self._fail_stream(st, "bad_payload", f"chunk {k} out of order (expected {st.next})")
+        fi, off, n = st.plan[k]
+        if data != n:
+            return self._fail_stream(st, "bad_payload", f"chunk {k} has {data} bytes, the header says {n}")
+        if not st.mac.verify(k, memoryview(st.bufs[fi])[off:off + n], frames[3]):
+            return self._fail_stream(st, "bad_payload_mac", f"payload chunk {k} does not match its MAC (tampered?)")
+        st.next += 1
+        if st.next < len(st.plan):
+            return False
+        st.timer.cancel()
+        del self._streams[(ident, seq)]
+        self._counters["streams_received"] += 1
+        return self._start_handler(ident, st.header, st.bufs)
+
+    def _fail_stream(self, st: _StreamIn, code: str, msg: str) -> bool:
+        st.timer.cancel()
+        self._streams.pop((st.ident, st.header["seq"]), None)
+        self._drop(code, f"from {st.header['from']}: {msg}")
+        self._spawn_nack(st.ident, st.header, code, msg)
+        return False
+
+    def _expire_stream(self, key: tuple[bytes, int]) -> None:
+        st = self._streams.get(key)
+        if st is not None:
+            self._fail_stream(st, "stream_timeout", f"stream incomplete after {self._stream_timeout:g}s "
+                                                    f"({st.next} of {len(st.plan)} chunks)")
 
     def _handler_done(self, task: asyncio.Task) -> None:
         self._handler_tasks.discard(task)
@@ -697,8 +724,10 @@ class ZmqChannel(TensorChannel):
             code, err = "internal_error", f"{type(e).__name__}: {e}"
         await self._send_ack(ident, header, code, err)
 
-    async def _receive_payload(self, header: dict[str, Any], payload: list[zmq.Frame],
+    async def _receive_payload(self, header: dict[str, Any], payload: list[Any],
                                ident: bytes) -> dict[str, torch.Tensor]:
+        if header["pay"] == "chunks":  # every chunk was checked on arrival
+            return codec.decode(header.get("tens"), payload)
         if header["pay"] != "inline":
             raise PayloadError("unsupported_payload",
                                f"payload transport {header['pay']!r} is not supported by a {self.transport} channel")
