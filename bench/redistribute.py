@@ -27,7 +27,7 @@ the raw transport. Everything is measured in one run, on this machine, with real
      i.e. the speed-up when every process has its own core, as on a cluster.
 2. Channel bandwidth, one sender process and one receiver process, 16 MiB messages, each
    acknowledged (``--window`` messages in flight, same for channel and baseline):
-   * zmq channel (signed header, AES-GMAC payload MAC, acked) vs a plain TCP socket
+   * zmq channel (signed header; 16 MiB is streamed in 1 MiB chunks, each AES-GMAC'd; acked) vs a plain TCP socket
      (``sendall`` / ``recv_into`` a reused buffer, 1-byte ack per message);
    * shm channel (same host) vs ``memcpy`` of the same bytes into a warm buffer (``np.copyto``,
      the copy the channel itself does).
@@ -35,7 +35,7 @@ the raw transport. Everything is measured in one run, on this machine, with real
    ratio is the median of the per-round ratios. CPU ms per message on each side is reported.
 
 Prints a report and ends with exactly one JSON line of the figures (raw times included).
-Run: ``python bench/redistribute.py [--quick] [--channel auto|shm|zmq] [--sizes 2,4,8]``.
+Run: ``python bench/redistribute.py [--quick] [--channel auto|shm|zmq] [--sizes 2,4,8] [--parts handoff,bandwidth]``.
 """
 
 from __future__ import annotations

@@ -169,6 +169,7 @@ class ZmqChannel(TensorChannel):
         self._stream_chunk = stream_chunk
         self._stream_timeout = stream_timeout
         self._streams: dict[tuple[bytes, int], _StreamIn] = {}
+        self._sunk: tuple[_StreamIn, int, memoryview] | None = None  # the chunk _chunk_sink just placed
         self._session = os.urandom(16)
         self._start_ns = time.time_ns()
         self._handler: Handler | None = None
@@ -502,29 +503,31 @@ class ZmqChannel(TensorChannel):
 
     # ------------------------------------------------------------------ receive
     async def _recv_loop(self) -> None:
+        """Read only while a handler slot is free (beyond that TCP pushes back on senders). A message
+        that starts no handler (dropped, or a chunk of an unfinished stream) hands its slot on."""
         assert self._router is not None and self._slots is not None
+        have_slot = False
         while True:
-            await self._slots.acquire()
+            if not have_slot:
+                await self._slots.acquire()
+                have_slot = True
             try:
                 frames = await self._router.recv(copy=False, into=self._chunk_sink, copy_head=4)
             except asyncio.CancelledError:
                 self._slots.release()
                 raise
             except zmq.ZMQError as e:
-                self._slots.release()
                 if self._closed:
+                    self._slots.release()
                     return
                 log.warning("channel %s: receive failed: %s", self.node_id, e)
                 await asyncio.sleep(0.01)
                 continue
             try:
-                started = self._accept(frames)
+                have_slot = not self._accept(frames)
             except Exception as e:  # never let one message kill the receive loop
                 log.exception("channel %s: unexpected error on a received message", self.node_id)
                 self._drop("internal_error", repr(e))
-                started = False
-            if not started:
-                self._slots.release()
 
     def _accept(self, frames: list[Any]) -> bool:
         """Validate framing, MAC and replay; spawn the handler task. False if dropped (or, for a
@@ -630,7 +633,9 @@ class ZmqChannel(TensorChannel):
         if st is None or k != st.next:
             return None
         fi, off, n = st.plan[k]
-        return memoryview(st.bufs[fi])[off:off + n]
+        view = memoryview(st.bufs[fi])[off:off + n]
+        self._sunk = (st, k, view)
+        return view
 
     def _accept_chunk(self, frames: list[Any]) -> bool:
         """One chunk of a streamed payload (already in its buffer when the sink placed it): check
@@ -638,25 +643,27 @@ class ZmqChannel(TensorChannel):
         if len(frames[2]) != 16:
             self._drop("bad_frames", "chunk id")
             return False
-        ident, (seq, k), data = frames[0], struct.unpack("<QQ", frames[2]), frames[4]
-        st = self._streams.get((ident, seq))
-        if st is None:
-            self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
-            return False
-        if not isinstance(data, int) or k != st.next:
+        data, sunk, self._sunk = frames[4], self._sunk, None
+        if isinstance(data, int) and sunk is not None:  # placed by _chunk_sink: stream and index known
+            st, k, view = sunk
+        else:
+            ident, (seq, k) = frames[0], struct.unpack("<QQ", frames[2])
+            st = self._streams.get((ident, seq))
+            if st is None:
+                self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
+                return False
             return self._fail_stream(st, "bad_payload", f"chunk {k} out of order (expected {st.next})")
-        fi, off, n = st.plan[k]
-        if data != n:
-            return self._fail_stream(st, "bad_payload", f"chunk {k} has {data} bytes, the header says {n}")
-        if not st.mac.verify(k, memoryview(st.bufs[fi])[off:off + n], frames[3]):
+        if data != view.nbytes:
+            return self._fail_stream(st, "bad_payload", f"chunk {k} has {data} bytes, the header says {view.nbytes}")
+        if not st.mac.verify(k, view, frames[3]):
             return self._fail_stream(st, "bad_payload_mac", f"payload chunk {k} does not match its MAC (tampered?)")
         st.next += 1
         if st.next < len(st.plan):
             return False
         st.timer.cancel()
-        del self._streams[(ident, seq)]
+        del self._streams[(st.ident, st.header["seq"])]
         self._counters["streams_received"] += 1
-        return self._start_handler(ident, st.header, st.bufs)
+        return self._start_handler(st.ident, st.header, st.bufs)
 
     def _fail_stream(self, st: _StreamIn, code: str, msg: str) -> bool:
         st.timer.cancel()
