@@ -40,7 +40,8 @@ def make_channel(kind: str, node_id: str, secret: str | bytes, host: str = "127.
     """A channel endpoint for ``node_id`` bound (on ``start()``) to host:port (0 = ephemeral).
 
     kind: "zmq" | "shm" | "nccl" | "auto". Extra keywords go to the backend
-    (e.g. ``max_message_bytes``, ``max_inflight``, ``shm_min_bytes``, ``shm_copy_below``, ``device``).
+    (e.g. ``max_message_bytes``, ``max_inflight``, ``stream_min_bytes``, ``stream_chunk``, ``stream_timeout``,
+    ``shm_min_bytes``, ``shm_copy_below``, ``device``).
     """
     if kind == "zmq":
         return ZmqChannel(node_id, secret, host, port, **kw)

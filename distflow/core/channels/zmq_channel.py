@@ -6,19 +6,27 @@ the shared-memory and NCCL channels reuse (they only move the payload differentl
 Wire format (every frame after the ZMQ routing identity)::
 
     message  DEALER -> ROUTER : [b"DFD1", header, tag, payload_0, ..., payload_k]
+    chunk    DEALER -> ROUTER : [b"DFC1", (seq, index) as 2 x u64, chunk_tag, data]
     ack      ROUTER -> DEALER : [b"DFA1", ack_header, tag]
 
 ``header`` is msgpack: sender/recipient node ids, a per-process session id and start
 time, a per-sender sequence number, the message kind, user meta, the tensor headers
-(:mod:`.codec`) and how the payload travels (``inline`` frames, ``shm`` or ``nccl``).
-``tag`` is :class:`distflow.core.auth.Authenticator` (domain ``b"data"``) over the
-header. The inline payload frames are covered by a one-time MAC whose tag sits inside
-the signed header: AES-GMAC keyed per message by ``Authenticator.tag([session, nonce])``
-(a fresh key per message, so GMAC's nonce rule holds trivially), or HMAC-SHA256 when the
-``cryptography`` package is missing. GMAC runs at 10-40 GB/s per core (memory-bound on
-cold data) where HMAC-SHA256 runs at ~1 GB/s; still, on loopback, where the "network" is
-itself a memory copy, the two GMAC passes (sender, receiver) are what the channel adds to a
-raw TCP socket's cost (see bench/redistribute.py).
+(:mod:`.codec`) and how the payload travels (``inline`` frames, ``chunks``, ``shm`` or
+``nccl``). ``tag`` is :class:`distflow.core.auth.Authenticator` (domain ``b"data"``) over
+the header. Payload bytes are covered by one-time MACs (:mod:`.payload_mac`): AES-GMAC keyed
+per message by ``Authenticator.tag([session, nonce])``, or HMAC-SHA256 when the
+``cryptography`` package is missing.
+
+* ``inline`` (under ``stream_min_bytes``, 4 MiB): the payload frames ride in the message and
+  their tag sits inside the signed header.
+* ``chunks`` (larger): the signed header carries frame and chunk sizes; the bytes follow as
+  chunk messages, each with its own tag (nonce = chunk index). The sender MACs chunk k+1 while
+  libzmq sends chunk k; the receiver allocates the tensors when the header arrives and
+  receives every chunk straight into place, checking it while the next one is on the wire.
+  A whole-payload MAC would put two full passes over the bytes on the critical path, which on
+  loopback (where the "network" is itself a memory copy) cost as much as the transfer.
+  Chunks count only on the connection their header came on; a bad one NACKs the message.
+
 Replay: the receiver keeps, per sender, the newest session and the highest sequence
 number seen, and drops anything not newer.
 
