@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
-import numpy as np
 import torch
 import zmq
 
@@ -75,12 +74,12 @@ from distflow.core.channels.base import (
 )
 from distflow.core.channels.loop_socket import LoopSocket
 from distflow.core.channels.payload_mac import ChunkMac, PayloadError, default_mac_alg, payload_tag
+from distflow.core.channels.stream_receiver import MAGIC_CHUNK, StreamReceiver, _StreamIn
 
 __all__ = ["ZmqChannel", "LoopSocket", "PayloadError", "Outgoing", "MAGIC_MSG", "MAGIC_ACK", "MAGIC_CHUNK"]
 
 MAGIC_MSG = b"DFD1"
 MAGIC_ACK = b"DFA1"
-MAGIC_CHUNK = b"DFC1"
 PROTOCOL = 1
 DOMAIN = b"data"
 OFFLOAD_BYTES = 1 << 20  # copies / hashing that release the GIL run in a worker thread above this size
@@ -118,20 +117,7 @@ class _PeerIn:
     last_seq: int
 
 
-@dataclass
-class _StreamIn:
-    """A streamed payload being received: its buffers, the chunk plan and the next chunk due."""
-
-    ident: bytes
-    header: dict[str, Any]
-    bufs: list[np.ndarray]
-    plan: list[tuple[int, int, int]]  # chunk index -> (frame, offset, length)
-    mac: ChunkMac
-    timer: asyncio.TimerHandle
-    next: int = 0
-
-
-class ZmqChannel(TensorChannel):
+class ZmqChannel(StreamReceiver, TensorChannel):
     """ZeroMQ tensor channel (any host, CPU tensors). See the module docstring."""
 
     transport = "zmq"
@@ -401,7 +387,7 @@ class ZmqChannel(TensorChannel):
         views = [memoryview(f).cast("B") for f in frames]
         cs = self._stream_chunk
         nonce = os.urandom(16)
-        key = self._auth.tag([b"payload-key", self._session, nonce], DOMAIN)
+        key = self._payload_key(self._session, nonce)
         header = {"tens": headers, "fs": [v.nbytes for v in views], "cs": cs,
                   "pm": {"alg": self._mac_alg, "nonce": nonce}}
         return Outgoing("chunks", header, [], nbytes, chunks=[v[o:o + cs] for v in views for o in range(0, v.nbytes, cs)],
@@ -412,7 +398,7 @@ class ZmqChannel(TensorChannel):
         if nbytes > self._max_message_bytes:
             raise ValueError(f"payload of {nbytes} bytes is over the {self._max_message_bytes}-byte message limit")
         nonce = os.urandom(16)
-        key = self._auth.tag([b"payload-key", self._session, nonce], DOMAIN)
+        key = self._payload_key(self._session, nonce)
         if nbytes >= _offload_threshold(self._mac_alg):
             ptag = await asyncio.to_thread(payload_tag, self._mac_alg, key, frames)
         else:
@@ -590,101 +576,9 @@ class ZmqChannel(TensorChannel):
         task.add_done_callback(self._handler_done)
         return True
 
-    # ------------------------------------------------------------------ receive: streamed payloads
-    def _open_stream(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool:
-        """An authentic header of a streamed payload: allocate its buffers; chunks follow."""
-        fs, cs, pm = header.get("fs"), header.get("cs"), header.get("pm")
-        problem = ""
-        if payload:
-            problem = "streamed payload header with inline frames"
-        elif not isinstance(fs, list) or len(fs) > self._max_frames or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in fs):
-            problem = "stream frame sizes 'fs' must be a list of non-negative ints"
-        elif not isinstance(cs, int) or not 4096 <= cs <= 1 << 30:
-            problem = f"stream chunk size {cs!r} is not between 4096 and 2**30"
-        elif not isinstance(pm, dict) or not isinstance(pm.get("nonce"), bytes):
-            problem = "streamed payload without a payload MAC"
-        if problem:
-            self._drop("bad_header", problem)
-            self._spawn_nack(ident, header, "bad_header", problem)
-            return False
-        if sum(fs) > self._max_message_bytes:
-            msg = f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit"
-            self._drop("oversized", msg)
-            self._spawn_nack(ident, header, "oversized", msg)
-            return False
-        try:
-            mac = ChunkMac(str(pm.get("alg")), self._auth.tag([b"payload-key", header["sess"], pm["nonce"]], DOMAIN))
-            bufs = [np.empty(n, dtype=np.uint8) for n in fs]
-        except PayloadError as e:
-            self._drop(e.code, str(e))
-            self._spawn_nack(ident, header, e.code, str(e))
-            return False
-        except MemoryError:
-            self._drop("oversized", f"cannot allocate {sum(fs)} bytes")
-            self._spawn_nack(ident, header, "oversized", f"receiver cannot allocate {sum(fs)} bytes")
-            return False
-        plan = [(i, o, min(cs, n - o)) for i, n in enumerate(fs) for o in range(0, n, cs)]
-        if not plan:
-            return self._start_handler(ident, header, bufs)
-        key = (ident, header["seq"])
-        timer = asyncio.get_running_loop().call_later(self._stream_timeout, self._expire_stream, key)
-        self._streams[key] = _StreamIn(ident, header, bufs, plan, mac, timer)
-        return False
-
-    def _chunk_sink(self, frames: list[Any]) -> memoryview | None:
-        """Where the data frame of a chunk message goes: straight into its stream's buffer."""
-        if len(frames) != 4 or frames[1] != MAGIC_CHUNK or len(frames[2]) != 16:
-            return None
-        seq, k = struct.unpack("<QQ", frames[2])
-        st = self._streams.get((frames[0], seq))
-        if st is None or k != st.next:
-            return None
-        fi, off, n = st.plan[k]
-        view = memoryview(st.bufs[fi])[off:off + n]
-        self._sunk = (st, k, view)
-        return view
-
-    def _accept_chunk(self, frames: list[Any]) -> bool:
-        """One chunk of a streamed payload (already in its buffer when the sink placed it): check
-        order, length and MAC; the last one starts the handler."""
-        if len(frames[2]) != 16:
-            self._drop("bad_frames", "chunk id")
-            return False
-        data, sunk, self._sunk = frames[4], self._sunk, None
-        if isinstance(data, int) and sunk is not None:  # placed by _chunk_sink: stream and index known
-            st, k, view = sunk
-        else:
-            ident, (seq, k) = frames[0], struct.unpack("<QQ", frames[2])
-            st = self._streams.get((ident, seq))
-            if st is None:
-                self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
-                return False
-            return self._fail_stream(st, "bad_payload", f"chunk {k} out of order (expected {st.next})")
-        if data != view.nbytes:
-            return self._fail_stream(st, "bad_payload", f"chunk {k} has {data} bytes, the header says {view.nbytes}")
-        if not st.mac.verify(k, view, frames[3]):
-            return self._fail_stream(st, "bad_payload_mac", f"payload chunk {k} does not match its MAC (tampered?)")
-        st.next += 1
-        if st.next < len(st.plan):
-            return False
-        st.timer.cancel()
-        del self._streams[(st.ident, st.header["seq"])]
-        self._counters["streams_received"] += 1
-        return self._start_handler(st.ident, st.header, st.bufs)
-
-    def _fail_stream(self, st: _StreamIn, code: str, msg: str) -> bool:
-        st.timer.cancel()
-        self._streams.pop((st.ident, st.header["seq"]), None)
-        self._drop(code, f"from {st.header['from']}: {msg}")
-        self._spawn_nack(st.ident, st.header, code, msg)
-        return False
-
-    def _expire_stream(self, key: tuple[bytes, int]) -> None:
-        st = self._streams.get(key)
-        if st is not None:
-            self._fail_stream(st, "stream_timeout", f"stream incomplete after {self._stream_timeout:g}s "
-                                                    f"({st.next} of {len(st.plan)} chunks)")
+    def _payload_key(self, session: bytes, nonce: bytes) -> bytes:
+        """The one-time payload MAC key of a message (sender session + nonce from the signed header)."""
+        return self._auth.tag([b"payload-key", session, nonce], DOMAIN)
 
     def _handler_done(self, task: asyncio.Task) -> None:
         self._handler_tasks.discard(task)
@@ -753,7 +647,7 @@ class ZmqChannel(TensorChannel):
         if not isinstance(pm, dict) or not isinstance(pm.get("nonce"), bytes) or not isinstance(pm.get("tag"), bytes):
             raise PayloadError("bad_header", "inline payload without a payload MAC")
         bufs = [f.buffer for f in payload]
-        key = self._auth.tag([b"payload-key", header["sess"], pm["nonce"]], DOMAIN)
+        key = self._payload_key(header["sess"], pm["nonce"])
         total = sum(len(f) for f in payload)
         alg = str(pm.get("alg"))
         if total >= _offload_threshold(alg):

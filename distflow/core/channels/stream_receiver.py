@@ -1,0 +1,151 @@
+"""Receiving streamed payloads: chunk messages land straight in their tensors, MAC-checked one by one.
+
+Why it exists: a payload MAC checked only once the whole message is in puts a full pass over
+the bytes on the critical path. For payloads of ``stream_min_bytes`` and more the sender
+(:class:`~distflow.core.channels.zmq_channel.ZmqChannel`) sends a signed header with the frame
+and chunk sizes, then one ``[MAGIC_CHUNK, (seq, index), tag, data]`` message per chunk. This
+mixin keeps the state of those streams on the receiving side: buffers allocated when the
+header arrives, each chunk received into place by :meth:`_chunk_sink` and checked by
+:meth:`_accept_chunk` while the next one is on the wire, the handler started by the last one.
+A stream is bound to the connection its header came on; anything wrong NACKs the message by
+name, and a stream that stops arriving is dropped after ``stream_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from distflow.core.channels.payload_mac import ChunkMac, PayloadError
+
+MAGIC_CHUNK = b"DFC1"
+
+
+@dataclass
+class _StreamIn:
+    """A streamed payload being received: its buffers, the chunk plan and the next chunk due."""
+
+    ident: bytes
+    header: dict[str, Any]
+    bufs: list[np.ndarray]
+    plan: list[tuple[int, int, int]]  # chunk index -> (frame, offset, length)
+    mac: ChunkMac
+    timer: asyncio.TimerHandle
+    next: int = 0
+
+
+class StreamReceiver:
+    """Mixin for :class:`ZmqChannel`: the receive side of streamed payloads (see module docstring)."""
+
+    _streams: dict[tuple[bytes, int], _StreamIn]
+    _sunk: tuple[_StreamIn, int, memoryview] | None
+    _max_frames: int
+    _max_message_bytes: int
+    _stream_timeout: float
+    _counters: Counter[str]
+
+    if TYPE_CHECKING:  # provided by the channel
+        def _drop(self, reason: str, detail: str = "") -> None: ...
+        def _spawn_nack(self, ident: bytes, header: dict[str, Any], code: str, err: str) -> None: ...
+        def _start_handler(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool: ...
+        def _payload_key(self, session: bytes, nonce: bytes) -> bytes: ...
+
+    def _open_stream(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool:
+        """An authentic header of a streamed payload: allocate its buffers; chunks follow."""
+        fs, cs, pm = header.get("fs"), header.get("cs"), header.get("pm")
+        problem = ""
+        if payload:
+            problem = "streamed payload header with inline frames"
+        elif not isinstance(fs, list) or len(fs) > self._max_frames or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in fs):
+            problem = "stream frame sizes 'fs' must be a list of non-negative ints"
+        elif not isinstance(cs, int) or not 4096 <= cs <= 1 << 30:
+            problem = f"stream chunk size {cs!r} is not between 4096 and 2**30"
+        elif not isinstance(pm, dict) or not isinstance(pm.get("nonce"), bytes):
+            problem = "streamed payload without a payload MAC"
+        if problem:
+            self._drop("bad_header", problem)
+            self._spawn_nack(ident, header, "bad_header", problem)
+            return False
+        if sum(fs) > self._max_message_bytes:
+            msg = f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit"
+            self._drop("oversized", msg)
+            self._spawn_nack(ident, header, "oversized", msg)
+            return False
+        try:
+            mac = ChunkMac(str(pm.get("alg")), self._payload_key(header["sess"], pm["nonce"]))
+            bufs = [np.empty(n, dtype=np.uint8) for n in fs]
+        except PayloadError as e:
+            self._drop(e.code, str(e))
+            self._spawn_nack(ident, header, e.code, str(e))
+            return False
+        except MemoryError:
+            self._drop("oversized", f"cannot allocate {sum(fs)} bytes")
+            self._spawn_nack(ident, header, "oversized", f"receiver cannot allocate {sum(fs)} bytes")
+            return False
+        plan = [(i, o, min(cs, n - o)) for i, n in enumerate(fs) for o in range(0, n, cs)]
+        if not plan:
+            return self._start_handler(ident, header, bufs)
+        key = (ident, header["seq"])
+        timer = asyncio.get_running_loop().call_later(self._stream_timeout, self._expire_stream, key)
+        self._streams[key] = _StreamIn(ident, header, bufs, plan, mac, timer)
+        return False
+
+    def _chunk_sink(self, frames: list[Any]) -> memoryview | None:
+        """Where the data frame of a chunk message goes: straight into its stream's buffer."""
+        if len(frames) != 4 or frames[1] != MAGIC_CHUNK or len(frames[2]) != 16:
+            return None
+        seq, k = struct.unpack("<QQ", frames[2])
+        st = self._streams.get((frames[0], seq))
+        if st is None or k != st.next:
+            return None
+        fi, off, n = st.plan[k]
+        view = memoryview(st.bufs[fi])[off:off + n]
+        self._sunk = (st, k, view)
+        return view
+
+    def _accept_chunk(self, frames: list[Any]) -> bool:
+        """One chunk of a streamed payload (already in its buffer when the sink placed it): check
+        order, length and MAC; the last one starts the handler."""
+        if len(frames[2]) != 16:
+            self._drop("bad_frames", "chunk id")
+            return False
+        data, sunk, self._sunk = frames[4], self._sunk, None
+        if isinstance(data, int) and sunk is not None:  # placed by _chunk_sink: stream and index known
+            st, k, view = sunk
+        else:
+            ident, (seq, k) = frames[0], struct.unpack("<QQ", frames[2])
+            st = self._streams.get((ident, seq))
+            if st is None:
+                self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
+                return False
+            return self._fail_stream(st, "bad_payload", f"chunk {k} out of order (expected {st.next})")
+        if data != view.nbytes:
+            return self._fail_stream(st, "bad_payload", f"chunk {k} has {data} bytes, the header says {view.nbytes}")
+        if not st.mac.verify(k, view, frames[3]):
+            return self._fail_stream(st, "bad_payload_mac", f"payload chunk {k} does not match its MAC (tampered?)")
+        st.next += 1
+        if st.next < len(st.plan):
+            return False
+        st.timer.cancel()
+        del self._streams[(st.ident, st.header["seq"])]
+        self._counters["streams_received"] += 1
+        return self._start_handler(st.ident, st.header, st.bufs)
+
+    def _fail_stream(self, st: _StreamIn, code: str, msg: str) -> bool:
+        st.timer.cancel()
+        self._streams.pop((st.ident, st.header["seq"]), None)
+        self._drop(code, f"from {st.header['from']}: {msg}")
+        self._spawn_nack(st.ident, st.header, code, msg)
+        return False
+
+    def _expire_stream(self, key: tuple[bytes, int]) -> None:
+        st = self._streams.get(key)
+        if st is not None:
+            self._fail_stream(st, "stream_timeout", f"stream incomplete after {self._stream_timeout:g}s "
+                                                    f"({st.next} of {len(st.plan)} chunks)")
