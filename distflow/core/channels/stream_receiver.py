@@ -43,7 +43,6 @@ class StreamReceiver:
     """Mixin for :class:`ZmqChannel`: the receive side of streamed payloads (see module docstring)."""
 
     _streams: dict[tuple[bytes, int], _StreamIn]
-    _sunk: tuple[_StreamIn, int, memoryview] | None
     _max_frames: int
     _max_message_bytes: int
     _stream_timeout: float
@@ -69,25 +68,17 @@ class StreamReceiver:
         elif not isinstance(pm, dict) or not isinstance(pm.get("nonce"), bytes):
             problem = "streamed payload without a payload MAC"
         if problem:
-            self._drop("bad_header", problem)
-            self._spawn_nack(ident, header, "bad_header", problem)
-            return False
+            return self._refuse(ident, header, "bad_header", problem)
         if sum(fs) > self._max_message_bytes:
-            msg = f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit"
-            self._drop("oversized", msg)
-            self._spawn_nack(ident, header, "oversized", msg)
-            return False
+            return self._refuse(ident, header, "oversized",
+                                f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit")
         try:
             mac = ChunkMac(str(pm.get("alg")), self._payload_key(header["sess"], pm["nonce"]))
             bufs = [np.empty(n, dtype=np.uint8) for n in fs]
         except PayloadError as e:
-            self._drop(e.code, str(e))
-            self._spawn_nack(ident, header, e.code, str(e))
-            return False
+            return self._refuse(ident, header, e.code, str(e))
         except MemoryError:
-            self._drop("oversized", f"cannot allocate {sum(fs)} bytes")
-            self._spawn_nack(ident, header, "oversized", f"receiver cannot allocate {sum(fs)} bytes")
-            return False
+            return self._refuse(ident, header, "oversized", f"receiver cannot allocate {sum(fs)} bytes")
         plan = [(i, o, min(cs, n - o)) for i, n in enumerate(fs) for o in range(0, n, cs)]
         if not plan:
             return self._start_handler(ident, header, bufs)
@@ -105,9 +96,7 @@ class StreamReceiver:
         if st is None or k != st.next:
             return None
         fi, off, n = st.plan[k]
-        view = memoryview(st.bufs[fi])[off:off + n]
-        self._sunk = (st, k, view)
-        return view
+        return memoryview(st.bufs[fi])[off:off + n]
 
     def _accept_chunk(self, frames: list[Any]) -> bool:
         """One chunk of a streamed payload (already in its buffer when the sink placed it): check
@@ -115,16 +104,15 @@ class StreamReceiver:
         if len(frames[2]) != 16:
             self._drop("bad_frames", "chunk id")
             return False
-        data, sunk, self._sunk = frames[4], self._sunk, None
-        if isinstance(data, int) and sunk is not None:  # placed by _chunk_sink: stream and index known
-            st, k, view = sunk
-        else:
-            ident, (seq, k) = frames[0], struct.unpack("<QQ", frames[2])
-            st = self._streams.get((ident, seq))
-            if st is None:
-                self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
-                return False
+        (seq, k), data = struct.unpack("<QQ", frames[2]), frames[4]
+        st = self._streams.get((frames[0], seq))
+        if st is None:
+            self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
+            return False
+        if not isinstance(data, int):  # the sink places only the chunk due next
             return self._fail_stream(st, "bad_payload", f"chunk {k} out of order (expected {st.next})")
+        fi, off, n = st.plan[k]
+        view = memoryview(st.bufs[fi])[off:off + n]
         if data != view.nbytes:
             return self._fail_stream(st, "bad_payload", f"chunk {k} has {data} bytes, the header says {view.nbytes}")
         if not st.mac.verify(k, view, frames[3]):
@@ -140,8 +128,12 @@ class StreamReceiver:
     def _fail_stream(self, st: _StreamIn, code: str, msg: str) -> bool:
         st.timer.cancel()
         self._streams.pop((st.ident, st.header["seq"]), None)
-        self._drop(code, f"from {st.header['from']}: {msg}")
-        self._spawn_nack(st.ident, st.header, code, msg)
+        return self._refuse(st.ident, st.header, code, msg)
+
+    def _refuse(self, ident: bytes, header: dict[str, Any], code: str, msg: str) -> bool:
+        """Drop a streamed message, counted under ``code``, and NACK it to its sender; False."""
+        self._drop(code, f"from {header['from']}: {msg}")
+        self._spawn_nack(ident, header, code, msg)
         return False
 
     def _expire_stream(self, key: tuple[bytes, int]) -> None:

@@ -157,13 +157,14 @@ class ZmqChannel(StreamReceiver, TensorChannel):
             raise ValueError("mac_alg 'aes-gmac' needs the `cryptography` package")
         self._close_timeout = close_timeout
         self._pack_below = pack_below
+        if not isinstance(stream_min_bytes, int) or stream_min_bytes < 0:
+            raise ValueError(f"stream_min_bytes must be an int >= 0 (0: never stream), got {stream_min_bytes!r}")
         if not 4096 <= stream_chunk <= 1 << 30:
             raise ValueError(f"stream_chunk must be between 4096 and 2**30 bytes, got {stream_chunk!r}")
         self._stream_min_bytes = stream_min_bytes  # 0: never stream
         self._stream_chunk = stream_chunk
         self._stream_timeout = stream_timeout
         self._streams: dict[tuple[bytes, int], _StreamIn] = {}
-        self._sunk: tuple[_StreamIn, int, memoryview] | None = None  # the chunk _chunk_sink just placed
         self._session = os.urandom(16)
         self._start_ns = time.time_ns()
         self._handler: Handler | None = None
@@ -376,29 +377,29 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         """Inline frames: zero-copy views of the tensors, payload MAC tag in the header; at least
         ``stream_min_bytes``: streamed in chunks, each with its own MAC."""
         headers, frames = codec.encode(_to_cpu(tensors), pack_below=self._pack_below)
-        if self._stream_min_bytes and sum(h["nbytes"] for h in headers) >= self._stream_min_bytes:
+        if 0 < self._stream_min_bytes <= sum(h["nbytes"] for h in headers):
             return self._stream_outgoing(headers, frames)
         return await self._inline_outgoing(headers, frames)
 
-    def _stream_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
+    def _new_payload_key(self, headers: list[dict[str, Any]]) -> tuple[int, bytes, bytes]:
+        """(payload bytes, nonce, one-time MAC key) for an outgoing payload within the size limit."""
         nbytes = sum(h["nbytes"] for h in headers)
         if nbytes > self._max_message_bytes:
             raise ValueError(f"payload of {nbytes} bytes is over the {self._max_message_bytes}-byte message limit")
+        nonce = os.urandom(16)
+        return nbytes, nonce, self._payload_key(self._session, nonce)
+
+    def _stream_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
+        nbytes, nonce, key = self._new_payload_key(headers)
         views = [memoryview(f).cast("B") for f in frames]
         cs = self._stream_chunk
-        nonce = os.urandom(16)
-        key = self._payload_key(self._session, nonce)
         header = {"tens": headers, "fs": [v.nbytes for v in views], "cs": cs,
                   "pm": {"alg": self._mac_alg, "nonce": nonce}}
         return Outgoing("chunks", header, [], nbytes, chunks=[v[o:o + cs] for v in views for o in range(0, v.nbytes, cs)],
                         chunk_mac=ChunkMac(self._mac_alg, key))
 
     async def _inline_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
-        nbytes = sum(h["nbytes"] for h in headers)
-        if nbytes > self._max_message_bytes:
-            raise ValueError(f"payload of {nbytes} bytes is over the {self._max_message_bytes}-byte message limit")
-        nonce = os.urandom(16)
-        key = self._payload_key(self._session, nonce)
+        nbytes, nonce, key = self._new_payload_key(headers)
         if nbytes >= _offload_threshold(self._mac_alg):
             ptag = await asyncio.to_thread(payload_tag, self._mac_alg, key, frames)
         else:
