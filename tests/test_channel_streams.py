@@ -15,7 +15,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from distflow.core.channels import Endpoint, make_channel
+from distflow.core.auth import Authenticator
+from distflow.core.channels import Endpoint, RemoteError, make_channel
 from distflow.core.channels.loop_socket import LoopSocket
 from distflow.core.channels.payload_mac import ChunkMac, PayloadError
 from distflow.core.channels.zmq_channel import MAGIC_CHUNK, MAGIC_MSG
@@ -234,24 +235,47 @@ def test_a_stream_cut_off_midway_times_out_and_frees_its_buffers():
     run(main())
 
 
-def test_bad_stream_headers_are_nacked():
-    """A signed header whose stream fields are wrong (a bug on the sender) is refused, by name."""
-
+def test_oversized_streams_are_refused_by_sender_and_receiver():
     async def main():
         b, got = await receiver(max_message_bytes=1 << 20)
+        small = make_channel("zmq", "a3", SECRET, max_message_bytes=1 << 20, **STREAM)
+        await small.start()
+        big = {"x": torch.zeros(2 << 20, dtype=torch.uint8)}
+        with pytest.raises(ValueError, match="payload of 2097152 bytes is over the 1048576-byte message limit"):
+            await small.send(Endpoint("b", "127.0.0.1", b.port), "k", {}, big, timeout=10)
+        # a sender with a bigger limit than the receiver: the receiver refuses the header, by name
         a = make_channel("zmq", "a", SECRET, **STREAM)
         await a.start()
-        with pytest.raises(ValueError, match="over the 1048576-byte limit|message limit"):
-            big = make_channel("zmq", "a3", SECRET, max_message_bytes=1 << 20, **STREAM)
-            big._stream_outgoing([{"nbytes": 2 << 20}], [bytearray(2 << 20)])
-        # a sender with a bigger limit than the receiver: the receiver says so
-        from distflow.core.channels.base import RemoteError
-
-        with pytest.raises(RemoteError, match="oversized"):
-            await a.send(Endpoint("b", "127.0.0.1", b.port), "k", {}, {"x": torch.zeros(2 << 20, dtype=torch.uint8)},
-                         timeout=10)
+        with pytest.raises(RemoteError, match=r"\(oversized\): payload of 2097152 bytes is over the 1048576-byte limit"):
+            await a.send(Endpoint("b", "127.0.0.1", b.port), "k", {}, big, timeout=10)
         assert got == [] and b.stats()["dropped"]["oversized"] == 1  # (+ the chunks sent before the NACK)
+        assert b.stats()["streams_open"] == 0
         await a.close()
+        await small.close()
+        await b.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"fs": [8192, -1]}, "stream frame sizes 'fs' must be a list of non-negative ints"),
+    ({"fs": "8192"}, "stream frame sizes 'fs' must be a list of non-negative ints"),
+    ({"cs": 100}, "stream chunk size 100 is not between 4096 and 2**30"),
+    ({"pm": {"alg": "aes-gmac"}}, "streamed payload without a payload MAC"),
+    ({"pm": {"alg": "md5", "nonce": b"n" * 16}}, "unknown payload MAC algorithm 'md5'"),
+])
+def test_signed_stream_headers_with_bad_fields_are_nacked_by_name(fields, problem):
+    """A header that authenticates but whose stream fields are wrong (a sender bug) is refused."""
+
+    async def main():
+        b, got = await receiver()
+        header = {"t": "msg", "v": 1, "from": "z", "to": "b", "sess": b"s" * 16, "st": 1, "seq": 1, "kind": "k",
+                  "meta": {}, "pay": "chunks", "tens": [], "fs": [8192], "cs": 4096,
+                  "pm": {"alg": "aes-gmac", "nonce": b"n" * 16}, **fields}
+        hbytes = msgpack.packb(header, use_bin_type=True)
+        ack = await replay(b.port, [[MAGIC_MSG, hbytes, Authenticator(SECRET).tag([hbytes], b"data")]])
+        assert ack["ok"] is False and ack["err"] == problem
+        assert got == [] and b.stats()["streams_open"] == 0 and b.stats()["dropped_total"] == 1
         await b.close()
 
     run(main())
