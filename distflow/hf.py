@@ -46,3 +46,19 @@ def load_tokenizer(path: str | Path) -> Any:
     p = check_model_dir(path)
     with LOAD_LOCK:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn in the tokenizer's chat template, ready for the
+    assistant's reply.
+
+    The template is rendered to text and then tokenized without extra special tokens (the
+    template already holds them). This is the same on transformers 4 and 5, where
+    ``apply_chat_template(tokenize=True)`` returns a ``BatchEncoding`` instead of a list.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat_template: true, but the tokenizer has no chat template "
+                         "(set chat_template: false, or use a model directory whose tokenizer has one)")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])

@@ -67,7 +67,7 @@ def _node_command() -> list[str]:
 def check_functions(cfg: Config) -> None:
     """Resolve every workflow function (rewards, estimators, losses) now, before any node starts."""
     from distflow.rollout.rewards import resolve_reward
-    from distflow.trainer.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
+    from distflow.rl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
 
     for node in cfg.workflow:
         kind = (node.role.value, node.type.value)

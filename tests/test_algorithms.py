@@ -1,4 +1,4 @@
-"""Tests for distflow.trainer.algorithms against hand-computed numbers.
+"""Tests for distflow.rl.algorithms against hand-computed numbers.
 
 Every expected value is a literal worked out by hand (the arithmetic is in the comments),
 never by calling the function under test.
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distflow.trainer.algorithms import (
+from distflow.rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     compute_gae,
@@ -402,7 +402,7 @@ def test_registries_and_resolve() -> None:
     assert resolve(ADVANTAGE_ESTIMATORS, "grpo", "advantage estimator") is group_advantages
     assert resolve(POLICY_LOSSES, "ppo", "policy loss") is policy_loss
     assert POLICY_LOSSES["grpo"] is policy_loss
-    fn = resolve(ADVANTAGE_ESTIMATORS, "distflow.trainer.algorithms:rloo_advantages", "advantage estimator")
+    fn = resolve(ADVANTAGE_ESTIMATORS, "distflow.rl.algorithms:rloo_advantages", "advantage estimator")
     assert fn is rloo_advantages
     assert resolve({}, "math:sqrt", "x")(9.0) == 3.0
 

@@ -16,9 +16,10 @@ from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import PromptRow
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
+from distflow.hf import chat_prompt_ids
 from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import resolve_reward
-from distflow.trainer.algorithms import ADVANTAGE_ESTIMATORS, resolve
+from distflow.rl.algorithms import ADVANTAGE_ESTIMATORS, resolve
 
 
 class StageError(RuntimeError):
@@ -36,12 +37,7 @@ def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) 
         text = r.data[key]
         if not isinstance(text, str):
             raise StageError(f"prompt {r.prompt_id}: key {key!r} is {type(text).__name__}, expected a string")
-        if chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-        else:
-            ids = tokenizer(text)["input_ids"]
-        out.append(list(ids))
+        out.append(chat_prompt_ids(tokenizer, text) if chat else list(tokenizer(text)["input_ids"]))
     return out
 
 

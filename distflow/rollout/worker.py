@@ -28,7 +28,7 @@ from distflow.rollout.engine import make_engine
 from distflow.rollout.stages import run_pipeline
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime
 from distflow.trace import Trace
-from distflow.trainer.weights import WeightInbox
+from distflow.rl.weights import WeightInbox
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
+from distflow.device import node_device
 from distflow.hf import load_causal_lm, load_tokenizer
-from distflow.trainer.algorithms import POLICY_LOSSES, resolve
+from distflow.rl.algorithms import POLICY_LOSSES, resolve
 from distflow.trainer.logprobs import gather_response, pad_batch, scatter_response, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class Actor:
 
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        self.device = node_device(cfg.device)
         mesh = init_device_mesh(self.device.type, (self.world,))
         torch.manual_seed(cfg.seed)
         # A resumed run continues from its checkpoint; the reference stays the original model.
@@ -91,7 +92,7 @@ class Actor:
 
     # ------------------------------------------------------------------ helpers
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=op)
         return t.tolist()
 

@@ -27,7 +27,7 @@ from distflow.runtime import Groups, Runtime
 from distflow.trainer.actor import Actor
 from distflow.trainer.metrics import MetricsWriter, plot_reward_curve
 from distflow.trace import Trace
-from distflow.trainer.weights import WeightPublisher
+from distflow.rl.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
