@@ -144,7 +144,7 @@ def test_eos_and_max_new_tokens_over_many_samples(engine: TorchEngine, prompts: 
         assert len(c.tokens) == 16 and eos not in c.tokens
     for c in comps:
         assert len(c.logprobs) == len(c.tokens)
-    # Finished rows decode pads behind the scenes; the others must be unaffected by them.
+    # Sequences end at different steps (their slots are refilled); the others are unaffected.
     flat = _recompute(engine.model, many, comps, engine.pad_token_id, 1.0)
     assert torch.allclose(flat, torch.tensor([x for c in comps for x in c.logprobs]), atol=1e-4, rtol=0)
 

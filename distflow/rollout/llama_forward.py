@@ -1,0 +1,284 @@
+"""A static-KV-cache prefill/decode forward for Llama-family Hugging Face models.
+
+Why it exists: HF's generation path concatenates every layer's KV and the attention mask
+on every step and launches ~800 kernels per decode step, which leaves a GPU idle. This
+forward reads the HF module's *own* parameters (embed_tokens, q/k/v/o_proj with their
+biases, q_norm/k_norm when present, the norms, the MLP, lm_head) and the model's rotary
+table, but keeps the KV in one preallocated cache ``[layers, slots, kv_heads, T, head_dim]``
+written in place at per-slot positions, with attention through SDPA and a length mask.
+Loading weights into the HF model therefore updates this path for free. On CUDA the
+decode step for a few bucketed slot counts is captured once as CUDA graphs.
+
+Supported: llama, mistral (no sliding window in reach), qwen2 (qkv bias), qwen3
+(q_norm/k_norm) with static RoPE types; :func:`unsupported_reason` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LlamaRunner", "unsupported_reason"]
+
+_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """None when :class:`LlamaRunner` can drive ``model``, else a short reason."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in _FAMILY:
+        return f"model_type {kind!r} is not one of {list(_FAMILY)}"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "the model does not have the Llama module layout (model.embed_tokens/layers/norm/rotary_emb)"
+    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        return f"rope_type {rope!r} changes with the sequence length"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window layers"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class LlamaRunner:
+    """Prefill and decode over a static KV cache for one HF Llama-family model.
+
+    Slots are rows of the cache. The caller keeps active sequences in slots ``[0, n)``
+    (compacting with :meth:`move_slot`), so a decode step is one batch of ``n`` rows.
+    """
+
+    def __init__(self, model: Any, *, use_graphs: bool, max_prefill_tokens: int = 8192):
+        self.model = model
+        inner = model.model
+        self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, list(inner.layers), inner.norm, \
+            model.lm_head
+        cfg = model.config
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.scaling = float(attn.scaling)
+        self.window = getattr(cfg, "sliding_window", None) if kind_uses_window(cfg) else None
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.use_graphs = bool(use_graphs) and self.device.type == "cuda"
+        self.max_prefill_tokens = max_prefill_tokens
+        self.k_cache: torch.Tensor | None = None  # [layers, slots, kv_heads, T, head_dim]
+        self.v_cache: torch.Tensor | None = None
+        self.cos = self.sin = torch.empty(0)  # [positions, head_dim], model dtype
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: Any = None
+        self.capture_s = 0.0
+        # Decode inputs (graph-static on CUDA): the token to feed and its position, per slot.
+        self.tok_in = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.pos = torch.zeros(0, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def slots(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[1]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[3]
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Make the cache hold at least ``slots`` x ``length`` tokens (reallocates, dropping
+        graphs, only when it grows; sizes are rounded up so it rarely does)."""
+        if slots <= self.slots and length <= self.length:
+            return
+        slots = max(slots, self.slots)
+        length = max(-(-length // 128) * 128, self.length)
+        shape = (len(self.layers), slots, self.n_kv, length, self.head_dim)
+        self.k_cache = self.v_cache = None
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.tok_in = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.pos = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        if self.cos.shape[0] < length:
+            pos = torch.arange(length, device=self.device).unsqueeze(0)
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.model.model.rotary_emb(probe, pos)  # [1, length, head_dim]
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s KV and decode inputs to slot ``dst`` (compaction, prefix sharing)."""
+        self.k_cache[:, dst].copy_(self.k_cache[:, src])
+        self.v_cache[:, dst].copy_(self.v_cache[:, src])
+        self.tok_in[dst] = self.tok_in[src]
+        self.pos[dst] = self.pos[src]
+
+    def copy_prefix(self, src: int, dsts: list[int], n: int) -> None:
+        """Copy the first ``n`` cached positions of slot ``src`` into every slot of ``dsts``."""
+        for d in dsts:
+            self.k_cache[:, d, :, :n].copy_(self.k_cache[:, src, :, :n])
+            self.v_cache[:, d, :, :n].copy_(self.v_cache[:, src, :, :n])
+
+    def _flat_index(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's cache viewed as [slots * kv_heads * T, D] for (slot, head, pos).
+
+        slots: [B] int64; pos: [B, L] int64. Returns [B * kv_heads * L] int64 ordered like
+        a [B, kv_heads, L, D] tensor's rows (an index_copy_ is far cheaper than an
+        index_put with a slice between the indexed dims)."""
+        heads = torch.arange(self.n_kv, device=self.device)
+        base = (slots[:, None] * self.n_kv + heads[None, :]) * self.length  # [B, Hkv]
+        return (base[:, :, None] + pos[:, None, :]).reshape(-1)
+
+    def _write(self, li: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, Hkv, L, D] into layer ``li`` at the rows ``idx`` of :meth:`_flat_index`."""
+        d = self.head_dim
+        self.k_cache[li].view(-1, d).index_copy_(0, idx, k.reshape(-1, d))
+        self.v_cache[li].view(-1, d).index_copy_(0, idx, v.reshape(-1, d))
+
+    # ------------------------------------------------------------------ forward pieces
+    def _qkv(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [B, L, hidden]; cos/sin: [B, L, head_dim]. Returns q [B, Hq, L, D], k, v [B, Hkv, L, D]."""
+        attn, (b, n) = layer.self_attn, x.shape[:2]
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, n, -1, self.head_dim)
+        k = attn.k_proj(h).view(b, n, -1, self.head_dim)
+        v = attn.v_proj(h).view(b, n, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+    def _finish_layer(self, layer: Any, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Residual adds around o_proj and the MLP. a: [B, Hq, L, D] attention output."""
+        b, n = x.shape[:2]
+        x = x + layer.self_attn.o_proj(a.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                              enable_gqa=self.n_kv != self.n_heads)
+
+    # ------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        """Write the KV of each ``seqs[i]`` at positions ``[0, len)`` of slot ``slots[i]``.
+
+        Returns [len(seqs), V] fp32 logits of each sequence's last position. Runs in
+        chunks of at most ``max_prefill_tokens`` padded tokens.
+        """
+        order = sorted(range(len(seqs)), key=lambda r: len(seqs[r]))  # similar lengths share a chunk: less padding
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(order):
+            j, width = i, 0
+            while j < len(order) and (j == i or max(width, len(seqs[order[j]])) * (j - i + 1)
+                                      <= self.max_prefill_tokens):
+                width = max(width, len(seqs[order[j]]))
+                j += 1
+            rows = order[i:j]
+            out.append(self._prefill_chunk([slots[r] for r in rows], [seqs[r] for r in rows], width))
+            i = j
+        logits = torch.cat(out, dim=0)
+        back = torch.empty(len(order), dtype=torch.int64)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return logits[back.to(logits.device)]
+
+    def _prefill_chunk(self, slots: list[int], seqs: list[list[int]], width: int) -> torch.Tensor:
+        dev, b = self.device, len(seqs)
+        ids = torch.zeros((b, width), dtype=torch.int64)
+        for r, s in enumerate(seqs):  # right padding: position = column
+            ids[r, :len(s)] = torch.tensor(s, dtype=torch.int64)
+        ids = ids.to(dev)
+        lens = torch.tensor([len(s) for s in seqs], device=dev)
+        cols = torch.arange(width, device=dev)
+        mask = (cols[None, :, None] >= cols[None, None, :]) & (cols[None, None, :] < lens[:, None, None])
+        mask = mask.unsqueeze(1)  # [b, 1, width, width]: causal and within the sequence
+        cos = self.cos[:width].unsqueeze(0).expand(b, -1, -1)
+        sin = self.sin[:width].unsqueeze(0).expand(b, -1, -1)
+        idx = self._flat_index(torch.tensor(slots, device=dev), cols.unsqueeze(0).expand(b, -1))
+        x = self.embed(ids)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            self._write(li, idx, k, v)
+            x = self._finish_layer(layer, x, self._attend(q, k, v, mask))
+        last = x[torch.arange(b, device=dev), lens - 1]  # [b, hidden]
+        return self.lm_head(self.norm(last)).float()
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, b: int, length: int) -> torch.Tensor:
+        """One decode step over slots [0, b): feed ``tok_in`` at ``pos``, attending to cache
+        positions [0, length). Returns [b, V] fp32 logits. Graph-capturable (no host sync)."""
+        tok, pos = self.tok_in[:b], self.pos[:b]
+        idx = self._flat_index(torch.arange(b, device=self.device), pos.unsqueeze(1))
+        mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None]).view(b, 1, 1, length)
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [b, 1, D]
+        group = self.n_heads // self.n_kv
+        x = self.embed(tok.unsqueeze(1))  # [b, 1, hidden]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            self._write(li, idx, k, v)
+            kc, vc = self.k_cache[li, :b, :, :length], self.v_cache[li, :b, :, :length]  # [b, Hkv, length, D]
+            # GQA without repeating KV: a kv head's query heads become its query "positions".
+            a = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, group, self.head_dim), kc, vc,
+                                               attn_mask=mask, scale=self.scaling)
+            x = self._finish_layer(layer, x, a.reshape(b, self.n_heads, 1, self.head_dim))
+        return self.lm_head(self.norm(x[:, 0])).float()
+
+    def bucket(self, n: int) -> int:
+        """The graph batch size used for ``n`` active slots (powers of two, capped at the cache)."""
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, self.slots)
+
+    @torch.inference_mode()
+    def decode(self, n: int, max_pos: int) -> torch.Tensor:
+        """Decode slots [0, n); ``max_pos`` is the largest position fed (host-known). Returns
+        [n, V] fp32 logits. CUDA: replays the captured graph of the bucket holding ``n``
+        (capturing it on first use); otherwise eager over the live part of the cache."""
+        if not self.use_graphs:
+            return self._decode(n, max_pos + 1)
+        b = self.bucket(n)
+        if b not in self.graphs:
+            self._capture(b)
+        graph, logits = self.graphs[b]
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, b: int) -> None:
+        """Capture the decode step for ``b`` rows over the whole cache length. Rows beyond
+        the live ones decode garbage into free slots (their positions stay in range)."""
+        t0 = time.perf_counter()
+        saved_tok, saved_pos = self.tok_in.clone(), self.pos.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up kernels/allocations outside the graph
+                self._decode(b, self.length)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._decode(b, self.length)
+        self.graphs[b] = (graph, logits)
+        # Warm-up and capture wrote KV at the saved positions of rows [0, b); the real step
+        # rewrites those same positions before reading them, so only the inputs need restoring.
+        self.tok_in.copy_(saved_tok)
+        self.pos.copy_(saved_pos)
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
+
+
+def kind_uses_window(cfg: Any) -> bool:
+    """Mistral configs carry a sliding window that applies to every layer."""
+    return getattr(cfg, "model_type", None) == "mistral" and bool(getattr(cfg, "sliding_window", None))

@@ -1,0 +1,406 @@
+"""The built-in rollout engine: continuous batching over a static KV cache.
+
+Why it exists: generation bounds an RL step, and HF's generate loop wastes most of it
+(per-step cache/mask concatenation, finished rows decoded until the whole batch stops,
+a host sync per token, every GRPO prompt prefilled ``group_size`` times). This engine
+keeps a fixed number of slots; a finished sequence frees its slot at the next check and
+a waiting prompt is prefilled into it; identical prompts of one call are prefilled once
+and their KV copied; the host looks at stop flags every ``sync_every`` steps (1 on CPU,
+where a sync is free); on CUDA the decode step replays CUDA graphs. Each sequence samples
+from its own counter-based stream (:mod:`distflow.rollout.sampling`), so results depend on
+the seed only, not on slots. ``generate`` can swap weights mid-call (partial rollout):
+in-flight sequences are re-prefilled under the new weights and continue.
+
+Models outside the Llama family fall back to an HF ``model(...)`` loop (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from distflow.device import node_device
+from distflow.hf import load_causal_lm, load_tokenizer
+from distflow.rollout.llama_forward import LlamaRunner, unsupported_reason
+from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
+                                       parse_dtype, validate_prompts)
+from distflow.rollout.sampling import sample_next, sample_rows, seed_key
+from distflow.rollout.weight_loading import WeightTarget
+
+__all__ = ["TorchEngine"]
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return v
+
+
+class TorchEngine:
+    """Continuous-batching sampler on plain PyTorch + transformers (CPU and GPUs).
+
+    ``max_slots``: sequences decoded at once; ``compile``: capture the decode step as CUDA
+    graphs on CUDA (ignored on CPU); ``max_batch_size``: batch size of the HF fallback loop.
+    ``stats`` reports ``capture_s`` (graph capture time, paid once per process and cache
+    size), ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
+    (mid-generate), cumulative.
+    """
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
+                 max_batch_size: int = 256, max_slots: int = 256, compile: bool = True,
+                 max_prefill_tokens: int = 8192):
+        path = check_model_dir(model_path)
+        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self.max_slots = _positive_int("max_slots", max_slots)
+        _positive_int("max_prefill_tokens", max_prefill_tokens)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r} requested but CUDA is not available")
+        self.device = node_device(dev.type) if dev.index is None else dev  # this node's GPU
+        self.dtype = parse_dtype(dtype)
+        try:
+            self.tokenizer = load_tokenizer(path)
+        except Exception as e:
+            raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from e
+        try:
+            model = load_causal_lm(path, self.dtype)
+        except Exception as e:
+            raise ValueError(f"cannot load a causal LM from {str(path)!r}: {type(e).__name__}: {e}") from e
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model_path = str(path)
+        self.version = 0
+        self._lock = threading.Lock()  # generate and load_weights may be called from different threads
+        cfg = self.model.config
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
+        self.eos_token_ids: tuple[int, ...] = self._collect_eos()
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = getattr(self.model.generation_config, "pad_token_id", None)
+        if isinstance(pad, (list, tuple)):
+            pad = pad[0] if pad else None
+        self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_id or 0)
+        self._target = WeightTarget(self.model)
+        self.stats: dict[str, float] = {"capture_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0,
+                                        "weight_swaps": 0}
+        why = unsupported_reason(self.model)
+        self.runner: LlamaRunner | None = None
+        if why is None:
+            self.runner = LlamaRunner(self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens)
+        else:
+            log.info("TorchEngine: %s; using the HF generate loop (no static cache)", why)
+        # Host looks at the device's stop flags (and polls weights_update) every this many steps.
+        self.sync_every = 8 if self.device.type == "cuda" else 1
+
+    def _collect_eos(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
+                    getattr(self.model.config, "eos_token_id", None)):
+            for v in (src if isinstance(src, (list, tuple)) else [src]):
+                if v is not None and int(v) not in ids:
+                    ids.append(int(v))
+        return tuple(ids)
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, *,
+                 weights_update: WeightsUpdate | None = None) -> list[Completion]:
+        """Sample one completion per prompt, in order. Deterministic for a given ``seed``
+        whatever ``max_slots`` is. ``weights_update`` (optional) is polled every
+        ``sync_every`` steps; when it returns ``(version, weights)`` they are loaded and the
+        in-flight sequences continue under them (see ``Completion.first/last_version``);
+        ``(version, weights, True)`` is a partial set (a delta)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if self.model is None:
+            raise RuntimeError("TorchEngine.generate called after close()")
+        if weights_update is not None and not callable(weights_update):
+            raise TypeError(f"weights_update must be callable or None, got {type(weights_update).__name__}")
+        params.validate()
+        validate_prompts(prompts, self.vocab_size)
+        if not prompts:
+            return []
+        longest = max(len(p) for p in prompts)
+        if self.max_positions is not None and longest + params.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings {self.max_positions}"
+            )
+        stop = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        seed = int(seed) % (1 << 63) if seed is not None else random.getrandbits(63)
+        with self._lock:
+            runner = self.runner
+            if runner is not None and runner.window and longest + params.max_new_tokens > runner.window:
+                runner = None  # the sliding window would matter: HF's attention handles it
+            if runner is None:
+                return self._generate_hf(prompts, params, stop, seed, weights_update)
+            try:
+                return _Batcher(self, runner, prompts, params, stop, seed, weights_update).run()
+            finally:
+                self.stats["capture_s"] = runner.capture_s
+
+    def _poll(self, weights_update: WeightsUpdate | None) -> bool:
+        """Ask for new weights; load them (lock held by generate). True when loaded."""
+        if weights_update is None:
+            return False
+        got = weights_update()
+        if got is None:
+            return False
+        if not (isinstance(got, tuple) and len(got) in (2, 3)):
+            raise TypeError("weights_update must return None, (version, weights) or (version, weights, partial), "
+                            f"got {type(got).__name__}")
+        version, weights, partial = got if len(got) == 3 else (*got, False)
+        self._target.copy_in(self._target.validate(version, weights, bool(partial)))
+        self.version = version
+        return True
+
+    def _generate_hf(self, prompts: list[list[int]], params: SamplingParams, stop: list[int], seed: int,
+                     weights_update: WeightsUpdate | None) -> list[Completion]:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        stop_t = torch.tensor(stop, dtype=torch.int64, device=self.device)
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            if start:
+                self._poll(weights_update)
+            out.extend(self._generate_hf_batch(prompts[start:start + self.max_batch_size], params, stop_t, gen))
+        return out
+
+    def _generate_hf_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: torch.Tensor,
+                           gen: torch.Generator) -> list[Completion]:
+        b, width, dev = len(prompts), max(len(p) for p in prompts), self.device
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((b, width), dtype=torch.int64)
+        for i, p in enumerate(prompts):  # left padding: every row's next token is at the same column
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        past, logits = res.past_key_values, res.logits[:, -1, :].float()
+        n = params.max_new_tokens
+        tokens = torch.full((b, n), self.pad_token_id, dtype=torch.int64, device=dev)
+        logps = torch.zeros((b, n), dtype=torch.float32, device=dev)
+        lengths = torch.full((b,), n, dtype=torch.int64, device=dev)
+        stopped = torch.zeros(b, dtype=torch.bool, device=dev)
+        next_pos = pos[:, -1:]
+        for step in range(n):
+            tok, lp = sample_next(logits, params, gen)
+            tok = torch.where(stopped, self.pad_token_id, tok)
+            tokens[:, step], logps[:, step] = tok, lp
+            hit = torch.isin(tok, stop) & ~stopped
+            lengths = torch.where(hit, step + 1, lengths)
+            stopped |= hit
+            if step == n - 1 or bool(stopped.all()):
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
+            next_pos = next_pos + 1
+            res = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                             past_key_values=past, use_cache=True)
+            past, logits = res.past_key_values, res.logits[:, -1, :].float()
+        tokens_l, logps_l, lens_l, stop_l = tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+        return [Completion(tokens=tokens_l[i][:lens_l[i]], logprobs=logps_l[i][:lens_l[i]],
+                           finish_reason="stop" if stop_l[i] else "length", first_version=self.version,
+                           last_version=self.version) for i in range(b)]
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, version: int, weights: Weights, partial: bool = False) -> None:
+        """Swap weights in place (all or nothing) and set ``version``.
+
+        ``weights``: one name -> tensor mapping, or an iterable of bucket mappings (as the
+        weight inbox delivers them). Every name, shape, dtype and value is checked first
+        (tied parameters may come under any one of their names; ``partial=True`` for a
+        delta: names left out keep their values); on any problem a ValueError names the
+        offending keys and the current weights are untouched. Then each bucket is copied
+        straight into the model's parameters on the engine's device.
+        """
+        if self.model is None:
+            raise RuntimeError("TorchEngine.load_weights called after close()")
+        buckets = self._target.validate(version, weights, partial)
+        with self._lock:
+            self._target.copy_in(buckets)
+            self.version = version
+
+    def close(self) -> None:
+        """Release the model, the KV cache and the graphs (and cached GPU memory)."""
+        with self._lock:
+            self.model = None  # type: ignore[assignment]
+            self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class _Batcher:
+    """One generate() call on the static-cache path: slots, admission, checks, results.
+
+    Slot state lives on the device (decode inputs in the runner; per-slot outputs here)
+    and is mirrored on the host only where the host can know it without a sync (sequence
+    index, prompt length, tokens generated so far)."""
+
+    def __init__(self, engine: TorchEngine, runner: LlamaRunner, prompts: list[list[int]], params: SamplingParams,
+                 stop: list[int], seed: int, weights_update: WeightsUpdate | None):
+        self.eng, self.r, self.prompts, self.params = engine, runner, prompts, params
+        self.weights_update = weights_update
+        self.key = seed_key(seed)
+        dev, n_max = runner.device, params.max_new_tokens
+        slots = min(engine.max_slots, len(prompts))
+        runner.reserve(slots if not runner.use_graphs else engine.max_slots,
+                       max(len(p) for p in prompts) + n_max)
+        s = runner.slots
+        self.stop = torch.tensor(stop, dtype=torch.int64, device=dev)
+        self.seq = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.gen = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.done = torch.zeros(s, dtype=torch.bool, device=dev)
+        self.end = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.out_tok = torch.zeros((s, n_max), dtype=torch.int64, device=dev)
+        self.out_lp = torch.zeros((s, n_max), dtype=torch.float32, device=dev)
+        self.limit = slots
+        self.slot_seq: list[int] = [-1] * slots  # host: sequence in each slot (-1 = free)
+        self.slot_gen: list[int] = [0] * slots  # host: tokens generated so far
+        self.first_version: dict[int, int] = {}
+        self.results: list[Completion | None] = [None] * len(prompts)
+        self.next_seq = 0
+        self.kept_logits: dict[tuple[int, ...], torch.Tensor] = {}  # prompt -> [V] first-token logits
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> list[Completion]:
+        while True:
+            while self.admit():
+                self.check()  # a first token may already be a stop (or the length limit)
+            self.compact()
+            if not self.n_active:
+                return [c for c in self.results if c is not None]
+            remaining = min(self.params.max_new_tokens - g for g in self.slot_gen[:self.n_active])
+            for _ in range(min(self.eng.sync_every, remaining)):
+                self.step()
+            self.check()
+            if self.eng._poll(self.weights_update):
+                self.eng.stats["weight_swaps"] += 1
+                self.reprefill()
+
+    @property
+    def n_active(self) -> int:
+        n = len(self.slot_seq)
+        while n and self.slot_seq[n - 1] < 0:
+            n -= 1
+        return n
+
+    def _sample_into(self, slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Sample for ``slots`` [n] from ``logits`` [n, V]; record token/logprob/stop per slot."""
+        tok, lp = sample_rows(logits, self.params, self.key, self.seq[slots], self.gen[slots])
+        g = self.gen[slots]
+        self.out_tok[slots, g] = tok
+        self.out_lp[slots, g] = lp
+        hit = (tok[:, None] == self.stop[None, :]).any(-1) & ~self.done[slots]
+        self.end[slots] = torch.where(hit, g + 1, self.end[slots])
+        self.done[slots] |= hit
+        self.gen[slots] = g + 1
+        self.r.tok_in[slots] = tok
+        return tok
+
+    def step(self) -> None:
+        n = self.n_active
+        max_pos = max(len(self.prompts[q]) + self.slot_gen[i] - 1 for i, q in enumerate(self.slot_seq[:n]) if q >= 0)
+        logits = self.r.decode(n, max_pos)
+        self._sample_into(torch.arange(n, device=self.r.device), logits)
+        self.r.pos[:n] += 1
+        for i in range(n):
+            self.slot_gen[i] += 1
+        self.eng.stats["decode_steps"] += 1
+        self.eng.stats["decode_rows"] += n
+
+    def check(self) -> None:
+        """Finish every slot whose sequence stopped or hit the length limit."""
+        n, n_max, version = self.n_active, self.params.max_new_tokens, self.eng.version
+        done = self.done[:n].tolist()
+        fin = [i for i in range(n) if self.slot_seq[i] >= 0 and (done[i] or self.slot_gen[i] >= n_max)]
+        if not fin:
+            return
+        idx = torch.tensor(fin, device=self.r.device)
+        toks, lps, ends = self.out_tok[idx].tolist(), self.out_lp[idx].tolist(), self.end[idx].tolist()
+        for j, i in enumerate(fin):
+            q, length = self.slot_seq[i], (ends[j] if done[i] else n_max)
+            self.results[q] = Completion(tokens=toks[j][:length], logprobs=lps[j][:length],
+                                         finish_reason="stop" if done[i] else "length",
+                                         first_version=self.first_version.pop(q), last_version=version)
+            self.slot_seq[i] = -1
+
+    # ---------------------------------------------------------------- slots
+    def admit(self) -> bool:
+        """Prefill waiting prompts into free slots; identical prompts are prefilled once.
+        False when nothing was admitted."""
+        free = [i for i in range(self.limit) if self.slot_seq[i] < 0]
+        take = min(len(free), len(self.prompts) - self.next_seq)
+        if take <= 0:
+            return False
+        seqs = list(range(self.next_seq, self.next_seq + take))
+        self.next_seq += take
+        slots = free[:take]
+        # A live slot's prompt KV (positions [0, len)) is never overwritten while it decodes,
+        # so a prompt still held by a live slot (a GRPO group split across two admissions)
+        # is copied from there, with its first-token logits kept from its own prefill.
+        live = {tuple(self.prompts[q]): i for i, q in enumerate(self.slot_seq) if q >= 0}
+        first: dict[tuple[int, ...], int] = {}  # prompt -> index (into seqs) of its first holder
+        owner = []
+        for j, q in enumerate(seqs):
+            owner.append(first.setdefault(tuple(self.prompts[q]), j))
+        uniq = sorted(set(owner))
+        keys = {u: tuple(self.prompts[seqs[u]]) for u in uniq}
+        fresh = [u for u in uniq if not (keys[u] in live and keys[u] in self.kept_logits)]
+        if fresh:
+            new = self.r.prefill([slots[u] for u in fresh], [list(keys[u]) for u in fresh])
+            self.eng.stats["prefill_tokens"] += sum(len(keys[u]) for u in fresh)
+            self.kept_logits.update({keys[u]: new[i] for i, u in enumerate(fresh)})
+        for u in uniq:
+            src = live.get(keys[u], slots[u]) if u not in fresh else slots[u]
+            sharers = [slots[j] for j, o in enumerate(owner) if o == u and slots[j] != src]
+            if sharers:
+                self.r.copy_prefix(src, sharers, len(keys[u]))
+        logits = torch.stack([self.kept_logits[tuple(self.prompts[q])] for q in seqs])
+        # Keep only what the next admission can reuse: the prompt of the next waiting sequence.
+        nxt = tuple(self.prompts[self.next_seq]) if self.next_seq < len(self.prompts) else None
+        self.kept_logits = {k: v for k, v in self.kept_logits.items() if k == nxt}
+        dev = self.r.device
+        slot_t = torch.tensor(slots, device=dev)
+        self.seq[slot_t] = torch.tensor(seqs, device=dev)
+        self.gen[slot_t] = 0
+        self.done[slot_t] = False
+        self.end[slot_t] = 0
+        self.r.pos[slot_t] = torch.tensor([len(self.prompts[q]) for q in seqs], device=dev)
+        self._sample_into(slot_t, logits)
+        for s, q in zip(slots, seqs):
+            self.slot_seq[s], self.slot_gen[s] = q, 1
+            self.first_version[q] = self.eng.version
+        return True
+
+    def compact(self) -> None:
+        """Move the highest live slots into free ones below them, so live slots are [0, n)."""
+        while True:
+            n = self.n_active
+            free = [i for i in range(n) if self.slot_seq[i] < 0]
+            if not free:
+                return
+            src, dst = n - 1, free[0]
+            self.r.move_slot(src, dst)
+            for t in (self.seq, self.gen, self.done, self.end, self.out_tok, self.out_lp):
+                t[dst] = t[src]
+            self.slot_seq[dst], self.slot_gen[dst] = self.slot_seq[src], self.slot_gen[src]
+            self.slot_seq[src] = -1
+
+    def reprefill(self) -> None:
+        """After a weight swap: recompute every live sequence's KV under the new weights."""
+        self.kept_logits.clear()  # first-token logits of the old weights
+        live = [i for i in range(self.n_active) if self.slot_seq[i] >= 0]
+        if not live:
+            return
+        toks = self.out_tok[torch.tensor(live, device=self.r.device)].tolist()
+        seqs = [list(self.prompts[self.slot_seq[i]]) + toks[j][:self.slot_gen[i] - 1] for j, i in enumerate(live)]
+        self.r.prefill(live, seqs)
+        self.eng.stats["prefill_tokens"] += sum(len(s) for s in seqs)

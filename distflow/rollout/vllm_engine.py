@@ -1,0 +1,94 @@
+"""The vLLM adapter: :class:`RolloutEngine` over vLLM's offline ``LLM`` API.
+
+Why it exists: production rollout nodes with vLLM installed can use it behind the same
+protocol as the built-in engine. It does not interrupt generation for new weights
+(``weights_update`` is accepted and ignored); each completion reports the engine's version
+as both its first and last version.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
+                                       parse_dtype, validate_prompts)
+
+__all__ = ["VLLMEngine"]
+
+def _vllm_load_weights(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside every vLLM worker (via ``LLM.collective_rpc``): load HF-named tensors."""
+    worker.model_runner.model.load_weights(weights=items)
+
+
+class VLLMEngine:
+    """:class:`RolloutEngine` over vLLM's offline ``LLM`` API (optional extra: ``pip install distflow[vllm]``).
+
+    Not exercised by the test suite (vLLM is not installed in CI). Notes:
+
+    - Logprobs use ``logprobs_mode="processed_logprobs"`` so they are taken after the
+      temperature; vLLM takes them *after* top-k/top-p too, so with those filters on they
+      are the renormalised values, unlike :class:`TorchEngine` (identical when both are off).
+    - Weights go to every worker with ``LLM.collective_rpc`` and the model's own
+      ``load_weights`` (which handles vLLM's fused/stacked parameters); with vLLM's V1
+      multiprocess engine, sending a function needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+      The prefix cache is reset afterwards so no KV from old weights is reused.
+    """
+
+    def __init__(self, model_path: str, *, device: str = "cuda", dtype: torch.dtype | str = "bfloat16",
+                 max_batch_size: int = 256, **llm_kwargs: Any):
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise ImportError("engine 'vllm' needs vLLM, which is not installed: pip install 'distflow[vllm]' "
+                              "(or use engine: torch)") from e
+        from vllm import LLM
+
+        path = check_model_dir(model_path)
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"engine 'vllm' runs on CUDA devices only, got device {device!r}")
+        dt = parse_dtype(dtype)
+        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        self.llm = LLM(model=str(path), dtype=str(dt).removeprefix("torch."), max_num_seqs=max_batch_size,
+                       **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, *,
+                 weights_update: WeightsUpdate | None = None) -> list[Completion]:
+        from vllm import SamplingParams as VSamplingParams
+
+        params.validate()
+        validate_prompts(prompts, len(self.tokenizer))
+        base = random.getrandbits(31) if seed is None else int(seed)
+        sps = [VSamplingParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                               top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+                               stop_token_ids=list(params.stop_token_ids), seed=(base + i) % (2**31),
+                               logprobs=0, detokenize=False) for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
+        result = []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], toks)]
+            if len(lps) != len(toks):
+                raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
+            result.append(Completion(tokens=toks, logprobs=lps,
+                                     finish_reason="stop" if c.finish_reason == "stop" else "length",
+                                     first_version=self.version, last_version=self.version))
+        return result
+
+    def load_weights(self, version: int, weights: Weights, partial: bool = False) -> None:
+        """``weights``: one mapping or an iterable of bucket mappings (sent bucket by bucket);
+        vLLM's ``load_weights`` overwrites only the names given, so ``partial`` needs nothing."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"weights version must be an int >= 0, got {version!r}")
+        for bucket in ([weights] if isinstance(weights, dict) or hasattr(weights, "items") else weights):
+            self.llm.collective_rpc(_vllm_load_weights, args=(list(bucket.items()),))
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def close(self) -> None:
+        self.llm = None  # vLLM frees its workers when the LLM object is collected

@@ -1,0 +1,341 @@
+"""The continuous-batching engine: forward parity with HF, trainer parity under continuous
+batching / prefix sharing / mid-sequence weight swaps, seed determinism across slot
+counts, bucketed weight loading, and the CUDA-graph path (GPU only).
+
+Real tiny models built from scratch (distflow.toy and HF configs); the references are
+full HF forwards and the trainer's own ``token_logprobs``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distflow.rl.weights import buckets
+from distflow.rollout.engine import Completion, SamplingParams, TorchEngine
+from distflow.rollout.llama_forward import LlamaRunner, unsupported_reason
+from distflow.toy import build_toy_model
+from distflow.trainer.logprobs import gather_response, pad_batch, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_toy_model(tmp_path_factory.mktemp("toy") / "model", seed=0, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_toy_model(tmp_path_factory.mktemp("toy") / "other", seed=1, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: str) -> list[list[int]]:
+    eng = TorchEngine(model_dir)
+    out = [eng.tokenizer(s)["input_ids"] for s in ["1=", "3947=", "123456=", "77=", "5=", "808="]]
+    eng.close()
+    return out
+
+
+def _recompute(model: torch.nn.Module, prompts: list[list[int]], comps: list[Completion], pad: int,
+               temperature: float) -> list[list[float]]:
+    """The trainer's logprobs of each completion, split per completion."""
+    ids, attn, resp = pad_batch([torch.tensor(p) for p in prompts], [torch.tensor(c.tokens) for c in comps], pad)
+    with torch.no_grad():
+        flat = gather_response(token_logprobs(model, ids, attn, temperature), resp).tolist()
+    out, i = [], 0
+    for c in comps:
+        out.append(flat[i:i + len(c.tokens)])
+        i += len(c.tokens)
+    return out
+
+
+def _max_err(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max((abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
+
+
+# ---------------------------------------------------------------------- forward vs HF
+def _tiny(kind: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
+        Qwen3ForCausalLM
+
+    common = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig(**common, rope_theta=500.0)),
+                "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
+                "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=16))}[kind]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = cls(cfg).eval()
+        for name, p in model.named_parameters():  # random biases and norm scales, so they matter
+            if name.endswith(".bias") or "norm" in name:
+                p.data.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_static_cache_forward_matches_hf_logits(kind: str) -> None:
+    model = _tiny(kind)
+    assert unsupported_reason(model) is None
+    runner = LlamaRunner(model, use_graphs=False)
+    runner.reserve(3, 20)
+    seqs = [[1, 5, 9, 2, 7], [3, 4, 6], [8, 8, 8, 1, 2, 3, 4, 5]]
+    with torch.no_grad():
+        ref = [model(input_ids=torch.tensor([s])).logits[0].float() for s in seqs]
+    # Slot order deliberately not the sequence order.
+    last = runner.prefill([2, 0, 1], [s[:-2] for s in seqs])
+    for i, s in enumerate(seqs):
+        assert torch.allclose(last[i], ref[i][len(s) - 3], atol=1e-4, rtol=0)
+    # Two decode steps for all three at their own positions: slot -> sequence 1, 2, 0.
+    order = [1, 2, 0]
+    for back in (2, 1):
+        runner.tok_in[:3] = torch.tensor([seqs[q][-back] for q in order])
+        runner.pos[:3] = torch.tensor([len(seqs[q]) - back for q in order])
+        logits = runner.decode(3, max(len(seqs[q]) - back for q in order))
+        for slot, q in enumerate(order):
+            assert torch.allclose(logits[slot], ref[q][len(seqs[q]) - back], atol=1e-4, rtol=0)
+
+
+def test_unsupported_architecture_reason() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=32))
+    assert "model_type 'gpt2'" in unsupported_reason(model)
+
+
+# ---------------------------------------------------------------------- engine vs trainer
+def test_continuous_batching_parity_and_no_finished_rows(model_dir: str, prompts: list[list[int]]) -> None:
+    eng = TorchEngine(model_dir, max_slots=3)
+    many = [prompts[i % len(prompts)] for i in range(14)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=8, top_p=0.95)
+    comps = eng.generate(many, params, seed=4)
+    lengths = [len(c.tokens) for c in comps]
+    assert len(set(lengths)) >= 3, lengths  # responses end at a spread of lengths
+    assert {c.finish_reason for c in comps} == {"stop", "length"}
+    assert _max_err(_recompute(eng.model, many, comps, eng.pad_token_id, 0.8), [c.logprobs for c in comps]) < 1e-4
+    # The first token of each sequence comes from its prefill; every decode row produced a
+    # kept token (the host checks every step on CPU), so no finished row was decoded.
+    assert eng.sync_every == 1
+    assert eng.stats["decode_rows"] == sum(lengths) - len(many)
+    assert all(c.first_version == c.last_version == 0 for c in comps)
+
+
+def test_prefix_sharing_prefills_each_prompt_once(model_dir: str, prompts: list[list[int]]) -> None:
+    group = 4
+    grouped = [p for p in prompts[:3] for _ in range(group)]  # 12 sequences, 3 distinct prompts
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    wide = TorchEngine(model_dir, max_slots=16)
+    ref = wide.generate(grouped, params, seed=9)
+    assert wide.stats["prefill_tokens"] == len(prompts[0]) + len(prompts[1]) + len(prompts[2])
+    # 5 slots: groups split across admissions reuse a live member's KV (never more prefill
+    # than once per group per admission), and the samples do not depend on it.
+    eng = TorchEngine(model_dir, max_slots=5)
+    comps = eng.generate(grouped, params, seed=9)
+    assert eng.stats["prefill_tokens"] < group * sum(len(p) for p in prompts[:3])
+    assert [c.tokens for c in comps] == [c.tokens for c in ref]
+    assert _max_err(_recompute(eng.model, grouped, comps, eng.pad_token_id, 1.0), [c.logprobs for c in comps]) < 1e-4
+    for g in range(3):  # a group's members share their prefill but sample their own tokens
+        assert len({tuple(c.tokens) for c in comps[g * group:(g + 1) * group]}) > 1
+        first = {round(c.logprobs[0], 6) for c in comps[g * group:(g + 1) * group] if c.tokens[0] ==
+                 comps[g * group].tokens[0]}
+        assert len(first) == 1
+
+
+@pytest.fixture(scope="module")
+def slot_engines(model_dir: str) -> dict[int, TorchEngine]:
+    return {s: TorchEngine(model_dir, max_slots=s) for s in (1, 4, 64)}
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (1.3, 0, 0.8)])
+def test_seed_determinism_regardless_of_slots(slot_engines: dict[int, TorchEngine], prompts: list[list[int]],
+                                              temperature: float, top_k: int, top_p: float) -> None:
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p)
+    many = [prompts[i % len(prompts)] for i in range(10)]
+    runs = [eng.generate(many, params, seed=21) for eng in slot_engines.values()]
+    for other in runs[1:]:
+        assert [c.tokens for c in other] == [c.tokens for c in runs[0]]
+        assert _max_err([c.logprobs for c in other], [c.logprobs for c in runs[0]]) < 1e-5
+    again = slot_engines[4].generate(many, params, seed=22)
+    assert [c.tokens for c in again] != [c.tokens for c in runs[0]]
+
+
+def test_mid_sequence_weight_swap(model_dir: str, other_dir: str, prompts: list[list[int]]) -> None:
+    eng = TorchEngine(model_dir, max_slots=8)
+    new = TorchEngine(other_dir)
+    old_model = TorchEngine(model_dir).model
+    new_sd = {k: v.clone() for k, v in new.model.state_dict().items() if k != "lm_head.weight"}
+    calls = []
+
+    def update():  # polled at every step boundary; the new weights arrive at the 3rd poll
+        calls.append(len(calls))
+        return (7, iter(buckets(new_sd, bucket_bytes=20_000))) if len(calls) == 3 else None
+
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=())
+    comps = eng.generate(prompts, params, seed=5, weights_update=update)
+    assert eng.version == 7 and len(calls) >= 3 and eng.stats["weight_swaps"] == 1
+    swapped = 1 + 3  # the prefill token, then one decode step before each of the 3 polls
+    old_lp = _recompute(old_model, prompts, comps, eng.pad_token_id, 1.0)
+    new_lp = _recompute(new.model, prompts, comps, eng.pad_token_id, 1.0)
+    n_after = 0
+    for c, o, n in zip(comps, old_lp, new_lp):
+        assert _max_err([c.logprobs[:swapped]], [o[:swapped]]) < 1e-4
+        assert _max_err([c.logprobs[swapped:]], [n[swapped:]]) < 1e-4
+        n_after += len(c.tokens[swapped:])
+        assert c.first_version == 0 and c.last_version == (7 if len(c.tokens) > swapped else 0)
+    assert n_after > 0
+    # The old and new weights really disagree on the swapped tokens.
+    assert _max_err([x[swapped:] for x in old_lp], [x[swapped:] for x in new_lp]) > 1e-2
+
+
+def test_stop_eos_and_length_edges(model_dir: str, prompts: list[list[int]]) -> None:
+    eng = TorchEngine(model_dir, max_slots=2)
+    one = eng.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert all(len(c.tokens) == 1 and len(c.logprobs) == 1 for c in one)
+    assert all(c.finish_reason == ("stop" if c.tokens[0] in eng.eos_token_ids else "length") for c in one)
+    free = eng.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
+    eng.runner, runner = None, eng.runner  # the HF loop (unsupported-architecture path) agrees
+    try:
+        hf = eng.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
+    finally:
+        eng.runner = runner
+    assert [(c.tokens, c.finish_reason) for c in hf] == [(c.tokens, c.finish_reason) for c in free]
+    assert _max_err([c.logprobs for c in hf], [c.logprobs for c in free]) < 1e-4
+    # Every stop id ends its sequence at its first occurrence, exactly like EOS.
+    for c in free:
+        if len(c.tokens) > 3:
+            stop = c.tokens[2]
+            (s,) = eng.generate([prompts[free.index(c)]], SamplingParams(max_new_tokens=10, temperature=0.0,
+                                                                          stop_token_ids=(stop,)))
+            assert s.finish_reason == "stop" and s.tokens == c.tokens[:c.tokens.index(stop) + 1]
+
+
+# ---------------------------------------------------------------------- weight loading
+def test_load_weights_buckets_and_errors(model_dir: str, other_dir: str, prompts: list[list[int]]) -> None:
+    eng = TorchEngine(model_dir)
+    other = TorchEngine(other_dir)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    want = [c.tokens for c in other.generate(prompts, greedy)]
+    before = [c.tokens for c in eng.generate(prompts, greedy)]
+    sd = {k: v.clone() for k, v in other.model.state_dict().items()}
+    parts = buckets(sd, bucket_bytes=10_000)
+    assert len(parts) > 2
+    ptr = eng.model.model.embed_tokens.weight.data_ptr()
+    bad = [dict(b) for b in parts]
+    bad[-1]["model.norm.weight"] = torch.ones(64, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"dtype mismatch: model\.norm\.weight: got torch\.int64"):
+        eng.load_weights(2, bad)
+    with pytest.raises(TypeError, match="bucket 1 must be a mapping"):
+        eng.load_weights(2, [parts[0], 5])
+    assert eng.version == 0 and [c.tokens for c in eng.generate(prompts, greedy)] == before
+    stale = {"model.norm.weight": torch.zeros(64)}  # a name repeated in a later bucket: the later one wins
+    eng.load_weights(2, (b for b in [stale] + parts))  # a one-pass generator of buckets
+    assert eng.version == 2 and eng.model.model.embed_tokens.weight.data_ptr() == ptr  # in place
+    assert torch.equal(eng.model.model.norm.weight, sd["model.norm.weight"])
+    assert [c.tokens for c in eng.generate(prompts, greedy)] == want
+    half = {k: v.to(torch.bfloat16) for k, v in TorchEngine(model_dir).model.state_dict().items()}
+    eng.load_weights(3, half)  # another float dtype is cast on copy
+    assert eng.model.model.norm.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------- CUDA graphs
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_matches_eager(model_dir: str, prompts: list[list[int]]) -> None:
+    many = [prompts[i % len(prompts)] for i in range(20)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    graphs = TorchEngine(model_dir, device="cuda", max_slots=8, compile=True)
+    eager = TorchEngine(model_dir, device="cuda", max_slots=8, compile=False)
+    a, b = graphs.generate(many, params, seed=3), eager.generate(many, params, seed=3)
+    assert graphs.stats["capture_s"] > 0 and eager.stats["capture_s"] == 0
+    assert graphs.sync_every > 1
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert _max_err([c.logprobs for c in a], [c.logprobs for c in b]) < 1e-4
+    cpu = TorchEngine(model_dir, max_slots=8)
+    assert _max_err(_recompute(cpu.model, many, a, cpu.pad_token_id, 1.0), [c.logprobs for c in a]) < 1e-3
+    capture = graphs.stats["capture_s"]
+    graphs.generate(many, params, seed=4)
+    assert graphs.stats["capture_s"] == capture  # paid once
+
+
+def test_graph_bucket_sizes(model_dir: str) -> None:
+    eng = TorchEngine(model_dir, max_slots=48)
+    eng.runner.reserve(48, 16)
+    assert [eng.runner.bucket(n) for n in (1, 2, 3, 5, 17, 33, 48)] == [1, 2, 4, 8, 32, 48, 48]
+
+
+def test_partial_weights_delta(model_dir: str, other_dir: str, prompts: list[list[int]]) -> None:
+    eng = TorchEngine(model_dir)
+    other = TorchEngine(other_dir)
+    norm = other.model.model.norm.weight.clone()
+    from distflow.rl.weights import WeightUpdate
+
+    with pytest.raises(ValueError, match=r"missing \d+ key"):
+        eng.load_weights(1, {"model.norm.weight": norm})
+    eng.load_weights(*WeightUpdate(1, [{"model.norm.weight": norm}], True))  # a delta: the rest stays
+    assert eng.version == 1 and torch.equal(eng.model.model.norm.weight, norm)
+    assert torch.equal(eng.model.model.embed_tokens.weight, TorchEngine(model_dir).model.model.embed_tokens.weight)
+    # The same through weights_update, as (version, buckets, partial).
+    sd = {k: v.clone() for k, v in other.model.state_dict().items() if k != "model.norm.weight"}
+    updates = iter([WeightUpdate(2, [sd], True)])  # what the weight inbox's take_update() returns
+    comps = eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0),
+                         weights_update=lambda: next(updates, None))
+    assert eng.version == 2 and all(c.last_version == 2 for c in comps if len(c.tokens) > 2)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    assert [c.tokens for c in eng.generate(prompts, greedy)] == [c.tokens for c in other.generate(prompts, greedy)]
+
+
+def test_inverse_cdf_sampling_hand_computed() -> None:
+    from distflow.rollout.sampling import _inverse_cdf, counter_uniform, seed_key
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.49, 0.5, 1.0 - 2 ** -24])
+    assert _inverse_cdf(probs, u).tolist() == [1, 1, 3, 3]  # never a zero-probability column
+    a = counter_uniform(seed_key(5), torch.tensor([0, 1, 0]), torch.tensor([0, 0, 1]))
+    b = counter_uniform(seed_key(5), torch.tensor([1, 0]), torch.tensor([0, 1]))
+    assert a[1] == b[0] and a[2] == b[1] and len(set(a.tolist())) == 3  # a pure function of (seed, seq, step)
+    assert counter_uniform(seed_key(6), torch.tensor([0]), torch.tensor([0])) != a[0]
+    many = counter_uniform(seed_key(0), torch.arange(20000), torch.zeros(20000, dtype=torch.int64))
+    assert 0.0 <= float(many.min()) and float(many.max()) < 1.0 and abs(float(many.mean()) - 0.5) < 0.01
+
+
+def test_graph_shaped_decode_on_cpu(model_dir: str, prompts: list[list[int]]) -> None:
+    """What a captured graph computes — a power-of-two bucket of rows (free slots decoding
+    garbage) over the whole cache length — gives the eager results exactly."""
+    many = [prompts[i % len(prompts)] for i in range(11)]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    ref = TorchEngine(model_dir, max_slots=6).generate(many, params, seed=8)
+    eng = TorchEngine(model_dir, max_slots=6)
+    runner = eng.runner
+    shapes = []
+
+    def graph_like(n: int, max_pos: int) -> torch.Tensor:
+        shapes.append(runner.bucket(n))
+        with torch.inference_mode():
+            return runner._decode(runner.bucket(n), runner.length)[:n]
+
+    runner.decode = graph_like
+    out = eng.generate(many, params, seed=8)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    assert _max_err([c.logprobs for c in out], [c.logprobs for c in ref]) < 1e-5
+    assert {4, 6} <= set(shapes) and runner.length >= max(len(p) for p in many) + 12
+
+
+def test_bench_engine_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_engine", Path(__file__).parent.parent / "bench" / "engine.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        out = bench.main(["--prompts", "12", "--slots", "4", "--max-new", "6", "--mean-len", "3",
+                          "--fixed-prompts", "4", "--fixed-new", "3", "--prompt-len", "2,5"])
+    finally:
+        torch.set_num_threads(threads)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == out
+    assert out["fixed_tokens"] <= 12 and out["variable_len_max"] <= 6 and out["variable_vs_hf_dynamic"] > 0
+    assert out["hf_static_compile"] is False and out["threads"] == 1
