@@ -251,3 +251,49 @@ def test_slow_consumer_backpressures_producers_without_losing_samples(workers):
     assert all(len(c) == 1 for c in taken["got"].values())
     st = taken["stats"]
     assert (st["in"], st["out"], st["samples_held"]) == (36, 36, 0)
+
+
+def test_shm_scatter_writes_parts_straight_into_lent_slots():
+    """Same-host parts of at least shm_min_bytes are taken straight into shared-memory slots the
+    channel lends (one copy, then a zero-copy send); contents and accounting are unchanged."""
+    import asyncio
+
+    import torch
+
+    from distflow.buffer.batch import SampleBatch
+    from distflow.buffer.redistribute import gather_step, scatter, shard_receiver
+    from distflow.buffer.routing import split_by_owner
+    from distflow.buffer.shard import BufferShard
+    from distflow.core.channels import Endpoint, make_channel
+
+    n, plen, rlen = 24, 300, 700  # ~8 KiB per sample: each of the 2 parts is well over 64 KiB
+    g = torch.Generator().manual_seed(3)
+    batch = SampleBatch([f"s{i}" for i in range(n)], [f"e0:{i}" for i in range(n)], {
+        "prompt_lens": torch.full((n,), plen), "prompt_tokens": torch.randint(0, 999, (n * plen,), generator=g),
+        "response_lens": torch.arange(n) + rlen,
+        "response_tokens": torch.randint(0, 999, (n * rlen + n * (n - 1) // 2,), generator=g),
+        "policy_version": torch.arange(n)})
+
+    async def main():
+        prod = make_channel("shm", "p", SECRET)
+        cons = [make_channel("shm", f"c{i}", SECRET) for i in range(2)]
+        shards = [BufferShard(1000) for _ in cons]
+        for c, s in zip(cons, shards):
+            c.set_handler(shard_receiver(s, put_timeout=10))
+        for c in (prod, *cons):
+            await c.start()
+        try:
+            eps = [Endpoint(c.node_id, "127.0.0.1", c.port) for c in cons]
+            await scatter(prod, batch, eps, step=0, source_rank=0, timeout=10)
+            assert prod.stats()["shm_zero_copy_sends"] == 2
+            got = [await gather_step(s, 0, ["p"], timeout=10) for s in shards]
+            for part, want in zip(got, split_by_owner(batch, 2)):
+                assert part.sample_ids == want.sample_ids
+                for k, t in want.tensors.items():
+                    assert torch.equal(part.tensors[k], t), k
+            assert sorted(i for p in got for i in p.sample_ids) == sorted(batch.sample_ids)
+        finally:
+            for c in (prod, *cons):
+                await c.close()
+
+    asyncio.run(main())

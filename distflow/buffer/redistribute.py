@@ -10,6 +10,10 @@ complete when it has one part from each of the P producers (``BufferShard.take_s
 Consumers receive with :func:`shard_receiver` (a channel handler that puts parts into a
 BufferShard, applying its backpressure to the sending producer) and collect a step with
 :func:`gather_step`. Sizes may be uneven; nothing requires equal chunks.
+
+On a channel that can lend shared memory (same host), each owner part is written straight
+into a slot lent for its consumer (:func:`routing.take_into`): the split is then the
+producer's only copy of the bytes, and the send itself copies nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from distflow.buffer.batch import SampleBatch
-from distflow.buffer.routing import balance_by_tokens, owner, split_by_owner
+from distflow.buffer.routing import balance_by_tokens, owner, owner_groups, split_by_owner, take, take_into
 from distflow.buffer.shard import BufferShard
 from distflow.core.channels import Endpoint, Envelope, TensorChannel
 
@@ -77,7 +81,7 @@ async def scatter(
     if len({c.node_id for c in consumers}) != len(consumers):
         raise ValueError(f"duplicate consumer node ids in {[c.node_id for c in consumers]}")
     t0 = time.perf_counter()
-    parts = split_for(batch, len(consumers), balance)
+    parts = _split_in_place(channel, batch, consumers, balance) or split_for(batch, len(consumers), balance)
     sends: dict[str, asyncio.Task] = {}
     for rank, (consumer, part) in enumerate(zip(consumers, parts)):
         wire_meta, tensors = part.to_wire()
@@ -92,6 +96,20 @@ async def scatter(
         raise ScatterError(step, failed, [k for k in sends if k not in failed])
     return {"step": step, "samples": [len(p) for p in parts], "bytes": sum(p.nbytes() for p in parts),
             "seconds": time.perf_counter() - t0}
+
+
+def _split_in_place(channel: TensorChannel, batch: SampleBatch, consumers: list[Endpoint],
+                    balance: str) -> list[SampleBatch] | None:
+    """Owner parts written straight into shared-memory slots the channel lends for each consumer
+    (same host), so the split is the only copy a producer makes; None when the channel cannot lend.
+    Parts it cannot lend for (another host, too small) are ordinary copies."""
+    lend = getattr(channel, "lend", None)
+    if lend is None or balance != "owner" or len(consumers) < 2 or not len(batch):
+        return None
+    groups = owner_groups(batch, len(consumers))
+    if any(len(g) == len(batch) for g in groups):
+        return None  # everything goes to one consumer: no split, no copy
+    return [take_into(batch, g, lambda n, c=c: lend(c, n)) or take(batch, g) for c, g in zip(consumers, groups)]
 
 
 def parse_part(env: Envelope) -> tuple[int, SampleBatch]:

@@ -67,6 +67,50 @@ class _Taker:
                            [b.extras[i] for i in indices])
 
 
+def owner_groups(batch: SampleBatch, num_consumers: int) -> list[list[int]]:
+    """Sample indices per consumer rank (each sample at its owner, order kept)."""
+    groups: list[list[int]] = [[] for _ in range(num_consumers)]
+    for i, r in enumerate(owners(batch.sample_ids, num_consumers)):
+        groups[r].append(i)
+    return groups
+
+
+def take_into(batch: SampleBatch, indices: list[int], alloc) -> SampleBatch | None:
+    """``batch.select(indices)`` written straight into memory from ``alloc(nbytes) -> uint8 tensor or
+    None`` (e.g. a shared-memory slot the channel lends for the part's consumer, so sending the part
+    copies nothing more): each field is a 64-byte aligned view of that buffer, filled by one
+    ``index_select``/``torch.cat(out=)``. None when ``alloc`` gives nothing (then take a copy)."""
+    from distflow.core.channels.codec import ALIGN
+
+    taker = _Taker(batch)
+    sizes: dict[str, tuple[int, ...]] = {}
+    for name, t in batch.tensors.items():
+        lens_name = LENGTHS.get(name)
+        n = len(indices) if lens_name is None else sum(taker.spans[lens_name][1][i] for i in indices)
+        sizes[name] = (n,)
+    offsets, pos = [], 0
+    for name, t in batch.tensors.items():
+        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+        offsets.append(pos)
+        pos += sizes[name][0] * t.element_size()
+    buf = alloc(pos) if pos else None
+    if buf is None:
+        return None
+    idx = torch.tensor(indices, dtype=torch.int64)
+    out: dict[str, torch.Tensor] = {}
+    for (name, t), off in zip(batch.tensors.items(), offsets):
+        view = buf[off:off + sizes[name][0] * t.element_size()].view(t.dtype)
+        lens_name = LENGTHS.get(name)
+        if lens_name is None:
+            torch.index_select(t, 0, idx, out=view)
+        elif indices:
+            starts, lens = taker.spans[lens_name]
+            torch.cat([t[starts[i]:starts[i] + lens[i]] for i in indices], out=view)
+        out[name] = view
+    return SampleBatch([batch.sample_ids[i] for i in indices], [batch.prompt_ids[i] for i in indices], out,
+                       [batch.extras[i] for i in indices])
+
+
 def split_by_owner(batch: SampleBatch, num_consumers: int) -> list[SampleBatch]:
     """One batch per consumer rank (possibly empty), each sample going to its owner, order kept."""
     ranks = owners(batch.sample_ids, num_consumers)

@@ -1,31 +1,70 @@
-"""Versioned, bucketed weight publication from trainers to rollout nodes.
+"""Versioned, bucketed weight publication from trainers to rollout nodes (full or delta).
 
-After every update each trainer rank holds the full weights (gathered collectively) and
-sends them to its share of the rollout nodes (rollout i is served by trainer i mod T),
-so no trainer sends to everyone. Each rollout peer is served by its own background task
-(``WeightPublisher``), so training never waits on a slow or cut-off peer. Weights travel in buckets of about ``bucket_bytes`` as
-ordinary data-plane messages of kind ``weights``; a rollout node applies a version only
-once every bucket of it has arrived, between two generation batches.
+Why it exists: after every update the rollout nodes need the new weights, and the trainer
+must never wait for them. Rollout node i is served by trainer rank i mod T, so no trainer
+sends to everyone, and only serving ranks materialise full weights.
+
+Trainer side (:class:`WeightPublisher`): a version is ingested bucket by bucket, straight
+from the bucketed FSDP gather (``distflow.trainer.gather.iter_weight_buckets`` through
+:meth:`WeightPublisher.publish_iter`), while one background task per rollout peer already
+sends the buckets that are in. Each task sends the newest version its peer does not have,
+skips peers that are not alive, abandons a send when its peer dies, and starts over with a
+full version when a peer comes back (``peer_up``). The publisher keeps the newest version
+(its buckets, on the GPU for the CUDA tiers, in host memory for the channel tier) so a late
+or returning peer is served without asking the trainer again; older versions are dropped as
+soon as no send reads them (their pinned staging buffers are reused).
+
+Transport per peer (``weight_transport``, see :mod:`distflow.rl.weight_transport`):
+``channel`` (shm/zmq frames), ``cuda_ipc`` (handles only, device-to-device copy) or
+``nccl`` (GPU buckets over the NCCL channel).
+
+Delta sync (``weight_sync: delta``): while a version is ingested every tensor is compared,
+byte for byte (``torch.equal``), with the same tensor of the previous version, which gives
+each tensor the version it last changed in. A peer known to hold version h then gets only the
+tensors changed after h (``base: h`` in the messages). A peer gets a full version when it
+has nothing yet, (re)joined, refused a delta, or is more than ``max_delta_lag`` versions
+behind.
+
+Wire (data-plane messages of kind ``weights``, in order on one connection): bucket messages
+``{"version", "bucket": k, "base"}`` with the tensors (or ``"ipc"`` descriptors), then one
+commit ``{"version", "commit": True, "num_buckets", "base"}``. Rollout side
+(:class:`WeightInbox`): buckets are kept as they arrive (never concatenated); a version is
+complete at its commit; a delta is accepted only on top of the version the inbox holds, and
+merged onto a pending, not yet applied update. The engine gets ``(version, buckets,
+is_delta)`` (:meth:`WeightInbox.take_update`) and must accept a partial set of tensors for a
+delta (it applies them in place over the weights it has).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from typing import Callable
+import threading
+from collections import Counter
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
-from distflow.core.channels import Endpoint, Envelope, TensorChannel
+from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
+from distflow.rl.weight_transport import SYNC_MODES, PinnedPool, export_ipc, import_ipc
 
 BUCKET_BYTES = 64 << 20
+MAX_DELTA_LAG = 8
+SEND_WINDOW = 2  # bucket messages in flight per peer (the channel keeps them in order)
+log = logging.getLogger(__name__)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def buckets(state: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[dict[str, torch.Tensor]]:
+    """A state dict cut into dicts of at most ``bucket_bytes`` (a bigger tensor alone), order kept."""
     out: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         if out[-1] and size + n > bucket_bytes:
             out.append({})
             size = 0
@@ -34,53 +73,119 @@ def buckets(state: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) ->
     return out
 
 
-async def publish(channel: TensorChannel, peers: list[Endpoint], version: int,
-                  state: dict[str, torch.Tensor], timeout: float) -> None:
-    """Send one weight version to each peer (peers in parallel, buckets in order)."""
-    parts = buckets(state)
+class WeightUpdate(NamedTuple):
+    """What the rollout engine applies: buckets in order (later ones win on a repeated name)."""
 
-    async def one(peer: Endpoint) -> None:
-        for i, part in enumerate(parts):
-            await channel.send(peer, "weights", {"version": version, "bucket": i, "num_buckets": len(parts)},
-                               part, timeout=timeout)
-
-    await asyncio.gather(*(one(p) for p in peers))
+    version: int
+    buckets: list[dict[str, torch.Tensor]]
+    is_delta: bool
 
 
+# ============================================================================ rollout side
 class WeightInbox:
-    """Rollout side: assembles buckets, keeps the newest complete version."""
+    """Rollout side: collects bucket messages, keeps the newest complete version for the engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.version = 0  # newest complete version received (0 = the initial weights)
-        self.pending: dict[str, torch.Tensor] | None = None
-        self._partial: dict[int, dict[str, torch.Tensor]] = {}
-        self._counts: dict[int, int] = {}
+        self.device = device  # where cuda_ipc buckets are opened (None: the exporter's device index)
+        self.pending: WeightUpdate | None = None
+        self.dirty = False  # a streamed version stopped half-way: the engine holds a mix, deltas are refused
+        self.streaming: int | None = None  # the version being applied bucket by bucket as it arrives
+        self._apply: Callable[[int, dict[str, torch.Tensor]], Any] | None = None
+        self._streaming_apply: Callable[[int, dict[str, torch.Tensor]], Any] | None = None
+        self.received_bytes = 0
+        self.received = Counter()  # "full" / "delta" versions completed
+        self._partial: dict[int, tuple[int | None, list[dict[str, torch.Tensor]]]] = {}
         self._changed = asyncio.Condition()
 
     async def receive(self, env: Envelope) -> None:
+        meta = env.meta
         try:
-            v, n = int(env.meta["version"]), int(env.meta["num_buckets"])
+            v = int(meta["version"])
+            base = meta.get("base")
+            base = None if base is None else int(base)
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"weights message from {env.sender} has bad meta {env.meta!r}: {e}") from None
+            raise ValueError(f"weights message from {env.sender} has bad meta {meta!r}: {e}") from None
         if v <= self.version:
             return  # an old version: newer weights are already here
-        self._partial.setdefault(v, {}).update(env.tensors)
-        self._counts[v] = self._counts.get(v, 0) + 1
-        if self._counts[v] == n:
-            self.pending = self._partial.pop(v)
-            del self._counts[v]
-            for old in [k for k in self._partial if k < v]:
-                del self._partial[old], self._counts[old]
-            async with self._changed:
-                self.version = v
-                self._changed.notify_all()
+        if meta.get("commit"):
+            await self._commit(env.sender, v, base, meta.get("num_buckets"))
+            return
+        tensors = import_ipc(meta["ipc"], self.device) if "ipc" in meta else dict(env.tensors)
+        self.received_bytes += sum(_nbytes(t) for t in tensors.values())
+        part = self._partial.get(v)
+        if part is None or part[0] != base:  # first bucket (or a restarted send of v)
+            if self.streaming is not None and self.streaming != v or (part is not None and self.streaming == v):
+                self.dirty = True  # the streamed version will never complete: the engine holds a mix
+                self.streaming = None
+            part = self._partial[v] = (base, [])
+            if self._apply is not None and (base is None or (base == self.version and self.pending is None
+                                                             and not self.dirty)):
+                self.streaming, self._streaming_apply = v, self._apply  # a started version streams to its end
+                if base is None:
+                    self.pending = None  # superseded by the version being streamed in
+        if self.streaming == v:
+            apply = self._streaming_apply
+            assert apply is not None
+            result = apply(v, tensors)
+            if asyncio.iscoroutine(result):
+                await result
+            part[1].append({})  # counted, not kept
+        else:
+            part[1].append(tensors)
+
+    async def _commit(self, sender: str, v: int, base: int | None, num_buckets: Any) -> None:
+        got_base, got = self._partial.pop(v, (base, []))
+        if not isinstance(num_buckets, int) or num_buckets != len(got) or got_base != base:
+            raise ValueError(f"weights v{v} from {sender}: commit for {num_buckets!r} buckets (base {base}) but "
+                             f"{len(got)} arrived (base {got_base})")
+        if base is not None and (base != self.version or self.dirty):
+            raise ValueError(f"weights v{v} from {sender} is a delta on v{base}, but this node holds "
+                             f"v{self.version}: a full version is needed")
+        streamed = self.streaming == v
+        if streamed:  # already in the engine: what is left is an empty partial set (moves the version on)
+            self.streaming = None
+            got = [b for b in got if b]
+        if base is None:
+            self.dirty = False
+        update = WeightUpdate(v, got, base is not None or streamed)
+        if update.is_delta and self.pending is not None:  # not applied yet: the delta goes on top of it
+            update = WeightUpdate(v, _merge(self.pending.buckets, got), self.pending.is_delta)
+        self.pending = update
+        self.received["delta" if base is not None else "full"] += 1
+        for old in [k for k in self._partial if k < v]:
+            del self._partial[old]
+        async with self._changed:
+            self.version = v
+            self._changed.notify_all()
+
+    def stream_to(self, apply: Callable[[int, dict[str, torch.Tensor]], Any] | None) -> None:
+        """Apply the next versions' buckets as they arrive: ``apply(version, bucket)`` (sync or async;
+        e.g. the engine's in-place load of one bucket) instead of keeping them for
+        :meth:`take_update`, which then hands over an update with no buckets and ``is_delta``
+        True (nothing left to copy; the engine just takes the version number).
+
+        Only for an engine that is idle (a rollout node blocked waiting for weights): until the
+        version's commit (``self.streaming`` is None again) the engine holds a mix of versions. A
+        full version streams; a delta streams only onto the version the engine already holds (no
+        pending update). A streamed version that never completes leaves ``dirty`` set: deltas are
+        refused (the trainer resends in full) until a full version arrives. ``None`` stops."""
+        self._apply = apply
+
+    def take_update(self) -> WeightUpdate | None:
+        """The newest complete weights not yet applied, as buckets (apply each in order), if any."""
+        update, self.pending = self.pending, None
+        return update
 
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest complete weights not yet applied, if any."""
-        if self.pending is None:
+        """Like :meth:`take_update`, merged into one dict (for engines that take a state dict)."""
+        update = self.take_update()
+        if update is None:
             return None
-        state, self.pending = self.pending, None
-        return self.version, state
+        merged: dict[str, torch.Tensor] = {}
+        for b in update.buckets:
+            merged.update(b)
+        return update.version, merged
 
     async def wait_for(self, version: int, timeout: float, check: Callable[[], None]) -> None:
         """Wait until weights of at least ``version`` have arrived; ``check`` raises if the trainers are gone."""
@@ -98,35 +203,231 @@ class WeightInbox:
                     pass
 
 
+def _merge(first: list[dict[str, torch.Tensor]], then: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """``first`` then ``then``, with tensors that ``then`` replaces removed from ``first``."""
+    newer = {n for b in then for n in b}
+    kept = [{n: t for n, t in b.items() if n not in newer} for b in first]
+    return [b for b in kept if b] + list(then)
+
+
+# ============================================================================ trainer side
+class _Superseded(Exception):
+    """The version being sent was abandoned before it was complete (a newer one started)."""
+
+
+class _Version:
+    """One version as the publisher holds it: buckets (growing while ingested), change marks."""
+
+    def __init__(self, version: int, floor: int):
+        self.version = version
+        self.floor = floor  # deltas are exact for peers holding any version >= floor
+        self.buckets: list[dict[str, torch.Tensor]] = []  # as the peers' tier needs them
+        self.host: list[dict[str, torch.Tensor]] | None = None  # staged host copies (GPU buckets, channel peers)
+        self.changed: dict[str, int] = {}  # tensor name -> version its bytes last changed in
+        self.index: dict[str, torch.Tensor] = {}
+        self.bufs: list[torch.Tensor] = []  # pinned staging buffers to give back
+        self.nbytes = 0
+        self.done = False
+        self.aborted = False
+        self.readers = 0
+        self.prev: _Version | None = None  # the version before, read while this one is ingested
+        self._grew = asyncio.Event()
+
+    def _notify(self) -> None:
+        self._grew.set()
+        self._grew = asyncio.Event()
+
+    async def bucket(self, i: int) -> int | None:
+        """Wait until bucket ``i`` is in (returns i) or the version is complete without it (None)."""
+        while True:
+            if self.aborted:
+                raise _Superseded(f"weights v{self.version} was abandoned before it was complete")
+            if i < len(self.buckets):
+                return i
+            if self.done:
+                return None
+            await self._grew.wait()
+
+
 class WeightPublisher:
     """Trainer side: one background sender per rollout peer, always sending the newest version.
 
-    Training never waits for a slow or cut-off rollout node: each peer's task sends the
-    newest version it has not yet received, skips peers that are not alive, abandons a
-    send when its peer is declared dead, and starts over from the current version when a
-    peer comes back (``peer_up``), so a node that rejoins after a partition or a restart
-    gets current weights. Endpoints are resolved at send time (a restarted node may have
-    a new data port).
+    ``sync``: "full" | "delta". ``transport_of(peer)``: that peer's tier ("channel" (default),
+    "cuda_ipc", "nccl"; see :func:`distflow.rl.weight_transport.resolve_transport`). Endpoints
+    are resolved at send time (a restarted node may have a new data port).
     """
 
     def __init__(self, channel: TensorChannel, peers: list[str], endpoint_of: Callable[[str], Endpoint],
-                 is_alive: Callable[[str], bool], timeout: float):
+                 is_alive: Callable[[str], bool], timeout: float, *, sync: str = "full",
+                 transport_of: Callable[[str], str] | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 max_delta_lag: int = MAX_DELTA_LAG):
+        if sync not in SYNC_MODES:
+            raise ValueError(f"weight_sync must be one of {SYNC_MODES}, got {sync!r}")
         self.channel, self.endpoint_of, self.is_alive, self.timeout = channel, endpoint_of, is_alive, timeout
+        self.sync, self.bucket_bytes, self.max_delta_lag = sync, bucket_bytes, max_delta_lag
+        self.transport_of = transport_of or (lambda _peer: "channel")
         self.peers = list(peers)
-        self.latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        tiers = {self.transport_of(p) for p in self.peers}
+        self._keep_device = bool(tiers & {"cuda_ipc", "nccl"})  # GPU buckets stay on the GPU
+        self._need_host = "channel" in tiers or not self.peers
+        self._pool = PinnedPool()
+        self._latest: _Version | None = None
         self.sent = {p: 0 for p in peers}
+        self.stats: Counter[str] = Counter()  # bytes/tensors/messages sent, full and delta versions
+        self._full_next: set[str] = set()
         self._down = {p: asyncio.Event() for p in peers}
         self._wake = asyncio.Event()
         self._tasks = [asyncio.create_task(self._serve(p), name=f"publish-weights->{p}") for p in peers]
 
-    def offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        self.latest = (version, state)
-        self._wake.set()
+    @property
+    def latest(self) -> tuple[int, list[dict[str, torch.Tensor]]] | None:
+        v = self._latest
+        return None if v is None else (v.version, v.buckets)
 
+    # ------------------------------------------------------------------ ingest
+    def begin(self, version: int) -> _Version:
+        prev = self._latest
+        if prev is not None and version <= prev.version:
+            raise ValueError(f"weights v{version} offered after v{prev.version}: versions must increase")
+        if prev is not None and not prev.done:
+            prev.aborted = True
+            prev._notify()
+            self._release(prev)
+            prev = None
+        ver = _Version(version, prev.floor if prev is not None and self.sync == "delta" else version)
+        ver.prev = prev  # read while ingesting (change marks), dropped when complete
+        self._latest = ver
+        self._wake.set()
+        return ver
+
+    def _prepare(self, ver: _Version, bucket: dict[str, torch.Tensor]) -> tuple[dict, dict | None, torch.Tensor | None, dict]:
+        """Blocking part of ingesting one bucket (any thread): staging and change marks."""
+        host, buf = None, None
+        cuda = any(t.is_cuda for t in bucket.values())
+        if cuda and self._need_host:
+            host, buf = self._pool.stage(bucket)
+        kept = bucket if (self._keep_device or not cuda) else host
+        assert kept is not None
+        prev = ver.prev
+        marks = {}
+        for name, t in kept.items():
+            p = prev.index.get(name) if (prev is not None and self.sync == "delta") else None
+            same = p is not None and p.shape == t.shape and p.dtype == t.dtype and torch.equal(p, t)
+            marks[name] = prev.changed.get(name, ver.version) if same else ver.version
+        return kept, (host if kept is not host else None), buf, marks
+
+    def _append(self, ver: _Version, prepared: tuple) -> None:
+        kept, host, buf, marks = prepared
+        if ver.aborted:
+            if buf is not None:
+                self._pool.give_back(buf)
+            return
+        ver.buckets.append(kept)
+        if host is not None:
+            ver.host = ver.host or [None] * (len(ver.buckets) - 1)  # type: ignore[list-item]
+            ver.host.append(host)
+        if buf is not None:
+            ver.bufs.append(buf)
+        ver.index.update(kept)
+        ver.changed.update(marks)
+        ver.nbytes += sum(_nbytes(t) for t in kept.values())
+        ver._notify()
+
+    def _finish(self, ver: _Version) -> None:
+        if ver.aborted:
+            return
+        ver.done = True
+        prev, ver.prev = ver.prev, None
+        if prev is not None:
+            self._release(prev)
+        ver._notify()
+
+    def offer(self, version: int, state: dict[str, torch.Tensor] | Iterable[dict[str, torch.Tensor]]) -> None:
+        """Publish a whole version now: a state dict (cut into buckets) or an iterable of buckets.
+
+        The publisher keeps the tensors (do not modify them afterwards). Blocking work (staging,
+        delta comparison) runs in this call; use :meth:`publish_iter` from the trainer's loop."""
+        ver = self.begin(version)
+        parts = buckets(state, self.bucket_bytes) if isinstance(state, dict) else state
+        for b in parts:
+            if b:
+                self._append(ver, self._prepare(ver, b))
+        self._finish(ver)
+
+    async def publish_iter(self, version: int, bucket_iter: Iterator[dict[str, torch.Tensor]]) -> int:
+        """Publish ``version`` from a (blocking) bucket iterator, e.g. ``iter_weight_buckets``.
+
+        Each ``next()`` (a collective gather on the trainer) and the bucket's staging run in a
+        worker thread; the peers' senders start on bucket 0 while bucket 1 is gathered. Returns
+        when the iterator is exhausted (every rank must exhaust it: the gathers are collectives;
+        a rank serving no peer passes ``keep=False`` and simply drains it). Returns the bytes held."""
+        ver = self.begin(version)
+        it = iter(bucket_iter)
+
+        def step() -> tuple | None:
+            for b in it:
+                if b:
+                    return self._prepare(ver, b)
+            return None
+
+        try:
+            while (prepared := await asyncio.to_thread(step)) is not None:
+                self._append(ver, prepared)
+        except BaseException:
+            ver.aborted = True
+            ver._notify()
+            self._release(ver)
+            raise
+        self._finish(ver)
+        return ver.nbytes
+
+    def _release(self, ver: _Version) -> None:
+        """Give a version's staging buffers back once nothing reads it (not newest, no sender)."""
+        if ver is self._latest and not ver.aborted:
+            return
+        if ver.readers == 0 and ver.bufs:
+            for b in ver.bufs:
+                self._pool.give_back(b)
+            ver.bufs, ver.buckets, ver.host, ver.index = [], [], None, {}
+
+    def gather_alloc(self) -> Callable[[int], torch.Tensor | None] | None:
+        """An ``alloc`` for ``iter_weight_buckets``: bucket buffers lent by the channel (shared
+        memory) for the first peer served over the channel tier, so the gather writes straight
+        into the memory that peer reads and the send to it copies nothing (other peers get a
+        copy). None when the channel cannot lend. Call on the event loop; the returned callable
+        may be called from any thread (the gather runs in a worker thread)."""
+        lend = getattr(self.channel, "lend", None)
+        peers = [p for p in self.peers if self.transport_of(p) == "channel"]
+        if lend is None or not peers:
+            return None
+        loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
+
+        def on_loop(nbytes: int) -> torch.Tensor | None:
+            alive = [p for p in peers if self.is_alive(p)]
+            return lend(self.endpoint_of(alive[0]), nbytes) if alive else None
+
+        def alloc(nbytes: int) -> torch.Tensor | None:
+            if threading.get_ident() == loop_thread:
+                return on_loop(nbytes)
+            done: concurrent.futures.Future = concurrent.futures.Future()
+
+            def run() -> None:
+                try:
+                    done.set_result(on_loop(nbytes))
+                except BaseException as e:  # noqa: BLE001 - handed to the gather thread
+                    done.set_exception(e)
+
+            loop.call_soon_threadsafe(run)
+            return done.result(timeout=self.timeout)
+
+        return alloc
+
+    # ------------------------------------------------------------------ peers
     def peer_up(self, node_id: str) -> None:
-        """The peer restarted or returned: it may hold old weights, send it the current ones."""
+        """The peer restarted or returned: it may hold old weights, send it the current ones (in full)."""
         if node_id in self.sent:
             self.sent[node_id] = 0
+            self._full_next.add(node_id)
             self._down[node_id].clear()
             self._wake.set()
 
@@ -134,39 +435,90 @@ class WeightPublisher:
         if node_id in self._down:
             self._down[node_id].set()
 
+    def _delta_base(self, peer: str, ver: _Version) -> int | None:
+        have = self.sent[peer]
+        if (self.sync != "delta" or peer in self._full_next or have <= 0 or have < ver.floor
+                or ver.version - have > self.max_delta_lag):
+            return None
+        return have
+
     async def _serve(self, peer: str) -> None:
-        log = logging.getLogger(__name__)
         while True:
-            latest = self.latest
-            if latest is None or latest[0] <= self.sent[peer] or not self.is_alive(peer):
+            ver = self._latest
+            if ver is None or ver.aborted or ver.version <= self.sent[peer] or not self.is_alive(peer):
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
                 except asyncio.TimeoutError:
                     pass
                 continue
-            version, state = latest
-            send = asyncio.create_task(publish(self.channel, [self.endpoint_of(peer)], version, state,
-                                               timeout=self.timeout), name=f"weights-v{version}->{peer}")
+            send = asyncio.create_task(self._send_version(peer, ver, self._delta_base(peer, ver)),
+                                       name=f"weights-v{ver.version}->{peer}")
             down = asyncio.create_task(self._down[peer].wait(), name=f"watch-{peer}")
             await asyncio.wait({send, down}, return_when=asyncio.FIRST_COMPLETED)
             down.cancel()
             if not send.done():
                 send.cancel()
-                log.warning("weights v%d -> %s abandoned: the peer is down", version, peer)
+                log.warning("weights v%d -> %s abandoned: the peer is down", ver.version, peer)
                 await asyncio.gather(send, return_exceptions=True)
+            elif isinstance(send.exception(), _Superseded):
+                continue
             elif send.exception() is not None:
-                log.warning("weights v%d -> %s failed: %s", version, peer, send.exception())
+                log.warning("weights v%d -> %s failed: %s", ver.version, peer, send.exception())
+                if isinstance(send.exception(), RemoteError):
+                    self._full_next.add(peer)  # e.g. a delta it could not apply: resend in full
                 await asyncio.sleep(0.5)
             else:
-                self.sent[peer] = max(self.sent[peer], version)
+                self.sent[peer] = max(self.sent[peer], ver.version)
+                self._full_next.discard(peer)
+
+    async def _send_version(self, peer: str, ver: _Version, base: int | None) -> None:
+        endpoint, tier, v = self.endpoint_of(peer), self.transport_of(peer), ver.version
+        ver.readers += 1
+        window: set[asyncio.Task] = set()  # SEND_WINDOW buckets in flight: copy-in of k+1 overlaps apply of k
+        try:
+            i = sent = 0
+            while (k := await ver.bucket(i)) is not None:
+                i += 1
+                src = ver.host[k] if (tier == "channel" and ver.host is not None) else ver.buckets[k]
+                names = [n for n in src if base is None or ver.changed[n] > base]
+                if not names:
+                    continue
+                part = src if len(names) == len(src) else {n: src[n] for n in names}
+                meta: dict[str, Any] = {"version": v, "bucket": sent, "base": base}
+                if tier == "cuda_ipc":
+                    meta["ipc"] = export_ipc(part)
+                    part = {}
+                if len(window) >= SEND_WINDOW:
+                    done, window = await asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED)
+                    for t in done:
+                        t.result()
+                window.add(asyncio.create_task(self.channel.send(endpoint, "weights", meta, part,
+                                                                 timeout=self.timeout)))
+                sent += 1
+                self.stats["tensors"] += len(names)
+                self.stats["bytes"] += sum(_nbytes(src[n]) for n in names)
+            for t in asyncio.as_completed(window):
+                await t
+            window = set()
+            await self.channel.send(endpoint, "weights", {"version": v, "commit": True, "num_buckets": sent,
+                                                          "base": base}, {}, timeout=self.timeout)
+            self.stats["messages"] += sent + 1
+            self.stats["delta_versions" if base is not None else "full_versions"] += 1
+        finally:
+            for t in window:
+                t.cancel()
+            if window:
+                await asyncio.gather(*window, return_exceptions=True)
+            ver.readers -= 1
+            self._release(ver)
 
     async def flush(self, timeout: float) -> None:
         """Wait (bounded) until every alive peer has the newest version."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.latest is not None and loop.time() < deadline:
-            if all(self.sent[p] >= self.latest[0] for p in self.peers if self.is_alive(p)):
+        while self._latest is not None and loop.time() < deadline:
+            if all(self.sent[p] >= self._latest.version for p in self.peers if self.is_alive(p)):
                 return
             await asyncio.sleep(0.05)
 

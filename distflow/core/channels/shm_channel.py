@@ -37,6 +37,11 @@ small parts. A receiver that wants private memory of a large payload copies
 memory are not MACed (the signed header names the segment; segments are 0600 files of
 the same uid, and any process of that uid can read the cluster secret anyway).
 Peers on another host, or payloads under ``shm_min_bytes``, travel as inline frames.
+
+Zero-copy sends (``lend``): a producer that writes its payload itself (the weight gather) can
+ask for a slot first and fill it in place; the first send of tensors viewing that slot copies
+nothing. A lent slot is reused only after the receiver released it *and* the lender freed every
+view of it (a ``weakref.finalize`` on the lent array), so the lender may keep its views.
 """
 
 from __future__ import annotations
@@ -219,6 +224,8 @@ class _Slot:
     busy: bool = False
     linked: bool = True  # the /dev/shm name still exists
     use: int = 0  # incremented on every acquire; releases name the use they free
+    lent: bool = False  # a caller holds tensors of it from lend(): never reused until they are freed
+    lent_ptr: int = 0  # data_ptr of the lent tensor while its first send (zero-copy) is pending, else 0
 
     def close(self) -> None:
         if self.linked:
@@ -281,6 +288,7 @@ class ShmChannel(ZmqChannel):
         self._rel_flush: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
+        self._rx_pool = _CopyPool()
 
     async def start(self) -> None:
         _install_hooks()
@@ -308,6 +316,7 @@ class ShmChannel(ZmqChannel):
             "shm_slots_busy": sum(s.busy for s in slots),
             "shm_mapped": len(self._maps),
             "shm_releases_sent": self._counters["shm_releases_sent"],
+            "shm_zero_copy_sends": self._counters["shm_zero_copy_sends"],
         }
 
     def is_local(self, peer: Endpoint) -> bool:
@@ -339,24 +348,31 @@ class ShmChannel(ZmqChannel):
             return await super()._prepare_payload(peer, tensors)  # raises a clear CodecError
         offsets, total = codec.packed_layout(headers)
         pool = self._pools.setdefault(peer, _Pool())
-        if total == 0 or total < self._shm_min_bytes or not pool.shm_ok or not self.is_local(peer):
+        lent = self._lent_slot(pool, tensors, total) if pool.shm_ok else None
+        if lent is not None:  # the caller filled a lent slot in place: nothing to copy
+            slot, offsets = lent
+            slot.lent_ptr, slot.busy = 0, True
+            slot.use += 1
+            self._counters["shm_zero_copy_sends"] += 1
+        elif total == 0 or total < self._shm_min_bytes or not pool.shm_ok or not self.is_local(peer):
             return await super()._prepare_payload(peer, tensors)
-        try:
-            slot = self._acquire(pool, total)
-        except OSError as e:
-            log.warning("channel %s: cannot allocate %d bytes of shared memory (%s); sending inline",
-                        self.node_id, total, e)
-            self._counters["shm_fallbacks"] += 1
-            return await super()._prepare_payload(peer, tensors)
-        try:
-            views = [codec.byte_view(t, n) for n, t in tensors.items()]
-            if total >= COPY_OFFLOAD_BYTES:
-                await asyncio.to_thread(_copy_in, slot.view, views, offsets)
-            else:
-                _copy_in(slot.view, views, offsets)
-        except BaseException:  # a cancelled copy thread may still write: never reuse the slot
-            self._retire(pool, slot)
-            raise
+        else:
+            try:
+                slot = self._acquire(pool, total)
+            except OSError as e:
+                log.warning("channel %s: cannot allocate %d bytes of shared memory (%s); sending inline",
+                            self.node_id, total, e)
+                self._counters["shm_fallbacks"] += 1
+                return await super()._prepare_payload(peer, tensors)
+            try:
+                views = [codec.byte_view(t, n) for n, t in tensors.items()]
+                if total >= COPY_OFFLOAD_BYTES:
+                    await asyncio.to_thread(_copy_in, slot.view, views, offsets)
+                else:
+                    _copy_in(slot.view, views, offsets)
+            except BaseException:  # a cancelled copy thread may still write: never reuse the slot
+                self._retire(pool, slot)
+                raise
         retire, pool.retired = pool.retired, []
         use = slot.use
         header = {"tens": headers, "shm": {"seg": slot.name, "use": use, "size": slot.size, "offsets": offsets,
@@ -375,8 +391,45 @@ class ShmChannel(ZmqChannel):
         self._counters["shm_sends"] += 1
         return Outgoing("shm", header, [], sum(h["nbytes"] for h in headers), release)
 
+    def lend(self, peer: Endpoint, nbytes: int) -> torch.Tensor | None:
+        """A uint8 [nbytes] tensor in a shared-memory slot for ``peer``, or None (peer not on this
+        host, shared memory off, or under ``shm_min_bytes``).
+
+        Fill it (or views of it) in place, then ``send`` tensors that view it: the first such send
+        moves no payload bytes (the header names the slot and the offsets, which must be multiples
+        of 64). The slot is reused only once the receiver released it AND every tensor viewing the
+        lent memory here was freed, so the lender may keep its views (a retained weight version)
+        as long as it likes; a later send of the same views copies them like any tensor.
+        """
+        pool = self._pools.setdefault(peer, _Pool())
+        if nbytes < max(self._shm_min_bytes, 1) or not pool.shm_ok or not self.is_local(peer):
+            return None
+        slot = self._acquire(pool, nbytes)
+        arr = np.frombuffer(slot.mm, dtype=np.uint8, count=nbytes)
+        lent = torch.from_numpy(arr)  # views of it keep arr (and so the lease) alive
+        slot.lent, slot.lent_ptr = True, lent.data_ptr()
+        slot.busy = False  # busy again only when it is sent
+        fin = weakref.finalize(arr, _end_lease, slot)
+        fin.atexit = False
+        return lent
+
+    def _lent_slot(self, pool: _Pool, tensors: dict[str, torch.Tensor], total: int) -> tuple[_Slot, list[int]] | None:
+        """The lent slot every tensor views (first send only), with their offsets; else None."""
+        if not any(s.lent_ptr for s in pool.slots) or not tensors:
+            return None
+        ptrs = [t.data_ptr() for t in tensors.values()]
+        for slot in pool.slots:
+            if not slot.lent_ptr:
+                continue
+            offsets = [p - slot.lent_ptr for p in ptrs]
+            if all(0 <= o and o % codec.ALIGN == 0 and o + t.numel() * t.element_size() <= slot.size
+                   and t.is_contiguous() and t.device.type == "cpu"
+                   for o, t in zip(offsets, tensors.values())):
+                return slot, offsets
+        return None
+
     def _acquire(self, pool: _Pool, nbytes: int) -> _Slot:
-        free = [s for s in pool.slots if not s.busy]
+        free = [s for s in pool.slots if not s.busy and not s.lent]
         fitting = [s for s in free if s.size >= nbytes]
         if fitting:
             slot = min(fitting, key=lambda s: s.size)
@@ -468,7 +521,7 @@ class ShmChannel(ZmqChannel):
             lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
             arr = np.frombuffer(m.mm, dtype=np.uint8, count=hi - lo, offset=lo)
             if hi - lo < self._copy_below:  # a private copy is cheaper than a release round trip
-                arr = arr.copy()
+                arr = self._rx_pool.copy(arr)
                 self._queue_release(ident, sender, header["sess"], name, use, flush=False)  # rides on the ack
             else:
                 fin = weakref.finalize(arr, self._release_threadsafe, ident, sender, header["sess"], name, use)
@@ -555,6 +608,45 @@ class ShmChannel(ZmqChannel):
                 self._counters["shm_releases_sent"] += len(slots)
             except zmq.ZMQError as e:  # the sender's pool just grows; it never reuses an unreleased slot
                 log.warning("channel %s: could not send shm release to %s: %s", self.node_id, sender, e)
+
+
+class _CopyPool:
+    """Warm buffers for the private copies of small received payloads.
+
+    A fresh 0.5 MiB numpy array is mmapped and page-faults on every write (~4x the cost of the
+    copy itself); these buffers come back here when the last tensor viewing them dies (a
+    ``weakref.finalize``, any thread: list append/pop are atomic under the GIL) and are reused.
+    Sizes are rounded up to powers of two; at most ``max_free`` idle buffers per size.
+    """
+
+    def __init__(self, max_free: int = 32):
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._max_free = max_free
+
+    def copy(self, src: np.ndarray) -> np.ndarray:
+        """A private copy of ``src`` (uint8 [n]) in a pooled buffer."""
+        n = src.nbytes
+        size = max(4096, 1 << (n - 1).bit_length()) if n else 4096
+        free = self._free.setdefault(size, [])
+        try:
+            base = free.pop()
+        except IndexError:
+            base = np.empty(size, dtype=np.uint8)
+        out = base[:n]
+        np.copyto(out, src)
+        fin = weakref.finalize(out, self._give_back, free, base)
+        fin.atexit = False
+        return out
+
+    def _give_back(self, free: list[np.ndarray], base: np.ndarray) -> None:
+        if len(free) < self._max_free:
+            free.append(base)
+
+
+def _end_lease(slot: _Slot) -> None:
+    """Every tensor of a lend() is gone (any thread): the slot may be reused once released."""
+    slot.lent = False
+    slot.lent_ptr = 0
 
 
 def _copy_in(dst: np.ndarray, views: list[memoryview], offsets: list[int]) -> None:

@@ -48,6 +48,7 @@ read them (``_on_ack``): the shm channel returns its slot releases that way.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import os
 import struct
@@ -186,6 +187,7 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         if self._started:
             raise RuntimeError(f"channel {self.node_id} already started")
         self._started = True
+        freeze_startup_objects()
         self._ctx = zmq.Context(io_threads=1)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
@@ -681,6 +683,20 @@ class ZmqChannel(StreamReceiver, TensorChannel):
             self._router.send_now(frames, copy=True)
         except zmq.ZMQError as e:
             log.warning("channel %s: could not ack %s#%s: %s", self.node_id, header["from"], header["seq"], e)
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (torch, transformers, the model: ~170k objects) out of the
+    cyclic garbage collector's reach (``gc.freeze``), so its periodic full collections stop
+    rescanning them.
+
+    Why here: each data-plane message allocates a few dozen short-lived objects, and every so
+    many allocations CPython runs a full collection over *all* tracked objects: ~70 ms with
+    torch imported. Spread over messages that was most of a small message's CPU on the sending
+    side (~300 us of ~320 us per acked empty message; ~90 us after freezing). Objects created later
+    are collected as usual; only startup objects, which live for the whole process anyway, are
+    exempt. Idempotent and cheap (it moves a list), so every channel start calls it."""
+    gc.freeze()
 
 
 def _timeout(seconds: float) -> Any:

@@ -1,0 +1,141 @@
+"""How weight buckets travel from a serving trainer rank to one rollout peer: the tiers.
+
+Why it exists: the cheapest way to move a GiB of weights depends on where both ends are,
+exactly as for the data channels. One function picks the tier per peer by locality, and the
+two GPU-only wire forms live here so ``weights.py`` stays about versions, not transports:
+
+* ``cuda_ipc`` (trainer and rollout on one host, both on CUDA): the message carries no bytes,
+  only CUDA IPC handles of the serving rank's gathered GPU tensors (``storage._share_cuda_``,
+  the handle format of ``torch.multiprocessing``, encoded as plain msgpack fields, never
+  pickled) inside the signed channel header. The rollout opens them and its engine copies
+  device-to-device. Lifetime: torch's CUDA IPC reference counter (a shared counter per
+  exported block) keeps an exported block alive on the exporter, even after the publisher
+  drops the version (superseded), until every importer has freed its views, so a rollout
+  node never reads memory that was reused.
+* ``nccl`` (GPUs on different hosts): the buckets stay on the GPU and go through the NCCL
+  channel (``distflow/core/channels/nccl_channel.py``: one cupy communicator per direction,
+  unique id over the authenticated channel, every wait under ``nccl_timeout``); per-peer
+  point-to-point sends, not one broadcast communicator, because every rollout peer is served
+  by its own task at its own pace (a broadcast would make the fastest wait for the slowest).
+  Buckets are pipelined: bucket k+1 is gathered while bucket k is on the wire.
+* ``channel`` (anything else, CPU): shared memory / ZeroMQ frames; CUDA buckets are staged
+  into reusable pinned host buffers first (:class:`PinnedPool`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+TRANSPORTS = ("auto", "channel", "cuda_ipc", "nccl")
+SYNC_MODES = ("full", "delta")
+
+
+def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout_cuda: bool) -> str:
+    """The tier for one (serving trainer, rollout peer) pair: "channel" | "cuda_ipc" | "nccl".
+
+    ``auto``: cuda_ipc on one host when both are on CUDA, nccl across hosts between GPUs,
+    channel otherwise. An explicit GPU tier without CUDA on both ends is a clear error.
+    """
+    if setting not in TRANSPORTS:
+        raise ValueError(f"weight_transport must be one of {TRANSPORTS}, got {setting!r}")
+    both = trainer_cuda and rollout_cuda
+    if setting == "auto":
+        return ("cuda_ipc" if same_host else "nccl") if both else "channel"
+    if setting in ("cuda_ipc", "nccl") and not both:
+        raise ValueError(f"weight_transport: {setting} needs CUDA on the trainer and the rollout node")
+    if setting == "cuda_ipc" and not same_host:
+        raise ValueError("weight_transport: cuda_ipc needs the trainer and the rollout node on one host")
+    return setting
+
+
+# ---------------------------------------------------------------------------- CUDA IPC
+def export_ipc(bucket: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """msgpack-able IPC descriptors of a bucket of CUDA tensors (no bytes are copied)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from distflow.core.channels.codec import DTYPE_NAMES
+
+    out = []
+    for name, t in bucket.items():
+        if not t.is_cuda:
+            raise ValueError(f"cuda_ipc export: tensor {name!r} is on {t.device}, not CUDA")
+        _, a = reduce_tensor(t.detach())
+        (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
+         event_handle, event_sync) = a
+        out.append({"name": name, "dtype": DTYPE_NAMES[dtype], "size": list(size), "stride": list(stride),
+                    "offset": int(offset), "device": int(device), "handle": bytes(handle),
+                    "size_bytes": int(size_bytes), "offset_bytes": int(offset_bytes),
+                    "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
+                    "event_handle": bytes(event_handle) if event_handle is not None else None,
+                    "event_sync": bool(event_sync)})
+    return out
+
+
+def import_ipc(descriptors: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Open IPC descriptors (from an authenticated header) as CUDA tensors viewing the exporter's memory.
+
+    The views keep the exporter's blocks alive until they are freed; copy out of them (the
+    engine's device-to-device load) and drop them.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from distflow.core.channels.codec import DTYPES
+
+    if not isinstance(descriptors, list):
+        raise ValueError(f"cuda_ipc bucket: descriptors must be a list, got {type(descriptors).__name__}")
+    out: dict[str, torch.Tensor] = {}
+    for i, d in enumerate(descriptors):
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or d.get("dtype") not in DTYPES:
+            raise ValueError(f"cuda_ipc bucket: descriptor #{i} is malformed")
+        for key in ("handle", "ref_handle"):
+            if not isinstance(d.get(key), bytes):
+                raise ValueError(f"cuda_ipc bucket: descriptor {d['name']!r} lacks {key!r}")
+        dev = int(d["device"]) if device is None else (device.index or 0)
+        out[d["name"]] = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(d["size"]), tuple(d["stride"]), int(d["offset"]), torch.storage.TypedStorage,
+            DTYPES[d["dtype"]], dev, d["handle"], int(d["size_bytes"]), int(d["offset_bytes"]), False,
+            d["ref_handle"], int(d["ref_offset"]), d.get("event_handle"), bool(d.get("event_sync")))
+    return out
+
+
+# ---------------------------------------------------------------------------- pinned staging
+class PinnedPool:
+    """Reusable host buffers for staging CUDA buckets (page-locked when CUDA is present).
+
+    ``stage(bucket)`` copies a bucket into a free buffer of sufficient size (or a new one) and
+    returns (views, buffer); ``give_back(buffer)`` makes it reusable. A version's buffers are
+    given back when no sender reads the version any more, so steady state allocates nothing.
+    """
+
+    def __init__(self, max_free: int = 64):
+        self._free: list[torch.Tensor] = []
+        self._max_free = max_free
+        self._lock = threading.Lock()  # stage() runs in worker threads, give_back() on the loop
+
+    def stage(self, bucket: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        need = sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in bucket.values())
+        with self._lock:
+            fit = [b for b in self._free if b.numel() >= need]
+            buf = min(fit, key=lambda b: b.numel()) if fit else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        out, off = {}, 0
+        for name, t in bucket.items():
+            n = t.numel() * t.element_size()
+            view = buf[off:off + n].view(t.dtype).view(t.shape)
+            view.copy_(t, non_blocking=True)
+            out[name] = view
+            off += (n + 63) // 64 * 64
+        if any(t.is_cuda for t in bucket.values()):
+            torch.cuda.current_stream().synchronize()
+        return out, buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self._max_free:
+                self._free.append(buf)

@@ -1,0 +1,411 @@
+"""Weight publication: bucketed, versioned, full or delta, over real channels.
+
+The multi-process test runs the rollout side (channel + WeightInbox + a weight dict applied
+in place, as an engine does) in a spawned process and the trainer side (WeightPublisher) here,
+over shm and over zmq: a delta version sends exactly the changed tensors' bytes and the rollout
+ends with the trainer's weights. In-process tests (two real channels on loopback) cover the
+fallbacks: a peer that restarted or refused a delta gets a full version; a peer too far
+behind gets a full version; a rank serving nobody drains the bucket generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+
+import pytest
+import torch
+
+from distflow.core.channels import Endpoint, Envelope, make_channel
+from distflow.rl.weights import WeightInbox, WeightPublisher, buckets
+
+SECRET = "test-weights-secret-0123456789abcdef"
+T_BYTES = 64 << 10  # each toy tensor: 16384 fp32 = 64 KiB
+NAMES = [f"layer{i}.weight" for i in range(6)]
+
+
+def weights(version: int, changed: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+    """Deterministic weights of ``version``: tensor i was last rewritten at the latest v <= version
+    whose changed list has i (all of them at v1)."""
+    out = {}
+    for i, n in enumerate(NAMES):
+        last = max(v for v in range(1, version + 1) if v == 1 or i in changed.get(v, []))
+        out[n] = torch.full((T_BYTES // 4,), float(last * 100 + i))
+    return out
+
+
+def _rollout_main(kind: str, q_out, q_in, out_path: str) -> None:
+    from distflow.core.aio import run_loop
+
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        ch = make_channel(kind, "rollout", SECRET)
+        inbox = WeightInbox()
+        ch.set_handler(inbox.receive)
+        await ch.start()
+        engine = {n: torch.zeros(T_BYTES // 4) for n in NAMES}  # the engine's weights, applied in place
+        q_out.put(ch.port)
+        loop = asyncio.get_running_loop()
+        target = await loop.run_in_executor(None, q_in.get)
+        while True:
+            await inbox.wait_for(inbox.version + 1 if inbox.version < target else target, 60, lambda: None)
+            upd = inbox.take_update()
+            if upd is not None:
+                names = set()
+                for b in upd.buckets:  # bucket by bucket, never merged into one dict
+                    for n, t in b.items():
+                        engine[n].copy_(t)
+                        names.add(n)
+                if not upd.is_delta:
+                    assert names == set(NAMES)
+            if inbox.version >= target and inbox.pending is None:
+                break
+        torch.save({"weights": engine, "version": inbox.version, "received": dict(inbox.received),
+                    "bytes": inbox.received_bytes}, out_path)
+        q_out.put("saved")
+        await ch.close()
+
+    run_loop(main())
+
+
+@pytest.mark.parametrize("kind", ["shm", "zmq"])
+def test_delta_versions_send_only_changed_tensors_between_processes(kind: str, tmp_path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    q_out, q_in = ctx.Queue(), ctx.Queue()
+    out = str(tmp_path / "rollout.pt")
+    proc = ctx.Process(target=_rollout_main, args=(kind, q_out, q_in, out), daemon=True)
+    proc.start()
+    changed = {2: [3], 3: [0, 5]}
+    try:
+        port = q_out.get(timeout=60)
+        q_in.put(3)
+
+        async def trainer() -> dict:
+            ch = make_channel(kind, "trainer", SECRET)
+            await ch.start()
+            pub = WeightPublisher(ch, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", port),
+                                  lambda _: True, timeout=30, sync="delta", bucket_bytes=2 * T_BYTES)
+            per_version = []
+            try:
+                for v in (1, 2, 3):
+                    before = pub.stats["bytes"]
+                    pub.offer(v, weights(v, changed))
+                    await pub.flush(60)
+                    assert pub.sent["rollout"] == v
+                    per_version.append(pub.stats["bytes"] - before)
+                return {"per_version": per_version, "stats": dict(pub.stats)}
+            finally:
+                await pub.close()
+                await ch.close()
+
+        res = asyncio.run(trainer())
+        assert q_out.get(timeout=60) == "saved"
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    # v1 in full (6 tensors), v2 one changed tensor, v3 two
+    assert res["per_version"] == [6 * T_BYTES, 1 * T_BYTES, 2 * T_BYTES]
+    assert res["stats"]["full_versions"] == 1 and res["stats"]["delta_versions"] == 2
+    got = torch.load(out)
+    assert got["version"] == 3 and got["received"] == {"full": 1, "delta": 2}
+    assert got["bytes"] == 9 * T_BYTES
+    expect = weights(3, changed)
+    for n in NAMES:
+        assert torch.equal(got["weights"][n], expect[n]), n
+
+
+async def _pair(kind: str = "zmq"):
+    a, b = make_channel(kind, "trainer", SECRET), make_channel(kind, "rollout", SECRET)
+    await a.start()
+    await b.start()
+    return a, b
+
+
+def test_full_sync_buckets_and_inbox_keeps_them_unmerged() -> None:
+    async def main() -> None:
+        a, b = await _pair()
+        inbox = WeightInbox()
+        b.set_handler(inbox.receive)
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda _: True, timeout=10, bucket_bytes=2 * T_BYTES)
+        try:
+            pub.offer(1, weights(1, {}))
+            await pub.flush(10)
+            upd = inbox.take_update()
+            assert upd is not None and upd.version == 1 and not upd.is_delta
+            assert [list(x) for x in upd.buckets] == [NAMES[0:2], NAMES[2:4], NAMES[4:6]]
+            assert pub.stats["messages"] == 4  # three buckets and the commit
+            pub.offer(2, weights(2, {2: [1]}))  # full mode: everything again
+            await pub.flush(10)
+            assert pub.stats["bytes"] == 12 * T_BYTES
+            v, merged = inbox.take()
+            assert v == 2 and list(merged) == NAMES and merged[NAMES[1]][0].item() == 201.0
+            assert inbox.take() is None
+        finally:
+            await pub.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_restarted_peer_or_refused_delta_gets_a_full_version() -> None:
+    async def main() -> None:
+        a, b = await _pair()
+        inbox = WeightInbox()
+        b.set_handler(lambda env: inbox.receive(env))
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda _: True, timeout=10, sync="delta", bucket_bytes=2 * T_BYTES)
+        changed = {2: [0], 3: [1], 4: [2]}
+        try:
+            pub.offer(1, weights(1, changed))
+            await pub.flush(10)
+            pub.offer(2, weights(2, changed))
+            await pub.flush(10)
+            assert pub.stats["full_versions"] == 1 and pub.stats["delta_versions"] == 1
+            # the rollout restarts with fresh weights (version 0) unnoticed: the delta is refused by
+            # name, and the next attempt is a full version
+            inbox = WeightInbox()
+            pub.offer(3, weights(3, changed))
+            await pub.flush(15)
+            assert pub.sent["rollout"] == 3 and pub.stats["full_versions"] == 2
+            upd = inbox.take_update()
+            assert upd.version == 3 and not upd.is_delta
+            # announced restart: peer_up -> full version, no delta attempt
+            inbox = WeightInbox()
+            pub.peer_up("rollout")
+            await pub.flush(10)
+            assert pub.stats["full_versions"] == 3 and inbox.take_update().version == 3
+            pub.offer(4, weights(4, changed))
+            await pub.flush(10)
+            upd = inbox.take_update()
+            assert upd.is_delta and [n for bk in upd.buckets for n in bk] == [NAMES[2]]
+        finally:
+            await pub.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_unapplied_delta_merges_onto_pending_and_lagging_peer_gets_full() -> None:
+    async def main() -> None:
+        a, b = await _pair()
+        inbox = WeightInbox()
+        b.set_handler(inbox.receive)
+        alive = {"rollout": True}
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda p: alive[p], timeout=10, sync="delta", bucket_bytes=2 * T_BYTES,
+                              max_delta_lag=2)
+        changed = {2: [4], 3: [4, 5], 4: [0], 5: [1], 6: [2], 7: [3]}
+        try:
+            for v in (1, 2, 3):  # nothing applied in between: the deltas pile onto the pending full v1
+                pub.offer(v, weights(v, changed))
+                await pub.flush(10)
+            upd = inbox.take_update()
+            assert upd.version == 3 and not upd.is_delta
+            merged = {n: t for bk in upd.buckets for n, t in bk.items()}
+            assert sorted(merged) == sorted(NAMES) and sum(len(bk) for bk in upd.buckets) == 6
+            assert all(torch.equal(merged[n], t) for n, t in weights(3, changed).items())
+            alive["rollout"] = False  # misses v4..v6
+            for v in (4, 5, 6):
+                pub.offer(v, weights(v, changed))
+            alive["rollout"] = True
+            pub._wake.set()
+            await pub.flush(10)
+            assert pub.stats["full_versions"] == 2  # 6 - 3 > max_delta_lag
+            assert inbox.take_update().version == 6
+        finally:
+            await pub.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_publish_iter_pipelines_and_non_serving_rank_drains() -> None:
+    async def main() -> None:
+        a, b = await _pair("shm")
+        inbox = WeightInbox()
+        b.set_handler(inbox.receive)
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda _: True, timeout=10)
+        nobody = WeightPublisher(a, [], lambda _: None, lambda _: True, timeout=10)
+        pulled = []
+
+        def gen(keep: bool):
+            for bk in buckets(weights(1, {}), 2 * T_BYTES):
+                pulled.append(keep)
+                if keep:
+                    yield bk
+
+        try:
+            assert await pub.publish_iter(1, gen(True)) == 6 * T_BYTES
+            assert await nobody.publish_iter(1, gen(False)) == 0
+            assert pulled == [True] * 3 + [False] * 3  # the non-serving rank ran every gather
+            await pub.flush(10)
+            upd = inbox.take_update()
+            assert upd.version == 1 and len(upd.buckets) == 3
+            with pytest.raises(ValueError, match="versions must increase"):
+                pub.offer(1, weights(1, {}))
+            with pytest.raises(ValueError, match="weight_sync"):
+                WeightPublisher(a, [], lambda _: None, lambda _: True, timeout=1, sync="sometimes")
+        finally:
+            await pub.close()
+            await nobody.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_resolve_transport_by_locality() -> None:
+    from distflow.rl.weight_transport import resolve_transport
+
+    assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=True) == "cuda_ipc"
+    assert resolve_transport("auto", same_host=False, trainer_cuda=True, rollout_cuda=True) == "nccl"
+    assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=False) == "channel"
+    assert resolve_transport("channel", same_host=True, trainer_cuda=True, rollout_cuda=True) == "channel"
+    with pytest.raises(ValueError, match="cuda_ipc needs CUDA"):
+        resolve_transport("cuda_ipc", same_host=True, trainer_cuda=False, rollout_cuda=False)
+    with pytest.raises(ValueError, match="one host"):
+        resolve_transport("cuda_ipc", same_host=False, trainer_cuda=True, rollout_cuda=True)
+    with pytest.raises(ValueError, match="weight_transport must be one of"):
+        resolve_transport("carrier-pigeon", True, True, True)
+
+
+# ----------------------------------------------------------------------------- GPU tiers
+def _ipc_rollout(q_out, q_in, out_path: str) -> None:
+    from distflow.core.aio import run_loop
+
+    async def main() -> None:
+        ch = make_channel("shm", "rollout", SECRET)
+        inbox = WeightInbox(torch.device("cuda", 0))
+        ch.set_handler(inbox.receive)
+        await ch.start()
+        q_out.put(ch.port)
+        await inbox.wait_for(1, 60, lambda: None)
+        upd = inbox.take_update()
+        engine = {n: torch.empty_like(t) for bk in upd.buckets for n, t in bk.items()}
+        for bk in upd.buckets:  # device-to-device copy out of the exporter's memory
+            for n, t in bk.items():
+                assert t.is_cuda
+                engine[n].copy_(t)
+        del upd
+        torch.cuda.synchronize()
+        torch.save({n: t.cpu() for n, t in engine.items()}, out_path)
+        q_out.put("saved")
+        await ch.close()
+
+    run_loop(main())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_tier_between_processes(tmp_path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    q_out, q_in = ctx.Queue(), ctx.Queue()
+    out = str(tmp_path / "ipc.pt")
+    proc = ctx.Process(target=_ipc_rollout, args=(q_out, q_in, out), daemon=True)
+    proc.start()
+    state = {n: t.cuda() for n, t in weights(1, {}).items()}
+    try:
+        port = q_out.get(timeout=60)
+
+        async def trainer() -> None:
+            ch = make_channel("shm", "trainer", SECRET)
+            await ch.start()
+            pub = WeightPublisher(ch, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", port),
+                                  lambda _: True, timeout=30, transport_of=lambda _: "cuda_ipc",
+                                  bucket_bytes=2 * T_BYTES)
+            pub.offer(1, state)
+            await pub.flush(60)
+            assert pub.sent["rollout"] == 1
+            await asyncio.get_running_loop().run_in_executor(None, q_out.get, True, 60)
+            await pub.close()
+            await ch.close()
+
+        asyncio.run(trainer())
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    got = torch.load(out)
+    for n, t in state.items():
+        assert torch.equal(got[n], t.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_tier_keeps_buckets_on_gpu() -> None:
+    pytest.importorskip("cupy")
+
+    async def main() -> None:
+        a, b = make_channel("nccl", "trainer", SECRET), make_channel("nccl", "rollout", SECRET)
+        await a.start()
+        await b.start()
+        inbox = WeightInbox()
+        b.set_handler(inbox.receive)
+        state = {n: t.cuda() for n, t in weights(1, {}).items()}
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda _: True, timeout=60, transport_of=lambda _: "nccl", bucket_bytes=2 * T_BYTES)
+        try:
+            pub.offer(1, state)
+            await pub.flush(60)
+            upd = inbox.take_update()
+            got = {n: t for bk in upd.buckets for n, t in bk.items()}
+            assert all(t.is_cuda for t in got.values())
+            assert all(torch.equal(got[n], state[n]) for n in state)
+            assert a.stats()["nccl_sends"] >= 3
+        finally:
+            await pub.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_streamed_versions_apply_buckets_as_they_arrive() -> None:
+    async def main() -> None:
+        a, b = await _pair("shm")
+        inbox = WeightInbox()
+        b.set_handler(inbox.receive)
+        engine = {n: torch.zeros(T_BYTES // 4) for n in NAMES}
+        seen: list[tuple[int, list[str]]] = []
+
+        def apply(version: int, bucket: dict) -> None:  # an idle engine's in-place load of one bucket
+            seen.append((version, list(bucket)))
+            for n, t in bucket.items():
+                engine[n].copy_(t)
+
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda _: True, timeout=10, sync="delta", bucket_bytes=2 * T_BYTES)
+        changed = {2: [5]}
+        try:
+            inbox.stream_to(apply)
+            pub.offer(1, weights(1, changed))
+            await pub.flush(10)
+            assert seen == [(1, NAMES[0:2]), (1, NAMES[2:4]), (1, NAMES[4:6])]
+            upd = inbox.take_update()
+            assert upd == (1, [], True) and inbox.streaming is None  # nothing left: an empty partial set
+            pub.offer(2, weights(2, changed))  # a delta streams onto the version the engine holds
+            await pub.flush(10)
+            assert seen[-1] == (2, [NAMES[5]]) and inbox.take_update() == (2, [], True)
+            assert all(torch.equal(engine[n], t) for n, t in weights(2, changed).items())
+            # a streamed version cut off half-way (its sender restarted it): dirty, deltas refused
+            await inbox.receive(Envelope("trainer", "weights", {"version": 3, "bucket": 0, "base": None},
+                                         {NAMES[0]: torch.ones(T_BYTES // 4)}))
+            await inbox.receive(Envelope("trainer", "weights", {"version": 3, "bucket": 0, "base": 2},
+                                         {NAMES[0]: torch.ones(T_BYTES // 4)}))
+            assert inbox.dirty
+            with pytest.raises(ValueError, match="full version is needed"):
+                await inbox.receive(Envelope("trainer", "weights", {"version": 3, "commit": True,
+                                                                   "num_buckets": 1, "base": 2}, {}))
+        finally:
+            await pub.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())

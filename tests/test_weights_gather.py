@@ -1,0 +1,104 @@
+"""``iter_weight_buckets`` against a real FSDP2 model: two gloo processes shard the toy model,
+both run the bucketed gather, the keeping rank's buckets equal the unsharded weights exactly
+and respect the size limit; the discarding rank yields nothing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+BUCKET = 40_000  # bytes: the toy model's tensors are 128 B .. 32 KiB, so several buckets and one-tensor ones
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distflow.hf import load_causal_lm
+    from distflow.trainer.gather import iter_weight_buckets
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with torch.no_grad():  # make the weights rank-independent but not the checkpoint's
+            for p in model.parameters():
+                p.add_(0.5)
+        buckets = list(iter_weight_buckets(model, BUCKET, keep=(rank == 0), device="cpu"))
+        again = list(iter_weight_buckets(model, BUCKET, keep=(rank == 1), device="cpu", dtype=torch.bfloat16))
+        torch.save({"buckets": buckets, "again": again}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bucketed_gather_of_fsdp2_model_equals_unsharded_weights(toy_model: Path, tmp_path: Path) -> None:
+    from distflow.hf import load_causal_lm
+    from distflow.launcher import _free_ports
+
+    port = _free_ports("127.0.0.1", 1)[0]
+    mp.start_processes(_worker, args=(2, port, str(toy_model), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    r0 = torch.load(tmp_path / "rank0.pt")
+    r1 = torch.load(tmp_path / "rank1.pt")
+    assert r0["again"] == [] and r1["buckets"] == []  # discarding ranks yield nothing
+
+    ref = load_causal_lm(str(toy_model), torch.float32, torch.device("cpu")).state_dict()
+    expect = {k: v + 0.5 for k, v in ref.items()}
+    for buckets, dtype in ((r0["buckets"], torch.float32), (r1["again"], torch.bfloat16)):
+        assert len(buckets) > 2
+        names = [n for b in buckets for n in b]
+        assert names == list(expect)  # state-dict order, each tensor exactly once
+        for b in buckets:
+            size = sum(t.numel() * t.element_size() for t in b.values())
+            assert size <= BUCKET or len(b) == 1  # the limit holds; a bigger tensor travels alone
+            for n, t in b.items():
+                assert t.dtype == dtype and t.is_contiguous()
+                assert torch.equal(t, expect[n].to(dtype)), n
+
+
+def test_bad_bucket_size_is_a_clear_error() -> None:
+    from distflow.trainer.gather import iter_weight_buckets
+
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        next(iter_weight_buckets(torch.nn.Linear(2, 2), 0, keep=True, device="cpu"))
+    with pytest.raises(ValueError, match="place"):
+        next(iter_weight_buckets(torch.nn.Linear(2, 2), 10, keep=True, device="cpu", place="disk"))
+    with pytest.raises(ValueError, match="pinned"):
+        next(iter_weight_buckets(torch.nn.Linear(2, 2), 10, keep=True, device="cpu", place="pinned"))
+
+
+def test_plain_module_buckets_in_order() -> None:
+    """Without FSDP no collective runs; sizes by hand: weight 4x4 fp32 = 64 B, bias 16 B."""
+    from distflow.trainer.gather import iter_weight_buckets
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    buckets = list(iter_weight_buckets(m, 80, keep=True, device="cpu"))
+    assert [list(b) for b in buckets] == [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
+    assert list(iter_weight_buckets(m, 80, keep=False, device="cpu")) == []
+    assert [list(b) for b in iter_weight_buckets(m, 64, keep=True, device="cpu")] == [
+        ["0.weight"], ["0.bias"], ["1.weight"], ["1.bias"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_staging_of_cuda_buckets() -> None:
+    from distflow.device import node_device
+    from distflow.trainer.gather import iter_weight_buckets
+
+    dev = node_device("cuda")
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(dev)
+    ref = {k: v.detach().cpu() for k, v in m.state_dict().items()}
+    for b in iter_weight_buckets(m, 20_000, keep=True, device=dev, place="pinned"):
+        for n, t in b.items():
+            assert t.device.type == "cpu" and t.is_pinned() and torch.equal(t, ref[n])
+    on_dev = list(iter_weight_buckets(m, 20_000, keep=True, device=dev))
+    assert all(t.is_cuda for b in on_dev for t in b.values())
