@@ -127,22 +127,45 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     log.info("%s up: control %s, data port %d", node_id, rt.node.address, rt.channel.port)
     work = asyncio.create_task(loop_fn(rt), name=f"{role}-loop")
     stopper = asyncio.create_task(stop.wait(), name="signal-wait")
-    code = 0
+    # A trainer rank watches its group: a dead rank ends the torch.distributed group.
+    tasks = {work, stopper}
+    if role == "trainer":
+        tasks.add(asyncio.create_task(rt.watch_group(), name="group-watch"))
+    code, failed_here = 0, False
     try:
-        done, _ = await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            work.result()  # raises the role loop's error
-        else:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
             log.warning("%s: stopping on signal", node_id)
             code = 143
+        else:
+            for t in done:
+                t.result()  # raises the role loop's (or the group watch's) error
     except Exception as e:
-        log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=True)
-        code = 1
+        from distflow.runtime import PeerLostError
+
+        code, failed_here = 1, not isinstance(e, PeerLostError)
+        dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" else []
+        if dead:  # name the dead rank, not the transport error it caused here
+            failed_here = False
+            from distflow.launcher import resume_hint
+            from distflow.runtime import GroupMemberLost
+
+            log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead), resume_hint(cfg.output_dir),
+                      type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        else:
+            log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=True)
     finally:
-        for t in (work, stopper):
+        for t in tasks:
             t.cancel()
-        await asyncio.wait({work, stopper}, timeout=10)
-        await rt.stop()
+        await asyncio.wait(tasks, timeout=10)
+        # A node that failed by itself does not "leave": its peers see it die (and adopt its
+        # work). One that stops because a peer died announces its leave, so the others know.
+        await rt.stop(graceful=not failed_here)
+    if code and role == "trainer":
+        # A worker thread may be stuck in a collective with a dead rank until its timeout
+        # (step_timeout_s); interpreter shutdown would wait for it. Exit now.
+        logging.shutdown()
+        os._exit(code)
     return code
 
 
@@ -157,10 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run every node in this process, in one asyncio loop (debugging; needs trainer_nodes=1)")
     r.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     sub.add_parser("status", help="live table of a running cluster's members", add_help=False)
-    t = sub.add_parser("toy-model", help="build the tiny toy model and tokenizer into DIR")
+    t = sub.add_parser("toy-model", help="build a tiny toy model and tokenizer into DIR")
     t.add_argument("dir")
-    d = sub.add_parser("toy-data", help="write the toy 'successor' prompt set (JSONL) to PATH")
+    t.add_argument("--kind", choices=["successor", "gsm8k"], default="successor",
+                   help="successor: the quickstart's character-level Llama; gsm8k: BPE chat tokenizer + tiny Qwen2")
+    t.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("toy-data", help="write a toy prompt set (JSONL) to PATH")
     d.add_argument("path")
+    d.add_argument("--kind", choices=["successor", "gsm8k"], default="successor",
+                   help="successor: {prompt, answer}; gsm8k: word problems {question, answer: '... #### N'}")
     d.add_argument("--rows", type=int, default=1024)
     d.add_argument("--seed", type=int, default=0)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -174,13 +202,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"config overrides {overrides} only apply to `distflow run`")
     if args.cmd == "toy-model":
         from distflow.toy import build_toy_model
+        from distflow.toy_gsm8k import build_gsm8k_model
 
-        print(build_toy_model(args.dir))
+        print((build_gsm8k_model if args.kind == "gsm8k" else build_toy_model)(args.dir, seed=args.seed))
         return 0
     if args.cmd == "toy-data":
         from distflow.toy import make_toy_dataset
+        from distflow.toy_gsm8k import make_gsm8k_dataset
 
-        make_toy_dataset(args.path, args.rows, seed=args.seed)
+        (make_gsm8k_dataset if args.kind == "gsm8k" else make_toy_dataset)(args.path, args.rows, seed=args.seed)
         print(args.path)
         return 0
     from distflow.launcher import launch

@@ -113,9 +113,49 @@ class Runtime:
             raise PeerLostError(f"{node_id} is not a member with a data endpoint")
         return Endpoint(m.node_id, m.host, int(m.meta["data_port"]))
 
-    async def stop(self) -> None:
+    def dead_peers(self, role: str) -> list[str]:
+        """Members of my ``role`` group (not me) the mesh has declared dead (not those that left)."""
+        group = getattr(self.groups, role, None) or []
+        out = []
+        for g in group:
+            m = self.node.member(g.node_id) if g.node_id != self.node.node_id else None
+            if m is not None and m.state == "dead":
+                out.append(g.node_id)
+        return out
+
+    async def wait_dead_peers(self, role: str, timeout: float) -> list[str]:
+        """Dead members of my ``role`` group, waiting up to ``timeout`` for the mesh to notice one."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            dead = self.dead_peers(role)
+            if dead or asyncio.get_running_loop().time() >= deadline:
+                return dead
+            await asyncio.sleep(0.1)
+
+    async def watch_group(self, poll_s: float = 0.25) -> None:
+        """Raise GroupMemberLost once a peer of my own group has been dead for a whole suspicion
+        timeout (a falsely suspected node refutes in that time). For the trainer group: the
+        ranks of a torch.distributed group cannot be replaced, so a dead rank ends the group,
+        and the surviving ranks must say which one instead of a transport error, promptly,
+        whatever they are waiting for."""
+        loop = asyncio.get_running_loop()
+        since: dict[str, float] = {}
+        while True:
+            if self.groups is not None:
+                now = loop.time()
+                dead = self.dead_peers(self.role)
+                since = {i: since.get(i, now) for i in dead}
+                gone = sorted(i for i, t in since.items() if now - t >= self.cfg.mesh.suspicion_timeout_s)
+                if gone:
+                    raise GroupMemberLost(self.role, gone)
+            await asyncio.sleep(poll_s)
+
+    async def stop(self, graceful: bool = True) -> None:
+        """Leave the mesh and close. ``graceful=False`` (this node failed): no leave announcement,
+        so peers declare it dead and treat it as a failure (a dead rollout node's shard is
+        adopted; a dead trainer ends the run), never as the orderly end of the cluster."""
         try:
-            await asyncio.wait_for(self.node.stop(graceful=True), timeout=10)
+            await asyncio.wait_for(self.node.stop(graceful=graceful), timeout=10)
         finally:
             await asyncio.wait_for(self.channel.close(), timeout=10)
 
@@ -126,3 +166,12 @@ class PeerLostError(RuntimeError):
 
 class ClusterStopped(PeerLostError):
     """The peers this node works for left the mesh gracefully: the cluster is being stopped."""
+
+
+class GroupMemberLost(PeerLostError):
+    """A member of this node's own worker group died; the group cannot go on without it."""
+
+    def __init__(self, role: str, node_ids: list[str]):
+        self.role, self.node_ids = role, node_ids
+        super().__init__(f"{role} rank {', '.join(node_ids)} died (the mesh declared it dead): the {role} group "
+                         f"cannot go on without it")

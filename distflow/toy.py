@@ -119,10 +119,19 @@ def build_toy_model(
     return str(out_dir)
 
 
-def ensure_toy_model(out_dir: str | os.PathLike[str], *, seed: int = 0) -> str:
-    """Build the toy model into ``out_dir`` unless a ``config.json`` is already there."""
+def ensure_toy_model(out_dir: str | os.PathLike[str], *, seed: int = 0, kind: str = "successor") -> str:
+    """Build the toy model of ``kind`` (``successor``: this module's; ``gsm8k``:
+    :func:`distflow.toy_gsm8k.build_gsm8k_model`) into ``out_dir`` unless a ``config.json``
+    is already there."""
+    if kind not in ("successor", "gsm8k"):
+        raise ValueError(f"toy model kind {kind!r} is not successor or gsm8k")
     if not (Path(out_dir) / "config.json").is_file():
-        build_toy_model(out_dir, seed=seed)
+        if kind == "gsm8k":
+            from distflow.toy_gsm8k import build_gsm8k_model
+
+            build_gsm8k_model(out_dir, seed=seed)
+        else:
+            build_toy_model(out_dir, seed=seed)
     return str(out_dir)
 
 

@@ -411,7 +411,7 @@ def test_registries_and_resolve() -> None:
     "name, pattern",
     [
         ("grp", r"workflow node 'adv' estimator: unknown name 'grp' \(did you mean 'grpo'\?\); "
-                r"known: dr_grpo, grpo, rloo"),
+                r"known: dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo"),
         ("no_such_module_xyz:f", r"workflow node 'adv' estimator: cannot import module 'no_such_module_xyz'"),
         ("math:nope", r"'math' has no attribute 'nope'"),
         ("math:pi", r"'math:pi' is a float, not a callable"),

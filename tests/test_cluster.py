@@ -85,10 +85,12 @@ def test_token_balanced_routing_trains_every_sample_once(toy_model, toy_data, tm
 def test_child_failure_stops_everyone_and_names_the_error(toy_model, toy_data, tmp_path):
     out = tmp_path / "run"
     t0 = time.monotonic()
-    r = run_distflow(small_run_args(toy_model, toy_data, out, "workflow.1.fn=tests.failing:exploding_reward"),
-                     timeout=180, env={"PYTHONPATH": str(ROOT)})
+    r = run_distflow(small_run_args(toy_model, toy_data, out, "workflow.1.fn=tests.failing:exploding_reward",
+                                    "restarts=1"), timeout=180, env={"PYTHONPATH": str(ROOT)})
     assert r.returncode == 1
-    assert "rollout-0 failed" in r.stderr and "rollout-1 failed" in r.stderr
+    # Each rollout node died, was restarted once (restarts=1), and died again.
+    assert "rollout-0 died (exit 1)" in r.stderr and "rollout-1 died (exit 1)" in r.stderr
+    assert "(restart 1 of 1)" in r.stderr and " failed (exit 1)" in r.stderr
     assert "reward 'tests.failing:exploding_reward' failed" in r.stderr and "boom on row" in r.stderr
     assert time.monotonic() - t0 < 150
     assert not _children_of(out)
@@ -115,21 +117,35 @@ def _children_of(out: Path) -> list[int]:
     return pids
 
 
-def test_ctrl_c_stops_every_child_bounded(toy_model, toy_data, tmp_path):
+def test_ctrl_c_stops_every_child_bounded_and_leaves_a_checkpoint(toy_model, tmp_path):
+    """SIGINT once the run has trained two steps, with ~200 still to go (so the run cannot end
+    first): every child stops, bounded, and the trainers saved their last completed step."""
+    import json
+
+    from distflow.toy import make_toy_dataset
+
+    data = tmp_path / "data.jsonl"
+    make_toy_dataset(data, 800, seed=2)
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *small_run_args(toy_model, toy_data, out)],
+    args = small_run_args(toy_model, data, out, "prompts_per_step=4", "group_size=2")
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while len(_children_of(out)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while len(read_metrics(out / "metrics.jsonl")) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
     assert len(_children_of(out)) == 4
-    time.sleep(2)
     proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60
     assert not _children_of(out)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert 2 <= len(rows) < 200
+    state = json.loads((out / "checkpoint" / "distflow_state.json").read_text())
+    assert state["policy_version"] == state["step"] == len(rows)  # the last completed step
+    assert f"resume_from={out / 'checkpoint'}" in err
 
 
 def test_in_process_mode_trains(toy_model, toy_data, tmp_path):

@@ -317,3 +317,39 @@ def test_long_chain_plans_without_recursion() -> None:
     p = plan(list(reversed(chain)), SIZES)
     assert p.depth["update"] == 3001 and ids(p.nodes)[:2] == ["generate", "c0"]
     assert p.boundary == [("c2999", "update")]
+
+
+# ----------------------------------------------------------------------------- executor stages per group
+@pytest.mark.parametrize("extra,sizes,expected", [
+    (node("ref_c", role="REFERENCE", type="COMPUTE", deps=["generate"]), SIZES,
+     "node 'ref_c' (role REFERENCE): no stage runs role REFERENCE with type COMPUTE (keys 'role', 'type')"),
+    (node("rm_train", role="REWARD", type="MODEL_TRAIN", deps=["generate"]), SIZES,
+     "node 'rm_train' (role REWARD): no stage runs role REWARD with type MODEL_TRAIN"),
+    (node("crit", role="CRITIC", type="COMPUTE", deps=["generate"]), SIZES,
+     "node 'crit' (role CRITIC): no stage runs role CRITIC with type COMPUTE"),
+    (node("ref2", role="REFERENCE", type="MODEL_INFERENCE", deps=["generate"], group="rollout"), SIZES,
+     "node 'ref2' (role REFERENCE): REFERENCE MODEL_INFERENCE cannot run on group 'rollout' (key 'group'); "
+     "it runs on 'trainer'"),
+    (node("score", role="REWARD", type="COMPUTE", deps=["reference"], group="trainer"), SIZES,
+     "node 'score' (role REWARD): REWARD COMPUTE cannot run on group 'trainer' (key 'group'); it runs on "
+     "'rollout', a group of its own"),
+    (node("v", role="CRITIC", type="MODEL_INFERENCE", deps=["generate"], group="rm"), {**SIZES, "rm": 1},
+     "node 'v' (role CRITIC): CRITIC MODEL_INFERENCE cannot run on group 'rm' (key 'group'); it runs on 'trainer'"),
+])
+def test_unknown_role_type_group_combinations_are_rejected_by_name(extra, sizes, expected) -> None:
+    assert plan_error(wf(extra), sizes).startswith(expected)
+
+
+def test_generate_only_on_rollout_and_supported_placements_plan() -> None:
+    bad = copy.deepcopy(GRPO_WORKFLOW)
+    bad[0]["group"] = "trainer"
+    with pytest.raises(WorkflowError, match=r"ACTOR MODEL_INFERENCE cannot run on group 'trainer'"):
+        plan(bad, SIZES)
+    # a reward model on the rollout group, a learned reward model and a trainer-side estimator on the trainer
+    ok = wf(node("rm", role="REWARD", type="MODEL_INFERENCE", deps=["generate"], group="rollout"),
+            node("rm_t", role="REWARD", type="MODEL_INFERENCE", deps=["reference"]),
+            node("est", fn="reinforce_pp", deps=["rm_t"]))
+    p = plan(ok, SIZES)
+    assert (p.group_of["rm"], p.group_of["rm_t"], p.group_of["est"]) == ("rollout", "trainer", "trainer")
+    assert ids(plan(PPO_WORKFLOW, SIZES).pipeline("trainer")) == ["reference", "values", "gae", "update",
+                                                                   "critic_update"]

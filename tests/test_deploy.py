@@ -190,8 +190,25 @@ def test_hostfile_example_plans_ids_ports_devices_and_seeds():
     assert (a["bind"], b["bind"], c["bind"]) == ("10.0.0.11", "10.0.0.12", "10.0.0.13")
 
 
+def test_hostfile_gpus_follow_the_placement_rule():
+    """One distinct GPU per trainer; rollout nodes on the rest, or with colocate=1 on the
+    trainers' GPUs (distflow.placement.place, the rule of `distflow run`)."""
+    dp = load_launcher()
+    plan = lambda text: {n["id"]: n["gpu"] for p in dp.build_plans(dp.parse_hostfile(text), "/c.yaml", [], "/r", "/w")
+                         .values() for n in p["nodes"]}  # noqa: E731
+    assert plan("h trainer=2 rollout=3 gpus=4,5,6 bind=10.0.0.1") == {
+        "trainer-h-0": "4", "trainer-h-1": "5", "rollout-h-0": "6", "rollout-h-1": "6", "rollout-h-2": "6"}
+    assert plan("h trainer=2 rollout=3 gpus=0,1 colocate=1 bind=10.0.0.1") == {
+        "trainer-h-0": "0", "trainer-h-1": "1", "rollout-h-0": "0", "rollout-h-1": "1", "rollout-h-2": "0"}
+    with pytest.raises(dp.LaunchError, match="host h: gpus: 1 GPU.*trainer_nodes=2 needs one GPU per trainer rank"):
+        plan("h trainer=2 rollout=1 gpus=0 bind=10.0.0.1")
+    with pytest.raises(dp.LaunchError, match="none is left for the rollout nodes.*colocate"):
+        plan("h trainer=1 rollout=1 gpus=0 bind=10.0.0.1")
+
+
 @pytest.mark.parametrize("text, message", [
     ("a trainer=1 rollout=1 colour=blue", "hostfile:1: unknown key 'colour'"),
+    ("a trainer=1 rollout=1 colocate=yes bind=10.0.0.1", "hostfile:1: colocate='yes' must be 0 or 1"),
     ("a trainer=1 bind=10.0.0.1\n\na rollout=1 bind=10.0.0.1", "hostfile:3: host 'a' is listed twice"),
     ("a trainer=one bind=10.0.0.1", "hostfile:1: trainer='one' must be a non-negative integer"),
     ("a rollout=2 bind=10.0.0.1", "a cluster needs at least one trainer and one rollout node"),

@@ -14,7 +14,7 @@ from distflow.rollout.engine import make_engine
 from distflow.rollout.stages import run_pipeline
 from distflow.trainer.actor import Actor
 from distflow.trainer.metrics import read_metrics
-from distflow.trainer.worker import train_step
+from distflow.trainer.executor import build_context, run_pipeline as run_trainer_pipeline
 from tests.conftest import ROOT, run_distflow
 
 STEPS = 4
@@ -32,13 +32,14 @@ def synchronous_reference(cfg) -> list[dict]:
         engine = make_engine("torch", cfg.model_path, dtype=cfg.dtype)
         plan = cfg.plan()
         actor = Actor(cfg, with_reference=True)
+        ctx = build_context(cfg, plan.pipeline("trainer"), actor)
         out = []
         for step, (_, _, rows) in enumerate(loader.iterate(cfg.rollout_batch, cfg.epochs)):
             if step == STEPS:
                 break
             seed = (cfg.seed * 1_000_003 + 0) * 100_003 + step
             batch = run_pipeline(plan.pipeline("rollout"), engine, cfg, rows, seed)
-            stats = train_step(actor, plan.pipeline("trainer"), batch)
+            stats = run_trainer_pipeline(plan.pipeline("trainer"), ctx, batch)
             engine.load_weights(actor.version, actor.full_state_dict())
             out.append({"reward_mean": float(batch.tensors["reward"].mean()), **stats})
         return out

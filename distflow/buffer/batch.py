@@ -18,8 +18,8 @@ import torch
 
 # Flat fields aligned with prompt tokens / response tokens, keyed by their lengths tensor.
 PROMPT_FIELDS = ("prompt_tokens",)
-RESPONSE_FIELDS = ("response_tokens", "logprobs", "ref_logprobs", "values")
-SCALAR_FIELDS = ("policy_version", "reward", "advantage")
+RESPONSE_FIELDS = ("response_tokens", "logprobs", "ref_logprobs", "values", "old_logprobs", "token_advantages", "returns")
+SCALAR_FIELDS = ("policy_version", "reward", "advantage", "truncated", "last_version")
 LENGTHS = {"prompt_tokens": "prompt_lens", **{f: "response_lens" for f in RESPONSE_FIELDS}}
 
 

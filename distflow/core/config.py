@@ -61,14 +61,47 @@ class Config(BaseModel):
         "owner", description="owner = hash(sample_id) mod trainers; tokens = balance each step's tokens across trainers")
     channel: Literal["zmq", "shm", "auto"] = Field(
         "auto", description="data-plane transport; auto = shm to peers on this host, zmq to others")
+    weight_transport: Literal["auto", "channel", "cuda_ipc", "nccl"] = Field(
+        "auto", description="how weights reach rollout nodes: auto = cuda_ipc when trainer and rollout share a host "
+                            "and both are on CUDA, nccl across hosts between GPUs, the data channel otherwise")
+    weight_sync: Literal["full", "delta"] = Field(
+        "full", description="delta = send only tensors whose bytes changed since the version the peer holds "
+                            "(full resend when it is too far behind or rejoined); the engine applies partial sets")
+    weight_bucket_mb: int = Field(64, ge=1, le=4096, description="size of a weight-sync bucket in MiB (gather, "
+                                                                 "send and apply one bucket at a time)")
 
     # -- model -----------------------------------------------------------------
     model_path: str
     toy_model: bool = Field(False, description="build the tiny toy model at model_path if it is missing")
+    toy_kind: Literal["successor", "gsm8k"] = Field(
+        "successor", description="which toy model toy_model builds: successor = the character-level Llama of the "
+                                 "quickstart; gsm8k = a byte-level BPE chat tokenizer and a tiny Qwen2")
     engine: Literal["torch", "vllm"] = "torch"
+    engine_compile: bool = Field(True, description="torch engine on CUDA: capture the decode step as CUDA graphs "
+                                                   "(once per process); false = eager. Ignored on CPU")
+    engine_max_slots: int = Field(256, ge=1, le=65536, description="torch engine: sequences decoded at once "
+                                                                   "(continuous-batching slots of its KV cache)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     torch_threads: int = Field(1, ge=1, description="intra-op threads per node process")
+    gpus: int | list[int] | None = Field(
+        None, description="GPUs `distflow run` may use with device: cuda: null = every visible GPU, N = the "
+                          "first N, [i, j, ...] = these physical ids. One GPU per trainer rank always")
+    colocate: bool = Field(False, description="rollout nodes share the trainers' GPUs (round-robin) instead of "
+                                              "taking GPUs of their own")
+    restarts: int = Field(3, ge=0, description="`distflow run` restarts a dead rollout node up to this many "
+                                               "times (same id and ports); a dead trainer stops the run")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, list) and any(isinstance(g, bool) for g in v)):
+            raise ValueError(f"{v!r} is not a GPU count or a list of GPU ids")
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{v} must be at least 1 (or null for every visible GPU)")
+        if isinstance(v, list) and (not v or any(not isinstance(g, int) or g < 0 for g in v) or len(set(v)) != len(v)):
+            raise ValueError(f"{v} must be a non-empty list of distinct GPU ids >= 0")
+        return v
 
     # -- data ------------------------------------------------------------------
     dataset: str
@@ -83,6 +116,16 @@ class Config(BaseModel):
     prompts_per_step: int = Field(..., ge=1, description="prompts per trainer step, over all rollout nodes")
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
     micro_batch_size: int = Field(64, ge=1, description="samples per forward/backward on a trainer")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=2, description="token budget of a packed micro-batch (samples packed into one row, block-diagonal "
+                                "attention, no padding); None = padded micro-batches of micro_batch_size samples")
+    activation_checkpointing: bool = Field(False, description="checkpoint every decoder layer of the policy")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning-rate schedule after warm-up (linear/cosine decay to 0 at the last step)")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in trainer steps")
+    peak_flops: float = Field(1e14, gt=0, description="peak FLOP/s of ONE trainer device, for the mfu metric")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="response tokens per chunk of the LM head "
+                                                              "(peak logits memory = chunk x vocab x 4 bytes)")
 
     # -- sampling ---------------------------------------------------------------
     max_new_tokens: int = Field(16, ge=1)
@@ -98,6 +141,45 @@ class Config(BaseModel):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     kl_coef: float = Field(0.0, ge=0)
+    # -- algorithm (docs/algorithms.md) -------------------------------------------
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how per-token losses become one scalar; seq-mean-token-sum-norm is Dr. GRPO's "
+                                  "constant normaliser (max_new_tokens)")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL(pi || ref) estimator")
+    kl_in_reward: bool = Field(False, description="kl_coef penalises the per-token reward (PPO/REINFORCE++) "
+                                                  "instead of adding a KL loss term")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient in the policy loss")
+    overlong: Literal["none", "mask", "penalty"] = Field(
+        "none", description="truncated responses (finish_reason length): mask = no loss, penalty = DAPO's soft "
+                            "overlong punishment over the last overlong_buffer tokens")
+    overlong_buffer: int = Field(0, ge=0, description="tokens before max_new_tokens where the overlong penalty ramps")
+    max_prompt_length: int | None = Field(None, ge=1, description="prompts with more tokens are skipped and counted")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch")
+    mini_batches_per_step: int = Field(1, ge=1, description="optimizer steps per pass (the batch is split)")
+    recompute_old_logprobs: bool = Field(False, description="the trainer recomputes old (proximal) logprobs "
+                                                            "instead of using the engine's")
+    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap between behaviour "
+                                                          "(engine) and proximal policies; null = off")
+    critic_path: str | None = Field(None, description="critic initialisation (default: model_path + value head)")
+    critic_lr: float | None = Field(None, gt=0, description="critic learning rate (default: lr)")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE / return discount")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    value_clip: float | None = Field(0.2, gt=0, description="critic value clipping range; null = unclipped")
+
+    @model_validator(mode="after")
+    def _algorithm(self) -> "Config":
+        group_estimators = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # = distflow.rl.GROUP_ESTIMATORS
+        for n in self.workflow:
+            if n.type.value == "COMPUTE" and n.fn in group_estimators and self.group_size < 2:
+                raise ValueError(f"group_size: {self.group_size} gives workflow node {n.id!r} ({n.fn}, a group "
+                                 f"baseline) all-zero advantages; use group_size >= 2")
+        if self.temperature == 0:
+            raise ValueError("temperature: 0 (greedy) makes every sample of a prompt identical and the policy "
+                             "gradient zero; training needs temperature > 0")
+        if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
+            raise ValueError(f"overlong_buffer: overlong: penalty needs 0 < overlong_buffer <= max_new_tokens "
+                             f"({self.max_new_tokens}), got {self.overlong_buffer}")
+        return self
     max_staleness: int = Field(1, ge=0, description="0 = strictly on-policy")
     save_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
     resume_from: str | None = Field(None, description="continue a run from a DistFlow checkpoint directory")

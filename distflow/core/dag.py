@@ -24,6 +24,11 @@ Planning rules
 * every node's group must have workers (a positive size in ``group_sizes``).
 * at least one MODEL_TRAIN node; at most one ACTOR MODEL_INFERENCE (generate) node, and
   it has no deps (it reads prompts from the dataloader).
+* every (role, type) must have an executor stage on its group (:data:`STAGE_GROUPS`): e.g.
+  generation only on ``rollout``, training and the reference/critic models only on
+  ``trainer``; REFERENCE COMPUTE or a REWARD MODEL_TRAIN node has no stage anywhere. The
+  executors (``distflow.rollout.stages``, ``distflow.trainer.executor``) register exactly
+  these combinations, so a plan that passes here never meets an unknown stage at run time.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "ROLLOUT", "TRAINER", "Role", "NodeType", "WorkflowNode", "WorkflowError", "Plan", "plan", "load_workflow",
-    "GRPO_WORKFLOW", "PPO_WORKFLOW",
+    "GRPO_WORKFLOW", "PPO_WORKFLOW", "STAGE_GROUPS", "CUSTOM",
 ]
 
 ROLLOUT = "rollout"
@@ -69,6 +74,36 @@ class NodeType(_CaseInsensitiveEnum):
     MODEL_INFERENCE = "MODEL_INFERENCE"
     MODEL_TRAIN = "MODEL_TRAIN"
     COMPUTE = "COMPUTE"
+
+
+CUSTOM = "*"  # any group of group_sizes other than rollout and trainer (e.g. a reward-model group)
+
+# (role, type) -> the groups with an executor stage for it. Keep in step with the registries of
+# distflow/rollout/stages.py (rollout, custom groups) and distflow/trainer/executor.py (trainer).
+STAGE_GROUPS: dict[tuple[str, str], frozenset[str]] = {
+    ("ACTOR", "MODEL_INFERENCE"): frozenset({ROLLOUT}),  # generate
+    ("REWARD", "COMPUTE"): frozenset({ROLLOUT, CUSTOM}),  # rule-based reward (needs the tokenizer's decode)
+    ("REWARD", "MODEL_INFERENCE"): frozenset({ROLLOUT, TRAINER, CUSTOM}),  # learned reward model
+    ("ACTOR", "COMPUTE"): frozenset({ROLLOUT, TRAINER, CUSTOM}),  # advantage estimators, GAE, filters
+    ("REFERENCE", "MODEL_INFERENCE"): frozenset({TRAINER}),
+    ("CRITIC", "MODEL_INFERENCE"): frozenset({TRAINER}),
+    ("CRITIC", "MODEL_TRAIN"): frozenset({TRAINER}),
+    ("ACTOR", "MODEL_TRAIN"): frozenset({TRAINER}),
+}
+
+
+def _check_stage(n: "WorkflowNode", group: str) -> None:
+    key = (n.role.value, n.type.value)
+    allowed = STAGE_GROUPS.get(key)
+    kind = group if group in (ROLLOUT, TRAINER) else CUSTOM
+    if allowed is None:
+        known = ", ".join(f"{r} {t}" for r, t in STAGE_GROUPS)
+        raise WorkflowError(f"{n.label}: no stage runs role {key[0]} with type {key[1]} (keys 'role', 'type'); "
+                            f"supported: {known}")
+    if kind not in allowed:
+        where = ", ".join(sorted("a group of its own" if g == CUSTOM else repr(g) for g in allowed))
+        raise WorkflowError(f"{n.label}: {key[0]} {key[1]} cannot run on group {group!r} (key 'group'); it runs "
+                            f"on {where}")
 
 
 class WorkflowError(ValueError):
@@ -348,6 +383,7 @@ def plan(nodes: Sequence[WorkflowNode] | Sequence[Mapping[str, Any]], group_size
             raise WorkflowError(f"{n.label} has no workers: group {g!r} is not configured (group sizes: {configured})")
         if sizes[g] == 0:
             raise WorkflowError(f"{n.label} has no workers: group {g!r} has size 0")
+        _check_stage(n, g)
         group_of[n.id] = g
 
     boundary: list[tuple[str, str]] = []

@@ -4,7 +4,8 @@ Why this module exists: with no driver there is no central place to ask "what is
 cluster doing?". Any member knows the whole membership, so the status command simply
 joins through a seed as a short-lived ``observer`` member, lets membership converge,
 prints each member's role, rank, address, state, policy version, last-seen age,
-throughput and event-loop lag (a table, or JSON), and leaves gracefully.
+throughput, event-loop lag and where its last step's time went (a table, or JSON), and
+leaves gracefully.
 """
 
 from __future__ import annotations
@@ -23,16 +24,41 @@ from distflow.core.auth import secret_from_env
 from distflow.core.mesh import MeshConfig, Member
 from distflow.core.node import JoinTimeout, Node, parse_address
 
-COLUMNS = ("id", "role", "rank", "address", "state", "policy_version", "last_seen_s", "samples_per_s", "loop_lag_s")
-_HEADERS = ("ID", "ROLE", "RANK", "ADDRESS", "STATE", "POLICY", "LAST SEEN", "SAMPLES/S", "LOOP LAG")
+COLUMNS = ("id", "role", "rank", "address", "state", "policy_version", "last_seen_s", "samples_per_s", "loop_lag_s",
+           "stages")
+_HEADERS = ("ID", "ROLE", "RANK", "ADDRESS", "STATE", "POLICY", "LAST SEEN", "SAMPLES/S", "LOOP LAG", "LAST STEP")
+
+# Per-stage seconds of a step, in pipeline order, with their short names. Trainer rank 0
+# publishes them (with tokens_per_s and mfu) in its metadata and metrics.jsonl; rollout
+# nodes publish time_generate_s and time_load_weights_s.
+STAGE_TIME_KEYS = ("time_generate_s", "time_wait_s", "time_logprobs_s", "time_update_s", "time_weights_s",
+                   "time_load_weights_s")
+_STAGE_NAMES = {"time_generate_s": "gen", "time_wait_s": "wait", "time_logprobs_s": "logp",
+                "time_update_s": "upd", "time_weights_s": "wts", "time_load_weights_s": "load"}
+
+
+def format_stages(values: dict[str, Any]) -> str:
+    """A compact one-line summary of a step's stage times and throughput, e.g.
+    ``gen 1.20s wait 0.05s upd 0.80s | 1.2k tok/s mfu 3.1%`` (keys absent are skipped)."""
+    parts = [f"{_STAGE_NAMES[k]} {float(values[k]):.2f}s" for k in STAGE_TIME_KEYS
+             if isinstance(values.get(k), (int, float))]
+    rate = []
+    if isinstance(values.get("tokens_per_s"), (int, float)):
+        tps = float(values["tokens_per_s"])
+        rate.append(f"{tps / 1000:.1f}k tok/s" if tps >= 1000 else f"{tps:.0f} tok/s")
+    if isinstance(values.get("mfu"), (int, float)):
+        rate.append(f"mfu {100 * float(values['mfu']):.3g}%")
+    return " | ".join(x for x in (" ".join(parts), " ".join(rate)) if x)
 
 
 def member_row(m: Member, now: float) -> dict[str, Any]:
-    """The status fields of one member (JSON-able)."""
+    """The status fields of one member (JSON-able); ``stages`` only for a member that
+    reports stage times (:func:`format_stages`)."""
     return {
         "id": m.node_id, "role": m.role, "rank": m.meta.get("rank"), "address": m.address, "state": m.state,
         "policy_version": m.meta.get("policy_version"), "last_seen_s": round(max(0.0, now - m.last_seen), 3),
         "samples_per_s": m.meta.get("samples_per_s"), "loop_lag_s": round(m.loop_lag_s, 4),
+        **({"stages": stages} if (stages := format_stages(m.meta)) else {}),
     }
 
 
@@ -48,8 +74,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             return f"{v:.1f}"
         return str(v)
 
-    table = [list(_HEADERS)] + [[cell(k, r[k]) for k in COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    cols = [c for c in COLUMNS if c != "stages" or any("stages" in r for r in rows)]  # only when reported
+    heads = [h for c, h in zip(COLUMNS, _HEADERS) if c in cols]
+    table = [heads] + [[cell(k, r.get(k)) for k in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
 
 

@@ -1,13 +1,30 @@
-"""The rollout group's stage implementations: what each workflow node does on a rollout node.
+"""The rollout group's executor: a registry of stage functions run in plan order.
 
-The planner hands the rollout group a linear pipeline (e.g. generate -> reward ->
-advantage). Each workflow node maps by (role, type) to one stage here; the node's ``fn``
-picks the concrete function (a reward name, an advantage estimator). Stages take and
-return a SampleBatch and never touch the network.
+Why this module exists: the planner hands the rollout group a linear pipeline (e.g.
+generate -> reward -> advantage). Each workflow node's (role, type) selects a registered
+stage; the node's ``fn`` picks the concrete function inside it (a reward name, an
+advantage estimator). There is no per-algorithm switch: a new algorithm is a config plus,
+at most, one registered pure function (``distflow.rl.registry``). The (role, type)
+pairs registered here are those :data:`distflow.core.dag.STAGE_GROUPS` allows on
+``rollout``, so the planner has already rejected anything else with the node's name.
+
+Stages: ``stage(node, ctx, batch) -> batch``; they never touch the network.
+
+* ACTOR MODEL_INFERENCE: generate ``group_size`` samples per prompt, tagged with the
+  versions that made them; prompts longer than ``max_prompt_length`` are skipped and
+  counted (``ctx.stats["skipped_prompts"]``); ``truncated`` marks ``finish_reason ==
+  "length"``.
+* REWARD COMPUTE: a rule-based reward ``fn(response_text, row) -> float``.
+* REWARD MODEL_INFERENCE: a learned reward model (``args.path``), see
+  :mod:`distflow.rl.reward_model`.
+* ACTOR COMPUTE: an outcome advantage estimator, or ``dynamic_sampling`` (DAPO: regenerate
+  the prompts whose groups have constant rewards, ``args.max_retries`` times, then drop
+  the groups still constant; counted in ``ctx.stats``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -17,13 +34,48 @@ from distflow.buffer.dataloader import PromptRow
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.hf import chat_prompt_ids
+from distflow.rl.advantages import nonconstant_groups
+from distflow.rl.reward_model import score_batch
+from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
+from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards
 from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import resolve_reward
-from distflow.rl.algorithms import ADVANTAGE_ESTIMATORS, resolve
+
+__all__ = ["StageError", "RolloutContext", "STAGES", "register_stage", "run_pipeline", "sampling_params",
+           "encode_prompts", "generate", "reward", "reward_model", "advantage"]
 
 
 class StageError(RuntimeError):
     """A stage could not run on a batch; names the workflow node."""
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout stage may use: the engine, the config, this step's prompts and seed,
+    the pipeline (for stages that re-run a prefix) and counters returned to the caller."""
+
+    engine: RolloutEngine
+    cfg: Config
+    rows: list[PromptRow]
+    seed: int
+    pipeline: list[WorkflowNode] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+    weights_update: Callable[[], Any] | None = None  # partial rollout: polled by the engine mid-generation
+
+    def count(self, key: str, n: int) -> None:
+        self.stats[key] = self.stats.get(key, 0) + int(n)
+
+
+Stage = Callable[[WorkflowNode, RolloutContext, "SampleBatch | None"], SampleBatch]
+STAGES: dict[tuple[str, str], Stage] = {}
+
+
+def register_stage(role: str, type_: str) -> Callable[[Stage], Stage]:
+    """Decorator: ``fn`` runs every workflow node of this (role, type) on the rollout group."""
+    def deco(fn: Stage) -> Stage:
+        STAGES[(role, type_)] = fn
+        return fn
+    return deco
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -41,26 +93,57 @@ def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) 
     return out
 
 
-def generate(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], seed: int) -> SampleBatch:
-    """Sample ``group_size`` responses for every prompt; tag each with the engine's version."""
+def _need(node: WorkflowNode, batch: SampleBatch | None) -> SampleBatch:
+    if batch is None:
+        raise StageError(f"workflow node {node.id!r} runs before any generate node on the rollout group")
+    return batch
+
+
+# ----------------------------------------------------------------------------- stages
+def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], seed: int,
+                  stats: dict[str, int] | None = None, weights_update: Callable[[], Any] | None = None) -> SampleBatch:
+    """Sample ``group_size`` responses per prompt. Each sample carries ``policy_version`` (the
+    weights it started with), ``last_version`` (the weights it ended with) and ``truncated``."""
     prompts = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
+    if cfg.max_prompt_length is not None:
+        keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_length]
+        if stats is not None:
+            stats["skipped_prompts"] = stats.get("skipped_prompts", 0) + len(prompts) - len(keep)
+        rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
     g = cfg.group_size
     flat_prompts = [p for p in prompts for _ in range(g)]
-    comps = engine.generate(flat_prompts, sampling_params(cfg), seed=seed) if flat_prompts else []
+    kw = {"weights_update": weights_update} if weights_update is not None else {}
+    comps = engine.generate(flat_prompts, sampling_params(cfg), seed=seed, **kw) if flat_prompts else []
     sample_ids, prompt_ids, extras = [], [], []
     for r in rows:
         for j in range(g):
             sample_ids.append(f"{r.prompt_id}:s{j}")
             prompt_ids.append(r.prompt_id)
             extras.append({"row": r.data})
-    return SampleBatch.from_lists(sample_ids, prompt_ids, flat_prompts, [c.tokens for c in comps],
-                                  [c.logprobs for c in comps], policy_version=engine.version, extras=extras)
+    first = [int(getattr(c, "first_version", engine.version)) for c in comps]
+    batch = SampleBatch.from_lists(sample_ids, prompt_ids, flat_prompts, [c.tokens for c in comps],
+                                   [c.logprobs for c in comps], policy_version=first, extras=extras)
+    batch.set_scalar("last_version", torch.tensor([int(getattr(c, "last_version", engine.version)) for c in comps],
+                                                  dtype=torch.int64))
+    batch.set_scalar("truncated", torch.tensor([int(c.finish_reason == "length") for c in comps], dtype=torch.int64))
+    return batch
 
 
-def reward(engine: RolloutEngine, node: WorkflowNode, batch: SampleBatch) -> SampleBatch:
-    """Score every sample with the node's reward function: fn(response_text, row) -> [0, 1]."""
-    fn: Callable[[str, dict], float] = resolve_reward(node.fn)
-    texts = [engine.tokenizer.decode(t.tolist(), skip_special_tokens=True) for t in batch.ragged("response_tokens")]
+@register_stage("ACTOR", "MODEL_INFERENCE")
+def generate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
+    return generate_rows(ctx.engine, ctx.cfg, ctx.rows, ctx.seed, ctx.stats, ctx.weights_update)
+
+
+@register_stage("REWARD", "COMPUTE")
+def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
+    """Score every sample with the node's reward function: fn(response_text, row, **args) -> float."""
+    batch = _need(node, batch)
+    try:
+        fn: Callable[..., float] = resolve_reward(node.fn)
+    except ValueError as e:
+        raise StageError(f"workflow node {node.id!r}: {e}") from None
+    tok = ctx.engine.tokenizer
+    texts = [tok.decode(t.tolist(), skip_special_tokens=True) for t in batch.ragged("response_tokens")]
     values = []
     for sid, text, extra in zip(batch.sample_ids, texts, batch.extras):
         try:
@@ -71,30 +154,99 @@ def reward(engine: RolloutEngine, node: WorkflowNode, batch: SampleBatch) -> Sam
     return batch
 
 
-def advantage(node: WorkflowNode, batch: SampleBatch) -> SampleBatch:
-    """Per-group advantages; the whole group of a prompt is on this node by construction."""
+@register_stage("REWARD", "MODEL_INFERENCE")
+def reward_model(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
+    from distflow.device import node_device
+
+    try:
+        return score_batch(node, _need(node, batch), node_device(ctx.cfg.device))
+    except ValueError as e:
+        raise StageError(str(e)) from None
+
+
+def _estimate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> SampleBatch:
+    if node.fn in TOKEN_ESTIMATORS:
+        raise StageError(f"workflow node {node.id!r}: {node.fn!r} needs the critic's values and runs on the "
+                         f"trainer group (add the CRITIC MODEL_INFERENCE node to its deps)")
     fn = resolve(ADVANTAGE_ESTIMATORS, node.fn, f"workflow node {node.id!r} advantage estimator")
-    index = {p: i for i, p in enumerate(dict.fromkeys(batch.prompt_ids))}
-    group_ids = torch.tensor([index[p] for p in batch.prompt_ids], dtype=torch.int64)
-    batch.set_scalar("advantage", fn(batch.tensors["reward"], group_ids, **node.args).float())
+    adv = fn(outcome_rewards(batch, ctx.cfg), group_index(batch.prompt_ids), **node.args).float()
+    batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
+    return batch
+
+
+def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> SampleBatch:
+    """DAPO's dynamic sampling on the task reward (``reward``, before overlong shaping):
+    prompts whose samples all got the same reward are regenerated (the pipeline prefix re-run
+    on them with a new seed) up to ``args.max_retries`` times (default 2), keeping the step's
+    prompt count where possible; groups still constant are then dropped. A step never
+    becomes empty: if every group is constant the batch is kept whole (its group advantages
+    are all 0, so it adds no gradient). Counts ``resampled_prompts`` and ``dropped_prompts``."""
+    retries = int(node.args.get("max_retries", 2))
+    prefix = ctx.pipeline[:ctx.pipeline.index(node)] if node in ctx.pipeline else []
+
+    def keep_mask(b: SampleBatch) -> list[bool]:
+        if not len(b):
+            return []
+        if "reward" not in b.tensors:
+            raise StageError(f"workflow node {node.id!r}: dynamic_sampling needs a REWARD node among its deps")
+        return nonconstant_groups(b.tensors["reward"].float(), group_index(b.prompt_ids)).tolist()
+
+    for attempt in range(retries):
+        keep = keep_mask(batch)
+        bad = dict.fromkeys(p for p, k in zip(batch.prompt_ids, keep) if not k)
+        if not bad or not prefix:
+            break
+        ctx.count("resampled_prompts", len(bad))
+        sub_ctx = RolloutContext(ctx.engine, ctx.cfg, [r for r in ctx.rows if r.prompt_id in bad],
+                                 ctx.seed + 7919 * (attempt + 1), ctx.pipeline, {})
+        sub = _run(prefix, sub_ctx)
+        batch = SampleBatch.concat([batch.select([i for i, k in enumerate(keep) if k]), sub])
+    keep = keep_mask(batch)
+    if not any(keep):
+        return batch
+    ctx.count("dropped_prompts", len(dict.fromkeys(p for p, k in zip(batch.prompt_ids, keep) if not k)))
+    return batch.select([i for i, k in enumerate(keep) if k])
+
+
+COMPUTE_FNS: dict[str, Callable[[WorkflowNode, RolloutContext, SampleBatch], SampleBatch]] = {
+    "dynamic_sampling": dynamic_sampling,
+}
+
+
+@register_stage("ACTOR", "COMPUTE")
+def advantage(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
+    """An outcome advantage estimator over whole prompt groups (all on this node by
+    construction), or a batch filter of :data:`COMPUTE_FNS`."""
+    batch = _need(node, batch)
+    special = COMPUTE_FNS.get(node.fn)
+    return special(node, ctx, batch) if special else _estimate(node, ctx, batch)
+
+
+# ----------------------------------------------------------------------------- the executor
+def _run(pipeline: list[WorkflowNode], ctx: RolloutContext) -> SampleBatch:
+    batch: SampleBatch | None = None
+    done: set[str] = set()
+    local = {n.id for n in ctx.pipeline or pipeline}
+    for node in pipeline:
+        missing = [d for d in node.deps if d in local and d not in done]
+        if missing:
+            raise StageError(f"workflow node {node.id!r}: deps {missing} have not run on the rollout group "
+                             f"(pipeline out of plan order)")
+        stage = STAGES.get((node.role.value, node.type.value))
+        if stage is None:
+            raise StageError(f"workflow node {node.id!r}: no rollout stage for {node.role.value} {node.type.value}")
+        batch = stage(node, ctx, batch)
+        done.add(node.id)
+    if batch is None:
+        raise StageError("the rollout pipeline has no generate node")
     return batch
 
 
 def run_pipeline(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, rows: list[PromptRow],
-                 seed: int) -> SampleBatch:
-    """Run this group's linear pipeline on one step's prompts (blocking; call in a thread)."""
-    batch: SampleBatch | None = None
-    for node in pipeline:
-        kind = (node.role.value, node.type.value)
-        if kind == ("ACTOR", "MODEL_INFERENCE"):
-            batch = generate(engine, cfg, rows, seed)
-        elif batch is None:
-            raise StageError(f"workflow node {node.id!r} runs before any generate node on the rollout group")
-        elif kind == ("REWARD", "COMPUTE"):
-            batch = reward(engine, node, batch)
-        elif node.type.value == "COMPUTE":
-            batch = advantage(node, batch)
-        else:
-            raise StageError(f"workflow node {node.id!r}: {kind} cannot run on a rollout node")
-    assert batch is not None
-    return batch
+                 seed: int, stats: dict[str, int] | None = None,
+                 weights_update: Callable[[], Any] | None = None) -> SampleBatch:
+    """Run this group's pipeline (plan order, deps checked) on one step's prompts; blocking,
+    call in a thread. ``stats`` (optional) receives the counters (``skipped_prompts``,
+    ``resampled_prompts``, ``dropped_prompts``)."""
+    ctx = RolloutContext(engine, cfg, rows, seed, list(pipeline), stats if stats is not None else {}, weights_update)
+    return _run(list(pipeline), ctx)

@@ -12,16 +12,23 @@ Elasticity without a coordinator: a shard whose owner is not alive is adopted by
 next alive rollout rank in ring order, so its prompts are re-issued and no sample is
 lost; trainers keep the first part they receive for a (step, shard) and drop repeats.
 A node cut off from the trainers waits for them (bounded by ``step_timeout_s``) instead
-of exiting; when it is back it skips to the trainers' step and gets current weights.
+of exiting; when it is back it skips to the trainers' step and gets current weights. A
+trainer that really died is another matter (the trainer group cannot go on without it):
+when the mesh has declared a trainer dead for a suspicion timeout while this node still
+sees other members alive (so it is not this node that is cut off), or when the other
+trainers left, the node stops at once instead of waiting ``step_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from typing import Callable
 
 from distflow.buffer.dataloader import PromptShard
+from distflow.device import node_device
 from distflow.buffer.routing import balance_by_tokens, split_by_owner
 from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
@@ -55,9 +62,11 @@ def trainer_step(rt: Runtime, groups: Groups) -> int:
     return min(versions) if versions else 0
 
 
-async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict) -> None:
+async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict,
+                     check: Callable[[], None] | None = None) -> None:
     """Each trainer gets the samples it owns; a trainer that is cut off is retried until it is
-    back, or until the trainers no longer need this step."""
+    back, or until the trainers no longer need this step. ``check`` (called between retries)
+    raises when the trainers are gone for good."""
     if groups.controller:  # controller: single -- the whole batch goes through one process
         trainers, parts = [groups.controller[0].node_id], [batch]
     else:
@@ -82,6 +91,8 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
             else:
                 pending.pop(i)
         if pending:
+            if check is not None:
+                check()
             if trainer_step(rt, groups) > step:
                 return  # the trainers trained this step without us (the shard was adopted)
             if time.monotonic() > deadline:
@@ -90,12 +101,27 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
             await asyncio.sleep(0.5)
 
 
+def sent_summary(batch: SampleBatch) -> dict:
+    """What the trainers were sent, for the trace: the first sample's prompt tokens (they show
+    the chat template), and per sample its reward and whether it was cut at max_new_tokens."""
+    t = batch.tensors
+    if not len(batch):
+        return {"first_prompt_tokens": [], "rewards": [], "truncated": []}
+    return {"first_prompt_tokens": t["prompt_tokens"][: int(t["prompt_lens"][0])].tolist(),
+            "rewards": [float(r) for r in t["reward"].tolist()] if "reward" in t else [],
+            "truncated": [int(x) for x in t["truncated"].tolist()] if "truncated" in t else [],
+            "response_lens": [int(x) for x in t["response_lens"].tolist()]}
+
+
 class RolloutLoop:
     """One rollout node's state: its shard loaders, engine, weight inbox and trace."""
 
     def __init__(self, rt: Runtime):
         self.rt, self.cfg = rt, rt.cfg
-        self.inbox = WeightInbox()
+        # Buckets land on the engine's device (pinned-host staging is the sender's job).
+        self.inbox = WeightInbox(device=node_device(self.cfg.device) if self.cfg.device == "cuda" else None)
+        self._dead_since: dict[str, float] = {}
+        self._first_batch = False
         rt.on_data("weights", self.inbox.receive)
 
     def shard_loader(self, s: int) -> PromptShard:
@@ -104,20 +130,46 @@ class RolloutLoop:
                            required_keys=(c.prompt_key,))
 
     def trainers_gone(self) -> None:
-        """A cut-off trainer may come back; only a graceful leave of all of them is final."""
-        states = [(m := self.rt.node.member(t.node_id)) and m.state for t in self.groups.trainer]
-        if all(s == "left" for s in states):
+        """Raise when the trainers are gone for good: every one left (ClusterStopped), or one
+        died (PeerLostError naming it). A trainer this node merely cannot reach (this node is
+        cut off: it sees no other member alive) may come back, so that is waited for."""
+        node, now = self.rt.node, time.monotonic()
+        states = {t.node_id: (m := node.member(t.node_id)) and m.state for t in self.groups.trainer}
+        if all(s == "left" for s in states.values()):
             raise ClusterStopped("every trainer left the mesh")
+        dead = [i for i, s in states.items() if s == "dead"]
+        self._dead_since = {i: self._dead_since.get(i, now) for i in dead}
+        if not dead:
+            return
+        if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
+            raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
+        # Evidence that this node is not the one cut off: another member it still reaches, or
+        # one whose leave announcement reached it.
+        others = [m for m in node.members(include_dead=True) if m.node_id != node.node_id
+                  and m.node_id not in dead and m.state in ("alive", "suspect", "left")]
+        lasting = [i for i in dead if now - self._dead_since[i] >= self.cfg.mesh.suspicion_timeout_s]
+        if others and lasting:
+            raise PeerLostError(f"trainer {', '.join(lasting)} died (the mesh declared it dead; "
+                                f"{others[0].node_id} is still reachable, so this node is not cut "
+                                f"off): the trainer group cannot go on without it")
 
     async def run(self) -> None:
         rt, cfg = self.rt, self.cfg
-        self.groups = groups = await rt.form_groups()
+        # The engine needs no group: load the model while the other nodes are still joining.
+        loading = asyncio.ensure_future(asyncio.to_thread(make_engine, cfg.engine, cfg.model_path,
+                                                          device=cfg.device, dtype=cfg.dtype,
+                                                          compile=cfg.engine_compile, max_slots=cfg.engine_max_slots))
+        try:
+            self.groups = groups = await rt.form_groups()
+        except BaseException:
+            loading.cancel()  # the thread finishes its load; the engine is dropped
+            raise
         rank = groups.rank
         self.loaders = {rank: self.shard_loader(rank)}
         self.per_epoch = self.loaders[rank].steps_per_epoch(cfg.prompts_per_step)
         self.total = cfg.total_steps(self.loaders[rank].num_rows)
-        self.engine = await asyncio.to_thread(make_engine, cfg.engine, cfg.model_path, device=cfg.device,
-                                              dtype=cfg.dtype)
+        self.engine = await loading
+        self.weights_update = self.make_weights_update()
         self.pipeline = cfg.plan().pipeline("rollout")
         self.trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
         log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank,
@@ -126,9 +178,7 @@ class RolloutLoop:
             await self.generate_until_done()
         except ClusterStopped as e:
             log.warning("rollout rank %d: %s; stopping", rank, e)
-        fresh = self.inbox.take()
-        if fresh is not None:
-            await asyncio.to_thread(self.engine.load_weights, *fresh)
+        await self.load_fresh_weights()
         rt.node.set_meta(policy_version=self.engine.version, state="done")
         self.engine.close()
         log.info("rollout rank %d: done; final weights v%d", rank, self.engine.version)
@@ -160,21 +210,78 @@ class RolloutLoop:
                     pass
                 continue
             step, shard = min(todo)
-            fresh = inbox.take()
-            if fresh is not None:
-                await asyncio.to_thread(engine.load_weights, *fresh)
+            await self.load_fresh_weights()
             epoch, in_epoch = divmod(step, self.per_epoch)
             rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
             t0 = time.perf_counter()
             seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
-            batch = await asyncio.to_thread(run_pipeline, self.pipeline, engine, cfg, rows, seed)
-            rate = len(batch) / max(time.perf_counter() - t0, 1e-9)
-            await send_parts(rt, groups, batch, step=step, shard=shard, extra={"total_steps": total, "epoch": epoch})
-            self.trace.write(step=step, rank=rank, shard=shard, epoch=epoch,
-                             prompt_ids=[r.prompt_id for r in rows], policy_version=engine.version)
-            rt.node.set_meta(policy_version=engine.version, samples_per_s=round(rate, 1), step=step)
+            stage_stats: dict[str, int] = {}
+            batch = await asyncio.to_thread(run_pipeline, self.pipeline, engine, cfg, rows, seed, stage_stats,
+                                            self.weights_update)
+            t_gen = time.perf_counter() - t0
+            rate = len(batch) / max(t_gen, 1e-9)
+            if stage_stats:
+                log.info("rollout rank %d step %d shard %d: %s", rank, step, shard, stage_stats)
+            if not self._first_batch:
+                self._first_batch = True
+                self.report_startup()
+            await send_parts(rt, groups, batch, step=step, shard=shard, extra={"total_steps": total, "epoch": epoch,
+                                                                           "stage_stats": stage_stats},
+                             check=self.trainers_gone)
+            if self.trace.path is not None:
+                self.trace.write(step=step, rank=rank, shard=shard, epoch=epoch,
+                                 prompt_ids=[r.prompt_id for r in rows], policy_version=engine.version,
+                                 **sent_summary(batch))
+            rt.node.set_meta(policy_version=engine.version, samples_per_s=round(rate, 1), step=step,
+                             time_generate_s=round(t_gen, 4))
             next_step[shard] = step + 1
             stalled_since = time.monotonic()
+
+    async def load_fresh_weights(self) -> None:
+        """Apply the newest complete weights, if any arrived, bucket by bucket in place; the
+        time it took is gossiped as ``time_load_weights_s`` (the trainers put it in metrics)."""
+        update = self.inbox.take_update()
+        if update is None:
+            return
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.engine.load_weights, update.version, update.buckets, update.is_delta)
+        self.rt.node.set_meta(time_load_weights_s=round(time.perf_counter() - t0, 4))
+
+    def make_weights_update(self) -> Callable[[], object] | None:
+        """Partial rollout: the engine polls this (from its worker thread) at decode-step
+        boundaries and swaps newer weights into the in-flight sequences. The inbox lives on
+        the event loop, so the poll hops onto the loop; it never blocks more than a moment.
+        With ``max_staleness: 0`` no newer version can exist mid-step: None (synchronous)."""
+        if self.cfg.max_staleness == 0 or self.cfg.engine != "torch":
+            return None
+        import concurrent.futures
+
+        loop, inbox = asyncio.get_running_loop(), self.inbox
+
+        def poll():
+            if inbox.pending is None:  # a plain attribute read: cheap, and safe from a thread
+                return None
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(inbox.take_update()))
+            try:
+                return fut.result(timeout=5.0)
+            except concurrent.futures.TimeoutError:  # the loop is shutting down
+                return None
+
+        return poll
+
+    def report_startup(self) -> None:
+        """Seconds from the launch (DISTFLOW_T0, set by `distflow run`; else this process's
+        start) to this node's first generated batch: logged, and gossiped as ``startup_s``."""
+        from distflow.launcher import T0_ENV, process_start_time
+
+        try:
+            t0 = float(os.environ[T0_ENV])
+        except (KeyError, ValueError):
+            t0 = process_start_time()
+        startup = time.time() - t0
+        self.rt.node.set_meta(startup_s=round(startup, 3))
+        log.info("rollout rank %d: first batch generated %.2fs after launch (startup_s)", self.groups.rank, startup)
 
 
 async def run_rollout(rt: Runtime) -> None:

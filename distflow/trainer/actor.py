@@ -2,21 +2,31 @@
 
 Everything here is blocking torch code that the trainer's asyncio loop runs in a worker
 thread. The trainer group is one torch.distributed process group (gloo on CPU, NCCL on
-GPU); FSDP2 (``fully_shard``) shards every decoder layer and the root.
+GPU); :func:`distflow.trainer.model.load_for_training` loads fp32 master weights and shards
+them with FSDP2 (mixed precision: ``dtype`` is the compute dtype).
 
 Collectives must line up across ranks even though owner routing gives each rank a
 different number of samples (possibly zero). So every forward/backward loop first agrees
-on the number of micro-batches (all-reduce MAX) and ranks with fewer run masked dummy
-micro-batches. Loss normalisation uses the GLOBAL token count so the DP-averaged
-gradient is the token mean over the whole step.
+on the number of micro-batches (all-reduce MAX, :func:`step_micro_batches`) and ranks with
+fewer run dummy micro-batches with no response token. Loss normalisation uses the GLOBAL
+token (and sequence) count so the DP-averaged gradient is the token mean over the whole
+step, however samples fall into ranks and micro-batches. Gradients are reduce-scattered
+once per step, on the last micro-batch.
+
+Micro-batches are padded (``micro_batch_size`` samples) or, with
+``max_tokens_per_micro_batch``, packed (:mod:`distflow.trainer.packing`); logprobs come from
+the chunked response-only head (:mod:`distflow.trainer.head`) either way.
+
+Reusable by composition (a critic, the executor): :func:`all_reduce`,
+:func:`step_micro_batches`, :func:`flat_to_padded`, :func:`load_for_training`.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,36 +34,64 @@ import torch.distributed as dist
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
-from distflow.device import node_device
+from distflow.device import collective_device, node_device
 from distflow.hf import load_causal_lm, load_tokenizer
 from distflow.rl.algorithms import POLICY_LOSSES, resolve
-from distflow.trainer.logprobs import gather_response, pad_batch, scatter_response, token_logprobs
+from distflow.trainer.model import DTYPES, load_for_training
+from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
+                                      split_mini_batches)
+from distflow.trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _load_model(cfg: Config, device: torch.device, path: str | None = None):
-    return load_causal_lm(path or cfg.model_path, DTYPES[cfg.dtype], device)
-
+__all__ = ["Actor", "DTYPES", "all_reduce", "flat_to_padded", "step_micro_batches"]
 
 STATE_FILE = "distflow_state.json"
 OPTIM_DIR = "optimizer"
 
 
-def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:
+    """All-reduce a few numbers over ``group``; the tensor lives on the group's device
+    (:func:`distflow.device.collective_device`)."""
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
 
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    for layer in layers or []:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+
+def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens: int | None,
+                       pad_id: int = 0, group=None) -> Iterator[tuple[list[int] | None, ModelInputs]]:
+    """This rank's micro-batches of ``batch`` as (sample indices, CPU model inputs); the
+    same COUNT on every rank of ``group`` (a collective), dummies ``(None, dummy_inputs())``
+    at the end for ranks with fewer. Packed with a token budget, padded without."""
+    prompts, responses = batch.ragged("prompt_tokens"), batch.ragged("response_tokens")
+    lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
+    plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    n = int(all_reduce([len(plan)], dist.ReduceOp.MAX, group)[0])
+    for idx in plan:
+        ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
+        yield idx, (pack_inputs(ps, rs) if max_tokens is not None else pad_inputs(ps, rs, pad_id))
+    for _ in range(n - len(plan)):
+        yield None, dummy_inputs()
+
+
+def flat_to_padded(flat: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat [sum(lens)] -> (values [B, max(lens)] zero-padded, mask [B, max(lens)] bool)."""
+    width = max(lens, default=0)
+    mask = torch.arange(width, device=flat.device)[None, :] < torch.tensor(lens, device=flat.device)[:, None]
+    return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat), mask
+
+
+def _call_loss(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a policy loss with the keywords it accepts (a user's loss may take fewer)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
 
 
 class Actor:
-    """FSDP2-sharded policy with its optimizer, and an optional frozen reference model."""
+    """FSDP2-sharded policy with its optimizer, and an optional frozen reference model
+    (loaded only when the workflow has a reference node AND ``kl_coef > 0``)."""
 
     def __init__(self, cfg: Config, with_reference: bool):
         from torch.distributed.device_mesh import init_device_mesh
@@ -61,16 +99,21 @@ class Actor:
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = node_device(cfg.device)
+        self.compute_dtype = DTYPES[cfg.dtype]
         mesh = init_device_mesh(self.device.type, (self.world,))
         torch.manual_seed(cfg.seed)
         # A resumed run continues from its checkpoint; the reference stays the original model.
-        self.model = _shard(_load_model(cfg, self.device, cfg.resume_from), mesh)
-        self.model.train()
-        self.ref = _shard(_load_model(cfg, self.device), mesh).eval() if with_reference else None
+        self.model = load_for_training(cfg.resume_from or cfg.model_path, mesh, self.device, self.compute_dtype,
+                                       activation_checkpointing=cfg.activation_checkpointing)
+        self.ref = None
+        if with_reference and cfg.kl_coef > 0:
+            self.ref = load_for_training(cfg.model_path, mesh, self.device, self.compute_dtype, trainable=False)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
+        self.num_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel = full size
         self.pad_id = 0
         self.version = 0
+        self.total_steps: int | None = cfg.max_steps  # the worker sets the run's length when it learns it
         if cfg.resume_from:
             self._resume(Path(cfg.resume_from))
 
@@ -92,92 +135,150 @@ class Actor:
 
     # ------------------------------------------------------------------ helpers
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op)
-        return t.tolist()
+        return all_reduce(values, op)
 
-    def _micro_batches(self, batch: SampleBatch) -> list[SampleBatch | None]:
-        """Equal count on every rank; None marks a dummy micro-batch."""
-        mb = self.cfg.micro_batch_size
-        local = math.ceil(len(batch) / mb)
-        n = int(self._all_reduce([local], dist.ReduceOp.MAX)[0])
-        parts: list[SampleBatch | None] = [batch.select(range(i * mb, min(len(batch), (i + 1) * mb)))
-                                           for i in range(local)]
-        return parts + [None] * (n - local)
+    def _micro_batches(self, batch: SampleBatch) -> Iterator[tuple[list[int] | None, ModelInputs]]:
+        for idx, inputs in step_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size,
+                                              max_tokens=self.cfg.max_tokens_per_micro_batch, pad_id=self.pad_id):
+            yield idx, inputs.to(self.device)
 
-    def _inputs(self, mb: SampleBatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if mb is None:  # dummy: one pad token, fully masked out of the loss
-            z = torch.zeros(1, 2, dtype=torch.int64)
-            return z.to(self.device), torch.ones_like(z).to(self.device), torch.zeros_like(z).to(self.device)
-        ids, attn, resp = pad_batch(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), self.pad_id)
-        return ids.to(self.device), attn.to(self.device), resp.to(self.device)
+    def _forward(self, model: Any, inputs: ModelInputs, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        return model.response_forward(inputs, self.cfg.temperature, self.cfg.logprob_chunk_tokens, with_entropy)
 
     # ------------------------------------------------------------------ stages
     @torch.no_grad()
     def reference_logprobs(self, batch: SampleBatch) -> SampleBatch:
-        assert self.ref is not None
-        out = []
-        for mb in self._micro_batches(batch):
-            ids, attn, resp = self._inputs(mb)
-            lp = token_logprobs(self.ref, ids, attn, self.cfg.temperature).float()
-            if mb is not None:
-                out.append(gather_response(lp, resp).cpu())
-        batch.set_ragged("ref_logprobs", torch.cat(out) if out else torch.zeros(0))
+        """The pre-update inference pass, ONE pass over the batch: ``ref_logprobs`` from the
+        frozen reference (skipped when there is none, i.e. ``kl_coef`` 0) and, with
+        ``recompute_old_logprobs``, ``old_logprobs`` from the current policy."""
+        return self._inference_pass(batch, ref=self.ref is not None,
+                                    old=self.cfg.recompute_old_logprobs and "old_logprobs" not in batch.tensors)
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: SampleBatch) -> SampleBatch:
+        """``old_logprobs`` (the loss's proximal policy) recomputed with the current policy."""
+        return self._inference_pass(batch, ref=False, old=True)
+
+    @torch.no_grad()
+    def _inference_pass(self, batch: SampleBatch, ref: bool, old: bool) -> SampleBatch:
+        fields = [name for name, want in (("ref_logprobs", ref), ("old_logprobs", old)) if want]
+        if not fields:
+            return batch
+        per_sample: dict[str, list[torch.Tensor | None]] = {f: [None] * len(batch) for f in fields}
+        for idx, inputs in self._micro_batches(batch):
+            for name in fields:
+                lp, _ = self._forward(self.ref if name == "ref_logprobs" else self.model, inputs, with_entropy=False)
+                if idx is not None:
+                    for i, piece in zip(idx, torch.split(lp.cpu(), inputs.response_lens)):
+                        per_sample[name][i] = piece
+        for name in fields:
+            pieces = per_sample[name]
+            batch.set_ragged(name, torch.cat(pieces) if pieces else torch.zeros(0))
         return batch
 
     def update(self, node: WorkflowNode, batch: SampleBatch) -> dict[str, float]:
-        """One optimizer step over this rank's share of the step's samples."""
+        """``ppo_epochs`` passes over this rank's share of the step's samples, each split into
+        ``mini_batches_per_step`` optimizer steps (1 x 1 by default: one step per batch). The
+        old (proximal) logprobs are fixed before the first step; the policy version advances
+        once per batch (versions count trainer steps in the weight protocol). Metrics are the
+        mean over the optimizer steps."""
+        cfg = self.cfg
         loss_fn = resolve(POLICY_LOSSES, node.fn, f"workflow node {node.id!r} policy loss")
-        kl_coef = self.cfg.kl_coef if "ref_logprobs" in batch.tensors else 0.0
-        global_tokens = self._all_reduce([float(batch.tensors["response_lens"].sum())])[0]
-        normalizer = max(global_tokens, 1.0) / self.world  # FSDP averages gradients over ranks
+        if cfg.recompute_old_logprobs and "old_logprobs" not in batch.tensors:
+            self.old_logprobs(batch)
+        kl_in_reward = bool(getattr(cfg, "kl_in_reward", False))
+        kl_coef = cfg.kl_coef if "ref_logprobs" in batch.tensors and not kl_in_reward else 0.0
+        lr = lr_at(self.version, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.total_steps)
+        for group in self.optim.param_groups:
+            group["lr"] = lr
+        minis = split_mini_batches(len(batch), cfg.mini_batches_per_step)  # same count on every rank
+        steps = [self._optimizer_step(loss_fn, batch if len(minis) == 1 else batch.select(mini), kl_coef)
+                 for _ in range(cfg.ppo_epochs) for mini in minis]
+        self.version += 1
+        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        # Tokens count the batch once (not once per epoch); tokens/s is per optimizer pass.
+        out.update(tokens=sum(s["tokens"] for s in steps[:len(minis)]),
+                   train_tokens=sum(s["train_tokens"] for s in steps), lr=lr, optimizer_steps=len(steps))
+        return out
+
+    def _optimizer_step(self, loss_fn, batch: SampleBatch, kl_coef: float) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this rank's part of a mini-batch; every rank calls it)."""
+        cfg = self.cfg
+        lens = batch.tensors["response_lens"]
+        global_tokens, global_seqs, global_all = self._all_reduce(
+            [float(lens.sum()), float((lens > 0).sum()), float(batch.num_tokens().sum()) if len(batch) else 0.0])
+        # FSDP averages gradients over ranks: normalise by the global count / world.
+        normalizer = max(global_tokens, 1.0) / self.world
+        seq_normalizer = max(global_seqs, 1.0) / self.world
         self.optim.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
-        for mb in self._micro_batches(batch):
-            ids, attn, resp = self._inputs(mb)
-            lp = token_logprobs(self.model, ids, attn, self.cfg.temperature)
-            if mb is None:
-                loss = (lp * 0.0).sum()
-                metrics: dict[str, Any] = {}
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        mbs = list(self._micro_batches(batch))
+        for i, (idx, inputs) in enumerate(mbs):
+            self.model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
+            lp, ent = self._forward(self.model, inputs)
+            if idx is None:
+                loss, metrics = lp.sum() * 0.0, {}
             else:
-                old = scatter_response(mb.tensors["logprobs"].to(self.device), resp)
-                ref = scatter_response(mb.tensors["ref_logprobs"].to(self.device), resp) if kl_coef else None
-                adv = mb.tensors["advantage"].to(self.device)
-                loss, metrics = loss_fn(lp, old, adv, resp.float(), clip_low=self.cfg.clip_low,
-                                        clip_high=self.cfg.clip_high, ref_logprobs=ref, kl_coef=kl_coef,
-                                        token_normalizer=normalizer)
+                loss, metrics = self._loss(loss_fn, batch.select(idx), inputs, lp, ent, kl_coef, normalizer,
+                                           seq_normalizer)
             loss.backward()
-            w = float(resp.sum()) / max(global_tokens, 1.0)  # this micro-batch's share of the global token mean
+            w = float(sum(inputs.response_lens)) / max(global_tokens, 1.0)  # share of the global token mean
             sums["loss"] += float(loss.detach()) / self.world
+            sums["entropy"] += float(ent.detach().sum()) / max(global_tokens, 1.0)
             for k in ("pg_loss", "kl", "clip_frac"):
                 if k in metrics:
                     sums[k] += float(metrics[k]) * w
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.model.set_requires_gradient_sync(True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optim.step()
-        self.version += 1
         keys = list(sums)
-        reduced = self._all_reduce([sums[k] for k in keys])
-        out = dict(zip(keys, reduced))
-        out["grad_norm"] = float(grad_norm)
-        out["tokens"] = global_tokens
+        out = dict(zip(keys, self._all_reduce([sums[k] for k in keys])))
+        out.update(grad_norm=float(grad_norm), tokens=global_tokens, train_tokens=global_all)
         return out
+
+    def _loss(self, loss_fn, mb: SampleBatch, inputs: ModelInputs, lp, ent, kl_coef, normalizer, seq_normalizer):
+        """The policy loss of one micro-batch: flat [N] values -> [B, T] for the loss function."""
+        cfg, dev, rl = self.cfg, self.device, inputs.response_lens
+
+        def padded(name: str) -> torch.Tensor:
+            return flat_to_padded(mb.tensors[name].to(dev), rl)[0]
+
+        lp2, mask = flat_to_padded(lp, rl)
+        has_old = "old_logprobs" in mb.tensors
+        adv = padded("token_advantages") if "token_advantages" in mb.tensors else mb.tensors["advantage"].to(dev)
+        return _call_loss(
+            loss_fn, lp2, padded("old_logprobs" if has_old else "logprobs"), adv, mask.float(),
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            ref_logprobs=padded("ref_logprobs") if kl_coef else None, kl_coef=kl_coef,
+            kl_estimator=getattr(cfg, "kl_estimator", "k3"),
+            entropy=flat_to_padded(ent, rl)[0], entropy_coef=getattr(cfg, "entropy_coef", 0.0),
+            behaviour_logprobs=padded("logprobs") if has_old else None, tis_cap=getattr(cfg, "tis_cap", None),
+            loss_agg=getattr(cfg, "loss_agg", "token-mean"), token_normalizer=normalizer,
+            seq_normalizer=seq_normalizer, norm_constant=float(cfg.max_new_tokens))
 
     # ------------------------------------------------------------------ weights
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights on every rank (a collective), for publishing to rollout nodes."""
+        """Unsharded fp32 master weights on every rank (a collective), on the CPU, never
+        sharing memory with the live parameters: for publishing to rollout nodes (which cast
+        to their own dtype) and the checkpoint."""
         out = {}
         for name, t in self.model.state_dict().items():
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t
-            out[name] = full.detach().to("cpu", copy=False).contiguous()
+            local = t.to_local() if hasattr(t, "to_local") else t
+            full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to("cpu").contiguous()
+            if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                full = full.clone()  # one rank on CPU: the "gather" is the live parameter itself
+            out[name] = full
         return out
 
     def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor], run_state: dict[str, Any]) -> None:
         """A Hugging Face directory (model + tokenizer, loadable with from_pretrained, written by
-        rank 0) plus what a resumed run needs: the sharded optimizer state (every rank writes its
-        shard with torch.distributed.checkpoint) and ``distflow_state.json`` (policy version and
-        the data position, which is the global step)."""
+        rank 0; the weights are the fp32 master weights whatever the compute ``dtype``, so a
+        resumed run continues exactly; ``from_pretrained(dtype=...)`` casts on load) plus what
+        a resumed run needs: the sharded fp32 optimizer state (every rank writes its shard
+        with torch.distributed.checkpoint) and ``distflow_state.json`` (policy version and the
+        data position, which is the global step)."""
         import json
 
         import torch.distributed.checkpoint as dcp
@@ -187,7 +288,7 @@ class Actor:
         dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)}, checkpoint_id=str(out_dir / OPTIM_DIR))
         if self.rank != 0:
             return
-        model = _load_model(self.cfg, torch.device("cpu"))
+        model = load_causal_lm(self.cfg.model_path, torch.float32, "cpu")
         model.load_state_dict(state, strict=True)
         model.save_pretrained(str(out_dir))
         load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))

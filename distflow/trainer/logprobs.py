@@ -62,9 +62,11 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, temper
     t-1 and t are both real (mask 1), and 0 elsewhere (in particular ``out[b, 0] = 0``).
     ``temperature == 0`` means greedy sampling, whose logprobs the engines report at
     temperature 1, so it is treated as 1. Position ids are ``cumsum(mask) - 1`` (clamped),
-    so left- and right-padded batches give the same values. The fp32 logits are
-    materialised a chunk of rows at a time, never as a second full [B, L, V] copy.
-    Differentiable with respect to the model's parameters.
+    so left- and right-padded batches give the same values. Differentiable with respect to
+    the model's parameters, but memory-hungry: the model's logits cover every position, and
+    autograd keeps each fp32 chunk for backward (O(B x L x V)). This is the reference
+    convention (the engine's tests check against it); the trainer uses the chunked,
+    response-only head of :mod:`distflow.trainer.head` instead.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"token_logprobs: input_ids {list(input_ids.shape)} and attention_mask "

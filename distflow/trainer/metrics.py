@@ -1,7 +1,9 @@
-"""Run metrics: one JSON line per trainer step, and the reward curve.
+"""Run metrics: one JSON line per trainer step, the reward curve and the per-stage timings.
 
 Written by trainer rank 0 only, into ``output_dir``. The launcher's progress bar tails
-``metrics.jsonl``; nothing else depends on it.
+``metrics.jsonl``; nothing else depends on it. ``timings.png`` stacks each step's time per
+stage (generation, waiting, logprobs, update, weights, weight loading) so the slow stage
+is visible at a glance, beside ``reward_curve.png``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from distflow.core.status import STAGE_TIME_KEYS
+
+# Every per-stage key a step's metrics (and trainer rank 0's mesh metadata) carry.
+STAGE_KEYS = (*STAGE_TIME_KEYS, "tokens_per_s", "mfu")
 
 
 class MetricsWriter:
@@ -59,6 +66,35 @@ def plot_reward_curve(metrics_path: Path, out_png: Path) -> None:
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     ax.set_title(metrics_path.parent.name)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def plot_timings(metrics_path: Path, out_png: Path) -> None:
+    """Stacked bars: seconds per stage (``STAGE_TIME_KEYS``) for every step. Generation and
+    weight loading happen at the rollout nodes, overlapping the trainer's stages when
+    rollout runs ahead (``max_staleness`` > 0), so a bar can exceed the step's wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    bottom = [0.0] * len(rows)
+    for key in STAGE_TIME_KEYS:
+        vals = [float(r.get(key) or 0.0) for r in rows]
+        if any(vals):
+            ax.bar(steps, vals, bottom=bottom, width=1.0, label=key.removeprefix("time_").removesuffix("_s"))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("seconds")
+    ax.grid(alpha=0.3, axis="y")
+    if any(bottom):
+        ax.legend(loc="upper right", fontsize="small")
+    ax.set_title(f"{metrics_path.parent.name}: time per stage")
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)

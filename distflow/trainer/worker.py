@@ -6,6 +6,12 @@ has arrived (every rollout sends one message per trainer per step, possibly empt
 ranks then run the trainer group's pipeline (reference logprobs -> update) as one FSDP2
 group, publish the new version to their share of the rollout nodes, and rank 0 appends
 the step's metrics. Samples older than ``max_staleness`` versions are refused.
+
+Every step's metrics say where its time went: waiting for samples, the pre-update logprob
+pass, the update, the weight gather + publish (measured here), generation and weight
+loading at the rollout nodes (read from their mesh metadata, ``ROLLOUT_TIME_KEYS``), and
+the update's tokens/s and MFU. Rank 0 also puts the stage times in its own metadata for
+``distflow status``.
 """
 
 from __future__ import annotations
@@ -15,21 +21,29 @@ import logging
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.redistribute import parse_part
 from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.core.channels import Envelope
-from distflow.core.dag import WorkflowNode
 from distflow.runtime import Groups, Runtime
+from distflow.rl.weight_transport import resolve_transport
 from distflow.trainer.actor import Actor
-from distflow.trainer.metrics import MetricsWriter, plot_reward_curve
+from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
+from distflow.trainer.gather import iter_weight_buckets
+from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings
 from distflow.trace import Trace
 from distflow.rl.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
+
+# Keys the rollout nodes put in their mesh metadata (rt.node.set_meta): seconds of their last
+# generation batch and of their last weight load.
+ROLLOUT_TIME_KEYS = ("time_generate_s", "time_load_weights_s")
 
 
 async def init_process_group(rt: Runtime, groups: Groups) -> None:
@@ -51,62 +65,210 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
                             timeout=timeout)
 
 
-def train_step(actor: Actor, pipeline: list[WorkflowNode], batch: SampleBatch) -> dict[str, float]:
-    stats: dict[str, float] = {}
-    for node in pipeline:
-        kind = (node.role.value, node.type.value)
-        if kind == ("REFERENCE", "MODEL_INFERENCE"):
-            batch = actor.reference_logprobs(batch)
-        elif kind == ("ACTOR", "MODEL_TRAIN"):
-            stats = actor.update(node, batch)
-        else:
-            raise NotImplementedError(f"workflow node {node.id!r}: {kind} on the trainer group is not supported yet")
-    return stats
-
-
 def step_summary(actor: Actor, batch: SampleBatch, step: int) -> list[float]:
-    """Global reward/staleness sums over the step (a collective)."""
+    """Global sums over the step (a collective): samples, reward, staleness, truncated
+    samples, response tokens."""
     n = float(len(batch))
-    reward = float(batch.tensors["reward"].sum()) if n else 0.0
-    stale = float((step - batch.tensors["policy_version"]).sum()) if n else 0.0
-    return actor._all_reduce([n, reward, stale])
+    t = batch.tensors
+    reward = float(t["reward"].sum()) if n else 0.0
+    stale = float((step - t["policy_version"]).sum()) if n else 0.0
+    truncated = float((t["truncated"] == 1).sum()) if n and t.get("truncated") is not None else 0.0
+    return actor._all_reduce([n, reward, stale, truncated, float(t["response_lens"].sum()) if n else 0.0])
 
 
-async def run_trainer(rt: Runtime) -> None:
-    cfg = rt.cfg
-    total: list[int] = []
-    consumed = [0]  # steps already taken out of the buffer
-    dropped = {"late": 0, "duplicate": 0}
+def rollout_times(member: Callable[[str], Any], rollout_ids: list[str]) -> dict[str, float]:
+    """Mean of the rollout nodes' last reported ``time_generate_s`` / ``time_load_weights_s``
+    (their mesh metadata; ``member`` is ``rt.node.member``); keys absent when no node
+    reported one."""
+    out: dict[str, float] = {}
+    for key in ROLLOUT_TIME_KEYS:
+        vals = [float(m.meta[key]) for i in rollout_ids
+                if (m := member(i)) is not None and isinstance(m.meta.get(key), (int, float))]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    return out
 
-    async def on_samples(env: Envelope) -> None:
+
+def throughput(stats: dict[str, float], num_params: int, world: int, peak_flops: float) -> dict[str, float]:
+    """Trainer tokens/s (prompt + response tokens of the update over its time) and MFU
+    (6 x params x tokens / time / (world x peak_flops): forward + backward FLOPs of a dense
+    decoder, attention and the recomputations of activation checkpointing not counted)."""
+    t = stats.get("time_update_s", 0.0)
+    tokens = stats.get("train_tokens", 0.0)
+    if t <= 0:
+        return {"tokens_per_s": 0.0, "mfu": 0.0}
+    return {"tokens_per_s": tokens / t, "mfu": 6.0 * num_params * tokens / t / (world * peak_flops)}
+
+
+class SampleInbox:
+    """Stores each received part in the BufferShard under ``(step, "shard-<s>")``. A re-issued
+    shard (its node was down) can arrive twice, or after its step was trained: the first part
+    wins, repeats are acknowledged and dropped (counted). The rollout stages' counters
+    (skipped / resampled / dropped prompts) ride on each shard's part 0 and are summed per step."""
+
+    def __init__(self, rt: Runtime):
+        self.rt, self.cfg = rt, rt.cfg
+        self.total: int | None = None
+        self.consumed = 0  # steps already taken out of the buffer
+        self.dropped = {"late": 0, "duplicate": 0}
+        self.stage_stats: dict[int, dict[str, int]] = {}
+        rt.on_data("samples", self.receive)
+
+    async def receive(self, env: Envelope) -> None:
+        cfg = self.cfg
         step, batch = parse_part(env)
         shard = env.meta.get("source_rank")
         if not isinstance(shard, int) or not 0 <= shard < cfg.rollout_nodes:
             raise ValueError(f"samples from {env.sender}: source_rank {shard!r} is not a shard of "
                              f"{cfg.rollout_nodes} rollout nodes")
-        if not total:
-            total.append(int(env.meta["total_steps"]))
-        source = f"shard-{shard}"
-        # A re-issued shard (its node was down) can arrive twice, or after its step was trained:
-        # the first part wins, repeats are acknowledged and dropped.
-        if step < consumed[0]:
-            dropped["late"] += 1
+        if self.total is None:
+            self.total = int(env.meta["total_steps"])
+        if step < self.consumed:
+            self.dropped["late"] += 1
             return
         try:
-            await rt.shard.put(batch, step=step, source=source, timeout=cfg.step_timeout_s)
+            await self.rt.shard.put(batch, step=step, source=f"shard-{shard}", timeout=cfg.step_timeout_s)
         except DuplicatePartError:  # two copies arrived at once
-            dropped["duplicate"] += 1
+            self.dropped["duplicate"] += 1
+            return
+        counts = env.meta.get("stage_stats")
+        if env.meta.get("part") == 0 and isinstance(counts, dict):
+            mine = self.stage_stats.setdefault(step, {})
+            for k, v in counts.items():
+                if isinstance(k, str) and isinstance(v, int):
+                    mine[k] = mine.get(k, 0) + v
 
-    rt.on_data("samples", on_samples)
+
+# How long the trainers wait for a rollout node to come back when none is alive (a
+# supervising launcher restarts a dead one within seconds) before giving the step up.
+ROLLOUT_GRACE_S = 30.0
+
+
+def rollout_liveness(rt: Runtime, rollout_ids: list[str]) -> Callable[[str], bool]:
+    """``alive`` for take_step: true while any rollout node is alive, and for a grace period
+    after the last one died (it may be restarting); false at once when they all left."""
+    lost_since: list[float | None] = [None]
+
+    def alive(_: str) -> bool:
+        if any(rt.node.is_alive(i) for i in rollout_ids):
+            lost_since[0] = None
+            return True
+        if all((m := rt.node.member(i)) is not None and m.state == "left" for i in rollout_ids):
+            return False
+        now = time.monotonic()
+        lost_since[0] = lost_since[0] or now
+        return now - lost_since[0] < min(ROLLOUT_GRACE_S, rt.cfg.step_timeout_s)
+
+    return alive
+
+
+def first_startup(rt: Runtime, rollout_ids: list[str]) -> dict[str, float]:
+    """The slowest rollout node's ``startup_s`` (launch to first generated batch), once known."""
+    vals = [float(m.meta["startup_s"]) for i in rollout_ids
+            if (m := rt.node.member(i)) is not None and isinstance(m.meta.get("startup_s"), (int, float))]
+    return {"startup_s": max(vals)} if vals else {}
+
+
+async def run_trainer(rt: Runtime) -> None:
+    cfg = rt.cfg
+    inbox = SampleInbox(rt)
     groups = await rt.form_groups()
     await init_process_group(rt, groups)
     pipeline = cfg.plan().pipeline("trainer")
     actor = await asyncio.to_thread(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
+    ctx = await asyncio.to_thread(build_context, cfg, pipeline, actor)
     rank, world = groups.rank, len(groups.trainer)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
     rollout_ids = [m.node_id for m in groups.rollout]
     mine = [node_id for i, node_id in enumerate(rollout_ids) if i % world == rank]
-    publisher = WeightPublisher(rt.channel, mine, rt.endpoint, rt.node.is_alive, timeout=min(cfg.step_timeout_s, 60.0))
+    publisher = make_publisher(rt, mine)
+    publish = publishing(rt, actor, publisher, keep=bool(mine))
+    out_dir = Path(cfg.output_dir)
+    writer = MetricsWriter(out_dir, append=bool(cfg.resume_from)) if rank == 0 else None
+    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
+    log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
+             mine)
+
+    step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
+    first_step = inbox.consumed = step  # a resumed run continues at its checkpoint's step
+    if step:
+        rt.node.set_meta(policy_version=step)
+        await publish(step)
+    alive = rollout_liveness(rt, rollout_ids)
+    startup: dict[str, float] | None = None
+
+    def run_state() -> dict:
+        return {"step": step, "total_steps": inbox.total, "seed": cfg.seed, "dataset": cfg.dataset}
+
+    while inbox.total is None or step < inbox.total:
+        t_wait = time.perf_counter()
+        try:
+            batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
+                                             min_version=step - cfg.max_staleness, alive=alive)
+        except SourceLostError:
+            if not all((m := rt.node.member(i)) is not None and m.state == "left" for i in rollout_ids):
+                raise
+            log.warning("trainer rank %d: every rollout node left the mesh (the cluster is being stopped); "
+                        "saving a checkpoint at step %d", rank, step)
+            break
+        times = {"time_wait_s": time.perf_counter() - t_wait}
+        inbox.consumed = step + 1
+        actor.total_steps = inbox.total
+        trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
+                    policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
+        stats = await asyncio.to_thread(run_pipeline, pipeline, ctx, batch)
+        n, reward, stale, truncated, resp_tokens = await asyncio.to_thread(step_summary, actor, batch, step)
+        t_weights = time.perf_counter()
+        await publish(actor.version)
+        times["time_weights_s"] = time.perf_counter() - t_weights
+        times.update(rollout_times(rt.node.member, rollout_ids))
+        times.update(throughput(stats, actor.num_params, world, cfg.peak_flops))
+        now = time.perf_counter()
+        stages = {k: round(v, 4) for k, v in {**stats, **times}.items() if k in STAGE_KEYS}
+        rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1),
+                         **stages)
+        if writer is not None:
+            if startup is None and (startup := first_startup(rt, rollout_ids) or None):
+                times.update(startup)
+            writer.write({"step": step, "total_steps": inbox.total, "policy_version": actor.version,
+                          "reward_mean": reward / max(n, 1), "samples": int(n),
+                          "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
+                          "truncated_frac": truncated / max(n, 1), "response_len_mean": resp_tokens / max(n, 1),
+                          "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
+                          **inbox.stage_stats.pop(step, {}), **stats, **times})
+        t_last = now
+        step += 1
+        if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:
+            state = await asyncio.to_thread(actor.full_state_dict)
+            await asyncio.to_thread(save_checkpoint, ctx, out_dir / f"checkpoint-{step}", state, run_state())
+
+    final = await asyncio.to_thread(actor.full_state_dict)
+    await asyncio.to_thread(save_checkpoint, ctx, out_dir / "checkpoint", final, run_state())
+    if writer is not None:
+        await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
+        await asyncio.to_thread(plot_timings, writer.path, out_dir / "timings.png")
+    await publisher.flush(timeout=30)
+    await publisher.close()
+    rt.node.set_meta(state="done")
+    await asyncio.to_thread(dist.barrier)
+    dist.destroy_process_group()
+    log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, inbox.dropped)
+
+
+def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
+    """This rank's publisher to the rollout nodes it serves, each by the tier its locality
+    allows (CUDA IPC on one host between GPUs, NCCL across hosts, the data channel otherwise)."""
+    cfg = rt.cfg
+
+    def transport_of(peer: str) -> str:
+        m, ep = rt.node.member(peer), rt.endpoint(peer)
+        same_host = getattr(rt.channel, "is_local", lambda e: False)(ep)
+        peer_cuda = (m.meta.get("device") if m else "cpu") == "cuda"
+        return resolve_transport(cfg.weight_transport, same_host, cfg.device == "cuda", peer_cuda)
+
+    publisher = WeightPublisher(rt.channel, peers, rt.endpoint, rt.node.is_alive,
+                                timeout=min(cfg.step_timeout_s, 60.0), sync=cfg.weight_sync,
+                                transport_of=transport_of, bucket_bytes=cfg.weight_bucket_mb << 20)
 
     def on_member(event: str, m) -> None:
         if event == "alive":
@@ -115,58 +277,20 @@ async def run_trainer(rt: Runtime) -> None:
             publisher.peer_down(m.node_id)
 
     rt.node.subscribe(on_member)
-    out_dir = Path(cfg.output_dir)
-    writer = MetricsWriter(out_dir, append=bool(cfg.resume_from)) if rank == 0 else None
-    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
-    log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
-             mine)
+    return publisher
 
-    step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
-    first_step = consumed[0] = step  # a resumed run continues at its checkpoint's step
-    if step:
-        rt.node.set_meta(policy_version=step)
-        publisher.offer(step, await asyncio.to_thread(actor.full_state_dict))
 
-    def run_state() -> dict:
-        return {"step": step, "total_steps": total[0] if total else None, "seed": cfg.seed, "dataset": cfg.dataset}
+def publishing(rt: Runtime, actor: Actor, publisher: WeightPublisher, keep: bool):
+    """``await publish(version)``: gather the weights bucket by bucket (a collective: EVERY
+    rank calls it) and stream them to this rank's peers; ranks serving no peer only take
+    part in the gathers."""
+    bucket = rt.cfg.weight_bucket_mb << 20
+    # The engines run in the compute dtype: publish in it (half the bytes of the fp32 masters).
+    dtype = actor.compute_dtype if actor.compute_dtype != torch.float32 else None
 
-    while not total or step < total[0]:
-        try:
-            batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
-                                             min_version=step - cfg.max_staleness,
-                                             alive=lambda _: any(rt.node.is_alive(i) for i in rollout_ids))
-        except SourceLostError:
-            if not all((m := rt.node.member(i)) is not None and m.state == "left" for i in rollout_ids):
-                raise
-            log.warning("trainer rank %d: every rollout node left the mesh (the cluster is being stopped); "
-                        "saving a checkpoint at step %d", rank, step)
-            break
-        consumed[0] = step + 1
-        trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
-                    policy_versions=batch.tensors["policy_version"].tolist())
-        stats = await asyncio.to_thread(train_step, actor, pipeline, batch)
-        n, reward, stale = await asyncio.to_thread(step_summary, actor, batch, step)
-        state = await asyncio.to_thread(actor.full_state_dict)
-        publisher.offer(actor.version, state)
-        now = time.perf_counter()
-        rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1))
-        if writer is not None:
-            writer.write({"step": step, "total_steps": total[0], "policy_version": actor.version,
-                          "reward_mean": reward / max(n, 1), "samples": int(n),
-                          "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
-                          "elapsed_s": now - t_start, "dropped_parts": sum(dropped.values()), **stats})
-        t_last = now
-        step += 1
-        if cfg.save_every and step % cfg.save_every == 0 and step < total[0]:
-            await asyncio.to_thread(actor.save_checkpoint, out_dir / f"checkpoint-{step}", state, run_state())
+    async def publish(version: int) -> None:
+        alloc = publisher.gather_alloc() if actor.device.type == "cpu" and keep else None
+        it = iter_weight_buckets(actor.model, bucket, keep=keep, device=actor.device, alloc=alloc, dtype=dtype)
+        await publisher.publish_iter(version, it)
 
-    final = state if step > first_step else await asyncio.to_thread(actor.full_state_dict)
-    await asyncio.to_thread(actor.save_checkpoint, out_dir / "checkpoint", final, run_state())
-    if writer is not None:
-        await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
-    await publisher.flush(timeout=30)
-    await publisher.close()
-    rt.node.set_meta(state="done")
-    await asyncio.to_thread(dist.barrier)
-    dist.destroy_process_group()
-    log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, dropped)
+    return publish

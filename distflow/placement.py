@@ -1,0 +1,109 @@
+"""GPU placement: which GPUs each node process of a run may see.
+
+Why it exists: a node must never open a GPU its launcher did not give it, and two
+trainer ranks on one GPU is a configuration NCCL refuses. Every launcher (``distflow
+run``, the pdsh launcher, the compose GPU variant) hands each node its devices through
+``CUDA_VISIBLE_DEVICES``, so inside a node its GPU is always ``cuda:0``
+(:func:`distflow.device.node_device`). This module is the one rule for that, pure (no
+torch, no GPU needed): given the nodes, the config keys ``device``, ``gpus`` and
+``colocate``, and how many GPUs are present, it returns each node's environment, or
+refuses an impossible placement before anything starts, naming the key.
+
+The rule: one GPU per trainer rank, always, distinct. Rollout nodes take the GPUs left
+over (round-robin; several rollout nodes may share one), or with ``colocate: true`` share
+the trainers' GPUs round-robin. Controller nodes get no GPU. On ``device: cpu`` every node
+gets ``CUDA_VISIBLE_DEVICES=""``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["PlacementError", "Slot", "describe", "place"]
+
+
+class PlacementError(ValueError):
+    """An impossible placement; the message names the config key to change."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One node's placement: the physical GPU id it gets (None = no GPU) and its environment."""
+
+    node_id: str
+    role: str
+    gpu: str | None
+    env: dict[str, str]
+
+
+def _usable(gpus: int | Sequence[int] | None, present: int | None, visible: Sequence[str] | None) -> list[str]:
+    """The GPU ids (as the children's CUDA_VISIBLE_DEVICES names them) this run may use."""
+    if present is not None and present < 1:
+        raise PlacementError("device: cuda, but no GPU is present (CUDA_VISIBLE_DEVICES="
+                             f"{','.join(visible) if visible is not None else '(unset)'}); use device: cpu")
+    if gpus is None:
+        if present is None:
+            raise PlacementError("gpus: null (every visible GPU) needs the GPU count; give gpus as a list")
+        indices = list(range(present))
+    elif isinstance(gpus, int):
+        if present is not None and gpus > present:
+            raise PlacementError(f"gpus: {gpus} GPUs asked for, but only {present} present")
+        indices = list(range(gpus))
+    else:
+        indices = list(gpus)
+        bad = [g for g in indices if present is not None and g >= present]
+        if bad:
+            raise PlacementError(f"gpus: {list(gpus)} names GPU(s) {bad}, but only {present} present "
+                                 f"(ids 0..{present - 1})")
+    # Indices count within what this launcher itself sees: map them through its CUDA_VISIBLE_DEVICES.
+    return [visible[i] if visible is not None and i < len(visible) else str(i) for i in indices]
+
+
+def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence[int] | None = None,
+          colocate: bool = False, present: int | None = None,
+          visible: Sequence[str] | None = None) -> list[Slot]:
+    """Each node's GPU and environment.
+
+    ``nodes``: (node_id, role) in launch order, role in trainer/rollout/controller; trainer
+    ranks follow sorted ids, so the i-th trainer in this list gets the i-th GPU.
+    ``present``: GPUs the launcher sees (None = unknown, e.g. on a remote host: trust ``gpus``).
+    ``visible``: the launcher's own CUDA_VISIBLE_DEVICES entries (None = unset), so that
+    ``gpus`` indices stay relative to what the launcher was given.
+    Raises :class:`PlacementError` naming the key for an impossible placement.
+    """
+    if device == "cpu":
+        if gpus is not None:
+            raise PlacementError(f"gpus: {gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
+        return [Slot(i, r, None, {"CUDA_VISIBLE_DEVICES": ""}) for i, r in nodes]
+    if device != "cuda":
+        raise PlacementError(f"device: {device!r} must be cpu or cuda")
+    usable = _usable(gpus, present, visible)
+    trainers = [i for i, r in nodes if r == "trainer"]
+    rollouts = [i for i, r in nodes if r == "rollout"]
+    if len(trainers) > len(usable):
+        raise PlacementError(f"gpus: {len(usable)} GPU(s) usable ({','.join(usable)}), but trainer_nodes="
+                             f"{len(trainers)} needs one GPU per trainer rank (two NCCL ranks cannot share a GPU)")
+    pool = usable[:len(trainers)] if colocate else usable[len(trainers):]
+    if rollouts and not pool:
+        raise PlacementError(f"gpus: the {len(trainers)} trainer rank(s) take every usable GPU "
+                             f"({','.join(usable)}), none is left for the rollout nodes; give more GPUs "
+                             f"or set colocate: true (rollout nodes share the trainers' GPUs)")
+    given: dict[str, str | None] = {t: usable[k] for k, t in enumerate(sorted(trainers))}
+    given.update({r: pool[k % len(pool)] for k, r in enumerate(rollouts)})
+    slots = []
+    for node_id, role in nodes:
+        gpu = given.get(node_id)
+        env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", "DISTFLOW_LOCAL_GPU": "0"}
+        slots.append(Slot(node_id, role, gpu, env))
+    return slots
+
+
+def describe(slots: Sequence[Slot]) -> str:
+    """One line per GPU: which nodes it serves (or the CPU line)."""
+    if all(s.gpu is None for s in slots):
+        return "placement: every node on cpu (CUDA_VISIBLE_DEVICES='')"
+    by_gpu: dict[str, list[str]] = {}
+    for s in slots:
+        by_gpu.setdefault(s.gpu if s.gpu is not None else "none", []).append(s.node_id)
+    return "placement: " + "; ".join(f"GPU {g}: {', '.join(ids)}" for g, ids in by_gpu.items())

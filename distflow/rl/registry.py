@@ -1,0 +1,101 @@
+"""Name -> function registries of the RL maths, and the resolver every executor uses.
+
+Why this module exists: a workflow node names its function (``fn: grpo``); the executors
+look it up here (or import a dotted ``package.module:function``), so adding an algorithm
+is a config plus, at most, one registered pure function.
+
+* ``ADVANTAGE_ESTIMATORS``: outcome estimators ``fn(rewards [n], group_ids [n], **node.args)
+  -> [n]`` (ACTOR COMPUTE nodes). ``GROUP_ESTIMATORS`` need ``group_size >= 2``.
+* ``TOKEN_ESTIMATORS``: estimators over per-token rewards and values (``gae``), run where
+  the critic's values are (the trainer group).
+* ``POLICY_LOSSES``: ``fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high,
+  **finish_loss keywords) -> (loss, metrics)`` (ACTOR MODEL_TRAIN nodes).
+* ``VALUE_LOSSES``: CRITIC MODEL_TRAIN nodes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+from typing import Any, Callable, Mapping
+
+from torch import Tensor
+
+from distflow.rl.advantages import (group_advantages, nonconstant_groups, reinforce_pp_advantages,
+                                    reinforce_pp_baseline_advantages, rloo_advantages)
+from distflow.rl.gae import compute_gae, value_loss
+from distflow.rl.losses import cispo_loss, gspo_loss, policy_loss
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "COMPUTE_FUNCTIONS", "GROUP_ESTIMATORS", "TOKEN_ESTIMATORS", "POLICY_LOSSES",
+           "VALUE_LOSSES", "resolve"]
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
+    "grpo": group_advantages,
+    "dr_grpo": functools.partial(group_advantages, norm_std=False),
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+}
+
+# Estimators whose baseline is the prompt's group: meaningless (all-zero) with group_size 1.
+# distflow.core.config keeps the same names (core imports nothing of rl); a test checks they agree.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+TOKEN_ESTIMATORS: dict[str, Callable[..., Any]] = {
+    "gae": compute_gae,  # fn(token_rewards [B, T], values [B, T], mask [B, T], gamma, lam) -> (adv, returns)
+}
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "grpo": policy_loss,  # clipped surrogate; KL/entropy/TIS/aggregation from finish_loss
+    "ppo": policy_loss,  # same surrogate; PPO's advantages come from GAE
+    "dapo": policy_loss,  # same surrogate; DAPO = clip_high > clip_low + dynamic sampling + overlong shaping
+    "reinforce_pp": policy_loss,  # REINFORCE++ keeps PPO's clipped surrogate on its advantages
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+# Every name an ACTOR COMPUTE node may give as ``fn`` (any group): estimators and batch filters.
+COMPUTE_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    **ADVANTAGE_ESTIMATORS,
+    **TOKEN_ESTIMATORS,
+    "dynamic_sampling": nonconstant_groups,  # DAPO: the rollout stage regenerates/drops constant groups
+}
+
+VALUE_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "value_loss": value_loss,
+}
+
+
+def resolve(registry: Mapping[str, Callable[..., Any]], name: str, what: str) -> Callable[..., Any]:
+    """Look ``name`` up in ``registry``, or import a dotted ``"package.module:function"``.
+
+    ``what`` describes the thing being resolved (e.g. ``"workflow node 'update' policy
+    loss"``) and leads every error message, which also names ``name`` and lists the known
+    names. Dotted names import code named by the (trusted, local) config file.
+    """
+    known = ", ".join(sorted(registry)) or "(none)"
+    hint = f"known: {known}; or a dotted 'package.module:function'"
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{what}: expected a non-empty name, got {name!r} ({hint})")
+    if name in registry:
+        return registry[name]
+    if ":" not in name:
+        close = difflib.get_close_matches(name, list(registry), n=1)
+        suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{what}: unknown name {name!r}{suggestion}; {hint}")
+    module_name, _, attr_path = name.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"{what}: {name!r} is not of the form 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what}: cannot import module {module_name!r} for {name!r}: {e}") from e
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{what}: {name!r}: {module_name!r} has no attribute {attr_path!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{what}: {name!r} is a {type(obj).__name__}, not a callable")
+    return obj

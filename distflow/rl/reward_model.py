@@ -1,0 +1,112 @@
+"""A learned reward model: a local Hugging Face sequence-classification model scores samples.
+
+Why this module exists: a REWARD MODEL_INFERENCE workflow node may run on the rollout
+group or on the trainer group (and, once the runtime has a third kind of node, on a
+group of its own); both executors use this one wrapper, so it lives beside the RL maths
+that both groups share rather than in either group's package.
+
+The model is ``AutoModelForSequenceClassification`` with ``num_labels == 1`` loaded from a
+local directory (nothing is downloaded); it reads the policy's token ids (prompt +
+response), so it must share the policy's vocabulary. The score of a sample is the head's
+output at the sample's last real token, computed here (right padding, positions from the
+attention mask) rather than by the model's own pooling, which needs a pad id that never
+occurs in real text.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["RewardModel", "load_reward_model", "score_batch"]
+
+_CACHE: dict[tuple[str, str, str], "RewardModel"] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+class RewardModel:
+    """Frozen, eval-mode sequence-classification model: ``score(prompts, responses) -> [n]``."""
+
+    def __init__(self, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 micro_batch_size: int = 64):
+        from transformers import AutoModelForSequenceClassification
+
+        from distflow.hf import LOAD_LOCK, check_model_dir
+
+        p = check_model_dir(path)
+        with LOAD_LOCK:
+            model = AutoModelForSequenceClassification.from_pretrained(str(p), dtype=dtype, local_files_only=True)
+        if model.config.num_labels != 1:
+            raise ValueError(f"reward model {str(p)!r}: num_labels is {model.config.num_labels}, expected 1 "
+                             f"(a scalar score)")
+        self.base = getattr(model, model.base_model_prefix, None)
+        self.head = getattr(model, "score", None)
+        if self.base is None or not isinstance(self.head, torch.nn.Module):
+            raise ValueError(f"reward model {str(p)!r}: {type(model).__name__} has no base model "
+                             f"({model.base_model_prefix!r}) and 'score' head")
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.vocab = int(model.config.vocab_size)
+        self.micro_batch_size = micro_batch_size
+        self.path = str(p)
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[Tensor], responses: Sequence[Tensor]) -> Tensor:
+        """prompts[i] ``[P_i]``, responses[i] ``[R_i]`` int token ids -> scores ``[n]`` fp32 (cpu)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"reward model: {len(prompts)} prompts but {len(responses)} responses")
+        out = []
+        for s in range(0, len(prompts), self.micro_batch_size):
+            seqs = [torch.cat([p.to(torch.int64), r.to(torch.int64)])
+                    for p, r in zip(prompts[s:s + self.micro_batch_size], responses[s:s + self.micro_batch_size])]
+            for i, q in enumerate(seqs):
+                if q.numel() == 0:
+                    raise ValueError(f"reward model: sample {s + i} is empty")
+                if int(q.max()) >= self.vocab:
+                    raise ValueError(f"reward model {self.path!r}: token id {int(q.max())} of sample {s + i} is "
+                                     f"outside its vocabulary ({self.vocab}); it must share the policy's tokenizer")
+            width = max(q.numel() for q in seqs)
+            ids = torch.zeros((len(seqs), width), dtype=torch.int64)
+            attn = torch.zeros_like(ids)
+            for i, q in enumerate(seqs):
+                ids[i, :q.numel()] = q
+                attn[i, :q.numel()] = 1
+            ids, attn = ids.to(self.device), attn.to(self.device)
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            hidden = self.base(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)[0]
+            last = attn.sum(-1) - 1  # [b]
+            h = hidden[torch.arange(len(seqs), device=hidden.device), last]  # [b, H]
+            out.append(self.head(h)[:, 0].float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> RewardModel:
+    """One RewardModel per (path, device, dtype) per process, loaded on first use."""
+    key = (str(Path(path).resolve()), str(device), str(dtype))
+    with _CACHE_LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = RewardModel(path, device, dtype)
+        return _CACHE[key]
+
+
+def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """A REWARD MODEL_INFERENCE node on any group. ``node.args``: ``path`` (a local
+    sequence-classification model dir), optional ``weight`` (default 1). The weighted score is
+    added to an existing ``reward`` (a rule-based one that ran before) or becomes it.
+    Raises ValueError naming the node."""
+    path = node.args.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"workflow node {node.id!r}: a reward model needs args.path (a local model directory)")
+    try:
+        weight = float(node.args.get("weight", 1.0))
+        rm = load_reward_model(path, device, dtype)
+        scores = rm.score(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")) * weight
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ValueError(f"workflow node {node.id!r}: {e}") from None
+    prev = batch.tensors.get("reward")
+    batch.set_scalar("reward", scores if prev is None else prev.float() + scores)
+    return batch

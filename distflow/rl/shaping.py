@@ -1,0 +1,47 @@
+"""Reward shaping and advantage post-processing that every executor applies the same way.
+
+Why this module exists: the rollout group (outcome estimators) and the trainer group
+(GAE, trainer-side estimators) must shape rewards identically: DAPO's soft overlong
+punishment is added to the outcome reward that feeds the advantage (the logged
+``reward`` stays the task score), and ``overlong: mask`` removes truncated samples from
+the policy gradient. Both groups import this module; neither imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from distflow.buffer.batch import SampleBatch
+from distflow.core.config import Config
+from distflow.rl.advantages import overlong_penalty
+
+__all__ = ["group_index", "outcome_rewards", "mask_truncated"]
+
+
+def group_index(prompt_ids: Sequence[str]) -> Tensor:
+    """[n] int64 group ids: samples of one prompt share an id (first-appearance order)."""
+    index = {p: i for i, p in enumerate(dict.fromkeys(prompt_ids))}
+    return torch.tensor([index[p] for p in prompt_ids], dtype=torch.int64)
+
+
+def outcome_rewards(batch: SampleBatch, cfg: Config) -> Tensor:
+    """The reward an advantage is computed from: ``reward`` [n] plus, with ``overlong: penalty``,
+    :func:`~distflow.rl.advantages.overlong_penalty` of the response lengths."""
+    if "reward" not in batch.tensors:
+        raise ValueError("no 'reward' field: a REWARD node must run before an advantage node")
+    r = batch.tensors["reward"].float()
+    if cfg.overlong == "penalty":
+        r = r + overlong_penalty(batch.tensors["response_lens"], cfg.max_new_tokens, cfg.overlong_buffer)
+    return r
+
+
+def mask_truncated(advantages: Tensor, batch: SampleBatch, cfg: Config) -> Tensor:
+    """With ``overlong: mask``, truncated samples get advantage 0 (no policy gradient).
+    advantages: [n] or per-sample rows of any trailing shape."""
+    if cfg.overlong != "mask" or "truncated" not in batch.tensors:
+        return advantages
+    keep = (batch.tensors["truncated"] == 0).to(advantages.dtype)
+    return advantages * keep.reshape((-1,) + (1,) * (advantages.dim() - 1))

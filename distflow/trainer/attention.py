@@ -1,0 +1,81 @@
+"""Variable-length (varlen) attention for packed rows: no attention across samples, no
+O(row^2) mask.
+
+Why it exists: a packed micro-batch is one row of several samples. Hugging Face can mask
+it block-diagonally from the position ids, but with SDPA that is a dense [row, row] mask
+and dense attention over the whole row: for a 1,024-token row of 24 samples ~20x the
+attention work of the samples themselves, which eats most of what packing saves. So the
+trainer's models use the attention implementation registered here, ``distflow_varlen``:
+
+* packed rows (the caller passes ``cu_seq_lens_q``, the int32 [n + 1] cumulative sample
+  lengths, through the model's kwargs): on CUDA ``torch.nn.attention.varlen.varlen_attn``
+  (FlashAttention varlen, causal) in bf16/fp16; elsewhere (CPU, fp32) one causal
+  ``scaled_dot_product_attention`` per sample. Attention work is sum(L_i^2), never row^2;
+* everything else (padded batches with a 2-D attention mask): exactly transformers' SDPA.
+
+The mask builder registered under the same name returns no mask when there is no padding
+mask (packed rows: the cumulative lengths carry the structure), else SDPA's mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["VARLEN", "register_varlen_attention", "varlen_attention"]
+
+VARLEN = "distflow_varlen"
+
+
+def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """query [B, Hq, S, D], key/value [B, Hkv, S, D] -> ([B, S, Hq, D], None), like
+    transformers' attention functions. With ``cu_seq_lens_q`` (int32 [n + 1]) B must be 1
+    and the row holds n causally-masked samples."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:
+        kwargs.pop("cu_seq_lens_k", None), kwargs.pop("max_length_k", None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention: a packed batch is one row, got {query.shape[0]} rows")
+    gqa = query.shape[1] != key.shape[1]
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):  # FlashAttention's dtypes
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+        longest = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
+        return out.unsqueeze(0), None
+    bounds = cu_seq_lens_q.tolist()
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # split (not slicing): its backward is one concatenation, not a zero-filled full-size
+    # gradient per sample
+    qs, ks, vs = (t.split(lens, dim=2) for t in (query, key, value))
+    pieces = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+              for q, k, v, n in zip(qs, ks, vs, lens) if n > 0]
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None  # packed (cu_seq_lens) or unpadded: causal structure is handled by varlen_attention
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def register_varlen_attention() -> str:
+    """Register ``distflow_varlen`` with transformers (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionMaskInterface.register(VARLEN, _varlen_mask)
+    return VARLEN

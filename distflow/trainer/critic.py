@@ -1,0 +1,243 @@
+"""PPO's critic: its own FSDP2-sharded value model and optimizer, trained in the trainer group.
+
+Why it exists: PPO's advantages come from a learned value function (GAE). The critic is
+the actor's architecture with the LM head replaced by a scalar value head, initialised
+from ``critic_path`` (a critic directory this module saved, or any Hugging Face causal
+LM, whose decoder is used) or from ``model_path``. It has its own optimizer
+(``critic_lr``), is checkpointed beside the actor (``<checkpoint>/critic/``: config,
+``value_model.safetensors`` and the sharded optimizer state) and resumed with
+``resume_from``.
+
+Value convention (as verl): the value of response token t is read at the hidden state
+that PREDICTS token t (the position before it), i.e. the state in which it was chosen;
+``ModelInputs.index`` already holds exactly those positions.
+
+Collectives must line up across ranks although ranks hold different sample counts, so,
+like the actor, every pass agrees on its micro-batch count (all-reduce MAX) and ranks with
+fewer run dummy micro-batches; the loss is normalised by the global token count / world.
+This file keeps a small local version of that rule (:func:`_micro_batches`) on the
+``distflow.trainer.packing`` inputs, so it does not depend on the actor's internals.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from distflow.buffer.batch import SampleBatch
+from distflow.core.config import Config
+from distflow.core.dag import WorkflowNode
+from distflow.device import collective_device, node_device
+from distflow.rl.registry import VALUE_LOSSES, resolve
+from distflow.trainer.packing import ModelInputs, dummy_inputs, pad_inputs, plan_micro_batches, split_mini_batches
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ValueModel", "Critic", "CRITIC_DIR", "WEIGHTS_FILE"]
+
+CRITIC_DIR = "critic"
+WEIGHTS_FILE = "value_model.safetensors"
+OPTIM_DIR = "optimizer"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ValueModel(torch.nn.Module):
+    """A decoder (``model``: the ``.model`` of a ``*ForCausalLM``) and a scalar ``value_head``."""
+
+    def __init__(self, decoder: torch.nn.Module, hidden_size: int, config: Any):
+        super().__init__()
+        self.model = decoder
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+        self.config = config
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                index: torch.Tensor) -> torch.Tensor:
+        """ModelInputs fields -> values [N] fp32 at the ``index`` positions (flat ragged order)."""
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).last_hidden_state  # [R, L, H]
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        return self.value_head(picked.to(self.value_head.weight.dtype)).squeeze(-1).to(torch.float32, copy=True)
+
+
+def build_value_model(path: str) -> ValueModel:
+    """fp32 ValueModel on the CPU from a critic dir (``value_model.safetensors``) or an HF causal LM."""
+    from transformers import AutoConfig, AutoModel
+
+    from distflow.hf import LOAD_LOCK, check_model_dir, load_causal_lm
+
+    p = check_model_dir(path)
+    if (p / WEIGHTS_FILE).is_file():
+        from safetensors.torch import load_file
+
+        with LOAD_LOCK:
+            config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+        torch.manual_seed(0)
+        vm = ValueModel(AutoModel.from_config(config, dtype=torch.float32), config.hidden_size, config)
+        state = load_file(str(p / WEIGHTS_FILE))
+        missing, unexpected = vm.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"critic_path {str(p)!r}: {WEIGHTS_FILE} does not match the model (missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]})")
+        return vm
+    lm = load_causal_lm(p, torch.float32, "cpu")
+    decoder = getattr(lm, "model", None)
+    if decoder is None:
+        raise ValueError(f"critic_path {str(p)!r}: {type(lm).__name__} has no '.model' decoder")
+    return ValueModel(decoder, lm.config.hidden_size, lm.config)
+
+
+def _shard(vm: ValueModel, mesh: Any, compute_dtype: torch.dtype) -> ValueModel:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in getattr(vm.model, "layers", None) or []:
+        fully_shard(layer, **kwargs)
+    fully_shard(vm, **kwargs)
+    return vm
+
+
+def _all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _micro_batches(batch: SampleBatch, idx: list[int], micro_batch_size: int
+                   ) -> Iterator[tuple[list[int] | None, ModelInputs]]:
+    """Micro-batches over the samples ``idx`` of ``batch``, the same count on every rank
+    (all-reduce MAX; dummies ``(None, dummy_inputs())`` pad the ranks with fewer)."""
+    prompts, responses = batch.ragged("prompt_tokens"), batch.ragged("response_tokens")
+    plan = [[idx[j] for j in chunk] for chunk in plan_micro_batches([0] * len(idx), micro_batch_size=micro_batch_size)]
+    n = int(_all_reduce([len(plan)], dist.ReduceOp.MAX)[0])
+    for chunk in plan:
+        yield chunk, pad_inputs([prompts[i] for i in chunk], [responses[i] for i in chunk])
+    for _ in range(n - len(plan)):
+        yield None, dummy_inputs()
+
+
+class Critic:
+    """The FSDP2 value model with its optimizer: ``values(batch)`` and ``update(node, batch)``."""
+
+    def __init__(self, cfg: Config):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = node_device(cfg.device)
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        resume = Path(cfg.resume_from) / CRITIC_DIR if cfg.resume_from else None
+        source = str(resume) if resume is not None and resume.is_dir() else (cfg.critic_path or cfg.model_path)
+        vm = build_value_model(source).to(self.device)
+        self.config = vm.config
+        self.model = _shard(vm, mesh, DTYPES[cfg.dtype]).train()
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic_lr or cfg.lr, betas=cfg.adam_betas,
+                                       weight_decay=cfg.weight_decay)
+        self.steps = 0
+        if resume is not None and resume.is_dir():
+            self._resume(resume)
+
+    # ------------------------------------------------------------------ stages
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        x = inputs.to(self.device)
+        return self.model(x.input_ids, x.position_ids, x.attention_mask, x.index)
+
+    @torch.no_grad()
+    def values(self, batch: SampleBatch) -> SampleBatch:
+        """CRITIC MODEL_INFERENCE: ``values`` (ragged, one per response token) of every sample."""
+        pieces: list[torch.Tensor | None] = [None] * len(batch)
+        for chunk, inputs in _micro_batches(batch, list(range(len(batch))), self.cfg.micro_batch_size):
+            v = self._forward(inputs).cpu()
+            if chunk is not None:
+                for i, piece in zip(chunk, torch.split(v, inputs.response_lens)):
+                    pieces[i] = piece
+        batch.set_ragged("values", torch.cat(pieces) if pieces else torch.zeros(0))
+        return batch
+
+    def update(self, node: WorkflowNode, batch: SampleBatch) -> dict[str, float]:
+        """CRITIC MODEL_TRAIN: ``ppo_epochs`` passes, each ``mini_batches_per_step`` optimizer
+        steps on the clipped value loss against ``returns`` (old values = ``values``)."""
+        for key in ("values", "returns"):
+            if key not in batch.tensors:
+                raise ValueError(f"workflow node {node.id!r}: the batch has no {key!r} (the critic update needs a "
+                                 f"CRITIC MODEL_INFERENCE node and GAE before it)")
+        loss_fn = resolve(VALUE_LOSSES, node.fn, f"workflow node {node.id!r} value loss")
+        cfg = self.cfg
+        sums = {"vf_loss": 0.0, "vf_clip_frac": 0.0, "value_mean": 0.0}
+        steps, grad_norm = 0, 0.0
+        lens = batch.tensors["response_lens"]
+        for _ in range(cfg.ppo_epochs):
+            for mini in split_mini_batches(len(batch), cfg.mini_batches_per_step):
+                tokens = _all_reduce([float(lens[mini].sum()) if mini else 0.0])[0]
+                normalizer = max(tokens, 1.0) / self.world
+                self.optim.zero_grad(set_to_none=True)
+                for chunk, inputs in _micro_batches(batch, mini, cfg.micro_batch_size):
+                    v = self._forward(inputs)
+                    if chunk is None:
+                        loss, metrics = v.sum() * 0.0, {}
+                    else:
+                        mb = batch.select(chunk)
+                        mask = torch.ones(1, v.numel(), device=self.device)
+                        old = mb.tensors["values"].to(self.device)[None]
+                        ret = mb.tensors["returns"].to(self.device)[None]
+                        loss, metrics = loss_fn(v[None], old, ret, mask, clip=cfg.value_clip,
+                                                token_normalizer=normalizer)
+                    loss.backward()
+                    w = float(v.numel()) / max(tokens, 1.0) / (cfg.ppo_epochs * cfg.mini_batches_per_step)
+                    for k in sums:
+                        if k in metrics:
+                            sums[k] += float(metrics[k]) * w
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+                self.optim.step()
+                steps += 1
+        self.steps += steps
+        keys = list(sums)
+        out = dict(zip(keys, _all_reduce([sums[k] for k in keys])))
+        out.update(vf_grad_norm=grad_norm, critic_steps=float(steps))
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: Path) -> None:
+        """``<ckpt_dir>/critic/``: config + full fp32 weights (rank 0) and the sharded optimizer
+        state (every rank, torch.distributed.checkpoint). A collective: call on every rank."""
+        import torch.distributed.checkpoint as dcp
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        out = Path(ckpt_dir) / CRITIC_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        full = {}
+        for name, t in self.model.state_dict().items():
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            full[name] = t.detach().to("cpu").contiguous()
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)}, checkpoint_id=str(out / OPTIM_DIR))
+        if self.rank == 0:
+            save_file(full, str(out / WEIGHTS_FILE))
+            self.config.save_pretrained(str(out))
+            (out / "critic_state.json").write_text(json.dumps({"steps": self.steps}))
+
+    def _resume(self, ckpt: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
+        dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
+        set_optimizer_state_dict(self.model, self.optim, optim["optim"])
+        state = ckpt / "critic_state.json"
+        self.steps = int(json.loads(state.read_text())["steps"]) if state.is_file() else 0
+        log.info("critic resumed from %s (%d optimizer steps)", ckpt, self.steps)
+
+
+def critic_nodes(pipeline: list[WorkflowNode]) -> bool:
+    """Whether a trainer pipeline needs a critic."""
+    return any(n.role.value == "CRITIC" for n in pipeline)
+

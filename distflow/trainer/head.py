@@ -1,0 +1,139 @@
+"""The memory-lean LM head: logprobs (and entropy) of response tokens only, chunk by chunk.
+
+Why it exists: the policy loss needs ``log_softmax(logits / T)[target]`` at response
+positions only. Running the LM head over every position and keeping fp32 logits for
+autograd costs O(tokens x vocab) fp32 memory (151936 x 4 bytes = 0.6 MB per token for a
+Qwen2 vocabulary) and most of those positions are prompt tokens. Here the head runs on the
+gathered response hidden states only, ``chunk_tokens`` rows at a time, inside one custom
+autograd Function that saves just its inputs and the per-token log-normaliser and
+recomputes each chunk's logits in backward. Peak extra memory is O(chunk x vocab),
+whatever the number of tokens. The policy entropy (for the metrics, and an entropy bonus
+in the loss) comes out of the same chunks; it is differentiable too.
+
+Logits are computed in the weight's dtype (the compute dtype under mixed precision, as the
+full-model path and the rollout engine do) and then promoted to fp32 for the softmax.
+
+:func:`response_forward` runs a Hugging Face causal LM's decoder once over
+:class:`~distflow.trainer.packing.ModelInputs` (packed or padded) and applies the head; the
+actor registers it as an FSDP2 forward method so the root module's parameters (embeddings,
+final norm, LM head) are all-gathered around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distflow.trainer.packing import ModelInputs
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_logprobs", "response_forward"]
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """hidden [N, H], weight [V, H], targets [N] -> (logprobs [N] fp32, entropy [N] fp32)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: float, chunk: int,
+                with_entropy: bool):
+        n = hidden.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = (torch.empty if with_entropy else torch.zeros)(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            logits = (hidden[s:s + chunk] @ weight.t()).float()  # [c, V] fp32, one chunk only
+            if inv_temp != 1.0:
+                logits.mul_(inv_temp)
+            z = torch.logsumexp(logits, dim=-1)
+            lse[s:s + chunk] = z
+            logp = logits.sub_(z[:, None])  # in place: log-softmax
+            lp[s:s + chunk] = logp.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+            if with_entropy:
+                ent[s:s + chunk] = -torch.linalg.vecdot(logp.exp(), logp)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.inv_temp, ctx.chunk = inv_temp, chunk
+        ctx.set_materialize_grads(False)  # an unused output (usually entropy) gets None, not zeros
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        inv_temp, chunk = ctx.inv_temp, ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        if grad_lp is None:
+            grad_lp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            logits = (h @ weight.t()).float()
+            if inv_temp != 1.0:
+                logits.mul_(inv_temp)
+            g = grad_lp[s:s + chunk].float()[:, None]
+            logp = logits.sub_(lse[s:s + chunk, None])  # in place: log-softmax
+            if grad_ent is not None:  # dH/dlogit_j = -p_j (log p_j + H), folded in before logp is consumed
+                ge = grad_ent[s:s + chunk].float()[:, None]
+                scale = logp.add(ent[s:s + chunk, None]).mul_(ge).add_(g)  # g + ge (log p + H)
+                dlogits = logp.exp_().mul_(scale.neg_())
+            else:
+                dlogits = logp.exp_().mul_(-g)  # d lp / d logits = onehot(target) - softmax
+            dlogits.scatter_add_(-1, targets[s:s + chunk, None], g)
+            if inv_temp != 1.0:
+                dlogits.mul_(inv_temp)  # the chain factor 1/T
+            if need_h:
+                grad_h[s:s + chunk] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(dlogits.t(), h.float())
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+
+
+def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """``log_softmax(hidden @ weight.T / T)[targets]`` and the entropy of that distribution.
+
+    hidden [N, H] (any float dtype), weight [V, H] (the LM head, no bias), targets [N] int64.
+    Returns (logprobs [N] fp32, entropy [N] fp32), both differentiable w.r.t. hidden and
+    weight. ``temperature == 0`` (greedy sampling, whose logprobs the engines report at
+    temperature 1) is treated as 1. Extra memory is O(chunk_tokens x V). ``with_entropy=False``
+    skips the entropy (returned as zeros, not differentiable): logprob-only passes.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"chunked_logprobs: hidden {list(hidden.shape)} must be [N, H] and weight "
+                         f"{list(weight.shape)} [V, H]")
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"chunked_logprobs: targets {list(targets.shape)} must be [{hidden.shape[0]}]")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"chunked_logprobs: temperature must be >= 0, got {temperature!r}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunked_logprobs: chunk_tokens must be >= 1, got {chunk_tokens}")
+    inv_temp = 1.0 / float(temperature) if temperature > 0 else 1.0
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    return _ChunkedLogprobs.apply(hidden, weight, targets.to(torch.int64), inv_temp, int(chunk_tokens),
+                                  bool(with_entropy))
+
+
+def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """Logprobs and entropy of the response tokens of ``inputs`` under a causal LM.
+
+    ``model`` is a Hugging Face ``*ForCausalLM`` (``.model`` the decoder, ``.lm_head`` a
+    bias-free Linear). Returns (logprobs [N], entropy [N]) fp32, N = sum(response lens), in
+    the batch's flat ragged order. The decoder runs without KV cache. Packed inputs pass
+    their cumulative sample lengths to the attention (``distflow_varlen`` attends per
+    sample); with transformers' own implementations the block-diagonal mask comes from the
+    position ids instead.
+    """
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("response_forward: LM heads with a bias are not supported")
+    hidden = model.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                         position_ids=inputs.position_ids, use_cache=False,
+                         **inputs.attention_kwargs()).last_hidden_state  # [R, L, H]
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]
+    return chunked_logprobs(picked, head.weight, inputs.targets, temperature, chunk_tokens, with_entropy)

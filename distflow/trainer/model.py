@@ -1,0 +1,94 @@
+"""Loading a Hugging Face causal LM for training: fp32 master weights, FSDP2, mixed precision.
+
+Why it exists: the actor, its frozen reference and a PPO critic all need the same recipe,
+and getting it wrong is silent (a bf16 master copy rounds lr-1e-6 updates away). So:
+
+* the model is loaded in **fp32** (master weights; the optimizer state follows them);
+* ``dtype`` is the **compute** dtype: FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype,
+  reduce_dtype=float32)`` all-gathers the parameters cast to ``dtype`` for forward/backward
+  and reduce-scatters gradients in fp32 (works on gloo/CPU as on NCCL; tested);
+* attention is ``distflow_varlen`` (:mod:`distflow.trainer.attention`): packed rows attend
+  per sample, padded batches use transformers' SDPA;
+* dropout is **off** everywhere (the rollout engine samples in eval mode; the trainer must
+  compute the same distribution) while the module stays in train mode, which activation
+  checkpointing needs;
+* ``activation_checkpointing`` checkpoints every decoder layer (transformers'
+  ``GradientCheckpointingLayer``, non-reentrant, FSDP2 hooks outside the checkpoint);
+* every decoder layer and then the root are ``fully_shard``-ed on the trainer's device
+  mesh, and :func:`~distflow.trainer.head.response_forward` is registered as an FSDP
+  forward method, so ``model.response_forward(inputs, temperature, chunk)`` all-gathers the
+  root's parameters (embeddings, final norm, LM head) like ``forward`` does.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from distflow.hf import load_causal_lm
+from distflow.trainer.attention import register_varlen_attention
+from distflow.trainer.head import response_forward
+
+__all__ = ["DTYPES", "disable_dropout", "load_for_training", "shard_mixed_precision"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability of ``model`` to 0 (nn.Dropout modules, attention-dropout
+    attributes and the config's ``*dropout*`` fields), keeping train mode. Returns ``model``."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        for key, value in list(vars(cfg).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(cfg, key, 0.0)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr in ("attention_dropout", "dropout", "resid_dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    return model
+
+
+def shard_mixed_precision(model: torch.nn.Module, mesh: Any, compute_dtype: torch.dtype,
+                          layers: Any = None) -> torch.nn.Module:
+    """``fully_shard`` each of ``layers`` (default: the decoder layers, ``model.model.layers``)
+    and then ``model``, with ``MixedPrecisionPolicy(param_dtype=compute_dtype,
+    reduce_dtype=float32)`` unless ``compute_dtype`` is fp32. The parameters must be fp32
+    (the master weights). Returns ``model``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if layers is None:
+        layers = getattr(getattr(model, "model", model), "layers", None) or []
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype: torch.dtype, *,
+                      activation_checkpointing: bool = False, trainable: bool = True) -> Any:
+    """Load ``path`` in fp32 on ``device``, shard it with FSDP2 on ``mesh`` with mixed
+    precision ``compute_dtype`` and return it (train mode, dropout off; ``trainable=False``
+    freezes it: a reference model). ``model.response_forward(inputs, temperature, chunk)``
+    is its FSDP-aware logprob forward."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model = load_causal_lm(path, torch.float32, device)
+    model.config.use_cache = False
+    model.set_attn_implementation(register_varlen_attention())
+    disable_dropout(model)
+    if activation_checkpointing and trainable:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        model.requires_grad_(False)
+    shard_mixed_precision(model, mesh, compute_dtype)
+    model.response_forward = types.MethodType(response_forward, model)
+    register_fsdp_forward_method(model, "response_forward")
+    return model.train()

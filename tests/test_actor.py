@@ -1,0 +1,187 @@
+"""The FSDP2 actor on real gloo process groups: packed vs padded, uneven ranks, the
+global token mean, gradient sync once per step, the fused logprob pass, checkpointing
+and the learning-rate schedule.
+
+The world-size-2 run splits the batch unevenly (7 samples vs 1), packs with a small token
+budget so rank 0 runs several micro-batches and rank 1 pads with dummies, and must give
+the same loss, gradient norm and updated weights as one rank running the whole batch
+padded: that is the "global token mean across ranks and micro-batches" invariant.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distflow.core.config import load_config
+from distflow.trainer.schedule import lr_at
+from tests.conftest import ROOT
+from tests.test_packing import make_batch
+
+QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
+
+
+def _cfg(toy_model, *overrides):
+    return load_config(QUICKSTART, [f"model_path={toy_model}", "toy_model=false", "micro_batch_size=4",
+                                    "grad_clip=1000", *overrides])
+
+
+def _one_step(world: int, rank: int, toy_model, overrides) -> dict:
+    from distflow.trainer.actor import Actor
+
+    cfg = _cfg(toy_model, *overrides)
+    actor = Actor(cfg, with_reference=True)
+    batch = make_batch(8, seed=5)
+    if world == 2:  # uneven: 7 samples on rank 0, 1 on rank 1
+        batch = batch.select(range(7) if rank == 0 else [7])
+    batch = actor.reference_logprobs(batch)
+    n_mb = len(list(actor._micro_batches(batch)))
+    stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
+    return {"stats": stats, "state": actor.full_state_dict(), "n_mb": n_mb, "ref": actor.ref is not None}
+
+
+def _step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = _one_step(world, rank, toy_model, overrides)
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    """This pytest process as a one-rank gloo group (FileStore: no port to race for)."""
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
+    # forked (no re-import of torch/transformers); runs before this process joins any group
+    assert not dist.is_initialized()
+    out = str(tmp_path / "two.pt")
+    mp.start_processes(_step, args=(2, str(tmp_path / "two.store"), str(toy_model),
+                                    ["kl_coef=0.01", "lr=0.01", "max_tokens_per_micro_batch=12"], out),
+                       nprocs=2, join=True, start_method="fork")
+    two = torch.load(out)
+    out = str(tmp_path / "one.pt")
+    mp.start_processes(_step, args=(1, str(tmp_path / "one.store"), str(toy_model), ["kl_coef=0.01", "lr=0.01"], out),
+                       nprocs=1, join=True, start_method="fork")
+    one = torch.load(out)
+    assert one["ref"] and two["ref"]
+    assert one["n_mb"] == 2  # 8 samples / micro_batch_size 4
+    assert two["n_mb"] >= 3  # rank 0's 7 samples of 3-13 tokens in 12-token packs; rank 1 runs dummies
+    a, b = one["stats"], two["stats"]
+    assert a["tokens"] == b["tokens"] == float(make_batch(8, seed=5).tensors["response_lens"].sum())
+    assert a["train_tokens"] == b["train_tokens"] == float(make_batch(8, seed=5).num_tokens().sum())
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    for name, t in one["state"].items():
+        assert torch.allclose(t, two["state"][name], atol=1e-6), name
+
+
+def test_lr_schedule_hand_computed():
+    assert lr_at(0, 1.0, "constant", warmup_steps=4) == 0.25
+    assert lr_at(3, 1.0, "constant", warmup_steps=4) == 1.0
+    assert lr_at(10, 1.0, "constant", warmup_steps=4, total_steps=12) == 1.0
+    assert lr_at(2, 1.0, "linear", warmup_steps=2, total_steps=12) == 1.0
+    assert lr_at(7, 1.0, "linear", warmup_steps=2, total_steps=12) == pytest.approx(0.5)
+    assert lr_at(12, 1.0, "linear", warmup_steps=2, total_steps=12) == 0.0
+    assert lr_at(7, 2.0, "cosine", warmup_steps=2, total_steps=12) == pytest.approx(1.0)
+    assert lr_at(4, 2.0, "cosine", total_steps=12) == pytest.approx(1.0 + math.cos(math.pi / 3))
+    assert lr_at(5, 1.0, "cosine") == 1.0  # no run length known: no decay
+    with pytest.raises(ValueError, match="lr_schedule"):
+        lr_at(0, 1.0, "step")
+
+
+def test_fused_pass_skips_reference_at_kl_zero_and_recomputes_old_logprobs(toy_model, world1):
+    from distflow.hf import load_causal_lm
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.head import response_forward
+    from distflow.trainer.packing import pad_inputs
+
+    cfg = _cfg(toy_model, "kl_coef=0", "recompute_old_logprobs=true", "max_tokens_per_micro_batch=16",
+               "lr_schedule=linear", "warmup_steps=2", "lr=0.01")
+    actor = Actor(cfg, with_reference=True)
+    assert actor.ref is None  # kl_coef 0: no reference model loaded, no reference pass
+    batch = actor.reference_logprobs(make_batch(8, seed=6))
+    assert "ref_logprobs" not in batch.tensors and "old_logprobs" in batch.tensors
+    plain = load_causal_lm(toy_model, torch.float32)
+    with torch.no_grad():
+        expect, _ = response_forward(plain, pad_inputs(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")))
+    assert torch.allclose(batch.tensors["old_logprobs"], expect, atol=1e-5)
+    calls = []
+    sync = actor.model.set_requires_gradient_sync
+    actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
+    stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
+    n_mb = len(list(actor._micro_batches(batch)))
+    assert n_mb >= 2 and calls == [False] * (n_mb - 1) + [True, True]  # reduce-scatter on the last micro-batch only
+    # proximal = current policy: every ratio is 1, nothing is clipped (the engine's made-up logprobs would clip)
+    assert stats["clip_frac"] == 0.0 and stats["kl"] == 0.0
+    assert stats["lr"] == pytest.approx(0.005)  # warm-up step 0 of 2
+    assert stats["entropy"] > 0
+    # the step summary the worker logs: truncated_frac and response_len_mean come from these sums
+    from distflow.trainer.worker import step_summary
+
+    batch.set_scalar("reward", torch.arange(8, dtype=torch.float32))
+    batch.set_scalar("truncated", torch.tensor([1, 0, 0, 1, 0, 0, 0, 1]))
+    n, reward, stale, truncated, resp = step_summary(actor, batch, step=2)
+    assert (n, reward, stale, truncated) == (8.0, 28.0, 16.0, 3.0)
+    assert resp == float(batch.tensors["response_lens"].sum())
+    del batch.tensors["truncated"]  # a batch without the field: 0 truncated
+    assert step_summary(actor, batch, step=2)[3] == 0.0
+
+
+def test_activation_checkpointing_gives_the_same_step(toy_model, world1):
+    from distflow.trainer.actor import Actor
+
+    out = []
+    for ac in ("false", "true"):
+        cfg = _cfg(toy_model, f"activation_checkpointing={ac}", "lr=0.01")
+        actor = Actor(cfg, with_reference=False)
+        stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), make_batch(8, seed=7))
+        out.append((stats, actor.full_state_dict()))
+    (a, sa), (b, sb) = out
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    for name in sa:
+        assert torch.allclose(sa[name], sb[name], atol=1e-7), name
+
+
+def _gpu_steps(rank: int, store: str, toy_model: str, dtype: str, out: str) -> None:
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        from distflow.trainer.actor import Actor
+
+        stats = []
+        for extra in ([], ["max_tokens_per_micro_batch=24"]):
+            cfg = _cfg(toy_model, "device=cuda", f"dtype={dtype}", "lr=0.01", "kl_coef=0.01", *extra)
+            actor = Actor(cfg, with_reference=True)
+            batch = actor.reference_logprobs(make_batch(8, seed=5))
+            assert batch.tensors["ref_logprobs"].device.type == "cpu"  # results leave the GPU
+            stats.append(actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch))
+        torch.save(stats, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_packed_varlen_update_matches_padded(toy_model, dtype, tmp_path):
+    """On a GPU, one NCCL rank: the packed path (FlashAttention varlen) and the padded path
+    (SDPA) give the same step, in fp32 and in bf16 compute."""
+    out = str(tmp_path / "gpu.pt")
+    mp.start_processes(_gpu_steps, args=(str(tmp_path / "store"), str(toy_model), dtype, out), nprocs=1, join=True,
+                       start_method="spawn")
+    padded, packed = torch.load(out)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    for key in ("loss", "entropy", "grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], rel=tol, abs=tol), key

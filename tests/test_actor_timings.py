@@ -1,0 +1,58 @@
+"""Per-stage timings of a trainer step: where they come from and where they are shown.
+
+The trainer reads the rollout nodes' last generation / weight-load times from their mesh
+metadata, computes tokens/s and MFU of the update, writes it all to metrics.jsonl, plots
+``timings.png``, and the progress bar and ``distflow status`` print one summary line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distflow.core.mesh import Member
+from distflow.core.status import STAGE_TIME_KEYS, format_stages, format_table, member_row
+from distflow.trainer.metrics import STAGE_KEYS, plot_timings
+from distflow.trainer.worker import ROLLOUT_TIME_KEYS, rollout_times, throughput
+
+
+def _member(node_id: str, meta: dict) -> Member:
+    return Member(node_id, "rollout", "127.0.0.1", 7000, "alive", 1, meta, 100.0, 0.0)
+
+
+def test_rollout_times_are_the_mean_over_reporting_nodes():
+    members = {"r0": _member("r0", {"time_generate_s": 1.0, "time_load_weights_s": 0.25}),
+               "r1": _member("r1", {"time_generate_s": 3.0}),
+               "r2": _member("r2", {"time_generate_s": "bad"})}
+    assert ROLLOUT_TIME_KEYS == ("time_generate_s", "time_load_weights_s")
+    assert rollout_times(members.get, ["r0", "r1", "r2", "gone"]) == {"time_generate_s": 2.0,
+                                                                       "time_load_weights_s": 0.25}
+    assert rollout_times(members.get, []) == {}
+
+
+def test_throughput_and_mfu_hand_computed():
+    # 6 x 1e6 params x 5000 tokens / 2 s / (2 ranks x 1e12 FLOP/s) = 0.0075
+    out = throughput({"time_update_s": 2.0, "train_tokens": 5000.0}, num_params=1_000_000, world=2, peak_flops=1e12)
+    assert out == {"tokens_per_s": 2500.0, "mfu": pytest.approx(0.0075)}
+    assert throughput({"time_update_s": 0.0, "train_tokens": 10.0}, 1, 1, 1.0) == {"tokens_per_s": 0.0, "mfu": 0.0}
+
+
+def test_stage_summary_line_status_column_and_plot(tmp_path):
+    rec = {"time_generate_s": 1.2, "time_wait_s": 0.05, "time_update_s": 0.8, "tokens_per_s": 1234.0, "mfu": 0.031}
+    assert format_stages(rec) == "gen 1.20s wait 0.05s upd 0.80s | 1.2k tok/s mfu 3.1%"
+    assert format_stages({"tokens_per_s": 12.0}) == "12 tok/s"
+    assert format_stages({}) == ""
+    assert set(STAGE_TIME_KEYS) < set(STAGE_KEYS) and {"tokens_per_s", "mfu"} < set(STAGE_KEYS)
+
+    row = member_row(Member("trainer-0", "trainer", "127.0.0.1", 7001, "alive", 1, rec, 100.0, 0.0), now=100.0)
+    assert row["stages"] == format_stages(rec)
+    lines = format_table([row]).splitlines()
+    assert lines[0].endswith("LAST STEP") and lines[1].endswith(format_stages(rec))
+
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps({"step": s, **{k: 0.1 * (i + 1) for i, k in enumerate(STAGE_TIME_KEYS)}})
+                               + "\n" for s in range(5)))
+    plot_timings(metrics, tmp_path / "timings.png")
+    assert (tmp_path / "timings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

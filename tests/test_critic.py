@@ -1,0 +1,195 @@
+"""PPO's critic on a real (1-rank gloo, and 2-rank) FSDP2 group with the toy model.
+
+Values at response positions, the clipped value loss going down over optimizer steps,
+``ppo_epochs`` x ``mini_batches_per_step`` optimizer steps, checkpoint + resume (weights
+and optimizer state), ``critic_path``, unequal sample counts across ranks (dummy
+micro-batches), and one whole PPO step through the trainer executor with the real Actor.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distflow.buffer.batch import SampleBatch
+from distflow.core.config import config_from_dict
+from distflow.trainer.critic import CRITIC_DIR, WEIGHTS_FILE, Critic, split_mini_batches
+from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
+
+PPO_WF = [
+    {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"},
+    {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "successor", "deps": ["generate"]},
+    {"id": "reference", "role": "REFERENCE", "type": "MODEL_INFERENCE", "fn": "ref", "deps": ["generate"]},
+    {"id": "values", "role": "CRITIC", "type": "MODEL_INFERENCE", "fn": "value", "deps": ["generate"]},
+    {"id": "gae", "role": "ACTOR", "type": "COMPUTE", "fn": "gae", "deps": ["reward", "values", "reference"]},
+    {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "ppo", "deps": ["gae", "reference"]},
+    {"id": "critic_update", "role": "CRITIC", "type": "MODEL_TRAIN", "fn": "value_loss", "deps": ["gae"]},
+]
+
+
+def make_cfg(model: Path, **kw):
+    raw = {"model_path": str(model), "dataset": "unused.jsonl", "prompts_per_step": 2, "group_size": 2,
+           "max_new_tokens": 3, "micro_batch_size": 2, "critic_lr": 1e-2, "workflow": copy.deepcopy(PPO_WF), **kw}
+    return config_from_dict(raw)
+
+
+def batch_of(n: int, seed: int = 0) -> SampleBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[2] + torch.randint(4, 14, (3 + i % 2,), generator=g).tolist() for i in range(n)]
+    responses = [torch.randint(4, 14, (1 + i % 3,), generator=g).tolist() for i in range(n)]
+    b = SampleBatch.from_lists([f"s{i}" for i in range(n)], [f"p{i // 2}" for i in range(n)], prompts, responses,
+                               [[-1.0] * len(r) for r in responses])
+    b.set_scalar("reward", torch.tensor([float(i % 2) for i in range(n)]))
+    return b
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_split_mini_batches() -> None:
+    assert split_mini_batches(5, 2) == [[0, 1, 2], [3, 4]]
+    assert split_mini_batches(1, 3) == [[0], [], []]
+
+
+def test_values_train_and_resume(group, toy_model, tmp_path) -> None:
+    cfg = make_cfg(toy_model, ppo_epochs=2, mini_batches_per_step=2)
+    critic = Critic(cfg)
+    b = batch_of(5)
+    critic.values(b)
+    lens = b.tensors["response_lens"]
+    assert b.tensors["values"].shape == (int(lens.sum()),)
+    assert torch.all(b.tensors["values"] == 0)  # zero-initialised value head
+    b.set_ragged("returns", torch.ones(int(lens.sum())))
+    node = cfg.plan().node("critic_update")
+    losses = []
+    for _ in range(4):
+        critic.values(b)  # fresh old values each step, as PPO does (the clip is relative to them)
+        stats = critic.update(node, b)
+        losses.append(stats["vf_loss"])
+        assert stats["critic_steps"] == 4.0  # 2 epochs x 2 mini-batches
+    assert losses[-1] < losses[0] * 0.7, losses
+    assert critic.steps == 16
+
+    critic.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / CRITIC_DIR / WEIGHTS_FILE).is_file()
+    before = critic.values(batch_of(5, seed=1)).tensors["values"]
+    resumed = Critic(make_cfg(toy_model, resume_from=str(tmp_path / "ckpt")))
+    assert resumed.steps == 16
+    assert torch.allclose(resumed.values(batch_of(5, seed=1)).tensors["values"], before, atol=1e-6)
+    s_old = critic.optim.state_dict()["state"]
+    s_new = resumed.optim.state_dict()["state"]
+    assert s_old.keys() == s_new.keys()
+    for k in s_old:
+        assert torch.allclose(s_old[k]["exp_avg"].full_tensor(), s_new[k]["exp_avg"].full_tensor())
+    # critic_path: the same weights, a fresh optimizer
+    from_path = Critic(make_cfg(toy_model, critic_path=str(tmp_path / "ckpt" / CRITIC_DIR)))
+    assert from_path.steps == 0
+    assert torch.allclose(from_path.values(batch_of(5, seed=1)).tensors["values"], before, atol=1e-6)
+
+
+def test_update_without_returns_names_the_node(group, toy_model) -> None:
+    cfg = make_cfg(toy_model)
+    critic = Critic(cfg)
+    b = critic.values(batch_of(2))
+    with pytest.raises(ValueError, match="workflow node 'critic_update': the batch has no 'returns'"):
+        critic.update(cfg.plan().node("critic_update"), b)
+
+
+def test_one_ppo_step_through_the_trainer_executor(group, toy_model, tmp_path) -> None:
+    from distflow.trainer.actor import Actor
+
+    cfg = make_cfg(toy_model, kl_coef=0.01, kl_in_reward=True, output_dir=str(tmp_path))
+    pipeline = cfg.plan().pipeline("trainer")
+    actor = Actor(cfg, True)
+    ctx = build_context(cfg, pipeline, actor)
+    b = batch_of(4)
+    stats = run_pipeline(pipeline, ctx, b)
+    for key in ("token_advantages", "returns", "values", "ref_logprobs"):
+        assert b.tensors[key].shape == b.tensors["response_tokens"].shape, key
+    assert {"pg_loss", "grad_norm", "vf_loss", "critic_steps"} <= set(stats)
+    assert actor.version == 1 and ctx.critic.steps == 1
+    save_checkpoint(ctx, tmp_path / "checkpoint", actor.full_state_dict(), {"step": 1})
+    assert (tmp_path / "checkpoint" / CRITIC_DIR / WEIGHTS_FILE).is_file()
+
+
+# ----------------------------------------------------------------------------- 2 ranks, unequal samples
+def _two_rank_worker(rank: int, port: int, model: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cfg = make_cfg(Path(model), micro_batch_size=1)
+        critic = Critic(cfg)
+        b = batch_of(3) if rank == 0 else SampleBatch.empty()  # rank 1 runs only dummy micro-batches
+        critic.values(b)
+        if rank == 0:
+            b.set_ragged("returns", torch.ones_like(b.tensors["values"]))
+        else:
+            b.set_ragged("values", torch.zeros(0))
+            b.set_ragged("returns", torch.zeros(0))
+        stats = critic.update(cfg.plan().node("critic_update"), b)
+        after = critic.values(batch_of(3, seed=1) if rank == 0 else SampleBatch.empty())
+        if rank == 0:
+            torch.save({"stats": stats, "values": after.tensors["values"]}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_unequal_samples_match_one_rank(group, toy_model, tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "two.pt")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_two_rank_worker, args=(_free_port(), str(toy_model), out), nprocs=2, join=True)
+    two = torch.load(out)
+    cfg = make_cfg(toy_model, micro_batch_size=1)
+    critic = Critic(cfg)
+    b = critic.values(batch_of(3))
+    b.set_ragged("returns", torch.ones_like(b.tensors["values"]))
+    one = critic.update(cfg.plan().node("critic_update"), b)
+    assert one["vf_loss"] == pytest.approx(two["stats"]["vf_loss"], rel=1e-5)
+    # the same data and the global token normaliser: the 2-rank update equals the 1-rank one
+    assert torch.allclose(critic.values(batch_of(3, seed=1)).tensors["values"], two["values"], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- GPU
+def _cuda_worker(rank: int, port: int, model: str, out: str) -> None:
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = make_cfg(Path(model), device="cuda", dtype="bfloat16")
+        critic = Critic(cfg)
+        b = critic.values(batch_of(4))
+        b.set_ragged("returns", torch.ones_like(b.tensors["values"]))
+        stats = critic.update(cfg.plan().node("critic_update"), b)
+        masters = [p.dtype for p in critic.model.parameters()]
+        after = critic.values(batch_of(4, seed=1)).tensors["values"]
+        torch.save({"stats": stats, "values": after, "fp32_master": all(d == torch.float32 for d in masters)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_critic_on_cuda_bf16_compute_fp32_master(toy_model, tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "cuda.pt")
+    mp.spawn(_cuda_worker, args=(_free_port(), str(toy_model), out), nprocs=1, join=True)
+    got = torch.load(out)
+    assert got["fp32_master"]
+    assert got["values"].device.type == "cpu" and torch.isfinite(got["values"]).all()
+    assert got["stats"]["critic_steps"] == 1.0 and got["stats"]["vf_loss"] > 0

@@ -1,0 +1,280 @@
+"""The plan-driven executors: rollout stages on a real TorchEngine, trainer stages on real batches.
+
+Rollout: generate carries finish_reason (``truncated``) and versions, ``max_prompt_length``
+skips and counts, DAPO dynamic sampling regenerates then drops constant groups, a learned
+reward model (a real tiny LlamaForSequenceClassification) scores like a direct forward,
+``overlong: mask`` zeroes truncated advantages. Trainer: GAE by hand, KL in reward, and
+outcome estimators over the whole step (gathered from every rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from distflow.buffer.batch import SampleBatch
+from distflow.buffer.dataloader import PromptRow
+from distflow.core.config import ConfigError, config_from_dict
+from distflow.core.dag import load_workflow
+from distflow.rollout.engine import SamplingParams, make_engine
+from distflow.rollout.stages import StageError, run_pipeline
+from distflow.trainer.executor import TrainerContext, run_pipeline as run_trainer_pipeline
+
+GEN = {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"}
+REWARD = {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "successor", "deps": ["generate"]}
+ADV = {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["reward"]}
+UPDATE = {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage"]}
+
+
+def make_cfg(model: Path | str = "unused", workflow=None, **kw):
+    raw = {"model_path": str(model), "dataset": "unused.jsonl", "prompts_per_step": 2, "group_size": 4,
+           "max_new_tokens": 3, "workflow": copy.deepcopy(workflow or [GEN, REWARD, ADV, UPDATE]), **kw}
+    return config_from_dict(raw)
+
+
+def rows(*prompts: str) -> list[PromptRow]:
+    return [PromptRow(f"e0:{i}", i, {"prompt": p, "answer": str((int(p[-2]) + 1) % 10)}) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def engine(toy_model):
+    eng = make_engine("torch", str(toy_model), device="cpu", dtype="float32")
+    yield eng
+    eng.close()
+
+
+def rollout(cfg, engine, prompts, seed=3, stats=None):
+    return run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rows(*prompts), seed, stats)
+
+
+# ----------------------------------------------------------------------------- rollout
+def test_generate_carries_finish_reason_and_versions(engine, toy_model) -> None:
+    cfg = make_cfg(toy_model, max_new_tokens=2)
+    batch = rollout(cfg, engine, ["123=", "4567="])
+    prompts = [p.tolist() for p in batch.ragged("prompt_tokens")]
+    comps = engine.generate(prompts, SamplingParams(max_new_tokens=2, temperature=1.0), seed=3)
+    assert [c.tokens for c in comps] == [r.tolist() for r in batch.ragged("response_tokens")]
+    assert batch.tensors["truncated"].tolist() == [int(c.finish_reason == "length") for c in comps]
+    assert batch.tensors["truncated"].dtype == torch.int64
+    assert batch.tensors["policy_version"].tolist() == [engine.version] * 8
+    assert batch.tensors["last_version"].tolist() == [engine.version] * 8
+    assert batch.sample_ids[:2] == ["e0:0:s0", "e0:0:s1"] and len(batch) == 8
+
+
+def test_max_prompt_length_skips_and_counts(engine, toy_model) -> None:
+    cfg = make_cfg(toy_model, max_prompt_length=5)
+    stats: dict[str, int] = {}
+    # "<bos>12=" is 4 tokens (kept); "<bos>12345=" is 7 (skipped); "<bos>1234=" is 6 (skipped)
+    batch = rollout(cfg, engine, ["12=", "12345=", "1234="], stats=stats)
+    assert stats == {"skipped_prompts": 2}
+    assert set(batch.prompt_ids) == {"e0:0"} and len(batch) == 4
+    stats = {}
+    empty = rollout(cfg, engine, ["12345="], stats=stats)
+    assert len(empty) == 0 and stats == {"skipped_prompts": 1}
+
+
+_COUNTER = itertools.count()
+
+
+def alternating_or_constant(response: str, row: dict) -> float:
+    """Test reward: 1 for rows marked const, else alternating 0/1 (so every group of >= 2 varies)."""
+    return 1.0 if row.get("const") else float(next(_COUNTER) % 2)
+
+
+def test_dynamic_sampling_regenerates_then_drops_constant_groups(engine, toy_model) -> None:
+    wf = [GEN, {**REWARD, "fn": "tests.test_executor:alternating_or_constant"},
+          {"id": "filter", "role": "ACTOR", "type": "COMPUTE", "fn": "dynamic_sampling", "deps": ["reward"],
+           "args": {"max_retries": 2}},
+          {**ADV, "deps": ["filter"]}, UPDATE]
+    cfg = make_cfg(toy_model, workflow=wf)
+    rs = rows("12=", "345=", "678=")
+    rs[1].data["const"] = True
+    stats: dict[str, int] = {}
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, stats)
+    assert stats == {"resampled_prompts": 2, "dropped_prompts": 1}  # 1 prompt, regenerated twice, then dropped
+    assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:2"] and len(batch) == 8
+    # every group left varies, so its advantages are not all zero
+    for p in ("e0:0", "e0:2"):
+        adv = batch.tensors["advantage"][[i for i, q in enumerate(batch.prompt_ids) if q == p]]
+        assert adv.abs().sum() > 0
+    # all groups constant: nothing to learn, but the step is kept whole (never empty)
+    for r in rs:
+        r.data["const"] = True
+    stats = {}
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, stats)
+    assert len(batch) == 12 and stats == {"resampled_prompts": 6}
+    assert batch.tensors["advantage"].abs().sum() == 0
+
+
+def test_overlong_mask_zeroes_truncated_advantages(engine, toy_model) -> None:
+    wf = [GEN, {**REWARD, "fn": "tests.test_executor:alternating_or_constant"}, ADV, UPDATE]
+    cfg = make_cfg(toy_model, workflow=wf, overlong="mask", max_new_tokens=2)
+    batch = rollout(cfg, engine, ["12=", "345="])
+    trunc = batch.tensors["truncated"].bool()
+    assert trunc.any()
+    assert batch.tensors["advantage"][trunc].abs().sum() == 0
+    ref = make_cfg(toy_model, workflow=wf, max_new_tokens=2)
+    assert rollout(ref, engine, ["12=", "345="]).tensors["advantage"].abs().sum() > 0
+
+
+def test_overlong_penalty_shapes_the_advantage_not_the_logged_reward(engine, toy_model) -> None:
+    wf = [GEN, {**REWARD, "fn": "tests.test_executor:alternating_or_constant"}, ADV, UPDATE]
+    cfg = make_cfg(toy_model, workflow=wf, overlong="penalty", overlong_buffer=1, max_new_tokens=2)
+    for r in (rs := rows("12=", "345=")):
+        r.data["const"] = True  # every task reward 1: only the length penalty varies
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 3, {})
+    assert batch.tensors["reward"].tolist() == [1.0] * 8
+    lens = batch.tensors["response_lens"]
+    adv = batch.tensors["advantage"]
+    # penalty: 0 for 1 token, -1 for 2 (the limit): longer responses get a lower advantage
+    for p in set(batch.prompt_ids):
+        idx = [i for i, q in enumerate(batch.prompt_ids) if q == p]
+        for i in idx:
+            for j in idx:
+                if lens[i] < lens[j]:
+                    assert adv[i] > adv[j]
+
+
+def test_pipeline_out_of_order_is_an_error_naming_the_node(engine, toy_model) -> None:
+    cfg = make_cfg(toy_model)
+    pipe = cfg.plan().pipeline("rollout")
+    with pytest.raises(StageError, match=r"workflow node 'advantage': deps \['reward'\] have not run"):
+        run_pipeline([pipe[0], pipe[2], pipe[1]], engine, cfg, rows("12="), 0)
+
+
+# ----------------------------------------------------------------------------- learned reward model
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=17, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
+                         pad_token_id=None)
+    model = LlamaForSequenceClassification(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    out = tmp_path_factory.mktemp("rm") / "reward-model"
+    model.save_pretrained(str(out))
+    return out
+
+
+def test_reward_model_stage_scores_like_a_direct_forward(engine, toy_model, reward_model_dir) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    rm_node = {"id": "rm", "role": "REWARD", "type": "MODEL_INFERENCE", "fn": "reward_model", "deps": ["generate"],
+               "group": "rollout", "args": {"path": str(reward_model_dir), "weight": 2.0}}
+    cfg = make_cfg(toy_model, workflow=[GEN, rm_node, {**ADV, "deps": ["rm"]}, UPDATE])
+    assert cfg.plan().group_of["rm"] == "rollout"
+    batch = rollout(cfg, engine, ["12=", "4567="])
+    model = AutoModelForSequenceClassification.from_pretrained(str(reward_model_dir)).eval()
+    expected = []
+    with torch.no_grad():
+        for p, r in zip(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")):
+            ids = torch.cat([p, r])[None]
+            expected.append(2.0 * float(model(input_ids=ids).logits[0, 0]))  # one unpadded sequence: last token
+    assert torch.allclose(batch.tensors["reward"], torch.tensor(expected), atol=1e-4)
+    assert len(set(round(x, 4) for x in expected)) > 1  # scores differ between samples
+    # the same stage on the trainer group scores the same way
+    tctx = TrainerContext(cfg)
+    tnode = load_workflow([{**rm_node, "group": "trainer"}])[0]
+    b2 = SampleBatch(batch.sample_ids, batch.prompt_ids, {k: v for k, v in batch.tensors.items() if k != "reward"})
+    run_trainer_pipeline([tnode], tctx, b2)
+    assert torch.allclose(b2.tensors["reward"], batch.tensors["reward"], atol=1e-5)
+
+
+def test_reward_model_errors_name_the_node(engine, toy_model, tmp_path) -> None:
+    rm_node = {"id": "rm", "role": "REWARD", "type": "MODEL_INFERENCE", "fn": "reward_model", "deps": ["generate"],
+               "group": "rollout", "args": {}}
+    cfg = make_cfg(toy_model, workflow=[GEN, rm_node, {**ADV, "deps": ["rm"]}, UPDATE])
+    with pytest.raises(StageError, match="workflow node 'rm': a reward model needs args.path"):
+        rollout(cfg, engine, ["12="])
+    rm_node["args"] = {"path": str(tmp_path)}
+    cfg = make_cfg(toy_model, workflow=[GEN, rm_node, {**ADV, "deps": ["rm"]}, UPDATE])
+    with pytest.raises(StageError, match="workflow node 'rm': .*not a Hugging Face model directory"):
+        rollout(cfg, engine, ["12="])
+
+
+# ----------------------------------------------------------------------------- trainer stages
+PPO_WF = [GEN, REWARD,
+          {"id": "reference", "role": "REFERENCE", "type": "MODEL_INFERENCE", "fn": "ref", "deps": ["generate"]},
+          {"id": "values", "role": "CRITIC", "type": "MODEL_INFERENCE", "fn": "value", "deps": ["generate"]},
+          {"id": "gae", "role": "ACTOR", "type": "COMPUTE", "fn": "gae", "deps": ["reward", "values", "reference"],
+           "args": {"whiten": False}},
+          {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "ppo", "deps": ["gae"]}]
+
+
+def one_sample(**tensors) -> SampleBatch:
+    b = SampleBatch.from_lists(["s0"], ["p0"], [[2, 5]], [[6, 7]], [[-1.0, -1.0]])
+    for k, v in tensors.items():
+        (b.set_ragged if k in ("values", "ref_logprobs") else b.set_scalar)(k, torch.tensor(v))
+    return b
+
+
+def test_gae_stage_by_hand() -> None:
+    cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0)
+    gae_node = cfg.plan().node("gae")
+    b = one_sample(values=[0.5, 0.25], reward=[1.0])
+    run_trainer_pipeline([gae_node], TrainerContext(cfg), b)
+    # token rewards [0, 1]; delta_1 = 1 - 0.25 = 0.75; delta_0 = 0 + 0.25 - 0.5 = -0.25
+    # A = [-0.25 + 0.75, 0.75] = [0.5, 0.75]; returns = A + V = [1, 1]
+    assert torch.allclose(b.tensors["token_advantages"], torch.tensor([0.5, 0.75]))
+    assert torch.allclose(b.tensors["returns"], torch.tensor([1.0, 1.0]))
+    # KL in reward (k1, coef 0.5): kl = logp - ref = [-1 - (-2), 0] = [1, 0] -> rewards [-0.5, 1]
+    cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
+    b = one_sample(values=[0.5, 0.25], reward=[1.0], ref_logprobs=[-2.0, -1.0])
+    run_trainer_pipeline([gae_node], TrainerContext(cfg), b)
+    # delta_0 = -0.5 + 0.25 - 0.5 = -0.75; A = [0, 0.75]; returns [0.5, 1]
+    assert torch.allclose(b.tensors["token_advantages"], torch.tensor([0.0, 0.75]))
+    assert torch.allclose(b.tensors["returns"], torch.tensor([0.5, 1.0]))
+
+
+def test_gae_whitening_is_over_every_rank() -> None:
+    cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0)
+    node = load_workflow([{**PPO_WF[4], "args": {}}])[0]
+    b = one_sample(values=[0.5, 0.25], reward=[1.0])
+    # another rank contributes 2 tokens with advantages summing to 1.0 and squares to 2.5: n = 4,
+    # sum = 0.5 + 0.75 + 1 = 2.25, sum sq = 0.25 + 0.5625 + 2.5 = 3.3125
+    other = [2.0, 1.0, 2.5]
+    ctx = TrainerContext(cfg, all_reduce=lambda v: [a + b for a, b in zip(v, other)])
+    run_trainer_pipeline([node], ctx, b)
+    mean = 2.25 / 4
+    std = math.sqrt((3.3125 / 4 - mean ** 2) * 4 / 3)
+    assert torch.allclose(b.tensors["token_advantages"], torch.tensor([(0.5 - mean) / std, (0.75 - mean) / std]),
+                          atol=1e-5)
+
+
+def test_trainer_outcome_estimator_sees_the_whole_step() -> None:
+    adv_node = {**ADV, "group": "trainer"}
+    cfg = make_cfg(workflow=[GEN, REWARD, adv_node, UPDATE])
+    node = cfg.plan().node("advantage")
+    assert cfg.plan().group_of["advantage"] == "trainer"
+    b = SampleBatch.from_lists(["a:s0", "b:s0"], ["a", "b"], [[1], [1]], [[2], [3]])
+    b.set_scalar("reward", torch.tensor([1.0, 1.0]))
+    # rank 1 holds the rest of both groups: a -> [1, 0], b -> [1, 1] (constant)
+    other = (["a", "b"], [0.0, 1.0])
+    ctx = TrainerContext(cfg, all_gather=lambda mine: [mine, other], rank=0)
+    run_trainer_pipeline([node], ctx, b)
+    # group a: mean 0.5, unbiased std 0.707107 -> +0.707106; group b constant -> 0
+    assert torch.allclose(b.tensors["advantage"], torch.tensor([0.707106, 0.0]), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- config validation
+@pytest.mark.parametrize("fn", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_estimators_need_group_size_2(fn) -> None:
+    with pytest.raises(ConfigError, match=rf"group_size: 1 gives workflow node 'advantage' \({fn}, a group"):
+        make_cfg(workflow=[GEN, REWARD, {**ADV, "fn": fn}, UPDATE], group_size=1)
+    make_cfg(workflow=[GEN, REWARD, {**ADV, "fn": "reinforce_pp"}, UPDATE], group_size=1)  # no group baseline
+
+
+def test_temperature_0_and_overlong_buffer_are_rejected_by_key() -> None:
+    with pytest.raises(ConfigError, match=r"temperature: 0 \(greedy\)"):
+        make_cfg(temperature=0)
+    with pytest.raises(ConfigError, match=r"overlong_buffer: overlong: penalty needs 0 < overlong_buffer"):
+        make_cfg(overlong="penalty", overlong_buffer=0)
+    with pytest.raises(ConfigError, match=r"loss_agg"):
+        make_cfg(loss_agg="sum")

@@ -1,0 +1,171 @@
+"""`distflow run` supervises its children like torchrun: real processes, real kill -9.
+
+- a rollout child killed mid-run: its shard is adopted by the other rollout node, the
+  launcher restarts it with the same id and ports, the run completes (exit 0) and every
+  sample of the epoch is trained exactly once;
+- a trainer child killed mid-run: every node stops promptly (not after step_timeout_s),
+  exit 1, and the message names the dead node and the newest checkpoint to resume from;
+  the surviving trainer names the dead rank too, not the transport error.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from distflow.trace import read_trace
+from distflow.trainer.metrics import read_metrics
+from tests.conftest import ROOT
+
+QUICKSTART = "examples/grpo_quickstart.yaml"
+
+
+def node_pid(out: Path, node_id: str) -> int | None:
+    """PID of the live node process of this run with this id."""
+    needle, ident = str(out / "config.yaml").encode(), b"\0--node-id\0" + node_id.encode() + b"\0"
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle in cmd and ident in cmd:
+                return int(p.name)
+    return None
+
+
+def children_of(out: Path) -> list[int]:
+    needle = str(out / "config.yaml").encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+def start_run(out: Path, toy_model: Path, data: Path, *extra: str) -> subprocess.Popen:
+    args = ["run", QUICKSTART, "--no-progress", f"output_dir={out}", f"model_path={toy_model}", f"dataset={data}",
+            "toy_model=false", "prompts_per_step=4", "group_size=2", "max_new_tokens=2", "trace_samples=true",
+            "step_timeout_s=600", *extra]
+    return subprocess.Popen([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_rows(proc: subprocess.Popen, metrics: Path, n: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while len(read_metrics(metrics)) < n:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"fewer than {n} steps after {timeout}s"
+        time.sleep(0.1)
+    return len(read_metrics(metrics))
+
+
+def make_data(tmp_path: Path, rows: int) -> Path:
+    from distflow.toy import make_toy_dataset
+
+    data = tmp_path / "data.jsonl"
+    make_toy_dataset(data, rows, seed=5)
+    return data
+
+
+def test_killed_rollout_child_is_restarted_and_the_run_completes(toy_model, tmp_path):
+    rows = 240
+    out = tmp_path / "run"
+    proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=1", "rollout_nodes=2")
+    try:
+        wait_rows(proc, out / "metrics.jsonl", 3)
+        pid = node_pid(out, "rollout-1")
+        assert pid is not None
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "rollout-1 died (exit -9)" in err and "restarting it with the same id and ports (restart 1 of 3)" in err
+    log1 = (out / "logs" / "rollout-1.log").read_text()
+    assert "----- distflow run: restart 1 of rollout-1 -----" in log1
+    steps = rows // 4
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    trace = read_trace(out)
+    trained = Counter(s for rec in trace["trainer-0"] for s in rec["sample_ids"])
+    assert set(trained.values()) == {1}  # every sample trained exactly once
+    assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
+    assert not children_of(out)
+
+
+def test_killed_trainer_stops_every_node_naming_it_and_the_checkpoint(toy_model, tmp_path):
+    out = tmp_path / "run"
+    proc = start_run(out, toy_model, make_data(tmp_path, 800), "trainer_nodes=2", "rollout_nodes=2",
+                     "save_every=2")
+    try:
+        wait_rows(proc, out / "metrics.jsonl", 3)
+        deadline = time.monotonic() + 60  # a checkpoint to name (saved at step 2 by both ranks)
+        while not (out / "checkpoint-2" / "distflow_state.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pid = node_pid(out, "trainer-1")
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        stopped_in = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "trainer-1 failed (exit -9)" in err and "trainer trainer-1 died, the run cannot go on without it" in err
+    assert "resume_from=" in err and "checkpoint-" in err.split("resume_from=", 1)[1].split()[0]
+    assert not children_of(out)  # every node stopped, by the launcher
+    print(f"every node stopped {stopped_in:.1f}s after the kill")
+    # The surviving rank's own account names the dead rank, not a transport error.
+    log0 = (out / "logs" / "trainer-0.log").read_text()
+    assert "trainer rank trainer-1 died" in log0, log0[-3000:]
+
+
+def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_cluster(toy_model, tmp_path):
+    """No launcher to stop them: the rollout nodes see the trainer dead in the mesh (while they
+    still reach each other, so they are not the ones cut off) and stop within seconds, not
+    after step_timeout_s (600 s here), naming the dead trainer."""
+    import os
+
+    import yaml
+
+    from distflow.core.auth import new_secret
+    from distflow.launcher import _free_ports
+    from tests.test_elastic import start
+
+    raw = yaml.safe_load((ROOT / QUICKSTART).read_text())
+    raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False,
+               dataset=str(make_data(tmp_path, 800)), rollout_nodes=2, trainer_nodes=1, prompts_per_step=4,
+               group_size=2, max_new_tokens=2, step_timeout_s=600)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
+    ports = _free_ports("127.0.0.1", 3)
+    seed = f"127.0.0.1:{ports[0]}"
+    procs = {"trainer-0": start("trainer-0", "trainer", cfg, ports[0], "", env, logs)}
+    for i in range(2):
+        procs[f"rollout-{i}"] = start(f"rollout-{i}", "rollout", cfg, ports[1 + i], seed, env, logs)
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_metrics(tmp_path / "out" / "metrics.jsonl")) < 2:
+            assert procs["trainer-0"].poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        procs["trainer-0"].send_signal(signal.SIGKILL)
+        codes = {i: procs[i].wait(timeout=60) for i in ("rollout-0", "rollout-1")}  # not step_timeout_s
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert codes == {"rollout-0": 1, "rollout-1": 1}
+    for i in ("rollout-0", "rollout-1"):
+        assert "trainer trainer-0 died" in (logs / f"{i}.log").read_text()
