@@ -1,14 +1,10 @@
 """The shipped algorithm configs: each validates and plans (fast), and each learns the toy task
 end to end in one default run (`distflow run`, as shipped: 2 rollout + 2 trainer nodes):
 mean reward of the last 10 steps minus the first 10 >= 0.3.
-
-PPO needs the trainer worker to run the plan-driven executor (distflow/trainer/executor.py)
-for its CRITIC and GAE nodes; until the worker does, its learning test is skipped.
 """
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
@@ -58,12 +54,6 @@ def test_algorithm_keys_are_what_the_docs_say() -> None:
     assert c["cispo"].workflow[-1].fn == "cispo"
 
 
-def _executor_wired() -> bool:
-    import distflow.trainer.worker as worker
-
-    return "executor" in inspect.getsource(worker)
-
-
 def _learns(algo: str, tmp_path: Path, toy_model: Path) -> None:
     out = tmp_path / algo
     r = run_distflow(["run", str(path(algo)), "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
@@ -76,22 +66,6 @@ def _learns(algo: str, tmp_path: Path, toy_model: Path) -> None:
     assert last - first >= 0.3, (first, last)
 
 
-def test_dapo_learns(tmp_path, toy_model) -> None:
-    _learns("dapo", tmp_path, toy_model)
-
-
-def test_gspo_learns(tmp_path, toy_model) -> None:
-    _learns("gspo", tmp_path, toy_model)
-
-
-def test_reinforce_pp_learns(tmp_path, toy_model) -> None:
-    _learns("reinforce_pp", tmp_path, toy_model)
-
-
-def test_cispo_learns(tmp_path, toy_model) -> None:
-    _learns("cispo", tmp_path, toy_model)
-
-
-@pytest.mark.skipif(not _executor_wired(), reason="the trainer worker does not run distflow.trainer.executor yet")
-def test_ppo_learns(tmp_path, toy_model) -> None:
-    _learns("ppo", tmp_path, toy_model)
+@pytest.mark.parametrize("algo", sorted(CONFIGS))
+def test_shipped_algorithm_learns(algo: str, tmp_path, toy_model) -> None:
+    _learns(algo, tmp_path, toy_model)

@@ -102,3 +102,20 @@ def test_pinned_staging_of_cuda_buckets() -> None:
             assert t.device.type == "cpu" and t.is_pinned() and torch.equal(t, ref[n])
     on_dev = list(iter_weight_buckets(m, 20_000, keep=True, device=dev))
     assert all(t.is_cuda for b in on_dev for t in b.values())
+
+
+def test_gather_leaves_grad_mode_alone_between_buckets():
+    """The trainer runs each next() of the gather in a pool thread that later runs the
+    update: no grad-mode context may stay open across a yield (it once did, and the
+    next backward in that thread failed with 'does not require grad')."""
+    import torch
+
+    from distflow.trainer.gather import iter_weight_buckets
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    it = iter_weight_buckets(model, 64, keep=True, device="cpu")
+    first = next(it)
+    assert torch.is_grad_enabled()
+    assert all(not t.requires_grad for t in first.values())
+    rest = list(it)
+    assert torch.is_grad_enabled() and len(rest) >= 1

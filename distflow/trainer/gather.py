@@ -70,6 +70,7 @@ class PinnedStaging:
         return out
 
 
+@torch.no_grad()
 def _gather_into(t: torch.Tensor, out: torch.Tensor | None) -> None:
     """Write the unsharded value of ``t`` (a DTensor or a plain tensor) into ``out`` (a collective
     for a sharded DTensor: every rank calls it, ``out`` None on ranks that discard the result).
@@ -155,32 +156,32 @@ def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, d
         raise ValueError(f"place='pinned' stages CUDA tensors; the model is on {device}")
     staging = PinnedStaging(bucket_bytes) if place == "pinned" else None
     state = model.state_dict()
-    with torch.no_grad():
-        for bucket in _plan(state, bucket_bytes, dtype):
-            buf = None
-            if keep and place != "pinned":
-                total = bucket[-1][3] + bucket[-1][2]
-                if place == "cpu" and alloc is not None:
-                    buf = alloc(total)
-                if buf is None:
-                    buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device if place == "device" else "cpu")
-            out: dict[str, torch.Tensor] = {}
-            for name, dt, n, off in bucket:
-                t = state[name]
-                if not keep:
-                    _gather_into(t, None)
+    # No grad-mode context may span a yield: it would leak into whatever thread runs next().
+    for bucket in _plan(state, bucket_bytes, dtype):
+        buf = None
+        if keep and place != "pinned":
+            total = bucket[-1][3] + bucket[-1][2]
+            if place == "cpu" and alloc is not None:
+                buf = alloc(total)
+            if buf is None:
+                buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device if place == "device" else "cpu")
+        out: dict[str, torch.Tensor] = {}
+        for name, dt, n, off in bucket:
+            t = state[name]
+            if not keep:
+                _gather_into(t, None)
+                continue
+            if place == "pinned" or dt != t.dtype:  # gather on the device, then cast / stage
+                tmp = torch.empty(t.shape, dtype=t.dtype, device=device)
+                _gather_into(t, tmp)
+                if place == "pinned":
+                    out[name] = tmp.to(dt)
                     continue
-                if place == "pinned" or dt != t.dtype:  # gather on the device, then cast / stage
-                    tmp = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    _gather_into(t, tmp)
-                    if place == "pinned":
-                        out[name] = tmp.to(dt)
-                        continue
-                    view = buf[off:off + n].view(dt).view(t.shape)
-                    view.copy_(tmp)
-                else:
-                    view = buf[off:off + n].view(dt).view(t.shape)
-                    _gather_into(t, view)
-                out[name] = view
-            if keep:
-                yield staging.stage(out) if staging is not None else out
+                view = buf[off:off + n].view(dt).view(t.shape)
+                view.copy_(tmp)
+            else:
+                view = buf[off:off + n].view(dt).view(t.shape)
+                _gather_into(t, view)
+            out[name] = view
+        if keep:
+            yield staging.stage(out) if staging is not None else out
