@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from distflow.buffer.redistribute import parse_part
-from distflow.buffer.routing import balance_by_tokens, split_by_owner
+from distflow.buffer.redistribute import RESERVED_META, parse_part, scatter
 from distflow.core.channels import Envelope
 from distflow.runtime import Runtime
 
@@ -26,17 +25,12 @@ async def run_controller(rt: Runtime) -> None:
 
     async def on_samples(env: Envelope) -> None:
         step, batch = parse_part(env)
-        trainers = [m.node_id for m in groups.trainer]
-        parts = (balance_by_tokens if cfg.route_by == "tokens" else split_by_owner)(batch, len(trainers))
-        keep = {k: v for k, v in env.meta.items() if k not in ("sample_ids", "prompt_ids", "extras")}
-
-        async def one(i: int, node_id: str) -> None:
-            wire, tensors = parts[i].to_wire()
-            meta = {**keep, **wire, "part": i, "num_parts": len(trainers), "balance": cfg.route_by}
-            await rt.channel.send(rt.endpoint(node_id), "samples", meta, tensors, timeout=cfg.step_timeout_s)
-
+        trainers = [rt.endpoint(m.node_id) for m in groups.trainer]
+        extra = {k: v for k, v in env.meta.items() if k not in RESERVED_META}
         # The rollout node's ack waits until every trainer accepted its part: backpressure passes through.
-        await asyncio.gather(*(one(i, t) for i, t in enumerate(trainers)))
+        await scatter(rt.channel, batch, trainers, step=step, source_rank=int(env.meta["source_rank"]),
+                      num_sources=env.meta.get("num_sources"), timeout=cfg.step_timeout_s, balance=cfg.route_by,
+                      extra_meta=extra)
         forwarded["parts"] += 1
         forwarded["samples"] += len(batch)
 

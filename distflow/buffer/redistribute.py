@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.routing import balance_by_tokens, owner, owner_groups, split_by_owner, take, take_into
@@ -64,14 +64,20 @@ async def scatter(
     balance: str = "owner",
     num_sources: int | None = None,
     extra_meta: dict[str, Any] | None = None,
+    only: Collection[int] | None = None,
 ) -> dict[str, Any]:
     """Send this producer's part of ``step`` to every consumer (concurrently); one message each.
 
     The message meta is the part's ``SampleBatch.to_wire()`` meta (so ``SampleBatch.from_wire(
     env.meta, env.tensors)`` works on it) plus ``step``, ``source_rank``, ``num_sources``,
     ``part``, ``num_parts``, ``balance`` and any ``extra_meta`` (msgpack-able, not those keys).
+    ``only`` (consumer indices) sends just those parts, e.g. a retry to the consumers a first
+    attempt could not reach; the split is the same, so each part still goes to its owner.
     Returns ``{"step", "samples": [per consumer], "bytes", "seconds"}``. Raises ScatterError
     naming the consumers that failed (the others did receive their part).
+
+    This is the one routing function of the data plane: rollout nodes (distributed mode),
+    the ``controller: single`` baseline and ``bench/redistribute.py`` all send through it.
     """
     if not consumers:
         raise ValueError("scatter needs at least one consumer endpoint")
@@ -81,9 +87,12 @@ async def scatter(
     if len({c.node_id for c in consumers}) != len(consumers):
         raise ValueError(f"duplicate consumer node ids in {[c.node_id for c in consumers]}")
     t0 = time.perf_counter()
-    parts = _split_in_place(channel, batch, consumers, balance) or split_for(batch, len(consumers), balance)
+    parts = ((_split_in_place(channel, batch, consumers, balance) if only is None else None)
+             or split_for(batch, len(consumers), balance))
     sends: dict[str, asyncio.Task] = {}
     for rank, (consumer, part) in enumerate(zip(consumers, parts)):
+        if only is not None and rank not in only:
+            continue
         wire_meta, tensors = part.to_wire()
         meta = {**(extra_meta or {}), **wire_meta, "step": step, "source_rank": source_rank,
                 "num_sources": num_sources, "part": rank, "num_parts": len(consumers), "balance": balance}

@@ -29,7 +29,7 @@ from typing import Callable
 
 from distflow.buffer.dataloader import PromptShard
 from distflow.device import node_device
-from distflow.buffer.routing import balance_by_tokens, split_by_owner
+from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
 from distflow.rollout.stages import run_pipeline
@@ -64,40 +64,45 @@ def trainer_step(rt: Runtime, groups: Groups) -> int:
 
 async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict,
                      check: Callable[[], None] | None = None) -> None:
-    """Each trainer gets the samples it owns; a trainer that is cut off is retried until it is
-    back, or until the trainers no longer need this step. ``check`` (called between retries)
-    raises when the trainers are gone for good."""
-    if groups.controller:  # controller: single -- the whole batch goes through one process
-        trainers, parts = [groups.controller[0].node_id], [batch]
-    else:
-        trainers = [m.node_id for m in groups.trainer]
-        split = balance_by_tokens if rt.cfg.route_by == "tokens" else split_by_owner
-        parts = split(batch, len(trainers))
-    pending = dict(enumerate(trainers))
-    deadline = time.monotonic() + rt.cfg.step_timeout_s
-
-    async def one(i: int, node_id: str) -> None:
-        wire, tensors = parts[i].to_wire()
-        meta = {**extra, **wire, "step": step, "source_rank": shard, "num_sources": len(groups.rollout),
-                "part": i, "num_parts": len(trainers), "balance": rt.cfg.route_by}
-        await rt.channel.send(rt.endpoint(node_id), "samples", meta, tensors, timeout=rt.cfg.step_timeout_s)
-
+    """Each trainer gets the samples it owns, through the data plane's one routing function
+    (``buffer.redistribute.scatter``: one message per trainer, empty or not). A trainer that is
+    cut off is retried until it is back, or until the trainers no longer need this step.
+    ``check`` raises when the trainers are gone for good; it is also polled WHILE a send waits
+    for its ack, so a trainer that dies mid-send is noticed within a second, not after
+    ``step_timeout_s``. With ``controller: single`` the whole batch goes to the controller."""
+    cfg = rt.cfg
+    targets = [groups.controller[0].node_id] if groups.controller else [m.node_id for m in groups.trainer]
+    consumers = [rt.endpoint(t) for t in targets]
+    pending = set(range(len(targets)))
+    deadline = time.monotonic() + cfg.step_timeout_s
     while pending:
-        live = {i: t for i, t in pending.items() if rt.node.is_alive(t)}
-        results = await asyncio.gather(*(one(i, t) for i, t in live.items()), return_exceptions=True)
-        for (i, t), res in zip(live.items(), results):
-            if isinstance(res, BaseException):
-                log.warning("step %d shard %d: send to %s failed (%s); will retry", step, shard, t, res)
-            else:
-                pending.pop(i)
+        live = {i for i in pending if rt.node.is_alive(targets[i])}
+        if live:
+            send = asyncio.create_task(
+                scatter(rt.channel, batch, consumers, step=step, source_rank=shard, timeout=cfg.step_timeout_s,
+                        balance=cfg.route_by, num_sources=len(groups.rollout), extra_meta=extra, only=live),
+                name=f"send-step{step}-shard{shard}")
+            try:
+                while not send.done():
+                    await asyncio.wait([send], timeout=1.0)
+                    if not send.done() and check is not None:
+                        check()  # raises (and the finally cancels the send) when the trainers are gone
+                pending -= live
+                send.result()
+            except ScatterError as e:
+                log.warning("step %d shard %d: %s; will retry", step, shard, e)
+                pending |= {i for i in live if targets[i] not in e.delivered}
+            finally:
+                if not send.done():
+                    send.cancel()
         if pending:
             if check is not None:
                 check()
             if trainer_step(rt, groups) > step:
                 return  # the trainers trained this step without us (the shard was adopted)
             if time.monotonic() > deadline:
-                raise PeerLostError(f"step {step}: trainers {list(pending.values())} unreachable "
-                                    f"for {rt.cfg.step_timeout_s:.0f}s")
+                raise PeerLostError(f"step {step}: trainers {[targets[i] for i in sorted(pending)]} unreachable "
+                                    f"for {cfg.step_timeout_s:.0f}s")
             await asyncio.sleep(0.5)
 
 
