@@ -45,9 +45,8 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     if query.shape[0] != 1:
         raise ValueError(f"varlen attention: a packed batch is one row, got {query.shape[0]} rows")
     gqa = query.shape[1] != key.shape[1]
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):  # FlashAttention's dtypes
-        from torch.nn.attention.varlen import varlen_attn
-
+    varlen_attn = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    if varlen_attn is not None:  # FlashAttention's dtypes, on a torch that has it
         cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
         longest = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
@@ -61,6 +60,15 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     pieces = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
               for q, k, v, n in zip(qs, ks, vs, lens) if n > 0]
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _flash_varlen():
+    """torch's FlashAttention varlen kernel, or None on a torch without it (then per-sample SDPA)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 def _varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
