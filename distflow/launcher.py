@@ -120,9 +120,18 @@ def _node_command() -> list[str]:
 
 
 def check_functions(cfg: Config) -> None:
-    """Resolve every workflow function (rewards, estimators, losses) now, before any node starts."""
+    """Resolve every workflow function (rewards, estimators, losses) now, before any node starts.
+    Built-in names are checked against torch-free name tables (start-up); a dotted
+    ``package.module:function`` is imported, and an unknown name gets the resolver's error
+    (with a did-you-mean)."""
+    from distflow.rl.names import COMPUTE_NAMES, POLICY_LOSS_NAMES
     from distflow.rollout.rewards import resolve_reward
-    from distflow.rl.registry import COMPUTE_FUNCTIONS as ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
+
+    def check(names: tuple[str, ...], fn: str, what: str) -> None:
+        if fn not in names:
+            from distflow.rl.registry import resolve
+
+            resolve(dict.fromkeys(names), fn, what)
 
     for node in cfg.workflow:
         kind = (node.role.value, node.type.value)
@@ -130,9 +139,9 @@ def check_functions(cfg: Config) -> None:
             if kind == ("REWARD", "COMPUTE"):
                 resolve_reward(node.fn)
             elif kind == ("ACTOR", "COMPUTE"):
-                resolve(ADVANTAGE_ESTIMATORS, node.fn, "advantage estimator")
+                check(COMPUTE_NAMES, node.fn, "advantage estimator")
             elif kind == ("ACTOR", "MODEL_TRAIN"):
-                resolve(POLICY_LOSSES, node.fn, "policy loss")
+                check(POLICY_LOSS_NAMES, node.fn, "policy loss")
         except Exception as e:
             raise SystemExit(f"distflow: workflow node {node.id!r}: {e}") from None
 

@@ -212,3 +212,12 @@ def test_registries_and_config_agree() -> None:
     assert {"grpo", "ppo", "dapo", "gspo", "cispo", "reinforce_pp"} <= set(POLICY_LOSSES)
     assert {"gae", "dynamic_sampling", "reinforce_pp", "reinforce_pp_baseline"} <= set(COMPUTE_FUNCTIONS)
     assert set(GROUP_ESTIMATORS) <= set(COMPUTE_FUNCTIONS)
+
+
+def test_torch_free_names_match_the_registries() -> None:
+    """`distflow run` checks workflow names against distflow.rl.names (no torch import); they
+    must be exactly the registries' names."""
+    from distflow.rl.names import COMPUTE_NAMES, POLICY_LOSS_NAMES
+
+    assert sorted(COMPUTE_NAMES) == sorted(COMPUTE_FUNCTIONS)
+    assert sorted(POLICY_LOSS_NAMES) == sorted(POLICY_LOSSES)

@@ -1,0 +1,12 @@
+"""The names of the built-in RL functions, importable without torch.
+
+Why it exists: ``distflow run`` checks every workflow ``fn`` before it starts a node, and
+importing the maths (torch) just to read their names would put a second on the start-up
+of every run. :mod:`distflow.rl.registry` maps these same names to the functions; a test
+keeps the two in step.
+"""
+
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+TOKEN_ESTIMATOR_NAMES = ("gae",)
+COMPUTE_NAMES = ADVANTAGE_NAMES + TOKEN_ESTIMATOR_NAMES + ("dynamic_sampling",)
+POLICY_LOSS_NAMES = ("grpo", "ppo", "dapo", "reinforce_pp", "gspo", "cispo")
