@@ -32,9 +32,11 @@ import torch.distributed as dist
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
-from distflow.device import collective_device, node_device
+from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
-from distflow.trainer.packing import ModelInputs, dummy_inputs, pad_inputs, plan_micro_batches, split_mini_batches
+from distflow.trainer.actor import all_reduce, step_micro_batches
+from distflow.trainer.model import DTYPES, disable_dropout, shard_mixed_precision
+from distflow.trainer.packing import ModelInputs, split_mini_batches
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,6 @@ __all__ = ["ValueModel", "Critic", "CRITIC_DIR", "WEIGHTS_FILE"]
 CRITIC_DIR = "critic"
 WEIGHTS_FILE = "value_model.safetensors"
 OPTIM_DIR = "optimizer"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class ValueModel(torch.nn.Module):
     """A decoder (``model``: the ``.model`` of a ``*ForCausalLM``) and a scalar ``value_head``."""
 
@@ -93,35 +92,14 @@ def build_value_model(path: str) -> ValueModel:
     return ValueModel(decoder, lm.config.hidden_size, lm.config)
 
 
-def _shard(vm: ValueModel, mesh: Any, compute_dtype: torch.dtype) -> ValueModel:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if compute_dtype != torch.float32:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in getattr(vm.model, "layers", None) or []:
-        fully_shard(layer, **kwargs)
-    fully_shard(vm, **kwargs)
-    return vm
-
-
-def _all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
 def _micro_batches(batch: SampleBatch, idx: list[int], micro_batch_size: int
                    ) -> Iterator[tuple[list[int] | None, ModelInputs]]:
-    """Micro-batches over the samples ``idx`` of ``batch``, the same count on every rank
-    (all-reduce MAX; dummies ``(None, dummy_inputs())`` pad the ranks with fewer)."""
-    prompts, responses = batch.ragged("prompt_tokens"), batch.ragged("response_tokens")
-    plan = [[idx[j] for j in chunk] for chunk in plan_micro_batches([0] * len(idx), micro_batch_size=micro_batch_size)]
-    n = int(_all_reduce([len(plan)], dist.ReduceOp.MAX)[0])
-    for chunk in plan:
-        yield chunk, pad_inputs([prompts[i] for i in chunk], [responses[i] for i in chunk])
-    for _ in range(n - len(plan)):
-        yield None, dummy_inputs()
+    """The actor's micro-batch rule (:func:`distflow.trainer.actor.step_micro_batches`: the
+    same count on every rank, dummies for ranks with fewer) over the samples ``idx`` of
+    ``batch``; chunk indices are indices into ``batch``."""
+    sub = batch if idx == list(range(len(batch))) else batch.select(idx)
+    for chunk, inputs in step_micro_batches(sub, micro_batch_size=micro_batch_size, max_tokens=None):
+        yield (None if chunk is None else [idx[j] for j in chunk]), inputs
 
 
 class Critic:
@@ -138,7 +116,7 @@ class Critic:
         source = str(resume) if resume is not None and resume.is_dir() else (cfg.critic_path or cfg.model_path)
         vm = build_value_model(source).to(self.device)
         self.config = vm.config
-        self.model = _shard(vm, mesh, DTYPES[cfg.dtype]).train()
+        self.model = shard_mixed_precision(disable_dropout(vm), mesh, DTYPES[cfg.dtype]).train()
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic_lr or cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
         self.steps = 0
@@ -176,7 +154,7 @@ class Critic:
         lens = batch.tensors["response_lens"]
         for _ in range(cfg.ppo_epochs):
             for mini in split_mini_batches(len(batch), cfg.mini_batches_per_step):
-                tokens = _all_reduce([float(lens[mini].sum()) if mini else 0.0])[0]
+                tokens = all_reduce([float(lens[mini].sum()) if mini else 0.0])[0]
                 normalizer = max(tokens, 1.0) / self.world
                 self.optim.zero_grad(set_to_none=True)
                 for chunk, inputs in _micro_batches(batch, mini, cfg.micro_batch_size):
@@ -201,7 +179,7 @@ class Critic:
                 steps += 1
         self.steps += steps
         keys = list(sums)
-        out = dict(zip(keys, _all_reduce([sums[k] for k in keys])))
+        out = dict(zip(keys, all_reduce([sums[k] for k in keys])))
         out.update(vf_grad_norm=grad_norm, critic_steps=float(steps))
         return out
 
