@@ -24,7 +24,10 @@ the raw transport. Everything is measured in one run, on this machine, with real
      (work conservation: p2p wall >= its CPU time / cores), so it bounds ``p2p_vs_single`` on
      this machine (to within the little work counted after the clock stops: acks, replies);
    * ``busiest_cpu_ratio``: busiest single-controller process / busiest peer-to-peer process,
-     i.e. the speed-up when every process has its own core, as on a cluster.
+     i.e. the speed-up when every process has its own core, as on a cluster;
+   * ``*_thread_cpu_ms``: the part of the total spent outside the processes' main threads (the
+     zmq I/O threads), which tells Python work from transport work.
+   ``--shm-copy-below`` / ``--shm-release-delay`` set those shm channel keywords for an A/B run.
 2. Channel bandwidth, one sender process and one receiver process, 16 MiB messages, each
    acknowledged (``--window`` messages in flight, same for channel and baseline):
    * zmq channel (signed header; 16 MiB is streamed in 1 MiB chunks, each AES-GMAC'd; acked) vs a plain TCP socket
@@ -129,7 +132,7 @@ def worker_main() -> None:
         rid, cmd = req["id"], req["cmd"]
         try:
             if cmd == "init":
-                ch = make_channel(req["kind"], req["node"], SECRET)
+                ch = make_channel(req["kind"], req["node"], SECRET, **req.get("chan_kw", {}))
                 shard = BufferShard(1 << 20)
                 if req.get("sink"):
                     async def sink(env: Any) -> None:
@@ -300,7 +303,13 @@ def get(fut: Future, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
 
 def cpu_ns(pid: int) -> int | None:
     """CPU time of every thread of ``pid`` in ns (/proc/<pid>/task/*/schedstat); None if unavailable."""
-    total = 0
+    both = cpu_ns_split(pid)
+    return None if both is None else both[0] + both[1]
+
+
+def cpu_ns_split(pid: int) -> tuple[int, int] | None:
+    """(main thread, all other threads: zmq I/O, pyzmq gc) CPU ns of ``pid``; None if unavailable."""
+    main = other = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -308,22 +317,28 @@ def cpu_ns(pid: int) -> int | None:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                ns = int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             continue  # a thread that just exited
-    return total
+        if tid == str(pid):
+            main += ns
+        else:
+            other += ns
+    return main, other
 
 
 class Cluster:
     """2*max_n + 1 worker processes: producers, consumers and the controller, one node each."""
 
-    def __init__(self, max_n: int, kind: str):
+    def __init__(self, max_n: int, kind: str, chan_kw: dict[str, Any] | None = None):
         self.prods = [Worker() for _ in range(max_n)]
         self.cons = [Worker() for _ in range(max_n)]
         self.ctrl = Worker()
-        inits = [w.ask("init", kind=kind, node=f"p{i}", batch=True, seed=i) for i, w in enumerate(self.prods)]
-        cinits = [w.ask("init", kind=kind, node=f"c{i}") for i, w in enumerate(self.cons)]
-        ctl = get(self.ctrl.ask("init", kind=kind, node="ctl"))
+        kw = chan_kw or {}
+        inits = [w.ask("init", kind=kind, node=f"p{i}", batch=True, seed=i, chan_kw=kw)
+                 for i, w in enumerate(self.prods)]
+        cinits = [w.ask("init", kind=kind, node=f"c{i}", chan_kw=kw) for i, w in enumerate(self.cons)]
+        ctl = get(self.ctrl.ask("init", kind=kind, node="ctl", chan_kw=kw))
         transports = {get(f)["transport"] for f in inits} | {ctl["transport"]}
         cports = [get(f) for f in cinits]
         transports |= {c["transport"] for c in cports}
@@ -347,7 +362,7 @@ class Cluster:
             relay = self.ctrl.ask("relay", step=step, sources=prods, consumers=cons)
             targets = self.ctrl_ep
         time.sleep(0.05)  # consumers are waiting before the clock starts
-        before = {r: [cpu_ns(w.proc.pid) for w in ws] for r, ws in roles.items()}
+        before = {r: [cpu_ns_split(w.proc.pid) for w in ws] for r, ws in roles.items()}
         t0 = now()
         sends = [w.ask("scatter", step=step, consumers=targets, rank=i) for i, w in enumerate(self.prods[:n])]
         for f in sends:
@@ -357,15 +372,16 @@ class Cluster:
         done = [get(f) for f in takes]
         wall = max(d["t"] for d in done) - t0
         time.sleep(0.05)  # let trailing work (acks, shm releases) finish before reading CPU
-        after = {r: [cpu_ns(w.proc.pid) for w in ws] for r, ws in roles.items()}
+        after = {r: [cpu_ns_split(w.proc.pid) for w in ws] for r, ws in roles.items()}
         # every sample arrives exactly once, at its owner (counted by id)
         expected = {f"{p}:{step}:{i}" for p in prods for i in range(PER_PRODUCER)}
         got = [s for d in done for s in d["ids"]]
         if len(got) != len(expected) or set(got) != expected:
             raise AssertionError(f"step {step} ({mode}, N={n}): {len(got)} samples delivered, "
                                  f"{len(expected)} expected, {len(set(got) ^ expected)} ids wrong")
-        cpu = {r: [(a - b) / 1e6 for a, b in zip(after[r], before[r]) if a is not None and b is not None]
-               for r in roles}
+        ok = {r: [(a, b) for a, b in zip(after[r], before[r]) if a is not None and b is not None] for r in roles}
+        cpu = {r: [(sum(a) - sum(b)) / 1e6 for a, b in ok[r]] for r in roles}
+        cpu["threads"] = [sum((a[1] - b[1]) / 1e6 for a, b in ok[r]) for r in roles]  # non-main threads
         return wall, cpu
 
     def stop(self) -> None:
@@ -406,17 +422,21 @@ def handoff_figures(cluster: Cluster, n: int, reps: int, cores: int, figures: di
         return statistics.median(f(c) for c in cpus[mode])
 
     total = {m: med(m, lambda c: sum(c["prod"]) + sum(c["cons"]) + sum(c["ctrl"])) for m in cpus}
+    threads = {m: med(m, lambda c: sum(c["threads"])) for m in cpus}
     busiest = {m: med(m, lambda c: max(c["prod"] + c["cons"] + c["ctrl"])) for m in cpus}
     ctrl = med("single", lambda c: c["ctrl"][0])
     ceiling = cores * single / total["p2p"]
     prod, cons = med("p2p", lambda c: statistics.mean(c["prod"])), med("p2p", lambda c: statistics.mean(c["cons"]))
     print(f"      CPU per handoff: peer-to-peer {total['p2p']:.1f} ms in all (producer {prod:.1f}, consumer "
-          f"{cons:.1f} each); single {total['single']:.1f} ms in all, controller {ctrl:.1f}")
+          f"{cons:.1f} each); single {total['single']:.1f} ms in all, controller {ctrl:.1f}; of which "
+          f"non-main threads (zmq I/O) p2p {threads['p2p']:.1f}, single {threads['single']:.1f}")
     print(f"      ceiling on {cores} cores = cores x single / p2p CPU = {ceiling:.2f}x; busiest process "
           f"{busiest['single']:.1f} vs {busiest['p2p']:.1f} ms = {busiest['single'] / busiest['p2p']:.2f}x "
           f"(one core per process)")
     figures.update({f"p2p_cpu_ms_{n}": round(total["p2p"], 1), f"single_cpu_ms_{n}": round(total["single"], 1),
-                    f"controller_cpu_ms_{n}": round(ctrl, 1), f"p2p_vs_single_ceiling_{n}": round(ceiling, 3),
+                    f"controller_cpu_ms_{n}": round(ctrl, 1), f"p2p_thread_cpu_ms_{n}": round(threads["p2p"], 1),
+                    f"single_thread_cpu_ms_{n}": round(threads["single"], 1),
+                    f"p2p_vs_single_ceiling_{n}": round(ceiling, 3),
                     f"busiest_cpu_ms_p2p_{n}": round(busiest["p2p"], 1),
                     f"busiest_cpu_ms_single_{n}": round(busiest["single"], 1),
                     f"busiest_cpu_ratio_{n}": round(busiest["single"] / busiest["p2p"], 3)})
@@ -467,6 +487,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="2,4,8")
     ap.add_argument("--window", type=int, default=1, help="messages in flight in the bandwidth part")
     ap.add_argument("--parts", default="handoff,bandwidth", help="which parts to run (comma-separated)")
+    ap.add_argument("--shm-copy-below", type=int, default=None,
+                    help="handoff: the shm channel's shm_copy_below (bytes; default: the channel's own)")
+    ap.add_argument("--shm-release-delay", type=float, default=None,
+                    help="handoff: the shm channel's shm_release_delay (seconds; default: the channel's own)")
     args = ap.parse_args()
     if args.worker:
         worker_main()
@@ -481,14 +505,18 @@ def main() -> None:
     if parts - {"handoff", "bandwidth"}:
         ap.error(f"--parts: unknown part(s) {sorted(parts - {'handoff', 'bandwidth'})} (known: handoff, bandwidth)")
     if "handoff" in parts:
-        run_handoff(sizes, reps, cores, args.channel, per_sample, figures)
+        chan_kw = {k: v for k, v in (("shm_copy_below", args.shm_copy_below),
+                                     ("shm_release_delay", args.shm_release_delay)) if v is not None}
+        figures.update(chan_kw)
+        run_handoff(sizes, reps, cores, args.channel, per_sample, figures, chan_kw)
     if "bandwidth" in parts:
         run_bandwidth(args.quick, args.window, figures)
     print(json.dumps(figures))
 
 
-def run_handoff(sizes: list[int], reps: int, cores: int, channel: str, per_sample: int, figures: dict[str, Any]) -> None:
-    cluster = Cluster(max(sizes), channel)
+def run_handoff(sizes: list[int], reps: int, cores: int, channel: str, per_sample: int, figures: dict[str, Any],
+                chan_kw: dict[str, Any] | None = None) -> None:
+    cluster = Cluster(max(sizes), channel, chan_kw)
     print(f"machine: {cores} cores; payload {per_sample / 1024:.0f} KiB/sample, {PER_PRODUCER} samples "
           f"({PER_PRODUCER * per_sample / 2**20:.1f} MiB) per producer; channel {channel} "
           f"(transport {cluster.transport}); times in ms, median [min-max] of {reps} paired repetitions")

@@ -2,14 +2,16 @@
 
 Why it exists: weight sync sits on every training step's critical path to the rollout nodes,
 and the issue's claim is that moving weights bucket by bucket through the right tier beats
-gathering the whole model first. Two real processes: a trainer (an FSDP2 model, gloo, world
-size 1, ``--mib`` MiB of fp32 weights in 16 MiB layers) and a rollout node (an "engine": a
-dict of preallocated weights it copies every update into, in place, as a real engine does).
+gathering the whole model first. Three real processes: two trainer ranks (an FSDP2 model,
+gloo, world size 2, ``--mib`` MiB of fp32 weights in 16 MiB layers; rank 0 serves the rollout
+node, rank 1 serves nobody) and a rollout node (an "engine": a dict of preallocated weights
+it copies every update into, in place, as a real engine does).
 
 * naive (the path before this change): ``full_tensor()`` of every parameter into fresh pageable
   CPU tensors (one dict, the whole model at once), then 64 MiB buckets over the channel,
   assembled into one dict on the rollout node, then copied into the engine;
-* channel tier over ``shm`` and ``zmq``: ``iter_weight_buckets`` (gather bucket by bucket) fed to
+* channel tier over ``shm`` and ``zmq``: ``iter_weight_buckets`` (bucket by bucket, the shards sent
+  to the serving rank only, straight into the bucket buffer: on shm a slot lent by the channel) fed to
   ``WeightPublisher.publish_iter`` (bucket k on the wire while k+1 is gathered), the rollout's
   ``WeightInbox`` hands the buckets unmerged to the engine;
 * on CUDA (when present): ``cuda_ipc`` and ``nccl`` tiers and pinned staging (not run without a GPU).

@@ -234,3 +234,35 @@ def test_bad_arguments_are_clear_errors():
             await s.take_step(0, "a", timeout=1)
 
     run(main())
+
+
+def test_split_into_writes_parts_into_given_memory_and_matches_select():
+    """Each part lands in its own buffer (views of it), bfloat16 and empty groups included, and equals
+    ``select``; a part whose allocator gives nothing becomes a private copy."""
+    from distflow.buffer.routing import owner_groups, owners, split_into
+
+    lens_p, lens_r = [2, 0, 3, 1, 4], [1, 3, 0, 2, 2]
+    b = SampleBatch([f"q{i}" for i in range(5)], [f"e0:{i}" for i in range(5)], {
+        "prompt_lens": torch.tensor(lens_p), "prompt_tokens": torch.arange(10),
+        "response_lens": torch.tensor(lens_r), "response_tokens": torch.arange(100, 108),
+        "logprobs": torch.arange(8, dtype=torch.bfloat16) / 4, "reward": torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5])})
+    assert owners(b.sample_ids, 3) == [owner(s, 3) for s in b.sample_ids]
+    groups = [[4, 1], [], [0, 2, 3]]  # any order, an empty group too
+    bufs = [torch.zeros(1024, dtype=torch.uint8), None, torch.zeros(1024, dtype=torch.uint8)]
+    parts = split_into(b, groups, [lambda n, k=k: None if bufs[k] is None else bufs[k][:n] for k in range(3)])
+    for part, g, buf in zip(parts, groups, bufs):
+        want = b.select(g)
+        assert part.sample_ids == want.sample_ids
+        for name, t in want.tensors.items():
+            assert part.tensors[name].dtype == t.dtype and torch.equal(part.tensors[name], t), name
+            if buf is not None and t.numel():  # a view of the given memory, 64-byte aligned
+                off = part.tensors[name].data_ptr() - buf.data_ptr()
+                assert 0 <= off < 1024 and off % 64 == 0, name
+    # hand-checked: part 0 = samples 4, 1 -> prompt tokens [6..9] + [] ; responses [106, 107] + [101, 102, 103]
+    assert parts[0].tensors["prompt_tokens"].tolist() == [6, 7, 8, 9]
+    assert parts[0].tensors["response_tokens"].tolist() == [106, 107, 101, 102, 103]
+    assert parts[0].tensors["logprobs"].tolist() == [1.5, 1.75, 0.25, 0.5, 0.75]
+    assert [len(p) for p in split_into(b, owner_groups(b, 2), [lambda n: None] * 2)] == \
+        [len(g) for g in owner_groups(b, 2)]
+    with pytest.raises(TypeError, match="sample_id must be a str"):
+        owners(["a", 3], 2)

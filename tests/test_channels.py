@@ -631,9 +631,13 @@ def test_shm_slots_are_reused_released_and_never_left_named():
         assert a.stats()["shm_slots_busy"] == 3
         assert all(torch.equal(k["x"], x["x"]) for k in kept)
         kept.clear()
-        gc.collect()
-        await asyncio.sleep(0.1)
-        assert a.stats()["shm_slots_busy"] == 0 and b.stats()["shm_releases_sent"] == 9
+        gc.collect()  # the releases wait for the next ack to this sender (no message of their own)
+        assert a.stats()["shm_slots_busy"] == 3
+        keep = False
+        await a.send(ep(b), "k", {}, x, timeout=5)
+        st = a.stats()
+        assert st["shm_slots_busy"] == 0 and st["shm_slots"] == 4  # the 4th send needed a fresh slot
+        assert b.stats()["shm_releases_sent"] == 10 and b.stats()["shm_release_msgs"] == 0
         await a.close()
         await b.close()
 
@@ -686,9 +690,13 @@ def test_shm_small_payloads_are_copied_out_so_handlers_may_keep_them():
         await a.send(ep(b), "k", {}, {"x": big}, timeout=5)
         assert torch.equal(kept[-1], big) and a.stats()["shm_slots_busy"] == 1  # kept view pins its slot
         kept.clear()
-        gc.collect()
-        await asyncio.sleep(0.1)
+        gc.collect()  # 1 MiB or more: released at once, in a message of its own
+        for _ in range(1000):  # poll for it (bounded)
+            if a.stats()["shm_slots_busy"] == 0:
+                break
+            await asyncio.sleep(0.01)
         assert a.stats()["shm_slots_busy"] == 0 and b.stats()["shm_releases_sent"] == 5
+        assert b.stats()["shm_release_msgs"] == 1
         await a.close()
         await b.close()
 
@@ -698,6 +706,36 @@ def test_shm_small_payloads_are_copied_out_so_handlers_may_keep_them():
 def test_shm_copy_threshold_is_validated():
     with pytest.raises(ValueError, match="shm_copy_below must be a non-negative int"):
         make_channel("shm", "a", SECRET, shm_copy_below=-1)
+    with pytest.raises(ValueError, match="shm_release_delay must be a number of seconds"):
+        make_channel("shm", "a", SECRET, shm_release_delay=-1)
+
+
+def test_shm_release_of_a_kept_view_goes_alone_when_no_ack_comes():
+    """A view freed after the ack, with no later message to that sender, is released in a signed
+    message of its own once ``shm_release_delay`` passed (the sender may reuse the slot)."""
+
+    async def main():
+        a, b = await pair("shm", shm_copy_below=0, shm_release_delay=0.05)
+        kept: list[torch.Tensor] = []
+
+        async def handler(env):
+            kept.append(env.tensors["x"])
+
+        b.set_handler(handler)
+        await a.send(ep(b), "k", {}, {"x": torch.arange(100_000)}, timeout=5)
+        assert a.stats()["shm_slots_busy"] == 1 and torch.equal(kept[0], torch.arange(100_000))
+        kept.clear()
+        gc.collect()
+        for _ in range(1000):  # the release travels as its own message: poll for it (bounded)
+            if a.stats()["shm_slots_busy"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert a.stats()["shm_slots_busy"] == 0
+        assert b.stats()["shm_release_msgs"] == 1 and b.stats()["shm_releases_sent"] == 1
+        await a.close()
+        await b.close()
+
+    run(main())
 
 
 def test_shm_falls_back_to_frames_when_the_receiver_cannot_map():
@@ -883,7 +921,7 @@ def test_nccl_moves_cuda_tensors_between_devices():
 # ---------------------------------------------------------------------------------------- shm lend
 def test_shm_lend_sends_a_filled_slot_without_copying_and_keeps_it_until_both_sides_let_go():
     async def main():
-        a, b = await pair("shm", shm_copy_below=0)  # the receiver keeps views (no copy-out)
+        a, b = await pair("shm", shm_copy_below=0, shm_release_delay=0.05)  # the receiver keeps views
         got: list[dict[str, torch.Tensor]] = []
 
         async def keep(env):

@@ -297,3 +297,31 @@ def test_shm_scatter_writes_parts_straight_into_lent_slots():
                 await c.close()
 
     asyncio.run(main())
+
+
+def test_parse_part_names_a_misrouted_sample_and_a_bad_step():
+    """The consumer checks every sample of an owner-balanced part against its owner (by id)."""
+    import torch
+
+    from distflow.buffer.batch import SampleBatch
+    from distflow.buffer.redistribute import parse_part
+    from distflow.core.channels import Envelope
+
+    ids = ["a", "b", "c", "d"]
+    part = owner(ids[0], 2)
+    mine = [s for s in ids if owner(s, 2) == part]
+    other = next(s for s in ids if owner(s, 2) != part)
+
+    def env(sids, step=3):
+        b = SampleBatch.from_lists(sids, [f"e0:{i}" for i in range(len(sids))], [[1]] * len(sids), [[2, 3]] * len(sids))
+        meta, tensors = b.to_wire()
+        meta.update(step=step, source_rank=0, num_sources=1, part=part, num_parts=2, balance="owner")
+        return Envelope("p0", "samples", meta, tensors)
+
+    step, got = parse_part(env(mine))
+    assert step == 3 and got.sample_ids == mine and got.tensors["response_tokens"].tolist() == [2, 3] * len(mine)
+    with pytest.raises(ValueError, match=f"sample '{other}' from p0 was routed to consumer {part} of 2"):
+        parse_part(env(mine + [other]))
+    with pytest.raises(ValueError, match="'step' must be a non-negative int"):
+        parse_part(env(mine, step=-1))
+    assert torch.equal(got.tensors["prompt_lens"], torch.ones(len(mine), dtype=torch.int64))

@@ -261,6 +261,40 @@ def test_publish_iter_pipelines_and_non_serving_rank_drains() -> None:
     asyncio.run(main())
 
 
+def test_full_sync_lets_go_of_the_previous_version_when_the_next_begins() -> None:
+    """Full sync never reads version v-1 again once v begins: its buffers (on shm: slots lent by
+    the channel) must be free while v is gathered, so a serving rank holds one model, not two.
+    Delta sync keeps v-1 until v is complete (it compares against it)."""
+    import gc
+    import weakref
+
+    async def main() -> None:
+        a, b = await _pair("shm")
+        b.set_handler(WeightInbox().receive)
+        try:
+            for sync, kept in (("full", False), ("delta", True)):
+                pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                                      lambda _: False, timeout=10, sync=sync)  # peer down: nothing reads v1
+                try:
+                    v1 = weights(1, {})
+                    refs = [weakref.ref(t) for t in v1.values()]
+                    pub.offer(1, v1)
+                    del v1
+                    ver = pub.begin(2)  # v2 is being ingested
+                    gc.collect()
+                    assert sum(r() is not None for r in refs) == (len(NAMES) if kept else 0), sync
+                    pub._finish(ver)
+                    gc.collect()
+                    assert all(r() is None for r in refs), sync  # complete: v1 is gone either way
+                finally:
+                    await pub.close()
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
 def test_resolve_transport_by_locality() -> None:
     from distflow.rl.weight_transport import resolve_transport
 

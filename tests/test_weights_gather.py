@@ -33,9 +33,33 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
         with torch.no_grad():  # make the weights rank-independent but not the checkpoint's
             for p in model.parameters():
                 p.add_(0.5)
-        buckets = list(iter_weight_buckets(model, BUCKET, keep=(rank == 0), device="cpu"))
-        again = list(iter_weight_buckets(model, BUCKET, keep=(rank == 1), device="cpu", dtype=torch.bfloat16))
-        torch.save({"buckets": buckets, "again": again}, os.path.join(out_dir, f"rank{rank}.pt"))
+        calls = {"all_gather": 0, "p2p": 0}
+        real_ag, real_p2p = dist.all_gather_single, dist.batch_isend_irecv
+
+        def counting_ag(*a, **k):
+            calls["all_gather"] += 1
+            return real_ag(*a, **k)
+
+        def counting_p2p(ops):
+            calls["p2p"] += 1
+            return real_p2p(ops)
+
+        dist.all_gather_single, dist.batch_isend_irecv = counting_ag, counting_p2p
+        try:
+            # one serving rank: the shards are sent to it only (one flags all-gather, then point-to-point)
+            buckets = list(iter_weight_buckets(model, BUCKET, keep=(rank == 0), device="cpu"))
+            one_server = dict(calls)
+            again = list(iter_weight_buckets(model, BUCKET, keep=(rank == 1), device="cpu", dtype=torch.bfloat16))
+            calls.update(all_gather=0, p2p=0)
+            both = list(iter_weight_buckets(model, BUCKET, keep=True, device="cpu"))  # every rank serves: all-gather
+            every_server = dict(calls)
+            calls.update(all_gather=0, p2p=0)
+            nobody = list(iter_weight_buckets(model, BUCKET, keep=False, device="cpu"))  # nothing moves at all
+            no_server = dict(calls)
+        finally:
+            dist.all_gather_single, dist.batch_isend_irecv = real_ag, real_p2p
+        torch.save({"buckets": buckets, "again": again, "both": both, "nobody": nobody, "one_server": one_server,
+                    "every_server": every_server, "no_server": no_server}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -50,10 +74,19 @@ def test_bucketed_gather_of_fsdp2_model_equals_unsharded_weights(toy_model: Path
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
     assert r0["again"] == [] and r1["buckets"] == []  # discarding ranks yield nothing
+    assert r0["nobody"] == [] and r1["nobody"] == []
+    # the toy state dict: 21 tensors, all row-sharded; 2 of them (embed_tokens, lm_head: 17 rows) uneven
+    for r in (r0, r1):
+        # one serving rank: only the 1-element flags all-gather, then one point-to-point batch per tensor
+        assert r["one_server"] == {"all_gather": 1, "p2p": 21}, r["one_server"]
+        # every rank serves: the flags, then one all-gather per even tensor (the 2 uneven: full_tensor)
+        assert r["every_server"] == {"all_gather": 1 + 19, "p2p": 0}, r["every_server"]
+        assert r["no_server"] == {"all_gather": 1, "p2p": 0}, r["no_server"]  # nobody keeps: only the flags
 
     ref = load_causal_lm(str(toy_model), torch.float32, torch.device("cpu")).state_dict()
     expect = {k: v + 0.5 for k, v in ref.items()}
-    for buckets, dtype in ((r0["buckets"], torch.float32), (r1["again"], torch.bfloat16)):
+    for buckets, dtype in ((r0["buckets"], torch.float32), (r1["again"], torch.bfloat16),
+                           (r0["both"], torch.float32), (r1["both"], torch.float32)):
         assert len(buckets) > 2
         names = [n for b in buckets for n in b]
         assert names == list(expect)  # state-dict order, each tensor exactly once
@@ -119,3 +152,55 @@ def test_gather_leaves_grad_mode_alone_between_buckets():
     assert all(not t.requires_grad for t in first.values())
     rest = list(it)
     assert torch.is_grad_enabled() and len(rest) >= 1
+
+
+def _nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distflow.device import node_device
+    from distflow.trainer.gather import iter_weight_buckets
+
+    os.environ["DISTFLOW_LOCAL_GPU"] = str(rank)
+    dev = node_device("cuda")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev)
+    try:
+        torch.manual_seed(0)  # the same initial weights on both ranks
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Embedding(17, 64)).to(dev)
+        full = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        mesh = init_device_mesh("cuda", (world,))
+        for m in model:
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        kept = list(iter_weight_buckets(model, 20_000, keep=(rank == 0), device=dev))
+        pinned = list(iter_weight_buckets(model, 20_000, keep=(rank == 1), device=dev, place="pinned",
+                                          dtype=torch.bfloat16))
+        both = list(iter_weight_buckets(model, 20_000, keep=True, device=dev))
+        assert all(t.is_cuda for b in kept + both for t in b.values())
+        assert all(t.is_pinned() for b in pinned for t in b.values())
+        cpu = lambda bs: [{k: v.cpu() for k, v in b.items()} for b in bs]  # noqa: E731
+        torch.save({"full": full, "kept": cpu(kept), "pinned": cpu(pinned), "both": cpu(both)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_serving_rank_gather_over_nccl(tmp_path: Path) -> None:
+    """NCCL: rank 0 alone keeps (point-to-point into GPU buckets), then rank 1 alone (pinned, bf16),
+    then both (all-gather); the 17-row embedding is sharded unevenly."""
+    from distflow.launcher import _free_ports
+
+    port = _free_ports("127.0.0.1", 1)[0]
+    mp.start_processes(_nccl_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0["pinned"] == [] and r1["kept"] == []
+    for buckets, dtype in ((r0["kept"], torch.float32), (r1["pinned"], torch.bfloat16), (r0["both"], torch.float32),
+                           (r1["both"], torch.float32)):
+        got = {n: t for b in buckets for n, t in b.items()}
+        assert list(got) == list(r0["full"])
+        for n, t in got.items():
+            assert t.dtype == dtype and torch.equal(t, r0["full"][n].to(dtype)), n

@@ -40,19 +40,21 @@ class SampleBatch:
             self.extras = [{} for _ in range(n)]
         if len(self.extras) != n:
             raise ValueError(f"SampleBatch: {n} samples but {len(self.extras)} extras")
+        totals: dict[str, int] = {}  # each lengths tensor summed once (a tensor op costs a few us)
         for name, t in self.tensors.items():
             lens_name = LENGTHS.get(name)
             if lens_name is None:
                 if t.dim() != 1 or t.shape[0] != n:
                     raise ValueError(f"SampleBatch field {name!r}: expected shape [{n}], got {list(t.shape)}")
             else:
-                lens = self.tensors.get(lens_name)
-                if lens is None:
-                    raise ValueError(f"SampleBatch field {name!r} needs {lens_name!r}")
-                if t.dim() != 1 or t.shape[0] != int(lens.sum()):
-                    raise ValueError(
-                        f"SampleBatch field {name!r}: expected {int(lens.sum())} flat values, got {list(t.shape)}"
-                    )
+                total = totals.get(lens_name)
+                if total is None:
+                    lens = self.tensors.get(lens_name)
+                    if lens is None:
+                        raise ValueError(f"SampleBatch field {name!r} needs {lens_name!r}")
+                    total = totals[lens_name] = int(lens.sum())
+                if t.dim() != 1 or t.shape[0] != total:
+                    raise ValueError(f"SampleBatch field {name!r}: expected {total} flat values, got {list(t.shape)}")
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -12,7 +12,7 @@ BufferShard, applying its backpressure to the sending producer) and collect a st
 :func:`gather_step`. Sizes may be uneven; nothing requires equal chunks.
 
 On a channel that can lend shared memory (same host), each owner part is written straight
-into a slot lent for its consumer (:func:`routing.take_into`): the split is then the
+into a slot lent for its consumer (:func:`routing.split_into`): the split is then the
 producer's only copy of the bytes, and the send itself copies nothing.
 """
 
@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Collection, Sequence
 
 from distflow.buffer.batch import SampleBatch
-from distflow.buffer.routing import balance_by_tokens, owner, owner_groups, split_by_owner, take, take_into
+from distflow.buffer.routing import balance_by_tokens, owner_groups, owners, split_by_owner, split_into
 from distflow.buffer.shard import BufferShard
 from distflow.core.channels import Endpoint, Envelope, TensorChannel
 
@@ -118,7 +118,7 @@ def _split_in_place(channel: TensorChannel, batch: SampleBatch, consumers: list[
     groups = owner_groups(batch, len(consumers))
     if any(len(g) == len(batch) for g in groups):
         return None  # everything goes to one consumer: no split, no copy
-    return [take_into(batch, g, lambda n, c=c: lend(c, n)) or take(batch, g) for c, g in zip(consumers, groups)]
+    return split_into(batch, groups, [lambda n, c=c: lend(c, n) for c in consumers])
 
 
 def parse_part(env: Envelope) -> tuple[int, SampleBatch]:
@@ -130,10 +130,10 @@ def parse_part(env: Envelope) -> tuple[int, SampleBatch]:
     batch = SampleBatch.from_wire(meta, env.tensors)
     part, num_parts = meta.get("part"), meta.get("num_parts")
     if meta.get("balance") == "owner" and isinstance(part, int) and isinstance(num_parts, int) and num_parts > 0:
-        for sid in batch.sample_ids:
-            if owner(sid, num_parts) != part:
+        for sid, o in zip(batch.sample_ids, owners(batch.sample_ids, num_parts)):
+            if o != part:
                 raise ValueError(f"sample {sid!r} from {env.sender} was routed to consumer {part} of {num_parts}, "
-                                 f"but its owner is {owner(sid, num_parts)} (inconsistent consumer lists?)")
+                                 f"but its owner is {o} (inconsistent consumer lists?)")
     return step, batch
 
 

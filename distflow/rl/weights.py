@@ -295,8 +295,11 @@ class WeightPublisher:
             self._release(prev)
             prev = None
         ver = _Version(version, prev.floor if prev is not None and self.sync == "delta" else version)
-        ver.prev = prev  # read while ingesting (change marks), dropped when complete
         self._latest = ver
+        if self.sync == "delta":
+            ver.prev = prev  # read while ingesting (change marks), dropped when complete
+        elif prev is not None:  # full sync never reads it again: its memory (e.g. lent slots) goes back now
+            self._release(prev)
         self._wake.set()
         return ver
 

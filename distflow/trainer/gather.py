@@ -4,11 +4,16 @@ Why it exists: publishing used to gather the whole unsharded model to pageable C
 every trainer rank before the first byte was sent (``Actor.full_state_dict``). That costs a
 whole model of host memory on every rank, a slow pageable device->host copy on GPU, and it
 serialises gather and send. :func:`iter_weight_buckets` walks the state dict in order,
-all-gathers one parameter at a time (``DTensor.full_tensor`` is a collective: EVERY rank of
-the group must call it, in the same order) and yields buckets of at most ``bucket_bytes``
-(a single larger tensor is a bucket of its own) as soon as they fill, so the sender can
-put bucket k on the wire while bucket k+1 is gathered. Ranks that serve no rollout peer
-(``keep=False``) take part in the collectives and discard the result: they yield nothing.
+gathers one parameter at a time (a collective: EVERY rank of the group must call it, in the
+same order) and yields buckets of at most ``bucket_bytes`` (a single larger tensor is a
+bucket of its own) as soon as they fill, so the sender can put bucket k on the wire while
+bucket k+1 is gathered. Only the ranks that serve rollout peers (``keep=True``) need the full
+weights: when not every rank serves, each shard owner sends its rows point-to-point to the
+serving ranks only (with one serving rank of T, 1/T of an all-gather's bytes on the wire, and
+the other ranks receive and copy nothing); when every rank serves, one all-gather; when none
+does, nothing moves. Which of these runs is decided from the set of serving ranks, which
+every rank learns the same way (a tiny all-gather of the ``keep`` flags, once per sync), so
+the collectives always line up. Ranks with ``keep=False`` yield nothing.
 
 Where a bucket lives (``place``):
 
@@ -26,7 +31,7 @@ exactly ``model.state_dict()`` unsharded (optionally cast to ``dtype``).
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -70,44 +75,134 @@ class PinnedStaging:
         return out
 
 
-@torch.no_grad()
-def _gather_into(t: torch.Tensor, out: torch.Tensor | None) -> None:
-    """Write the unsharded value of ``t`` (a DTensor or a plain tensor) into ``out`` (a collective
-    for a sharded DTensor: every rank calls it, ``out`` None on ranks that discard the result).
+def _chain(a: Callable[[], Any] | None, b: Callable[[], Any] | None) -> Callable[[], Any] | None:
+    if a is None or b is None:
+        return a or b
+    return lambda: (a(), b())
 
-    FSDP2 shards dim 0 in equal chunks: when the rows divide evenly and ``out`` is on the
-    collective's device, the all-gather writes straight into ``out`` (no temporary copy of the
-    full tensor); otherwise ``full_tensor()`` and one copy. The choice depends only on the global
-    shape and the devices, so every rank makes the same collective calls.
+
+class _Gatherer:
+    """Runs the per-tensor collectives of one sync; the choice of collective is the same on every rank.
+
+    Per process group (the mesh of a DTensor) the ranks that keep the result are learnt once
+    (a 1-element all-gather of the ``keep`` flags, on the group's device): every rank then
+    knows the same serving set. Exactly which collective runs for a tensor depends only on
+    that set, the global shape and the placements:
+
+    * every rank keeps: one all-gather (as ``full_tensor()``), straight into ``out``;
+    * some ranks keep: each shard owner sends its rows point-to-point to each keeping rank,
+      which receives them straight into its rows of ``out`` (no rank that serves nobody
+      receives or copies anything; on the wire: (S/T)x the all-gather's bytes for S of T ranks);
+    * no rank keeps: nothing runs at all.
+
+    Operations are issued asynchronously and waited for a bucket at a time (:meth:`take`,
+    :meth:`wait`), so the small tensors of a bucket do not each pay a round trip, and the
+    next bucket's transfers are under way while one is handed out.
     """
-    if not hasattr(t, "full_tensor"):
-        if out is not None:
-            out.copy_(t.detach())
-        return
-    from torch.distributed.tensor import Shard
 
-    import torch.distributed as dist
+    def __init__(self, keep: bool):
+        self.keep = keep
+        self._servers: dict[Any, list[int]] = {}
+        self._pending: list[tuple[Any, Callable[[], None] | None]] = []
 
-    mesh = t.device_mesh
-    world = mesh.size()
-    local = t.to_local().detach()
-    if world == 1:
-        if out is not None:
-            out.copy_(local.reshape(out.shape))
-        return
-    rows = t.shape[0] if t.dim() else 0
-    if tuple(t.placements) == (Shard(0),) and rows and rows % world == 0 and local.shape[0] == rows // world:
+    def servers(self, group: Any, world: int, device: torch.device) -> list[int]:
+        """Group ranks (in order) that keep the unsharded weights (a tiny collective, once per group).
+
+        device: the group's device (that of the shards it moves: the GPU on NCCL, also from a
+        worker thread whose current CUDA device may differ)."""
+        key = id(group)
+        if key not in self._servers:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1 if self.keep else 0], dtype=torch.int32, device=device)
+            flags = torch.empty(world, dtype=torch.int32, device=device)
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flags, flag, group=group)
+            self._servers[key] = [r for r, f in enumerate(flags.tolist()) if f]
+        return self._servers[key]
+
+    @torch.no_grad()
+    def gather_into(self, t: torch.Tensor, out: torch.Tensor | None, then: Callable[[], Any] | None = None) -> None:
+        """Start writing the unsharded value of ``t`` (a DTensor or a plain tensor) into ``out``
+        (None on ranks that keep nothing). Complete after :meth:`wait`, which then runs ``then()``
+        (e.g. a cast of ``out`` into the bucket).
+
+        FSDP2 shards dim 0 in ``torch.chunk`` pieces: the rows are moved straight into ``out``
+        (when it is on the collective's device, else through one temporary). Other placements,
+        and uneven rows when every rank keeps, take ``full_tensor()`` (an all-gather) and one copy.
+        """
+        if not hasattr(t, "full_tensor"):
+            if out is not None:
+                out.copy_(t.detach())
+            self._pending.append((None, then))
+            return
+        from torch.distributed.tensor import Shard
+
+        import torch.distributed as dist
+
+        mesh = t.device_mesh
+        world = mesh.size()
+        local = t.to_local().detach()
+        if world == 1:
+            if out is not None:
+                out.copy_(local.reshape(out.shape))
+            self._pending.append((None, then))
+            return
+        rows = t.shape[0] if t.dim() else 0
+        group = mesh.get_group() if tuple(t.placements) == (Shard(0),) and rows else None
+        servers = self.servers(group, world, local.device) if group is not None else None
+        if servers is not None and not servers:
+            self._pending.append((None, then))
+            return  # nobody keeps the weights: no rank moves a byte
+        if servers is None or (len(servers) == world and rows % world):
+            full = t.full_tensor()  # not row-sharded, or uneven rows that every rank keeps
+            if out is not None:
+                out.copy_(full)
+            self._pending.append((None, then))
+            return
         local = local.contiguous()
         direct = out is not None and out.device == local.device and out.dtype == local.dtype
-        dst = out if direct else torch.empty(t.shape, dtype=local.dtype, device=local.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        gather(dst, local, group=mesh.get_group())
-        if out is not None and not direct:
-            out.copy_(dst)
-        return
-    full = t.full_tensor()
-    if out is not None:
-        out.copy_(full)
+        dst = out if direct else (torch.empty(t.shape, dtype=local.dtype, device=local.device)
+                                  if out is not None else None)
+        finish = _chain((lambda: out.copy_(dst)) if (out is not None and not direct) else None, then)
+        if len(servers) == world:
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+            self._pending.append((gather(dst, local, group=group, async_op=True), finish))
+            return
+        # Shard(0) rows as torch.chunk cuts them: ceil(rows / world) each, the last ones shorter or empty
+        size = -(-rows // world)
+        span = [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(world)]
+        me = dist.get_rank(group)
+        if local.shape[0] != span[me][1] - span[me][0]:
+            raise RuntimeError(f"rank {me} holds {local.shape[0]} rows of a {tuple(t.shape)} tensor sharded "
+                               f"{world} ways; expected {span[me][1] - span[me][0]}")
+        ops = []
+        if local.shape[0]:
+            ops += [dist.P2POp(dist.isend, local, group=group, group_peer=s) for s in servers if s != me]
+        if me in servers:
+            assert dst is not None
+            ops += [dist.P2POp(dist.irecv, dst[lo:hi], group=group, group_peer=r)
+                    for r, (lo, hi) in enumerate(span) if r != me and hi > lo]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for w in works:
+            self._pending.append((w, None))
+        if me in servers:
+            dst[span[me][0]:span[me][1]].copy_(local)  # while the other rows arrive
+        self._pending.append((None, finish))  # after every operation of this tensor
+
+    def take(self) -> list:
+        """The operations started since the last take (one bucket's), for :meth:`wait`."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    @staticmethod
+    def wait(pending: list) -> None:
+        """Wait for the operations of :meth:`take`, then run their ``then`` (the bucket is complete)."""
+        for work, finish in pending:
+            if work is not None:
+                work.wait()
+        for work, finish in pending:
+            if finish is not None:
+                finish()
 
 
 def _plan(state: dict, bucket_bytes: int, dtype: torch.dtype | None) -> list[list[tuple[str, torch.dtype, int, int]]]:
@@ -136,7 +231,7 @@ def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, d
 
     model: an FSDP2 (``fully_shard``) module, or a plain one (then no collective runs).
     bucket_bytes: > 0; a tensor bigger than this is a bucket of its own.
-    keep: False on ranks that serve no rollout peer: they run every all-gather and yield nothing.
+    keep: False on ranks that serve no rollout peer: they send their shards and yield nothing.
     device: the model's device (``distflow.device.node_device``); picks the default ``place``:
       "device" on CUDA (for IPC/NCCL), "cpu" on CPU.
     place: "device" | "pinned" | "cpu" (see the module docstring).
@@ -156,7 +251,10 @@ def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, d
         raise ValueError(f"place='pinned' stages CUDA tensors; the model is on {device}")
     staging = PinnedStaging(bucket_bytes) if place == "pinned" else None
     state = model.state_dict()
+    gatherer = _Gatherer(keep)
     # No grad-mode context may span a yield: it would leak into whatever thread runs next().
+    # Two buckets in flight: bucket k+1's transfers are started before bucket k is handed out.
+    started: tuple[dict[str, torch.Tensor], list] | None = None
     for bucket in _plan(state, bucket_bytes, dtype):
         buf = None
         if keep and place != "pinned":
@@ -169,19 +267,31 @@ def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, d
         for name, dt, n, off in bucket:
             t = state[name]
             if not keep:
-                _gather_into(t, None)
+                gatherer.gather_into(t, None)
                 continue
             if place == "pinned" or dt != t.dtype:  # gather on the device, then cast / stage
                 tmp = torch.empty(t.shape, dtype=t.dtype, device=device)
-                _gather_into(t, tmp)
-                if place == "pinned":
-                    out[name] = tmp.to(dt)
-                    continue
-                view = buf[off:off + n].view(dt).view(t.shape)
-                view.copy_(tmp)
+                if place == "pinned":  # staged after the bucket is complete; cast first if asked
+                    out[name] = tmp
+                    then = None if dt == t.dtype else (
+                        lambda out=out, name=name, tmp=tmp, dt=dt: out.__setitem__(name, tmp.to(dt)))  # noqa: E731
+                else:
+                    view = out[name] = buf[off:off + n].view(dt).view(t.shape)
+                    then = lambda view=view, tmp=tmp: view.copy_(tmp)  # noqa: E731
+                gatherer.gather_into(t, tmp, then)
             else:
-                view = buf[off:off + n].view(dt).view(t.shape)
-                _gather_into(t, view)
-            out[name] = view
-        if keep:
-            yield staging.stage(out) if staging is not None else out
+                view = out[name] = buf[off:off + n].view(dt).view(t.shape)
+                gatherer.gather_into(t, view)
+        if started is not None:
+            yield from _complete(started, keep, staging)
+        started = (out, gatherer.take())
+    if started is not None:
+        yield from _complete(started, keep, staging)
+
+
+def _complete(started: tuple[dict[str, torch.Tensor], list], keep: bool,
+              staging: PinnedStaging | None) -> Iterator[dict[str, torch.Tensor]]:
+    out, pending = started
+    _Gatherer.wait(pending)
+    if keep:
+        yield staging.stage(out) if staging is not None else out

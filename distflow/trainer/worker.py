@@ -282,8 +282,8 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
 
 def publishing(rt: Runtime, actor: Actor, publisher: WeightPublisher, keep: bool):
     """``await publish(version)``: gather the weights bucket by bucket (a collective: EVERY
-    rank calls it) and stream them to this rank's peers; ranks serving no peer only take
-    part in the gathers."""
+    rank calls it) and stream them to this rank's peers; ranks serving no peer (``keep``
+    False) only send their shards to the serving ranks (see ``iter_weight_buckets``)."""
     bucket = rt.cfg.weight_bucket_mb << 20
     # The engines run in the compute dtype: publish in it (half the bytes of the fp32 masters).
     dtype = actor.compute_dtype if actor.compute_dtype != torch.float32 else None

@@ -26,7 +26,8 @@ from distflow.core.channels.shm_channel import ShmChannel, shm_available, sweep_
 from distflow.core.channels.zmq_channel import ZmqChannel
 
 KINDS = ("zmq", "shm", "nccl", "auto")
-_SHM_KW = frozenset({"shm_min_bytes", "shm_copy_below", "max_free_slots", "mapping_idle_s", "sweep_min_age"})
+_SHM_KW = frozenset({"shm_min_bytes", "shm_copy_below", "shm_release_delay", "max_free_slots", "mapping_idle_s",
+                     "sweep_min_age"})
 _NCCL_KW = frozenset({"device", "nccl_timeout"})
 
 __all__ = [

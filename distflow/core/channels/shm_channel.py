@@ -6,7 +6,8 @@ keeps big payloads off the sockets. Everything else — signed headers, sequence
 acks, backpressure, error reporting — is the :class:`ZmqChannel` protocol unchanged; the
 header carries ``{"seg": name, "size", "offsets"}`` instead of payload frames.
 
-Segment life cycle (no segment may outlive its processes, even under SIGKILL):
+Segment life cycle (no segment may outlive its processes, even under SIGKILL; names, creation
+and the sweep live in :mod:`.shm_segments`):
 
 1. The sender owns a per-peer pool of segments in ``/dev/shm`` named
    ``distflow-shm.<pid>.<pid start time>.<random>.<n>``, created with mode 0600 and
@@ -26,15 +27,17 @@ Zero copy on the receiving side: the handler gets tensors that *view the segment
 may keep them as long as it likes. A slot is busy from the send until every tensor of
 that message has been freed on the receiver (a ``weakref.finalize`` on the shared numpy
 view); the release then goes back to the sender, which may reuse the slot: inside the
-ack when the handler kept nothing (the common case: the slot is free, and warm, as soon as
-``send`` returns), else in a signed ``release`` message over the ZMQ connection. The ack still
+ack when the handler kept nothing (the slot is free, and warm, as soon as ``send`` returns),
+else inside the *next* ack to that sender if one goes out within ``shm_release_delay``
+(5 s; payloads under 1 MiB: an all-to-all step's parts are kept until the step is assembled,
+and the next step's ack carries their releases; larger ones, e.g. weight buckets, go back at
+once), else in a signed ``release`` message of its own over the ZMQ connection (a message of its own wakes two processes: the cost this avoids). The ack still
 comes when the handler returns (backpressure is unchanged). Slots a receiver keeps simply
-make the sender's pool grow. Payloads under ``shm_copy_below`` (1 MiB) are copied out of the
-segment on receipt instead, and their slot is released in the ack: copying a small part costs
-less than a release message (a wake-up of two processes), and an all-to-all step sends many
-small parts. A receiver that wants private memory of a large payload copies
-(``SampleBatch.concat``/``select`` do). Payload bytes in shared
-memory are not MACed (the signed header names the segment; segments are 0600 files of
+make the sender's pool grow (an all-to-all producer holds two slots per consumer). Payloads
+under ``shm_copy_below`` (default 0: off) are copied out of the segment on receipt instead,
+and their slot is released in the ack. A receiver that wants private memory of a payload
+copies (``SampleBatch.concat``/``select`` do: one copy of each byte on the receiving side).
+Payload bytes in shared memory are not MACed (the signed header names the segment; segments are 0600 files of
 the same uid, and any process of that uid can read the cluster secret anyway).
 Peers on another host, or payloads under ``shm_min_bytes``, travel as inline frames.
 
@@ -47,14 +50,10 @@ view of it (a ``weakref.finalize`` on the lent array), so the lender may keep it
 from __future__ import annotations
 
 import asyncio
-import atexit
 import errno
 import mmap
 import os
-import re
-import signal
 import socket
-import stat
 import threading
 import time
 import weakref
@@ -68,6 +67,19 @@ import zmq
 
 from distflow.core.channels import codec
 from distflow.core.channels.base import Endpoint, RemoteError, log
+from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
+    _NAME_RE,
+    MIN_SEGMENT,
+    PREFIX,
+    SHM_DIR,
+    _map_segment,
+    _unlink,
+    cleanup_owned,
+    create_segment,
+    install_hooks,
+    shm_available,
+    sweep_stale_segments,
+)
 from distflow.core.channels.zmq_channel import (
     DOMAIN,
     Outgoing,
@@ -78,141 +90,12 @@ from distflow.core.channels.zmq_channel import (
 )
 
 MAGIC_REL = b"DFR1"
-
-SHM_DIR = "/dev/shm"
-PREFIX = "distflow-shm"
-_NAME_RE = re.compile(rf"^{re.escape(PREFIX)}\.(\d+)\.(\d+)\.([0-9a-f]{{8}})\.(\d+)$")
-MIN_SEGMENT = 1 << 20
 # Copies below this run inline: a thread hop costs more than ~2 ms of copying, and the loop
 # is only held for a few milliseconds (numpy releases the GIL in a worker thread above it).
 COPY_OFFLOAD_BYTES = 32 << 20
-
-# ---------------------------------------------------------------------- process-wide registry
-_owned: set[str] = set()  # names this process created and that may still exist
-_owned_lock = threading.Lock()
-_hooks_installed = False
-_counter = 0
-
-
-def shm_available() -> bool:
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
-def _proc_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat); None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    try:
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
-_MY_TAG = f"{os.getpid()}.{_proc_start_ticks(os.getpid()) or 0}"
-
-
-def _unlink(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # pragma: no cover - permissions etc.
-        log.warning("shm: could not unlink %s: %s", name, e)
-    with _owned_lock:
-        _owned.discard(name)
-
-
-def cleanup_owned() -> int:
-    """Unlink every segment name this process still owns. Returns how many were removed."""
-    with _owned_lock:
-        names = list(_owned)
-    for n in names:
-        _unlink(n)
-    return len(names)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    cleanup_owned()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_hooks() -> None:
-    global _hooks_installed, _MY_TAG
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    _MY_TAG = f"{os.getpid()}.{_proc_start_ticks(os.getpid()) or 0}"  # after a fork the pid differs
-    atexit.register(cleanup_owned)
-    if threading.current_thread() is threading.main_thread():
-        try:
-            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, _on_sigterm)
-        except (ValueError, OSError):  # pragma: no cover
-            pass
-
-
-def sweep_stale_segments(min_age_s: float = 2.0) -> list[str]:
-    """Remove DistFlow segments whose creating process is gone (crash, SIGKILL).
-
-    A segment belongs to ``pid`` started at ``ticks`` (both in its name); it is stale
-    when no live process has that pid *and* start time. ``min_age_s`` spares segments
-    created moments ago (a process in another pid namespace sharing /dev/shm).
-    Returns the removed names.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    now = time.time()
-    for name in names:
-        m = _NAME_RE.match(name)
-        if not m:
-            continue
-        pid, ticks = int(m.group(1)), int(m.group(2))
-        if _proc_start_ticks(pid) == ticks:
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if now - os.stat(path).st_mtime < min_age_s:
-                continue
-            os.unlink(path)
-            removed.append(name)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            log.warning("shm sweep: could not remove %s: %s", name, e)
-    if removed:
-        log.info("shm sweep: removed %d stale segment(s)", len(removed))
-    return removed
-
-
-def _map_segment(path: str, size: int | None = None, create: bool = False) -> mmap.mmap:
-    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            assert size is not None
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.close(fd)
-                fd = -1
-                os.unlink(path)
-                raise
-        else:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise PermissionError(f"{path} is not a regular file owned by this user")
-            size = st.st_size
-        return mmap.mmap(fd, size)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+# Releases of kept payloads under this size wait for the next ack (``shm_release_delay``); larger
+# ones (weight buckets: a model's worth of slots) go back at once, so a sender never holds two sets.
+DEFER_RELEASE_BELOW = 1 << 20
 
 
 @dataclass(eq=False)
@@ -265,7 +148,8 @@ class ShmChannel(ZmqChannel):
         port: int = 0,
         *,
         shm_min_bytes: int = 64 << 10,
-        shm_copy_below: int = 1 << 20,
+        shm_copy_below: int = 0,
+        shm_release_delay: float = 5.0,
         max_free_slots: int = 4,
         mapping_idle_s: float = 300.0,
         sweep_min_age: float = 2.0,
@@ -276,6 +160,10 @@ class ShmChannel(ZmqChannel):
             raise OSError(f"shared memory directory {SHM_DIR} is not available; use the zmq channel")
         if not isinstance(shm_copy_below, int) or isinstance(shm_copy_below, bool) or shm_copy_below < 0:
             raise ValueError(f"shm_copy_below must be a non-negative int (bytes), got {shm_copy_below!r}")
+        if not isinstance(shm_release_delay, (int, float)) or isinstance(shm_release_delay, bool) \
+                or not 0 <= shm_release_delay <= 60:
+            raise ValueError(f"shm_release_delay must be a number of seconds in [0, 60], got {shm_release_delay!r}")
+        self._release_delay = float(shm_release_delay)
         self._shm_min_bytes = shm_min_bytes
         self._copy_below = shm_copy_below
         self._max_free_slots = max_free_slots
@@ -286,12 +174,13 @@ class ShmChannel(ZmqChannel):
         self._local_hosts = _local_addresses(host)
         self._rel_pending: dict[bytes, tuple[str, bytes, list[list[Any]]]] = {}  # ident -> (sender, sess, slots)
         self._rel_flush: asyncio.Handle | None = None
+        self._rel_flush_later = False  # _rel_flush is the deferred (shm_release_delay) timer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._rx_pool = _CopyPool()
 
     async def start(self) -> None:
-        _install_hooks()
+        install_hooks()
         sweep_stale_segments(self._sweep_min_age)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -299,6 +188,8 @@ class ShmChannel(ZmqChannel):
 
     async def close(self) -> None:
         await super().close()
+        if self._rel_flush is not None:
+            self._rel_flush.cancel()
         for pool in self._pools.values():
             for s in pool.slots:
                 s.close()
@@ -316,6 +207,7 @@ class ShmChannel(ZmqChannel):
             "shm_slots_busy": sum(s.busy for s in slots),
             "shm_mapped": len(self._maps),
             "shm_releases_sent": self._counters["shm_releases_sent"],
+            "shm_release_msgs": self._counters["shm_release_msgs"],
             "shm_zero_copy_sends": self._counters["shm_zero_copy_sends"],
         }
 
@@ -439,18 +331,7 @@ class ShmChannel(ZmqChannel):
         if len(free) >= self._max_free_slots:
             self._retire(pool, min(free, key=lambda s: s.size))
         size = max(MIN_SEGMENT, 1 << (nbytes - 1).bit_length())
-        global _counter
-        _counter += 1
-        name = f"{PREFIX}.{_MY_TAG}.{os.urandom(4).hex()}.{_counter}"
-        path = os.path.join(SHM_DIR, name)
-        with _owned_lock:
-            _owned.add(name)
-        try:
-            mm = _map_segment(path, size, create=True)
-        except BaseException:
-            with _owned_lock:
-                _owned.discard(name)
-            raise
+        name, mm = create_segment(size)
         slot = _Slot(name, size, mm, np.frombuffer(mm, dtype=np.uint8), busy=True)
         pool.slots.append(slot)
         return slot
@@ -524,15 +405,16 @@ class ShmChannel(ZmqChannel):
                 arr = self._rx_pool.copy(arr)
                 self._queue_release(ident, sender, header["sess"], name, use, flush=False)  # rides on the ack
             else:
-                fin = weakref.finalize(arr, self._release_threadsafe, ident, sender, header["sess"], name, use)
+                fin = weakref.finalize(arr, self._release_threadsafe, ident, sender, header["sess"], name, use,
+                                       hi - lo < DEFER_RELEASE_BELOW)
                 fin.atexit = False
-            base = torch.from_numpy(arr)
-            del arr
-            for h, o in zip(headers, offsets):
+            for h, o in zip(headers, offsets):  # torch.frombuffer: one call per tensor, not three
                 n = h["nbytes"]
                 if n:
-                    out[h["name"]] = base[o - lo:o - lo + n].view(codec.DTYPES[h["dtype"]]).view(h["shape"])
-            del base
+                    dtype, shape = codec.DTYPES[h["dtype"]], h["shape"]
+                    t = torch.frombuffer(arr, dtype=dtype, count=n // dtype.itemsize, offset=o - lo)
+                    out[h["name"]] = t if len(shape) == 1 else t.view(shape)
+            del arr
         for h in headers:
             if not h["nbytes"]:
                 out[h["name"]] = torch.empty(h["shape"], dtype=codec.DTYPES[h["dtype"]])
@@ -562,29 +444,40 @@ class ShmChannel(ZmqChannel):
             del self._maps[key]  # unmapped once no tensor views it
 
     # ------------------------------------------------------------------ releases (receiver side)
-    def _release_threadsafe(self, ident: bytes, sender: str, sess: bytes, name: str, use: int) -> None:
+    def _release_threadsafe(self, ident: bytes, sender: str, sess: bytes, name: str, use: int,
+                            defer: bool) -> None:
         """Runs when the last tensor of a message dies (any thread): queue a release to its sender."""
         loop = self._loop
         if loop is None or self._closed:
             return
         if threading.get_ident() == self._loop_thread:  # the usual case: no self-pipe wake-up needed
-            self._queue_release(ident, sender, sess, name, use)
+            self._queue_release(ident, sender, sess, name, use, defer=defer)
             return
         try:
-            loop.call_soon_threadsafe(self._queue_release, ident, sender, sess, name, use)
+            loop.call_soon_threadsafe(lambda: self._queue_release(ident, sender, sess, name, use, defer=defer))
         except RuntimeError:  # loop closed
             pass
 
     def _queue_release(self, ident: bytes, sender: str, sess: bytes, name: str, use: int,
-                       flush: bool = True) -> None:
+                       flush: bool = True, defer: bool = False) -> None:
         entry = self._rel_pending.get(ident)
         if entry is None or entry[1] != sess:
             if entry is not None:  # a new session on the same connection: flush the old one first
                 self._flush_releases()
             entry = self._rel_pending[ident] = (sender, sess, [])
         entry[2].append([name, use])
-        if flush and self._rel_flush is None and not self._closed and self._loop is not None:
-            self._rel_flush = self._loop.call_soon(self._flush_releases)
+        if not flush or self._closed or self._loop is None:
+            return
+        if defer and self._release_delay > 0:
+            # the next ack to this sender carries it if one goes out within the delay (no message of
+            # its own: a release message wakes two processes); else it goes alone
+            if self._rel_flush is None:
+                self._rel_flush = self._loop.call_later(self._release_delay, self._flush_releases)
+                self._rel_flush_later = True
+        elif self._rel_flush is None or self._rel_flush_later:  # now (deferred ones go along)
+            if self._rel_flush is not None:
+                self._rel_flush.cancel()
+            self._rel_flush, self._rel_flush_later = self._loop.call_soon(self._flush_releases), False
 
     def _ack_extra(self, ident: bytes, header: dict[str, Any]) -> dict[str, Any]:
         """Releases queued for this sender ride on the ack (one message fewer per send)."""
@@ -601,6 +494,7 @@ class ShmChannel(ZmqChannel):
         if self._router is None or self._closed:
             return
         for ident, (sender, sess, slots) in pending.items():
+            self._counters["shm_release_msgs"] += 1
             body = msgpack.packb({"t": "rel", "from": self.node_id, "to": sender, "sess": sess, "slots": slots},
                                  use_bin_type=True)
             try:
