@@ -63,15 +63,17 @@ def trainer_step(rt: Runtime, groups: Groups) -> int:
 
 
 async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict,
-                     check: Callable[[], None] | None = None) -> None:
+                     check: Callable[[], None] | None = None, source_group: str = "rollout") -> None:
     """Each trainer gets the samples it owns, through the data plane's one routing function
     (``buffer.redistribute.scatter``: one message per trainer, empty or not). A trainer that is
     cut off is retried until it is back, or until the trainers no longer need this step.
     ``check`` raises when the trainers are gone for good; it is also polled WHILE a send waits
     for its ack, so a trainer that dies mid-send is noticed within a second, not after
-    ``step_timeout_s``. With ``controller: single`` the whole batch goes to the controller."""
+    ``step_timeout_s``. With ``controller: single`` the whole batch goes to the controller, and
+    when the plan puts a worker group next (``worker_groups``) to its rank ``shard % size``
+    (:meth:`Runtime.targets_after`); a stage worker forwards through here too (``source_group``)."""
     cfg = rt.cfg
-    targets = [groups.controller[0].node_id] if groups.controller else [m.node_id for m in groups.trainer]
+    targets = rt.targets_after(source_group, shard)
     consumers = [rt.endpoint(t) for t in targets]
     pending = set(range(len(targets)))
     deadline = time.monotonic() + cfg.step_timeout_s
