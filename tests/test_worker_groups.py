@@ -172,3 +172,32 @@ def test_reward_model_on_its_own_worker_group_scores_every_sample_once(toy_model
         ids = by_step[m["step"]]
         assert m["samples"] == len(ids) == 64
         assert m["reward_mean"] == pytest.approx(sum(rewards[i] for i in ids) / len(ids), rel=1e-5, abs=1e-6)
+
+
+def test_killed_reward_worker_is_restarted_and_every_sample_is_still_trained_once(toy_model, tmp_path):
+    from tests.test_supervise import children_of, make_data, node_pid, wait_rows
+
+    rows, out = 64, tmp_path / "run"
+    args = ["run", EXAMPLE, "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
+            f"dataset={make_data(tmp_path, rows)}", "trainer_nodes=1", "prompts_per_step=4", "group_size=2",
+            "max_new_tokens=2", "trace_samples=true", "step_timeout_s=600",
+            f"workflow.2.args.path={tmp_path / 'rm'}"]
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **CHILD_ENV})
+    try:
+        wait_rows(proc, out / "metrics.jsonl", 3)
+        pid = node_pid(out, "reward-0")
+        assert pid is not None
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "reward-0 died (exit -9)" in err and "the rollout nodes retry their sends to it until it is back" in err
+    assert "----- distflow run: restart 1 of reward-0 -----" in (out / "logs" / "reward-0.log").read_text()
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(rows // 4))
+    trained = Counter(s for rec in read_trace(out)["trainer-0"] for s in rec["sample_ids"])
+    assert set(trained.values()) == {1}
+    assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
+    assert not children_of(out)

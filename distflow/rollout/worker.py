@@ -84,13 +84,21 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
                 scatter(rt.channel, batch, consumers, step=step, source_rank=shard, timeout=cfg.step_timeout_s,
                         balance=cfg.route_by, num_sources=len(groups.rollout), extra_meta=extra, only=live),
                 name=f"send-step{step}-shard{shard}")
+            lives = {i: _life(rt, targets[i]) for i in live}
             try:
+                lost = False
                 while not send.done():
                     await asyncio.wait([send], timeout=1.0)
                     if not send.done() and check is not None:
                         check()  # raises (and the finally cancels the send) when the trainers are gone
-                pending -= live
-                send.result()
+                    if not send.done() and any(_life(rt, targets[i]) != lives[i] for i in live):
+                        # A consumer died or restarted mid-send (its new life never acks the old
+                        # request; e.g. a restarted stage worker): resend once it is back.
+                        lost = True
+                        break
+                if not lost:
+                    pending -= live
+                    send.result()
             except ScatterError as e:
                 log.warning("step %d shard %d: %s; will retry", step, shard, e)
                 pending |= {i for i in live if targets[i] not in e.delivered}
@@ -106,6 +114,12 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
                 raise PeerLostError(f"step {step}: trainers {[targets[i] for i in sorted(pending)]} unreachable "
                                     f"for {cfg.step_timeout_s:.0f}s")
             await asyncio.sleep(0.5)
+
+
+def _life(rt: Runtime, node_id: str) -> int | None:
+    """The incarnation of a live member (a restarted node has a new one); None when not alive."""
+    m = rt.node.member(node_id)
+    return m.incarnation if m is not None and rt.node.is_alive(node_id) else None
 
 
 def sent_summary(batch: SampleBatch) -> dict:
