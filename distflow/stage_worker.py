@@ -14,7 +14,9 @@ forwards the result to the next group through ``buffer.redistribute.scatter``, k
 
 The sender's ack waits until the result is forwarded (backpressure passes through); when a
 forward fails, the handler raises, the sender's send fails and is retried (rollout
-``send_parts``), and the consumers keep the first copy of a (step, shard) they get.
+``send_parts``), and the consumers keep the first copy of a (step, shard) they get. A stage
+that raises (a bad reward function, a missing model) ends this node with that error, as it
+would end a rollout node: `distflow run` restarts it up to ``restarts`` times, then stops.
 
 ``controller: single`` (the hybrid-controller baseline) is the same loop with an empty
 pipeline: :mod:`distflow.controller`.
@@ -52,6 +54,7 @@ async def run_stage_worker(rt: Runtime) -> None:
     trace = None
 
     ready = asyncio.Event()  # set once the groups are formed
+    failed: asyncio.Future = asyncio.get_running_loop().create_future()  # a pipeline error ends this node
 
     async def on_samples(env: Envelope) -> None:
         await ready.wait()
@@ -65,7 +68,12 @@ async def run_stage_worker(rt: Runtime) -> None:
             seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
             ctx = RolloutContext(engine, cfg, [], seed, list(pipeline), stats)
             async with lock:
-                batch = await asyncio.to_thread(run_stages, pipeline, ctx, batch)
+                try:
+                    batch = await asyncio.to_thread(run_stages, pipeline, ctx, batch)
+                except Exception as e:  # a failing stage fails this node (the launcher restarts it), not the send
+                    if not failed.done():
+                        failed.set_exception(e)
+                    raise
             if stats:
                 merged = dict(extra.get("stage_stats") or {})
                 for k, v in stats.items():
@@ -101,6 +109,8 @@ async def run_stage_worker(rt: Runtime) -> None:
         log.info("%s rank %d of %d: pipeline %s", group, groups.rank, len(groups.members(group)),
                  [n.id for n in pipeline])
     while True:  # until every trainer has finished (done, or left the mesh)
+        if failed.done():
+            failed.result()  # raises the pipeline's error
         members = [rt.node.member(t.node_id) for t in groups.trainer]
         if all(m is None or m.state in ("left", "dead") or m.meta.get("state") == "done" for m in members):
             break
