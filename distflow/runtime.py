@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from distflow.buffer.shard import BufferShard
@@ -61,7 +62,8 @@ class Runtime:
                               max_frame_bytes=m.max_frame_bytes,
                               advertise_host=advertise_host or cfg.advertise_host)
         node = Node(node_id, role, secret=secret, host=host, port=port, seeds=seeds, config=mesh_cfg,
-                    meta={"state": "starting", "policy_version": 0, "device": cfg.device})
+                    meta={"state": "starting", "policy_version": 0, "device": cfg.device,
+                          "boot": time.time_ns()})  # tells a restarted node (same id) from its previous life
         return cls(cfg, node, channel, BufferShard(cfg.buffer_capacity), role)
 
     async def start(self) -> None:

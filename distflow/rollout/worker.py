@@ -92,8 +92,8 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
                     if not send.done() and check is not None:
                         check()  # raises (and the finally cancels the send) when the trainers are gone
                     if not send.done() and any(_life(rt, targets[i]) != lives[i] for i in live):
-                        # A consumer died or restarted mid-send (its new life never acks the old
-                        # request; e.g. a restarted stage worker): resend once it is back.
+                        # A consumer was declared dead or restarted mid-send (its new life never
+                        # acks the old request; e.g. a restarted stage worker): resend once back.
                         lost = True
                         break
                 if not lost:
@@ -116,10 +116,11 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
             await asyncio.sleep(0.5)
 
 
-def _life(rt: Runtime, node_id: str) -> int | None:
-    """The incarnation of a live member (a restarted node has a new one); None when not alive."""
+def _life(rt: Runtime, node_id: str) -> object:
+    """Which life of a live member this is (its ``boot`` time: a restarted node has a new one;
+    the incarnation also changes with every metadata update); None when it is not alive."""
     m = rt.node.member(node_id)
-    return m.incarnation if m is not None and rt.node.is_alive(node_id) else None
+    return m.meta.get("boot") if m is not None and rt.node.is_alive(node_id) else None
 
 
 def sent_summary(batch: SampleBatch) -> dict:
