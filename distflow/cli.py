@@ -49,8 +49,10 @@ def parse_seeds(text: str) -> list[str]:
 # ---------------------------------------------------------------------- distflow-node
 def node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distflow-node", description="Run one DistFlow node (one process, one asyncio loop).")
-    p.add_argument("--role", required=True, choices=["rollout", "trainer", "controller"],
-                   help="controller only with `controller: single` (the baseline design)")
+    p.add_argument("--role", required=True, choices=["rollout", "trainer", "controller", "worker"],
+                   help="controller only with `controller: single` (the baseline design); worker: a node of "
+                        "the worker group named by --group (config worker_groups)")
+    p.add_argument("--group", default=None, help="with --role worker: the group of worker_groups this node serves")
     p.add_argument("--config", required=True, help="workflow/run config (YAML)")
     p.add_argument("--seeds", default="", help="HOST:PORT[,...] of any nodes already in the mesh (none for the first)")
     p.add_argument("--host", default=None, help="address to bind (default: config bind_host, loopback)")
@@ -83,22 +85,30 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         print(f"distflow-node: --host {host or '(empty)'} binds every interface; peers need a concrete address: "
               f"add --advertise-host ADDR (or advertise_host in the config)", file=sys.stderr)
         return 2
-    node_id = args.node_id or f"{args.role}-{host}-{args.port}"
     if args.role == "controller" and cfg.controller != "single":
         print("distflow-node: --role controller needs `controller: single` in the config", file=sys.stderr)
         return 2
+    if (args.role == "worker") != (args.group is not None):
+        print("distflow-node: --group goes with --role worker (and --role worker needs --group)", file=sys.stderr)
+        return 2
+    if args.role == "worker" and args.group not in cfg.worker_groups:
+        print(f"distflow-node: --group {args.group!r} is not a group of worker_groups "
+              f"({', '.join(cfg.worker_groups) or 'none configured'})", file=sys.stderr)
+        return 2
+    role = args.group if args.role == "worker" else args.role  # a worker's mesh role is its group's name
+    node_id = args.node_id or f"{role}-{host}-{args.port}"
     if args.check:
         from distflow.launcher import check_functions
 
         check_functions(cfg)
-        print(f"ok: {node_id} role={args.role} host={host} seeds={seeds or '(first node)'} "
-              f"pipeline={[n.id for n in cfg.plan().pipelines.get(args.role, [])]}")
+        print(f"ok: {node_id} role={role} host={host} seeds={seeds or '(first node)'} "
+              f"pipeline={[n.id for n in cfg.plan().pipelines.get(role, [])]}")
         return 0
     _setup_logging(node_id, args.log_level)
     from distflow.core.aio import run_loop
 
     try:
-        return run_loop(run_node(cfg, args.role, node_id, secret, host, args.port, args.data_port, seeds, advertise))
+        return run_loop(run_node(cfg, role, node_id, secret, host, args.port, args.data_port, seeds, advertise))
     except KeyboardInterrupt:
         return 130
 
@@ -115,10 +125,10 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
                         advertise_host=advertise_host)
     if role == "trainer":
         from distflow.trainer.worker import run_trainer as loop_fn
-    elif role == "controller":
-        from distflow.controller import run_controller as loop_fn
-    else:
+    elif role == "rollout":
         from distflow.rollout.worker import run_rollout as loop_fn
+    else:  # the controller, or a node of a worker group: a stage worker
+        from distflow.stage_worker import run_stage_worker as loop_fn
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -182,8 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("status", help="live table of a running cluster's members", add_help=False)
     t = sub.add_parser("toy-model", help="build a tiny toy model and tokenizer into DIR")
     t.add_argument("dir")
-    t.add_argument("--kind", choices=["successor", "gsm8k"], default="successor",
-                   help="successor: the quickstart's character-level Llama; gsm8k: BPE chat tokenizer + tiny Qwen2")
+    t.add_argument("--kind", choices=["successor", "gsm8k", "reward"], default="successor",
+                   help="successor: the quickstart's character-level Llama; gsm8k: BPE chat tokenizer + tiny Qwen2; "
+                        "reward: a tiny reward model (sequence classification) over the successor tokenizer")
     t.add_argument("--seed", type=int, default=0)
     d = sub.add_parser("toy-data", help="write a toy prompt set (JSONL) to PATH")
     d.add_argument("path")
@@ -201,10 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overrides and args.cmd != "run":
         p.error(f"config overrides {overrides} only apply to `distflow run`")
     if args.cmd == "toy-model":
-        from distflow.toy import build_toy_model
+        from distflow.toy import build_toy_model, build_toy_reward_model
         from distflow.toy_gsm8k import build_gsm8k_model
 
-        print((build_gsm8k_model if args.kind == "gsm8k" else build_toy_model)(args.dir, seed=args.seed))
+        build = {"gsm8k": build_gsm8k_model, "reward": build_toy_reward_model}.get(args.kind, build_toy_model)
+        print(build(args.dir, seed=args.seed))
         return 0
     if args.cmd == "toy-data":
         from distflow.toy import make_toy_dataset

@@ -25,6 +25,7 @@ async def _run(cfg: Config) -> int:
     from distflow.controller import run_controller
     from distflow.rollout.worker import run_rollout
     from distflow.runtime import Runtime
+    from distflow.stage_worker import run_stage_worker
     from distflow.trainer.worker import run_trainer
 
     torch.set_num_threads(cfg.torch_threads)
@@ -35,10 +36,13 @@ async def _run(cfg: Config) -> int:
                                seeds=[trainer.node.address]) for i in range(cfg.rollout_nodes)]
     controllers = [Runtime.create(cfg, "controller", "controller-0", secret, host=cfg.bind_host, port=0,
                                   data_port=0, seeds=[trainer.node.address])] if cfg.controller == "single" else []
-    for rt in rollouts + controllers:
+    workers = [Runtime.create(cfg, g, f"{g}-{i}", secret, host=cfg.bind_host, port=0, data_port=0,
+                              seeds=[trainer.node.address]) for g, n in cfg.worker_groups.items() for i in range(n)]
+    for rt in rollouts + controllers + workers:
         await rt.start()
     tasks = {asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")}
     tasks |= {asyncio.create_task(run_controller(rt), name="controller-0-loop") for rt in controllers}
+    tasks |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
     tasks |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
     code = 0
     try:
@@ -55,7 +59,7 @@ async def _run(cfg: Config) -> int:
         for t in tasks:
             t.cancel()
         await asyncio.wait(tasks, timeout=10)
-        for rt in [*rollouts, *controllers, trainer]:
+        for rt in [*rollouts, *controllers, *workers, trainer]:
             await rt.stop()
     return code
 

@@ -8,6 +8,8 @@ by tailing the ``metrics.jsonl`` that trainer rank 0 writes, and supervises like
 - a dead rollout node does not stop the run: the other rollout nodes adopt its shard
   (as on a hand-started cluster), and it is restarted with the same id and ports, up to
   ``restarts`` times;
+- a dead node of a worker group (``worker_groups``) is restarted the same way; meanwhile
+  the rollout nodes retry their sends to it;
 - a dead trainer rank (or controller) stops every node at once, and the message names
   it and the newest checkpoint to ``resume_from``;
 - Ctrl-C stops the rollout nodes first, so the trainers save a final checkpoint at their
@@ -34,6 +36,7 @@ from distflow.core.config import Config
 
 STOP_GRACE_S = 15.0
 CHECKPOINT_GRACE_S = 60.0  # on Ctrl-C: how long the trainers get to save their final checkpoint
+RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
 T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
 
 
@@ -156,6 +159,15 @@ def prepare(cfg: Config) -> Path:
 
         print(f"distflow: building the {cfg.toy_kind} toy model at {cfg.model_path}", file=sys.stderr)
         ensure_toy_model(cfg.model_path, kind=cfg.toy_kind)
+    if cfg.toy_model and cfg.toy_kind == "successor":
+        from distflow.toy import ensure_toy_model
+
+        for n in cfg.workflow:  # the toy reward models the workflow names (same tokenizer as the toy policy)
+            path = n.args.get("path")
+            if (n.role.value, n.type.value) == ("REWARD", "MODEL_INFERENCE") and isinstance(path, str) and path \
+                    and not (Path(path) / "config.json").is_file():
+                print(f"distflow: building the toy reward model at {path}", file=sys.stderr)
+                ensure_toy_model(path, kind="reward")
     if not Path(cfg.dataset).is_file():
         raise SystemExit(f"distflow run: dataset {cfg.dataset!r} not found")
     resolved = out / "config.yaml"
@@ -167,7 +179,13 @@ def node_roles(cfg: Config) -> list[tuple[str, str]]:
     """(node_id, role) of every node `distflow run` starts, in start order."""
     roles = [("trainer", i) for i in range(cfg.trainer_nodes)] + [("rollout", i) for i in range(cfg.rollout_nodes)]
     roles += [("controller", i) for i in range(cfg.controller_nodes)]
-    return [(f"{role}-{i}", role) for role, i in roles]
+    out = [(f"{role}-{i}", role) for role, i in roles]
+    return out + [(f"{g}-{i}", "worker") for g, n in cfg.worker_groups.items() for i in range(n)]
+
+
+def worker_group(node_id: str) -> str:
+    """The worker group of a ``worker`` node started by `distflow run` (its id is ``<group>-<i>``)."""
+    return node_id.rsplit("-", 1)[0]
 
 
 def gpus_present() -> tuple[int, list[str] | None]:
@@ -208,7 +226,7 @@ def start_children(cfg: Config, config_path: Path, secret: str, placement=None) 
             "--role", role, "--config", str(config_path), "--node-id", node_id, "--host", cfg.bind_host,
             "--port", str(ports[2 * k]), "--data-port", str(ports[2 * k + 1]),
             "--seeds", "" if k == 0 else seeds,
-        ]
+        ] + (["--group", worker_group(node_id)] if role == "worker" else [])
         child_env = {**env, **slots[node_id].env}
         f = log_path.open("w")
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
@@ -319,7 +337,8 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     seed = f"{cfg.bind_host}:{children[0].port}"
     hint = ("" if os.environ.get(SECRET_ENV) else
             f" (export {SECRET_ENV} before `distflow run` to be able to do that: this run's secret is random)")
-    print(f"distflow: {cfg.rollout_nodes} rollout + {cfg.trainer_nodes} trainer nodes, logs in "
+    extra = "".join(f" + {n} {g}" for g, n in cfg.worker_groups.items())
+    print(f"distflow: {cfg.rollout_nodes} rollout{extra} + {cfg.trainer_nodes} trainer nodes, logs in "
           f"{Path(cfg.output_dir) / 'logs'}; watch with `distflow status --seeds {seed}`{hint}", file=sys.stderr)
     bar = Progress(metrics, enabled=progress and sys.stderr.isatty())
     try:
@@ -363,7 +382,7 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
         codes = {c.node_id: c.proc.poll() for c in children}
         if all(codes[t.node_id] == 0 for t in trainers):
             break  # the trainers finished: the run is done
-        fatal = [c for c in children if c.role != "rollout" and codes[c.node_id] not in (None, 0)]
+        fatal = [c for c in children if c.role not in RESTARTABLE and codes[c.node_id] not in (None, 0)]
         if fatal:
             time.sleep(1.0)  # let the nodes that saw the failure report what they saw
             failed = fatal + [c for c in children if c not in fatal and c.proc.poll() not in (None, 0)]
@@ -373,7 +392,7 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
         trainers_running = all(codes[t.node_id] is None for t in trainers)
         for c in children:
             rc = codes[c.node_id]
-            if c.role != "rollout" or rc in (None, 0) or c.proc.pid in handled or not trainers_running:
+            if c.role not in RESTARTABLE or rc in (None, 0) or c.proc.pid in handled or not trainers_running:
                 continue
             handled.add(c.proc.pid)
             why = f"{c.node_id} died (exit {rc}): {_error_line(c.log_path)}"
@@ -381,7 +400,9 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
                 _report([c], cfg, f"{c.node_id} used up its {cfg.restarts} restarts (restarts: {cfg.restarts})")
                 stop_children(children)
                 return 1
-            print(f"distflow: {why}; its shard is adopted by the other rollout nodes; restarting it with the same "
+            meanwhile = ("its shard is adopted by the other rollout nodes" if c.role == "rollout" else
+                         "the rollout nodes retry their sends to it until it is back")
+            print(f"distflow: {why}; {meanwhile}; restarting it with the same "
                   f"id and ports (restart {c.restarts + 1} of {cfg.restarts})", file=sys.stderr)
             c.respawn()
         time.sleep(poll_s)

@@ -11,7 +11,8 @@ refuses an impossible placement before anything starts, naming the key.
 
 The rule: one GPU per trainer rank, always, distinct. Rollout nodes take the GPUs left
 over (round-robin; several rollout nodes may share one), or with ``colocate: true`` share
-the trainers' GPUs round-robin. Controller nodes get no GPU. On ``device: cpu`` every node
+the trainers' GPUs round-robin. Nodes of a worker group (role ``worker``, e.g. a reward
+model) are placed like rollout nodes. Controller nodes get no GPU. On ``device: cpu`` every node
 gets ``CUDA_VISIBLE_DEVICES=""``.
 """
 
@@ -65,7 +66,7 @@ def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence
           visible: Sequence[str] | None = None) -> list[Slot]:
     """Each node's GPU and environment.
 
-    ``nodes``: (node_id, role) in launch order, role in trainer/rollout/controller; trainer
+    ``nodes``: (node_id, role) in launch order, role in trainer/rollout/worker/controller; trainer
     ranks follow sorted ids, so the i-th trainer in this list gets the i-th GPU.
     ``present``: GPUs the launcher sees (None = unknown, e.g. on a remote host: trust ``gpus``).
     ``visible``: the launcher's own CUDA_VISIBLE_DEVICES entries (None = unset), so that
@@ -80,7 +81,7 @@ def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence
         raise PlacementError(f"device: {device!r} must be cpu or cuda")
     usable = _usable(gpus, present, visible)
     trainers = [i for i, r in nodes if r == "trainer"]
-    rollouts = [i for i, r in nodes if r == "rollout"]
+    rollouts = [i for i, r in nodes if r in ("rollout", "worker")]  # worker-group nodes place like rollout ones
     if len(trainers) > len(usable):
         raise PlacementError(f"gpus: {len(usable)} GPU(s) usable ({','.join(usable)}), but trainer_nodes="
                              f"{len(trainers)} needs one GPU per trainer rank (two NCCL ranks cannot share a GPU)")

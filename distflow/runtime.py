@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from distflow.buffer.shard import BufferShard
@@ -30,6 +31,13 @@ class Groups:
     trainer: list[Member]
     rank: int
     controller: list[Member] = field(default_factory=list)  # controller: single only
+    workers: dict[str, list[Member]] = field(default_factory=dict)  # worker_groups: name -> members by rank
+
+    def members(self, group: str) -> list[Member]:
+        """The members of a group (rollout, trainer, controller or a worker group), in rank order."""
+        if group in ("rollout", "trainer", "controller"):
+            return getattr(self, group)
+        return self.workers[group]
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Runtime:
     groups: Groups | None = None
     handlers: dict[str, object] = field(default_factory=dict)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
+    _plan: object = None
 
     @classmethod
     def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
@@ -53,7 +62,8 @@ class Runtime:
                               max_frame_bytes=m.max_frame_bytes,
                               advertise_host=advertise_host or cfg.advertise_host)
         node = Node(node_id, role, secret=secret, host=host, port=port, seeds=seeds, config=mesh_cfg,
-                    meta={"state": "starting", "policy_version": 0, "device": cfg.device})
+                    meta={"state": "starting", "policy_version": 0, "device": cfg.device,
+                          "boot": time.time_ns()})  # tells a restarted node (same id) from its previous life
         return cls(cfg, node, channel, BufferShard(cfg.buffer_capacity), role)
 
     async def start(self) -> None:
@@ -83,9 +93,10 @@ class Runtime:
         await handler(env)
 
     async def form_groups(self) -> Groups:
-        """Wait until every expected rollout and trainer node is alive, then derive ranks."""
+        """Wait until every expected node of every group is alive, then derive ranks. A node of a
+        worker group has that group's name as its mesh role."""
         need = {"rollout": self.cfg.rollout_nodes, "trainer": self.cfg.trainer_nodes,
-                "controller": self.cfg.controller_nodes}
+                "controller": self.cfg.controller_nodes, **self.cfg.worker_groups}
 
         def complete(ms: list[Member]) -> bool:
             roles = [m.role for m in ms if "data_port" in m.meta]
@@ -99,12 +110,32 @@ class Runtime:
         mine = by_role[self.role]
         ids = [m.node_id for m in mine]
         if self.node.node_id not in ids:
-            raise RuntimeError(f"{self.node.node_id}: more {self.role} nodes than rollout/trainer_nodes "
-                               f"configured; the group is {ids}")
-        self.groups = Groups(rollout, trainer, ids.index(self.node.node_id), by_role["controller"])
+            raise RuntimeError(f"{self.node.node_id}: more {self.role} nodes than rollout/trainer_nodes/"
+                               f"worker_groups configured; the group is {ids}")
+        self.groups = Groups(rollout, trainer, ids.index(self.node.node_id), by_role["controller"],
+                             {g: by_role[g] for g in self.cfg.worker_groups})
         self.node.set_meta(rank=self.groups.rank, group=self.role, state="running")
         log.info("%s: %s rank %d of %d", self.node.node_id, self.role, self.groups.rank, len(mine))
         return self.groups
+
+    def targets_after(self, group: str, shard: int) -> list[str]:
+        """Node ids that receive ``group``'s output for rollout shard ``shard``: the controller
+        with ``controller: single``; else the next group in flow order: a worker group's rank
+        ``shard % size`` (one node sees a whole shard, so prompt groups stay whole), or every
+        trainer (each takes the samples it owns)."""
+        g = self.groups
+        if g is None:
+            raise RuntimeError(f"{self.node.node_id}: groups are not formed yet")
+        if g.controller:
+            return [g.controller[0].node_id]
+        if self._plan is None:
+            self._plan = self.cfg.plan()
+        flow = self._plan.flow
+        nxt = flow[flow.index(group) + 1]
+        if nxt == "trainer":
+            return [m.node_id for m in g.trainer]
+        members = g.workers[nxt]
+        return [members[shard % len(members)].node_id]
 
     def endpoint(self, node_id: str) -> Endpoint:
         """A peer's data endpoint as the mesh knows it now (a restarted node may have moved)."""
@@ -115,7 +146,7 @@ class Runtime:
 
     def dead_peers(self, role: str) -> list[str]:
         """Members of my ``role`` group (not me) the mesh has declared dead (not those that left)."""
-        group = getattr(self.groups, role, None) or []
+        group = self.groups.members(role) if self.groups is not None else []
         out = []
         for g in group:
             m = self.node.member(g.node_id) if g.node_id != self.node.node_id else None

@@ -25,6 +25,7 @@ __all__ = [
     "TOY_SPECIAL_TOKENS",
     "build_toy_tokenizer",
     "build_toy_model",
+    "build_toy_reward_model",
     "ensure_toy_model",
     "make_toy_dataset",
     "successor_answer",
@@ -119,14 +120,38 @@ def build_toy_model(
     return str(out_dir)
 
 
+def build_toy_reward_model(out_dir: str | os.PathLike[str], *, seed: int = 0, hidden_size: int = 32,
+                           num_layers: int = 1, num_heads: int = 2, init_std: float = 0.02) -> str:
+    """Build a tiny RANDOMLY initialised reward model over the toy tokenizer into ``out_dir``:
+    a ``LlamaForSequenceClassification`` with ``num_labels=1`` (a scalar score), loadable
+    with ``AutoModelForSequenceClassification``. Deterministic for ``seed``. Its score is
+    not informative about the successor task (it is a stand-in that exercises the learned
+    reward path end to end); the shipped config adds it, down-weighted, to the rule reward."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = build_toy_tokenizer(out_dir)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                         max_position_embeddings=64, initializer_range=init_std, num_labels=1,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return str(out_dir)
+
+
 def ensure_toy_model(out_dir: str | os.PathLike[str], *, seed: int = 0, kind: str = "successor") -> str:
     """Build the toy model of ``kind`` (``successor``: this module's; ``gsm8k``:
-    :func:`distflow.toy_gsm8k.build_gsm8k_model`) into ``out_dir`` unless a ``config.json``
-    is already there."""
-    if kind not in ("successor", "gsm8k"):
-        raise ValueError(f"toy model kind {kind!r} is not successor or gsm8k")
+    :func:`distflow.toy_gsm8k.build_gsm8k_model`; ``reward``: :func:`build_toy_reward_model`)
+    into ``out_dir`` unless a ``config.json`` is already there."""
+    if kind not in ("successor", "gsm8k", "reward"):
+        raise ValueError(f"toy model kind {kind!r} is not successor, gsm8k or reward")
     if not (Path(out_dir) / "config.json").is_file():
-        if kind == "gsm8k":
+        if kind == "reward":
+            build_toy_reward_model(out_dir, seed=seed)
+        elif kind == "gsm8k":
             from distflow.toy_gsm8k import build_gsm8k_model
 
             build_gsm8k_model(out_dir, seed=seed)

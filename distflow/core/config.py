@@ -13,6 +13,7 @@ applied to the raw mapping before validation, with YAML typing of the value.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -20,6 +21,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, load_workflow, plan
+
+
+RESERVED_GROUPS = ("rollout", "trainer", "controller")
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 
 
 class ConfigError(ValueError):
@@ -56,6 +61,10 @@ class Config(BaseModel):
     controller: Literal["distributed", "single"] = Field(
         "distributed", description="single = route every stage's output through one controller process "
                                    "(the hybrid-controller design, kept to measure against)")
+    worker_groups: dict[str, int] = Field(
+        default_factory=dict, description="extra worker groups between rollout and trainer: group name -> node "
+                                          "count; a workflow node with that `group` runs on those nodes (e.g. a "
+                                          "reward model on nodes of its own)")
     mesh: MeshSettings = Field(default_factory=MeshSettings)
     route_by: Literal["owner", "tokens"] = Field(
         "owner", description="owner = hash(sample_id) mod trainers; tokens = balance each step's tokens across trainers")
@@ -91,6 +100,19 @@ class Config(BaseModel):
                                               "taking GPUs of their own")
     restarts: int = Field(3, ge=0, description="`distflow run` restarts a dead rollout node up to this many "
                                                "times (same id and ports); a dead trainer stops the run")
+
+    @field_validator("worker_groups")
+    @classmethod
+    def _worker_groups(cls, v: dict[str, int]) -> dict[str, int]:
+        for name, n in v.items():
+            if name in RESERVED_GROUPS:
+                raise ValueError(f"{name!r} is a built-in group; a worker group needs another name "
+                                 f"(not {', '.join(RESERVED_GROUPS)})")
+            if not _GROUP_RE.match(name):
+                raise ValueError(f"group name {name!r} must use only letters, digits, '_' and '-'")
+            if n < 1:
+                raise ValueError(f"group {name!r} has {n} nodes; a worker group needs at least 1")
+        return v
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -207,12 +229,27 @@ class Config(BaseModel):
                 f"prompts_per_step ({self.prompts_per_step}) must be a multiple of rollout_nodes "
                 f"({self.rollout_nodes}): each rollout node generates an equal share of every step"
             )
+        groups = ("rollout", "trainer", *self.worker_groups)
+        for n in self.workflow:
+            if n.group is not None and n.group not in groups:
+                raise ValueError(f"workflow node {n.id!r}: key 'group' names {n.group!r}, which is not rollout, "
+                                 f"trainer or a group of worker_groups ({', '.join(self.worker_groups) or 'none'})")
+        if self.worker_groups and self.controller == "single":
+            raise ValueError("worker_groups: controller: single routes every batch through one controller; it "
+                             "cannot be combined with worker groups (use controller: distributed)")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("dtype float16 is not supported on device cpu; use float32 or bfloat16")
         try:
-            self.plan()
+            p = self.plan()
         except WorkflowError as e:
             raise ValueError(str(e)) from None
+        for g in self.worker_groups:
+            if not p.pipeline(g):
+                raise ValueError(f"worker_groups: group {g!r} runs no workflow node (give a node `group: {g}`)")
+            for n in p.pipeline(g):
+                if n.fn == "dynamic_sampling":
+                    raise ValueError(f"workflow node {n.id!r}: dynamic_sampling regenerates prompts, so it runs on "
+                                     f"the rollout group, not on worker group {g!r} (key 'group')")
         return self
 
     # -- derived quantities (the only place they are computed) ---------------------
@@ -231,7 +268,8 @@ class Config(BaseModel):
         return (self.max_staleness + 2) * self.samples_per_step
 
     def group_sizes(self) -> dict[str, int]:
-        return {"rollout": self.rollout_nodes, "trainer": self.trainer_nodes}
+        """Workers per group, in flow order (rollout, the worker_groups, trainer): the planner's input."""
+        return {"rollout": self.rollout_nodes, **self.worker_groups, "trainer": self.trainer_nodes}
 
     @property
     def controller_nodes(self) -> int:

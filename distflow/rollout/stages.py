@@ -6,7 +6,9 @@ stage; the node's ``fn`` picks the concrete function inside it (a reward name, a
 advantage estimator). There is no per-algorithm switch: a new algorithm is a config plus,
 at most, one registered pure function (``distflow.rl.registry``). The (role, type)
 pairs registered here are those :data:`distflow.core.dag.STAGE_GROUPS` allows on
-``rollout``, so the planner has already rejected anything else with the node's name.
+``rollout`` and on worker groups of their own (:mod:`distflow.stage_worker` runs this same
+registry on the batch it receives, through :func:`run_stages`), so the planner has
+already rejected anything else with the node's name.
 
 Stages: ``stage(node, ctx, batch) -> batch``; they never touch the network.
 
@@ -42,7 +44,7 @@ from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import resolve_reward
 
 __all__ = ["StageError", "RolloutContext", "STAGES", "register_stage", "run_pipeline", "sampling_params",
-           "encode_prompts", "generate", "reward", "reward_model", "advantage"]
+           "encode_prompts", "run_stages", "generate", "reward", "reward_model", "advantage"]
 
 
 class StageError(RuntimeError):
@@ -223,14 +225,14 @@ def advantage(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None
 
 
 # ----------------------------------------------------------------------------- the executor
-def _run(pipeline: list[WorkflowNode], ctx: RolloutContext) -> SampleBatch:
-    batch: SampleBatch | None = None
+def _run(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: SampleBatch | None = None) -> SampleBatch:
+    """Run ``pipeline`` from ``batch`` (None: the pipeline starts with generate)."""
     done: set[str] = set()
     local = {n.id for n in ctx.pipeline or pipeline}
     for node in pipeline:
         missing = [d for d in node.deps if d in local and d not in done]
         if missing:
-            raise StageError(f"workflow node {node.id!r}: deps {missing} have not run on the rollout group "
+            raise StageError(f"workflow node {node.id!r}: deps {missing} have not run on this group "
                              f"(pipeline out of plan order)")
         stage = STAGES.get((node.role.value, node.type.value))
         if stage is None:
@@ -250,3 +252,9 @@ def run_pipeline(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Confi
     ``resampled_prompts``, ``dropped_prompts``)."""
     ctx = RolloutContext(engine, cfg, rows, seed, list(pipeline), stats if stats is not None else {}, weights_update)
     return _run(list(pipeline), ctx)
+
+
+def run_stages(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: SampleBatch) -> SampleBatch:
+    """Run a worker group's pipeline (plan order, deps checked) on a batch another group made
+    (:mod:`distflow.stage_worker`); blocking, call in a thread."""
+    return _run(list(pipeline), ctx, batch)

@@ -63,15 +63,17 @@ def trainer_step(rt: Runtime, groups: Groups) -> int:
 
 
 async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict,
-                     check: Callable[[], None] | None = None) -> None:
+                     check: Callable[[], None] | None = None, source_group: str = "rollout") -> None:
     """Each trainer gets the samples it owns, through the data plane's one routing function
     (``buffer.redistribute.scatter``: one message per trainer, empty or not). A trainer that is
     cut off is retried until it is back, or until the trainers no longer need this step.
     ``check`` raises when the trainers are gone for good; it is also polled WHILE a send waits
     for its ack, so a trainer that dies mid-send is noticed within a second, not after
-    ``step_timeout_s``. With ``controller: single`` the whole batch goes to the controller."""
+    ``step_timeout_s``. With ``controller: single`` the whole batch goes to the controller, and
+    when the plan puts a worker group next (``worker_groups``) to its rank ``shard % size``
+    (:meth:`Runtime.targets_after`); a stage worker forwards through here too (``source_group``)."""
     cfg = rt.cfg
-    targets = [groups.controller[0].node_id] if groups.controller else [m.node_id for m in groups.trainer]
+    targets = rt.targets_after(source_group, shard)
     consumers = [rt.endpoint(t) for t in targets]
     pending = set(range(len(targets)))
     deadline = time.monotonic() + cfg.step_timeout_s
@@ -82,13 +84,21 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
                 scatter(rt.channel, batch, consumers, step=step, source_rank=shard, timeout=cfg.step_timeout_s,
                         balance=cfg.route_by, num_sources=len(groups.rollout), extra_meta=extra, only=live),
                 name=f"send-step{step}-shard{shard}")
+            lives = {i: _life(rt, targets[i]) for i in live}
             try:
+                lost = False
                 while not send.done():
                     await asyncio.wait([send], timeout=1.0)
                     if not send.done() and check is not None:
                         check()  # raises (and the finally cancels the send) when the trainers are gone
-                pending -= live
-                send.result()
+                    if not send.done() and any(_life(rt, targets[i]) != lives[i] for i in live):
+                        # A consumer was declared dead or restarted mid-send (its new life never
+                        # acks the old request; e.g. a restarted stage worker): resend once back.
+                        lost = True
+                        break
+                if not lost:
+                    pending -= live
+                    send.result()
             except ScatterError as e:
                 log.warning("step %d shard %d: %s; will retry", step, shard, e)
                 pending |= {i for i in live if targets[i] not in e.delivered}
@@ -104,6 +114,13 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
                 raise PeerLostError(f"step {step}: trainers {[targets[i] for i in sorted(pending)]} unreachable "
                                     f"for {cfg.step_timeout_s:.0f}s")
             await asyncio.sleep(0.5)
+
+
+def _life(rt: Runtime, node_id: str) -> object:
+    """Which life of a live member this is (its ``boot`` time: a restarted node has a new one;
+    the incarnation also changes with every metadata update); None when it is not alive."""
+    m = rt.node.member(node_id)
+    return m.meta.get("boot") if m is not None and rt.node.is_alive(node_id) else None
 
 
 def sent_summary(batch: SampleBatch) -> dict:
