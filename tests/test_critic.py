@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -50,9 +49,11 @@ def batch_of(n: int, seed: int = 0) -> SampleBatch:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port BELOW the ephemeral range: an ephemeral one can be taken by any outgoing
+    connection (gloo's own, another test's) between this check and the rendezvous."""
+    from distflow.launcher import _free_ports
+
+    return _free_ports("127.0.0.1", 1)[0]
 
 
 @pytest.fixture(scope="module")

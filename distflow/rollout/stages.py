@@ -35,6 +35,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import PromptRow
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
+from distflow.core.executor import StageRegistry
 from distflow.hf import chat_prompt_ids
 from distflow.rl.advantages import nonconstant_groups
 from distflow.rl.reward_model import score_batch
@@ -69,15 +70,9 @@ class RolloutContext:
 
 
 Stage = Callable[[WorkflowNode, RolloutContext, "SampleBatch | None"], SampleBatch]
-STAGES: dict[tuple[str, str], Stage] = {}
-
-
-def register_stage(role: str, type_: str) -> Callable[[Stage], Stage]:
-    """Decorator: ``fn`` runs every workflow node of this (role, type) on the rollout group."""
-    def deco(fn: Stage) -> Stage:
-        STAGES[(role, type_)] = fn
-        return fn
-    return deco
+REGISTRY: StageRegistry[Stage] = StageRegistry("rollout", StageError)
+STAGES = REGISTRY.stages
+register_stage = REGISTRY.register
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -227,18 +222,8 @@ def advantage(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None
 # ----------------------------------------------------------------------------- the executor
 def _run(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: SampleBatch | None = None) -> SampleBatch:
     """Run ``pipeline`` from ``batch`` (None: the pipeline starts with generate)."""
-    done: set[str] = set()
-    local = {n.id for n in ctx.pipeline or pipeline}
-    for node in pipeline:
-        missing = [d for d in node.deps if d in local and d not in done]
-        if missing:
-            raise StageError(f"workflow node {node.id!r}: deps {missing} have not run on this group "
-                             f"(pipeline out of plan order)")
-        stage = STAGES.get((node.role.value, node.type.value))
-        if stage is None:
-            raise StageError(f"workflow node {node.id!r}: no rollout stage for {node.role.value} {node.type.value}")
+    for node, stage in REGISTRY.walk(pipeline, {n.id for n in ctx.pipeline or pipeline}):
         batch = stage(node, ctx, batch)
-        done.add(node.id)
     if batch is None:
         raise StageError("the rollout pipeline has no generate node")
     return batch

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
+from distflow.core.executor import StageRegistry
 from distflow.device import collective_device, node_device
 from distflow.rl.advantages import token_rewards
 from distflow.rl.kl import kl_estimate
@@ -78,15 +79,9 @@ class TrainerContext:
 
 
 Stage = Callable[[WorkflowNode, TrainerContext, SampleBatch], dict[str, float]]
-STAGES: dict[tuple[str, str], Stage] = {}
-
-
-def register_stage(role: str, type_: str) -> Callable[[Stage], Stage]:
-    """Decorator: ``fn`` runs every workflow node of this (role, type) on the trainer group."""
-    def deco(fn: Stage) -> Stage:
-        STAGES[(role, type_)] = fn
-        return fn
-    return deco
+REGISTRY: StageRegistry[Stage] = StageRegistry("trainer")
+STAGES = REGISTRY.stages
+register_stage = REGISTRY.register
 
 
 # ----------------------------------------------------------------------------- ragged <-> padded
@@ -209,16 +204,7 @@ def run_pipeline(pipeline: list[WorkflowNode], ctx: TrainerContext, batch: Sampl
     ``time_update_s``, ``time_critic_s``, ``time_reward_s``, ``time_compute_s``). Blocking;
     every rank calls it."""
     stats: dict[str, float] = {"time_logprobs_s": 0.0, "time_update_s": 0.0}
-    done: set[str] = set()
-    local = {n.id for n in pipeline}
-    for node in pipeline:
-        missing = [d for d in node.deps if d in local and d not in done]
-        if missing:
-            raise RuntimeError(f"workflow node {node.id!r}: deps {missing} have not run on the trainer group "
-                               f"(pipeline out of plan order)")
-        stage = STAGES.get((node.role.value, node.type.value))
-        if stage is None:
-            raise RuntimeError(f"workflow node {node.id!r}: no trainer stage for {node.role.value} {node.type.value}")
+    for node, stage in REGISTRY.walk(pipeline):
         t0 = time.perf_counter()
         out = dict(stage(node, ctx, batch))
         took = time.perf_counter() - t0
@@ -227,7 +213,6 @@ def run_pipeline(pipeline: list[WorkflowNode], ctx: TrainerContext, batch: Sampl
         key = _TIMERS.get((node.role.value, node.type.value), "time_compute_s")
         stats["time_logprobs_s"] += lp
         stats[key] = stats.get(key, 0.0) + took - lp
-        done.add(node.id)
     return stats
 
 
