@@ -179,6 +179,16 @@ def toy_prompt(rng: random.Random) -> str:
 
 def make_toy_dataset(path: str | os.PathLike[str], n_rows: int, seed: int = 0) -> str:
     """Write ``n_rows`` JSONL rows ``{"prompt": "3947=", "answer": "8"}``; deterministic for ``seed``."""
+    def row(rng: random.Random) -> dict:
+        prompt = toy_prompt(rng)
+        return {"prompt": prompt, "answer": successor_answer(prompt)}
+
+    return write_rows(path, n_rows, seed, row)
+
+
+def write_rows(path: str | os.PathLike[str], n_rows: int, seed: int, row) -> str:
+    """Write ``n_rows`` JSONL rows ``row(rng)`` with one ``random.Random(seed)``; returns the path.
+    The one writer of the generated toy datasets (successor, gsm8k)."""
     if n_rows < 0:
         raise ValueError(f"n_rows must be >= 0, got {n_rows}")
     rng = random.Random(seed)
@@ -186,6 +196,5 @@ def make_toy_dataset(path: str | os.PathLike[str], n_rows: int, seed: int = 0) -
     p.parent.mkdir(parents=True, exist_ok=True)
     with open(p, "w", encoding="utf-8") as f:
         for _ in range(n_rows):
-            prompt = toy_prompt(rng)
-            f.write(json.dumps({"prompt": prompt, "answer": successor_answer(prompt)}) + "\n")
+            f.write(json.dumps(row(rng)) + "\n")
     return str(p)

@@ -22,7 +22,6 @@ config on a real model directory.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -74,16 +73,13 @@ def make_problem(rng: random.Random) -> tuple[str, str, int]:
 
 def make_gsm8k_dataset(path: str | os.PathLike[str], n_rows: int, seed: int = 0) -> str:
     """Write ``n_rows`` JSONL rows ``{"question": ..., "answer": "... #### N"}``; deterministic for ``seed``."""
-    if n_rows < 0:
-        raise ValueError(f"n_rows must be >= 0, got {n_rows}")
-    rng = random.Random(seed)
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with open(p, "w", encoding="utf-8") as f:
-        for _ in range(n_rows):
-            q, a, _ = make_problem(rng)
-            f.write(json.dumps({"question": q, "answer": a}) + "\n")
-    return str(p)
+    from distflow.toy import write_rows
+
+    def row(rng: random.Random) -> dict:
+        q, a, _ = make_problem(rng)
+        return {"question": q, "answer": a}
+
+    return write_rows(path, n_rows, seed, row)
 
 
 def build_gsm8k_tokenizer(out_dir: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512,

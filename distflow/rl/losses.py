@@ -166,6 +166,22 @@ def _token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Te
 
 
 # ----------------------------------------------------------------------------- losses
+def _clipped_surrogate(adv: Tensor, ratio: Tensor, log_ratio: Tensor, mask: Tensor, clip_low: float,
+                       clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate, shared by the token-level (PPO/GRPO) and sequence-level (GSPO)
+    losses. All [B, T]: adv, ratio, log_ratio (for the approx-KL metric), mask. Returns
+    (per-token loss [B, T] = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), metrics:
+    clip_frac, ratio_mean, approx_kl)."""
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean((pg_clipped > pg_unclipped).to(ratio.dtype), mask),
+                   "ratio_mean": masked_mean(ratio, mask),
+                   "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask)}
+    return pg, metrics
+
+
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 **shared: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -183,13 +199,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     _require(dual_clip is None or dual_clip > 1.0, f"dual_clip must be > 1 (or None), got {dual_clip}")
     log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)
     ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    with torch.no_grad():
-        metrics = {"clip_frac": masked_mean((pg_clipped > pg_unclipped).to(ratio.dtype), mask),
-                   "ratio_mean": masked_mean(ratio, mask),
-                   "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask)}
+    pg, metrics = _clipped_surrogate(adv, ratio, log_ratio, mask, clip_low, clip_high)
     if dual_clip is not None:
         bound = -adv * dual_clip
         dual = (adv < 0) & (bound < pg)
@@ -217,13 +227,7 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     tok_log = seq_log.unsqueeze(1) + lp - lp.detach()
     ratio = torch.exp(torch.clamp(tok_log, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     ratio = torch.where(mask != 0, ratio, torch.ones_like(ratio))
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    with torch.no_grad():
-        metrics = {"clip_frac": masked_mean((pg_clipped > pg_unclipped).to(ratio.dtype), mask),
-                   "ratio_mean": masked_mean(ratio, mask),
-                   "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask)}
+    pg, metrics = _clipped_surrogate(adv, ratio, log_ratio, mask, clip_low, clip_high)
     return finish_loss(pg, logprobs, old_logprobs, mask, metrics, **shared)
 
 

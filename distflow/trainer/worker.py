@@ -190,7 +190,7 @@ async def run_trainer(rt: Runtime) -> None:
              mine)
 
     step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
-    first_step = inbox.consumed = step  # a resumed run continues at its checkpoint's step
+    inbox.consumed = step  # a resumed run continues at its checkpoint's step
     if step:
         rt.node.set_meta(policy_version=step)
         await publish(step)
