@@ -36,7 +36,7 @@ from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import collective_device, node_device
 from distflow.hf import load_causal_lm, load_tokenizer
-from distflow.rl.algorithms import POLICY_LOSSES, resolve
+from distflow.rl.registry import POLICY_LOSSES, resolve
 from distflow.trainer.model import DTYPES, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)

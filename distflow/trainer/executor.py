@@ -86,10 +86,11 @@ register_stage = REGISTRY.register
 
 # ----------------------------------------------------------------------------- ragged <-> padded
 def padded(flat_values: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """flat [sum(lens)] -> (values [B, max(lens)] zero-padded, mask [B, max(lens)] bool)."""
-    width = int(lens.max()) if lens.numel() else 0
-    mask = torch.arange(width)[None, :] < lens[:, None]
-    return torch.zeros(mask.shape, dtype=flat_values.dtype).masked_scatter(mask, flat_values), mask
+    """flat [sum(lens)] -> (values [B, max(lens)] zero-padded, mask [B, max(lens)] bool):
+    the actor's :func:`~distflow.trainer.actor.flat_to_padded` for a lengths tensor."""
+    from distflow.trainer.actor import flat_to_padded
+
+    return flat_to_padded(flat_values, [int(n) for n in lens.tolist()])
 
 
 def flat(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
