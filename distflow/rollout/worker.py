@@ -167,7 +167,11 @@ class RolloutLoop:
             raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
         # Evidence that this node is not the one cut off: another member it still reaches, or
         # one whose leave announcement reached it.
-        others = [m for m in node.members(include_dead=True) if m.node_id != node.node_id
+        # Only the run's own nodes count (a `distflow status` client joins the mesh briefly).
+        g = self.groups
+        cluster = {m.node_id for m in g.rollout + g.trainer + g.controller} | {
+            m.node_id for ms in g.workers.values() for m in ms}
+        others = [m for m in node.members(include_dead=True) if m.node_id != node.node_id and m.node_id in cluster
                   and m.node_id not in dead and m.state in ("alive", "suspect", "left")]
         lasting = [i for i in dead if now - self._dead_since[i] >= self.cfg.mesh.suspicion_timeout_s]
         if others and lasting:
