@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from distflow.core.config import load_config
 from distflow.trainer.schedule import lr_at
 from tests.conftest import ROOT
+from tests.process_group import process_group, store_path
 from tests.test_packing import make_batch
 
 QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
@@ -46,22 +47,17 @@ def _one_step(world: int, rank: int, toy_model, overrides) -> dict:
 
 def _step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with process_group(store, rank, world):
         result = _one_step(world, rank, toy_model, overrides)
         if rank == 0:
             torch.save(result, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
     """This pytest process as a one-rank gloo group (FileStore: no port to race for)."""
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with process_group(store_path(tmp_path_factory.mktemp("pg"))):
+        yield
 
 
 def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
@@ -156,8 +152,7 @@ def test_activation_checkpointing_gives_the_same_step(toy_model, world1):
 
 
 def _gpu_steps(rank: int, store: str, toy_model: str, dtype: str, out: str) -> None:
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
+    with process_group(store, backend="nccl"):
         from distflow.trainer.actor import Actor
 
         stats = []
@@ -168,8 +163,6 @@ def _gpu_steps(rank: int, store: str, toy_model: str, dtype: str, out: str) -> N
             assert batch.tensors["ref_logprobs"].device.type == "cpu"  # results leave the GPU
             stats.append(actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch))
         torch.save(stats, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

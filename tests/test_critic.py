@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import config_from_dict
 from distflow.trainer.critic import CRITIC_DIR, WEIGHTS_FILE, Critic, split_mini_batches
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
+from tests.process_group import process_group, store_path
 
 PPO_WF = [
     {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"},
@@ -48,19 +48,10 @@ def batch_of(n: int, seed: int = 0) -> SampleBatch:
     return b
 
 
-def _free_port() -> int:
-    """A free port BELOW the ephemeral range: an ephemeral one can be taken by any outgoing
-    connection (gloo's own, another test's) between this check and the rendezvous."""
-    from distflow.launcher import _free_ports
-
-    return _free_ports("127.0.0.1", 1)[0]
-
-
 @pytest.fixture(scope="module")
 def group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with process_group(store_path()):
+        yield
 
 
 def test_split_mini_batches() -> None:
@@ -130,9 +121,9 @@ def test_one_ppo_step_through_the_trainer_executor(group, toy_model, tmp_path) -
 
 
 # ----------------------------------------------------------------------------- 2 ranks, unequal samples
-def _two_rank_worker(rank: int, port: int, model: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+def _two_rank_worker(rank: int, store: str, model: str, out: str) -> None:
+    torch.set_num_threads(1)
+    with process_group(store, rank, 2):
         cfg = make_cfg(Path(model), micro_batch_size=1)
         critic = Critic(cfg)
         b = batch_of(3) if rank == 0 else SampleBatch.empty()  # rank 1 runs only dummy micro-batches
@@ -146,8 +137,6 @@ def _two_rank_worker(rank: int, port: int, model: str, out: str) -> None:
         after = critic.values(batch_of(3, seed=1) if rank == 0 else SampleBatch.empty())
         if rank == 0:
             torch.save({"stats": stats, "values": after.tensors["values"]}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_with_unequal_samples_match_one_rank(group, toy_model, tmp_path) -> None:
@@ -155,7 +144,7 @@ def test_two_ranks_with_unequal_samples_match_one_rank(group, toy_model, tmp_pat
 
     out = str(tmp_path / "two.pt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_two_rank_worker, args=(_free_port(), str(toy_model), out), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(store_path(tmp_path), str(toy_model), out), nprocs=2, join=True)
     two = torch.load(out)
     cfg = make_cfg(toy_model, micro_batch_size=1)
     critic = Critic(cfg)
@@ -168,9 +157,8 @@ def test_two_ranks_with_unequal_samples_match_one_rank(group, toy_model, tmp_pat
 
 
 # ----------------------------------------------------------------------------- GPU
-def _cuda_worker(rank: int, port: int, model: str, out: str) -> None:
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+def _cuda_worker(rank: int, store: str, model: str, out: str) -> None:
+    with process_group(store, backend="nccl"):
         cfg = make_cfg(Path(model), device="cuda", dtype="bfloat16")
         critic = Critic(cfg)
         b = critic.values(batch_of(4))
@@ -179,8 +167,6 @@ def _cuda_worker(rank: int, port: int, model: str, out: str) -> None:
         masters = [p.dtype for p in critic.model.parameters()]
         after = critic.values(batch_of(4, seed=1)).tensors["values"]
         torch.save({"stats": stats, "values": after, "fp32_master": all(d == torch.float32 for d in masters)}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
@@ -189,7 +175,7 @@ def test_critic_on_cuda_bf16_compute_fp32_master(toy_model, tmp_path) -> None:
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "cuda.pt")
-    mp.spawn(_cuda_worker, args=(_free_port(), str(toy_model), out), nprocs=1, join=True)
+    mp.spawn(_cuda_worker, args=(store_path(tmp_path), str(toy_model), out), nprocs=1, join=True)
     got = torch.load(out)
     assert got["fp32_master"]
     assert got["values"].device.type == "cpu" and torch.isfinite(got["values"]).all()

@@ -14,10 +14,10 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distflow.core.config import load_config
 from tests.conftest import ROOT
+from tests.process_group import process_group, store_path
 from tests.test_packing import make_batch
 
 
@@ -29,10 +29,8 @@ def _cfg(toy_model, *overrides):
 
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with process_group(store_path(tmp_path_factory.mktemp("pg"))):
+        yield
 
 
 def _step(toy_model, dtype):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distflow.buffer.dataloader import PromptShard
 from distflow.core.config import load_config
@@ -16,18 +15,15 @@ from distflow.trainer.actor import Actor
 from distflow.trainer.metrics import read_metrics
 from distflow.trainer.executor import build_context, run_pipeline as run_trainer_pipeline
 from tests.conftest import ROOT, run_distflow
+from tests.process_group import process_group, store_path
 
 STEPS = 4
 
 
 def synchronous_reference(cfg) -> list[dict]:
     """The textbook synchronous GRPO loop over the same functions, in this process."""
-    from distflow.launcher import _free_ports
-
     torch.set_num_threads(1)
-    port = _free_ports("127.0.0.1", 1)[0]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with process_group(store_path()):
         loader = PromptShard(cfg.dataset, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle)
         engine = make_engine("torch", cfg.model_path, dtype=cfg.dtype)
         plan = cfg.plan()
@@ -43,8 +39,6 @@ def synchronous_reference(cfg) -> list[dict]:
             engine.load_weights(actor.version, actor.full_state_dict())
             out.append({"reward_mean": float(batch.tensors["reward"].mean()), **stats})
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 def test_on_policy_run_matches_synchronous_loop(toy_model, toy_data, tmp_path):

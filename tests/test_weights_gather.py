@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.process_group import process_group, store_path
+
 BUCKET = 40_000  # bytes: the toy model's tensors are 128 B .. 32 KiB, so several buckets and one-tensor ones
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -23,8 +25,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     from distflow.trainer.gather import iter_weight_buckets
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with process_group(store, rank, world):
         model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"))
         mesh = init_device_mesh("cpu", (world,))
         for layer in model.model.layers:
@@ -60,16 +61,11 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
             dist.all_gather_single, dist.batch_isend_irecv = real_ag, real_p2p
         torch.save({"buckets": buckets, "again": again, "both": both, "nobody": nobody, "one_server": one_server,
                     "every_server": every_server, "no_server": no_server}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_bucketed_gather_of_fsdp2_model_equals_unsharded_weights(toy_model: Path, tmp_path: Path) -> None:
     from distflow.hf import load_causal_lm
-    from distflow.launcher import _free_ports
-
-    port = _free_ports("127.0.0.1", 1)[0]
-    mp.start_processes(_worker, args=(2, port, str(toy_model), str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, store_path(tmp_path), str(toy_model), str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
@@ -154,8 +150,7 @@ def test_gather_leaves_grad_mode_alone_between_buckets():
     assert torch.is_grad_enabled() and len(rest) >= 1
 
 
-def _nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+def _nccl_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -164,9 +159,7 @@ def _nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     os.environ["DISTFLOW_LOCAL_GPU"] = str(rank)
     dev = node_device("cuda")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=dev)
-    try:
+    with process_group(store, rank, world, "nccl", device_id=dev):
         torch.manual_seed(0)  # the same initial weights on both ranks
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Embedding(17, 64)).to(dev)
         full = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -183,8 +176,6 @@ def _nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         cpu = lambda bs: [{k: v.cpu() for k, v in b.items()} for b in bs]  # noqa: E731
         torch.save({"full": full, "kept": cpu(kept), "pinned": cpu(pinned), "both": cpu(both)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
@@ -192,10 +183,7 @@ def _nccl_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_serving_rank_gather_over_nccl(tmp_path: Path) -> None:
     """NCCL: rank 0 alone keeps (point-to-point into GPU buckets), then rank 1 alone (pinned, bf16),
     then both (all-gather); the 17-row embedding is sharded unevenly."""
-    from distflow.launcher import _free_ports
-
-    port = _free_ports("127.0.0.1", 1)[0]
-    mp.start_processes(_nccl_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_nccl_worker, args=(2, store_path(tmp_path), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert r0["pinned"] == [] and r1["kept"] == []
     for buckets, dtype in ((r0["kept"], torch.float32), (r1["pinned"], torch.bfloat16), (r0["both"], torch.float32),
