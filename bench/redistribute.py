@@ -210,7 +210,19 @@ def worker_main() -> None:
         if "ch" in state:
             await asyncio.wait_for(state["ch"].close(), 10)
 
-    run_loop(main())  # uvloop, as every node process runs
+    prof_dir = os.environ.get("DISTFLOW_BENCH_PROFILE")
+    if not prof_dir:
+        run_loop(main())  # uvloop, as every node process runs
+        return
+    import cProfile
+
+    prof = cProfile.Profile(time.thread_time)  # CPU of this thread, not wall time (processes share cores)
+    prof.enable()
+    try:
+        run_loop(main())
+    finally:
+        prof.disable()
+        prof.dump_stats(os.path.join(prof_dir, f"{state.get('node', os.getpid())}.prof"))
 
 
 def sock_server(srv: socket.socket, nbytes: int, reps: int) -> None:
@@ -487,6 +499,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="2,4,8")
     ap.add_argument("--window", type=int, default=1, help="messages in flight in the bandwidth part")
     ap.add_argument("--parts", default="handoff,bandwidth", help="which parts to run (comma-separated)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="cProfile every worker process; <node>.prof files go to DIR (timings are then inflated)")
     ap.add_argument("--shm-copy-below", type=int, default=None,
                     help="handoff: the shm channel's shm_copy_below (bytes; default: the channel's own)")
     ap.add_argument("--shm-release-delay", type=float, default=None,
@@ -496,6 +510,9 @@ def main() -> None:
         worker_main()
         return
     sizes = [int(x) for x in args.sizes.split(",")]
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ["DISTFLOW_BENCH_PROFILE"] = os.path.abspath(args.profile)  # the workers inherit it
     reps = 4 if args.quick else 12
     cores = os.cpu_count() or 1
     per_sample = PROMPT * 8 + RESPONSE * 8 + RESPONSE * 4 * 2 + 16

@@ -65,6 +65,7 @@ class BufferShard:
         self._taken: set[tuple[int, str]] = set()
         self._max_taken = -1
         self._wanted: Counter[int] = Counter()  # steps consumers are waiting on
+        self._takers: list[tuple[int, tuple[str, ...]]] = []  # (step, sources) of each waiting take_step
         self._cond = asyncio.Condition()
         self._held_samples = 0
         self._held_bytes = 0
@@ -104,7 +105,11 @@ class BufferShard:
                 self._c["in"] += n
                 self._c["puts"] += 1
                 admitted = True
-                self._cond.notify_all()
+                # wake takers only when this part completes a step one of them waits for (a step's N
+                # parts would otherwise wake each taker N times), or producers waiting for room
+                have = self._parts[step]
+                if self._waiting or any(s == step and all(x in have for x in srcs) for s, srcs in self._takers):
+                    self._cond.notify_all()
             finally:
                 self._reserved.discard(key)
                 if not admitted:
@@ -134,6 +139,8 @@ class BufferShard:
         async with self._cond:
             self._wanted[step] += 1
             self._cond.notify_all()  # producers blocked on this step may enter now
+            me = (step, tuple(srcs))
+            self._takers.append(me)
             try:
                 while True:
                     have = self._parts.get(step, {})
@@ -169,6 +176,7 @@ class BufferShard:
                 self._prune_taken(step)
                 self._cond.notify_all()
             finally:
+                self._takers.remove(me)
                 self._wanted[step] -= 1
                 if self._wanted[step] <= 0:
                     del self._wanted[step]

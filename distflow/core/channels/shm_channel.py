@@ -67,6 +67,7 @@ import zmq
 
 from distflow.core.channels import codec
 from distflow.core.channels.base import Endpoint, RemoteError, log
+from distflow.core.channels.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
 from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
     _NAME_RE,
     MIN_SEGMENT,
@@ -153,9 +154,15 @@ class ShmChannel(ZmqChannel):
         max_free_slots: int = 4,
         mapping_idle_s: float = 300.0,
         sweep_min_age: float = 2.0,
+        local_socket: bool = True,
         **kw: Any,
     ) -> None:
         super().__init__(node_id, secret, host, port, **kw)
+        if not isinstance(local_socket, bool):
+            raise ValueError(f"local_socket must be a bool, got {local_socket!r}")
+        self._use_local = local_socket and local_available()
+        self._local: LocalRouter | None = None
+        self._local_task: asyncio.Task | None = None
         if not shm_available():
             raise OSError(f"shared memory directory {SHM_DIR} is not available; use the zmq channel")
         if not isinstance(shm_copy_below, int) or isinstance(shm_copy_below, bool) or shm_copy_below < 0:
@@ -178,6 +185,7 @@ class ShmChannel(ZmqChannel):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._rx_pool = _CopyPool()
+        self._expired_at = 0.0
 
     async def start(self) -> None:
         install_hooks()
@@ -185,9 +193,23 @@ class ShmChannel(ZmqChannel):
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         await super().start()
+        if self._use_local:
+            try:
+                self._local = LocalRouter(self.port, self._max_message_bytes + self._max_header_bytes,
+                                          self._max_frames + 4)
+            except OSError as e:  # the name is taken (by another user?): same-host peers use TCP
+                log.warning("channel %s: no same-host socket (%s); same-host peers use TCP", self.node_id, e)
+            else:
+                self._local_task = asyncio.create_task(self._recv_loop(self._local),
+                                                       name=f"channel-recv-local-{self.node_id}")
 
     async def close(self) -> None:
+        if self._local_task is not None:
+            self._local_task.cancel()
+            await asyncio.wait([self._local_task], timeout=self._close_timeout)
         await super().close()
+        if self._local is not None:
+            self._local.close()
         if self._rel_flush is not None:
             self._rel_flush.cancel()
         for pool in self._pools.values():
@@ -209,10 +231,29 @@ class ShmChannel(ZmqChannel):
             "shm_releases_sent": self._counters["shm_releases_sent"],
             "shm_release_msgs": self._counters["shm_release_msgs"],
             "shm_zero_copy_sends": self._counters["shm_zero_copy_sends"],
+            "local_socket": self._local is not None,
+            "local_connects": self._counters["local_connects"],
         }
 
     def is_local(self, peer: Endpoint) -> bool:
         return peer.host in self._local_hosts
+
+    # ------------------------------------------------------------------ same-host control path
+    def _connect(self, peer: Endpoint) -> Any:
+        """A same-host peer's signed headers, acks and releases go over its Unix socket (one wake-up
+        per message instead of four); TCP when it has none (a plain zmq channel, another user)."""
+        if self._use_local and self.is_local(peer):
+            try:
+                sock = LocalDealer(peer.port, 1 << 20, lambda why: self._reset_peer(peer, f"lost ({why})"))
+            except OSError:
+                pass
+            else:
+                self._counters["local_connects"] += 1
+                return sock
+        return super()._connect(peer)
+
+    def _reply_socket(self, ident: bytes) -> Any:
+        return self._local if ident[:1] == IDENT_TAG and self._local is not None else self._router
 
     # ------------------------------------------------------------------ send
     async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -440,6 +481,9 @@ class ShmChannel(ZmqChannel):
 
     def _expire_mappings(self) -> None:
         now = time.monotonic()
+        if now - self._expired_at < 1.0:  # a scan per message would cost more than the mappings
+            return
+        self._expired_at = now
         for key in [k for k, m in self._maps.items() if now - m.last_used > self._mapping_idle_s]:
             del self._maps[key]  # unmapped once no tensor views it
 
@@ -498,7 +542,8 @@ class ShmChannel(ZmqChannel):
             body = msgpack.packb({"t": "rel", "from": self.node_id, "to": sender, "sess": sess, "slots": slots},
                                  use_bin_type=True)
             try:
-                self._router.send_now([ident, MAGIC_REL, body, self._auth.tag([body], DOMAIN)], copy=True)
+                self._reply_socket(ident).send_now([ident, MAGIC_REL, body, self._auth.tag([body], DOMAIN)],
+                                                   copy=True)
                 self._counters["shm_releases_sent"] += len(slots)
             except zmq.ZMQError as e:  # the sender's pool just grows; it never reuses an unreleased slot
                 log.warning("channel %s: could not send shm release to %s: %s", self.node_id, sender, e)

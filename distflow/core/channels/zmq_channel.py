@@ -205,7 +205,7 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         self._router = LoopSocket(router)
         self.port = int(router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._slots = asyncio.Semaphore(self._max_inflight)
-        self._recv_task = asyncio.create_task(self._recv_loop(), name=f"channel-recv-{self.node_id}")
+        self._recv_task = asyncio.create_task(self._recv_loop(self._router), name=f"channel-recv-{self.node_id}")
 
     def set_handler(self, handler: Handler) -> None:
         if not callable(handler):
@@ -346,6 +346,9 @@ class ZmqChannel(StreamReceiver, TensorChannel):
             p.pending[seq] = fut
             try:
                 await p.sock.send([MAGIC_MSG, hbytes, tag, *out.frames], copy=False)
+            except zmq.ZMQError as e:
+                p.pending.pop(seq, None)
+                raise ChannelError(f"channel {self.node_id}: cannot send {kind!r} to {peer.node_id}: {e}") from None
             except BaseException:
                 p.pending.pop(seq, None)
                 raise
@@ -413,6 +416,13 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         p = self._peers_out.get(peer)
         if p is not None:
             return p
+        p = _PeerOut(peer, self._connect(peer), next_seq=self._next_seq.pop(peer, 1))
+        p.reader = asyncio.create_task(self._ack_loop(p), name=f"channel-acks-{self.node_id}->{peer.node_id}")
+        self._peers_out[peer] = p
+        return p
+
+    def _connect(self, peer: Endpoint) -> Any:
+        """The sending socket to ``peer``: a DEALER (subclasses: a same-host Unix socket)."""
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -421,21 +431,23 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         if ":" in peer.host:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(peer.address)
-        p = _PeerOut(peer, LoopSocket(sock), next_seq=self._next_seq.pop(peer, 1))
-        p.reader = asyncio.create_task(self._ack_loop(p), name=f"channel-acks-{self.node_id}->{peer.node_id}")
-        self._peers_out[peer] = p
-        return p
+        return LoopSocket(sock)
 
-    def _reset_peer(self, peer: Endpoint) -> None:
-        """Drop the DEALER to ``peer`` and whatever it still queues (after a timeout: the peer may be
-        dead, and a message delivered much later would be stale). Sequence numbers carry on."""
+    def _reply_socket(self, ident: bytes) -> Any:
+        """The socket that answers (acks, releases) the connection ``ident`` came on."""
+        return self._router
+
+    def _reset_peer(self, peer: Endpoint, why: str = "reset after a send timed out") -> None:
+        """Drop the socket to ``peer`` and whatever it still queues (after a timeout: the peer may be
+        dead, and a message delivered much later would be stale; or the connection was lost).
+        Sends waiting for an ack fail at once, naming the peer. Sequence numbers carry on."""
         p = self._peers_out.pop(peer, None)
         if p is None:
             return
         self._next_seq[peer] = p.next_seq
         for fut in p.pending.values():
             if not fut.done():
-                fut.set_exception(ChannelError(f"connection to {peer.node_id} reset after a send timed out"))
+                fut.set_exception(ChannelError(f"connection to {peer.node_id} {why}"))
         if p.reader is not None:
             p.reader.cancel()
         p.sock.close(linger=0)
@@ -499,32 +511,33 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         return ack
 
     # ------------------------------------------------------------------ receive
-    async def _recv_loop(self) -> None:
-        """Read only while a handler slot is free (beyond that TCP pushes back on senders). A message
-        that starts no handler (dropped, or a chunk of an unfinished stream) hands its slot on."""
-        assert self._router is not None and self._slots is not None
-        have_slot = False
+    async def _recv_loop(self, router: Any) -> None:
+        """Read ``router`` only while a handler slot is free (beyond that the socket pushes back on
+        senders). A message that starts no handler (dropped, or a chunk of an unfinished stream)
+        hands its slot on."""
+        assert self._slots is not None
         while True:
-            if not have_slot:
-                await self._slots.acquire()
-                have_slot = True
             try:
-                frames = await self._router.recv(copy=False, into=self._chunk_sink, copy_head=4)
+                frames = await router.recv(copy=False, into=self._chunk_sink, copy_head=4)
             except asyncio.CancelledError:
-                self._slots.release()
                 raise
             except zmq.ZMQError as e:
                 if self._closed:
-                    self._slots.release()
                     return
                 log.warning("channel %s: receive failed: %s", self.node_id, e)
                 await asyncio.sleep(0.01)
                 continue
+            # the slot is taken after the read (a channel may read several sockets: a slot held while
+            # waiting on one would starve the others); the next read waits for it: one message held
+            await self._slots.acquire()
             try:
-                have_slot = not self._accept(frames)
+                started = self._accept(frames)
             except Exception as e:  # never let one message kill the receive loop
                 log.exception("channel %s: unexpected error on a received message", self.node_id)
                 self._drop("internal_error", repr(e))
+                started = False
+            if not started:
+                self._slots.release()
 
     def _accept(self, frames: list[Any]) -> bool:
         """Validate framing, MAC and replay; spawn the handler task. False if dropped (or, for a
@@ -649,7 +662,7 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         pm = header.get("pm")
         if not isinstance(pm, dict) or not isinstance(pm.get("nonce"), bytes) or not isinstance(pm.get("tag"), bytes):
             raise PayloadError("bad_header", "inline payload without a payload MAC")
-        bufs = [f.buffer for f in payload]
+        bufs = [getattr(f, "buffer", f) for f in payload]  # zmq.Frame, or a memoryview (local socket)
         key = self._payload_key(header["sess"], pm["nonce"])
         total = sum(len(f) for f in payload)
         alg = str(pm.get("alg"))
@@ -680,7 +693,7 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         # A ROUTER send never blocks (a full pipe drops), so the ack leaves in the same loop step as
         # the handler's return (a handler that triggers close() still gets its ack out).
         try:
-            self._router.send_now(frames, copy=True)
+            self._reply_socket(ident).send_now(frames, copy=True)
         except zmq.ZMQError as e:
             log.warning("channel %s: could not ack %s#%s: %s", self.node_id, header["from"], header["seq"], e)
 
