@@ -129,6 +129,7 @@ def trainer_main(rank: int, pg_port: int, kind: str, layers: int, reps: int, por
                 else:
                     for _ in iter_weight_buckets(model, BUCKET_BYTES, keep=False, device="cpu"):
                         pass
+        dist.barrier()  # leave together: a rank tearing down while another still runs can abort
         dist.destroy_process_group()
         return
 
@@ -167,6 +168,7 @@ def trainer_main(rank: int, pg_port: int, kind: str, layers: int, reps: int, por
         return times
 
     times = run_loop(main())
+    dist.barrier()
     dist.destroy_process_group()
     q_out.put(("times", times))
 
