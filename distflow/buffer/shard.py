@@ -64,7 +64,6 @@ class BufferShard:
         self._reserved: set[tuple[int, str]] = set()  # puts in progress (waiting for capacity)
         self._taken: set[tuple[int, str]] = set()
         self._max_taken = -1
-        self._wanted: Counter[int] = Counter()  # steps consumers are waiting on
         self._takers: list[tuple[int, tuple[str, ...]]] = []  # (step, sources) of each waiting take_step
         self._cond = asyncio.Condition()
         self._held_samples = 0
@@ -116,7 +115,7 @@ class BufferShard:
                     self._cond.notify_all()
 
     def _admissible(self, n: int, step: int) -> bool:
-        return self._held_samples + n <= self.capacity or self._held_samples == 0 or self._wanted[step] > 0
+        return self._held_samples + n <= self.capacity or self._held_samples == 0 or any(s == step for s, _ in self._takers)
 
     # ------------------------------------------------------------------ consumer side
     async def take_step(
@@ -137,10 +136,9 @@ class BufferShard:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         async with self._cond:
-            self._wanted[step] += 1
-            self._cond.notify_all()  # producers blocked on this step may enter now
             me = (step, tuple(srcs))
             self._takers.append(me)
+            self._cond.notify_all()  # producers blocked on this step may enter now
             try:
                 while True:
                     have = self._parts.get(step, {})
@@ -177,9 +175,6 @@ class BufferShard:
                 self._cond.notify_all()
             finally:
                 self._takers.remove(me)
-                self._wanted[step] -= 1
-                if self._wanted[step] <= 0:
-                    del self._wanted[step]
         if min_version is not None and len(batch):
             pv = batch.tensors.get("policy_version")
             if pv is None:

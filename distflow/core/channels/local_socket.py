@@ -423,8 +423,7 @@ class LocalDealer:
 
     async def send(self, frames: Sequence[Any], copy: bool = False) -> None:
         self._conn.write(frames)
-        if self._conn._out_bytes > PAUSE_WRITE_BYTES:
-            await self._conn.drain()
+        await self._conn.drain()
 
     async def recv(self, copy: bool = True, into: Any = None, copy_head: int = 0) -> list[Any]:
         return [bytes(f) for f in await self._inbox.get()]

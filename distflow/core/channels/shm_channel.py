@@ -162,7 +162,6 @@ class ShmChannel(ZmqChannel):
             raise ValueError(f"local_socket must be a bool, got {local_socket!r}")
         self._use_local = local_socket and local_available()
         self._local: LocalRouter | None = None
-        self._local_task: asyncio.Task | None = None
         if not shm_available():
             raise OSError(f"shared memory directory {SHM_DIR} is not available; use the zmq channel")
         if not isinstance(shm_copy_below, int) or isinstance(shm_copy_below, bool) or shm_copy_below < 0:
@@ -200,16 +199,10 @@ class ShmChannel(ZmqChannel):
             except OSError as e:  # the name is taken (by another user?): same-host peers use TCP
                 log.warning("channel %s: no same-host socket (%s); same-host peers use TCP", self.node_id, e)
             else:
-                self._local_task = asyncio.create_task(self._recv_loop(self._local),
-                                                       name=f"channel-recv-local-{self.node_id}")
+                self._serve(self._local, "recv-local")
 
     async def close(self) -> None:
-        if self._local_task is not None:
-            self._local_task.cancel()
-            await asyncio.wait([self._local_task], timeout=self._close_timeout)
         await super().close()
-        if self._local is not None:
-            self._local.close()
         if self._rel_flush is not None:
             self._rel_flush.cancel()
         for pool in self._pools.values():
@@ -233,6 +226,7 @@ class ShmChannel(ZmqChannel):
             "shm_zero_copy_sends": self._counters["shm_zero_copy_sends"],
             "local_socket": self._local is not None,
             "local_connects": self._counters["local_connects"],
+            "local_refused": self._local.refused if self._local is not None else 0,  # another user's connections
         }
 
     def is_local(self, peer: Endpoint) -> bool:

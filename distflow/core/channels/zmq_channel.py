@@ -171,7 +171,7 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         self._handler: Handler | None = None
         self._ctx: zmq.Context | None = None
         self._router: LoopSocket | None = None
-        self._recv_task: asyncio.Task | None = None
+        self._receivers: list[tuple[Any, asyncio.Task]] = []  # (socket, its receive loop): the ROUTER, ...
         self._handler_tasks: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._peers_out: dict[Endpoint, _PeerOut] = {}
@@ -205,7 +205,12 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         self._router = LoopSocket(router)
         self.port = int(router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._slots = asyncio.Semaphore(self._max_inflight)
-        self._recv_task = asyncio.create_task(self._recv_loop(self._router), name=f"channel-recv-{self.node_id}")
+        self._serve(self._router, "recv")
+
+    def _serve(self, router: Any, name: str) -> None:
+        """Receive on ``router`` (closed with the channel); a subclass may add sockets (same-host)."""
+        task = asyncio.create_task(self._recv_loop(router), name=f"channel-{name}-{self.node_id}")
+        self._receivers.append((router, task))
 
     def set_handler(self, handler: Handler) -> None:
         if not callable(handler):
@@ -216,7 +221,7 @@ class ZmqChannel(StreamReceiver, TensorChannel):
         if self._closed:
             return
         self._closed = True
-        tasks = [t for t in [self._recv_task, *self._handler_tasks] if t is not None]
+        tasks = [*(t for _, t in self._receivers), *self._handler_tasks]
         for p in self._peers_out.values():
             for fut in p.pending.values():
                 if not fut.done():
@@ -235,8 +240,8 @@ class ZmqChannel(StreamReceiver, TensorChannel):
                             self._close_timeout)
         for p in self._peers_out.values():
             p.sock.close(linger=0)
-        if self._router is not None:
-            self._router.close(linger=int(self._close_timeout * 500))  # let queued acks reach their senders
+        for router, _ in self._receivers:
+            router.close(linger=int(self._close_timeout * 500))  # let queued acks reach their senders
         if self._ctx is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self._ctx.term), self._close_timeout)
