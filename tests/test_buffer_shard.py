@@ -236,33 +236,80 @@ def test_bad_arguments_are_clear_errors():
     run(main())
 
 
-def test_split_into_writes_parts_into_given_memory_and_matches_select():
-    """Each part lands in its own buffer (views of it), bfloat16 and empty groups included, and equals
-    ``select``; a part whose allocator gives nothing becomes a private copy."""
-    from distflow.buffer.routing import owner_groups, owners, split_into
+def test_packer_writes_parts_into_given_memory_and_matches_select():
+    """Each part lands packed in its own buffer (fields 64-byte aligned views of it), bfloat16 and
+    empty groups included, round-trips through the wire form and equals ``select``; a part whose
+    allocator gives nothing is packed into private memory."""
+    from distflow.buffer.batch import PACKED, PackedPart
+    from distflow.buffer.routing import Packer, owner_groups, owners
 
     lens_p, lens_r = [2, 0, 3, 1, 4], [1, 3, 0, 2, 2]
     b = SampleBatch([f"q{i}" for i in range(5)], [f"e0:{i}" for i in range(5)], {
         "prompt_lens": torch.tensor(lens_p), "prompt_tokens": torch.arange(10),
         "response_lens": torch.tensor(lens_r), "response_tokens": torch.arange(100, 108),
-        "logprobs": torch.arange(8, dtype=torch.bfloat16) / 4, "reward": torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5])})
+        "logprobs": torch.arange(8, dtype=torch.bfloat16) / 4, "reward": torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5]),
+        "truncated": torch.tensor([True, False, True, False, False])})
     assert owners(b.sample_ids, 3) == [owner(s, 3) for s in b.sample_ids]
     groups = [[4, 1], [], [0, 2, 3]]  # any order, an empty group too
     bufs = [torch.zeros(1024, dtype=torch.uint8), None, torch.zeros(1024, dtype=torch.uint8)]
-    parts = split_into(b, groups, [lambda n, k=k: None if bufs[k] is None else bufs[k][:n] for k in range(3)])
-    for part, g, buf in zip(parts, groups, bufs):
+    packer = Packer(b)
+    packed = [packer.pack(g, lambda n, k=k: None if bufs[k] is None else bufs[k][:n]) for k, g in enumerate(groups)]
+    for p, g, buf in zip(packed, groups, bufs):
+        assert isinstance(p, PackedPart) and len(p) == len(g)
+        meta, tensors = p.to_wire()
+        assert list(tensors) == [PACKED] and meta[PACKED] == p.layout
+        part = SampleBatch.from_wire(meta, tensors)
         want = b.select(g)
-        assert part.sample_ids == want.sample_ids
+        assert part.sample_ids == want.sample_ids and part.prompt_ids == want.prompt_ids
+        assert list(part.tensors) == list(want.tensors)
+        assert p.nbytes() == want.nbytes()
         for name, t in want.tensors.items():
             assert part.tensors[name].dtype == t.dtype and torch.equal(part.tensors[name], t), name
             if buf is not None and t.numel():  # a view of the given memory, 64-byte aligned
                 off = part.tensors[name].data_ptr() - buf.data_ptr()
                 assert 0 <= off < 1024 and off % 64 == 0, name
+    parts = [p.to_batch() for p in packed]
     # hand-checked: part 0 = samples 4, 1 -> prompt tokens [6..9] + [] ; responses [106, 107] + [101, 102, 103]
     assert parts[0].tensors["prompt_tokens"].tolist() == [6, 7, 8, 9]
     assert parts[0].tensors["response_tokens"].tolist() == [106, 107, 101, 102, 103]
     assert parts[0].tensors["logprobs"].tolist() == [1.5, 1.75, 0.25, 0.5, 0.75]
-    assert [len(p) for p in split_into(b, owner_groups(b, 2), [lambda n: None] * 2)] == \
-        [len(g) for g in owner_groups(b, 2)]
+    assert parts[2].tensors["truncated"].tolist() == [True, True, False]
+    assert packed[0].layout[0] == ["prompt_lens", "int64", 0, 2]
+    assert [len(Packer(b).pack(g)) for g in owner_groups(b, 2)] == [len(g) for g in owner_groups(b, 2)]
+
+
+def test_packed_wire_form_rejects_bad_layouts():
+    """A packed part's layout is untrusted: each malformed form is a ValueError naming the problem."""
+    from distflow.buffer.batch import PACKED
+
+    buf = torch.zeros(256, dtype=torch.uint8)
+    ok = [["prompt_lens", "int64", 0, 1], ["prompt_tokens", "int64", 64, 2],
+          ["response_lens", "int64", 128, 1], ["response_tokens", "int64", 192, 0]]
+    meta = {"sample_ids": ["a"], "prompt_ids": ["e0:0"], PACKED: ok}
+    buf[0] = 2
+    assert SampleBatch.from_wire(meta, {PACKED: buf}).tensors["prompt_tokens"].tolist() == [0, 0]
+    bad = {
+        "past the end": [*ok[:3], ["response_tokens", "int64", 256, 1]],
+        "misaligned": [*ok[:3], ["response_tokens", "int64", 193, 0]],
+        "unknown dtype": [*ok[:3], ["response_tokens", "complex32", 192, 0]],
+        "repeated": [*ok, ["prompt_lens", "int64", 0, 1]],
+        "negative": [*ok[:3], ["response_tokens", "int64", 192, -1]],
+        "not an entry": [*ok, "x"],
+    }
+    for why, layout in bad.items():
+        with pytest.raises(ValueError, match="packed"):
+            SampleBatch.from_wire({**meta, PACKED: layout}, {PACKED: buf})
+    with pytest.raises(ValueError, match="one tensor"):
+        SampleBatch.from_wire(meta, {PACKED: buf, "x": buf})
+    with pytest.raises(ValueError, match="uint8"):
+        SampleBatch.from_wire(meta, {PACKED: buf.view(torch.int64)})
+    with pytest.raises(ValueError, match="expected 2 flat values"):  # the layout fits, the lengths do not
+        SampleBatch.from_wire({**meta, PACKED: [*ok[:1], ["prompt_tokens", "int64", 64, 3], *ok[2:]]},
+                              {PACKED: buf})
+
+
+def test_owners_rejects_non_str_ids():
+    from distflow.buffer.routing import owners
+
     with pytest.raises(TypeError, match="sample_id must be a str"):
         owners(["a", 3], 2)

@@ -11,9 +11,10 @@ Consumers receive with :func:`shard_receiver` (a channel handler that puts parts
 BufferShard, applying its backpressure to the sending producer) and collect a step with
 :func:`gather_step`. Sizes may be uneven; nothing requires equal chunks.
 
-On a channel that can lend shared memory (same host), each owner part is written straight
-into a slot lent for its consumer (:func:`routing.split_into`): the split is then the
-producer's only copy of the bytes, and the send itself copies nothing.
+Each part of a split travels packed (:class:`batch.PackedPart`: one buffer, one layout), and
+on a channel that can lend shared memory (same host) it is written straight into a slot lent
+for its consumer (:class:`routing.Packer`): the split is then the producer's only copy of the
+bytes, the send itself copies nothing, and the channel handles one tensor per part.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import asyncio
 import time
 from typing import Any, Callable, Collection, Sequence
 
-from distflow.buffer.batch import SampleBatch
-from distflow.buffer.routing import balance_by_tokens, owner_groups, owners, split_by_owner, split_into
+from distflow.buffer.batch import PACKED, PackedPart, SampleBatch
+from distflow.buffer.routing import Packer, owner_groups, owners, token_partition
 from distflow.buffer.shard import BufferShard
 from distflow.core.channels import Endpoint, Envelope, TensorChannel
 
 BALANCE_MODES = ("owner", "tokens")
 RESERVED_META = frozenset({"sample_ids", "prompt_ids", "extras", "step", "source_rank", "num_sources", "part",
-                           "num_parts", "balance"})
+                           "num_parts", "balance", PACKED})
 
 
 class ScatterError(RuntimeError):
@@ -43,12 +44,12 @@ class ScatterError(RuntimeError):
         self.delivered = delivered
 
 
-def split_for(batch: SampleBatch, num_consumers: int, balance: str) -> list[SampleBatch]:
-    """The per-consumer parts of ``batch`` under a balance mode ("owner" | "tokens")."""
+def groups_for(batch: SampleBatch, num_consumers: int, balance: str) -> list[list[int]]:
+    """Sample indices of each consumer's part under a balance mode ("owner" | "tokens")."""
     if balance == "owner":
-        return split_by_owner(batch, num_consumers)
+        return owner_groups(batch, num_consumers)
     if balance == "tokens":
-        return balance_by_tokens(batch, num_consumers)
+        return token_partition(batch.num_tokens(), num_consumers)
     raise ValueError(f"unknown balance mode {balance!r}; expected one of {BALANCE_MODES}")
 
 
@@ -87,38 +88,35 @@ async def scatter(
     if len({c.node_id for c in consumers}) != len(consumers):
         raise ValueError(f"duplicate consumer node ids in {[c.node_id for c in consumers]}")
     t0 = time.perf_counter()
-    parts = ((_split_in_place(channel, batch, consumers, balance) if only is None else None)
-             or split_for(batch, len(consumers), balance))
+    groups = groups_for(batch, len(consumers), balance)
+    whole = next((k for k, g in enumerate(groups) if len(g) == len(batch)), None)
+    packer = Packer(batch) if whole is None else None  # all to one consumer: sent as is, no copy
+    lend = getattr(channel, "lend", None)
+    parts: list[SampleBatch | PackedPart | None] = []
     sends: dict[str, asyncio.Task] = {}
-    for rank, (consumer, part) in enumerate(zip(consumers, parts)):
+    for rank, (consumer, group) in enumerate(zip(consumers, groups)):
         if only is not None and rank not in only:
+            parts.append(None)
             continue
+        if packer is None:
+            part = batch if rank == whole else batch.select([])
+        else:
+            part = packer.pack(group, None if lend is None else (lambda n, c=consumer: lend(c, n)))
+        parts.append(part)
         wire_meta, tensors = part.to_wire()
         meta = {**(extra_meta or {}), **wire_meta, "step": step, "source_rank": source_rank,
                 "num_sources": num_sources, "part": rank, "num_parts": len(consumers), "balance": balance}
         sends[consumer.node_id] = asyncio.create_task(
             channel.send(consumer, kind, meta, tensors, timeout=timeout),
             name=f"scatter-{kind}-s{step}-r{source_rank}->{consumer.node_id}")
+    nbytes = sum(p.nbytes() for p in parts if p is not None)
     results = await asyncio.gather(*sends.values(), return_exceptions=True)
+    parts.clear()  # lent slots are reused once every view of them is gone
     failed = {k: r for k, r in zip(sends, results) if isinstance(r, BaseException)}
     if failed:
         raise ScatterError(step, failed, [k for k in sends if k not in failed])
-    return {"step": step, "samples": [len(p) for p in parts], "bytes": sum(p.nbytes() for p in parts),
+    return {"step": step, "samples": [len(g) for g in groups], "bytes": nbytes,
             "seconds": time.perf_counter() - t0}
-
-
-def _split_in_place(channel: TensorChannel, batch: SampleBatch, consumers: list[Endpoint],
-                    balance: str) -> list[SampleBatch] | None:
-    """Owner parts written straight into shared-memory slots the channel lends for each consumer
-    (same host), so the split is the only copy a producer makes; None when the channel cannot lend.
-    Parts it cannot lend for (another host, too small) are ordinary copies."""
-    lend = getattr(channel, "lend", None)
-    if lend is None or balance != "owner" or len(consumers) < 2 or not len(batch):
-        return None
-    groups = owner_groups(batch, len(consumers))
-    if any(len(g) == len(batch) for g in groups):
-        return None  # everything goes to one consumer: no split, no copy
-    return split_into(batch, groups, [lambda n, c=c: lend(c, n) for c in consumers])
 
 
 def parse_part(env: Envelope) -> tuple[int, SampleBatch]:

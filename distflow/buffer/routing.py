@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+from typing import Callable
 
 import numpy as np
 import torch
 
-from distflow.buffer.batch import LENGTHS, SampleBatch
+from distflow.buffer.batch import LENGTHS, PackedPart, SampleBatch
+from distflow.core.channels.codec import ALIGN
 
 
 def owner(sample_id: str, num_consumers: int) -> int:
@@ -43,39 +45,8 @@ def owners(sample_ids: list[str], num_consumers: int) -> list[int]:
 
 
 def take(batch: SampleBatch, indices: list[int]) -> SampleBatch:
-    """``batch.select(indices)``, computing per-sample offsets once in Python ints (~2x faster
-    than per-sample tensor indexing when one batch is split many ways)."""
-    return _Taker(batch)(indices)
-
-
-class _Taker:
-    """Precomputed ragged offsets of one batch, for taking many subsets of it."""
-
-    def __init__(self, batch: SampleBatch):
-        self.batch = batch
-        self.spans: dict[str, tuple[list[int], list[int]]] = {}
-        for lens_name in {LENGTHS[n] for n in batch.tensors if n in LENGTHS}:
-            lens = batch.tensors[lens_name].tolist()
-            starts = list(itertools.accumulate(lens, initial=0))[:-1]
-            self.spans[lens_name] = (starts, lens)
-
-    def __call__(self, indices: list[int]) -> SampleBatch:
-        b = self.batch
-        idx = torch.tensor(indices, dtype=torch.int64)
-        out: dict[str, torch.Tensor] = {}
-        for name, t in b.tensors.items():
-            lens_name = LENGTHS.get(name)
-            if lens_name is None:
-                out[name] = t.index_select(0, idx)
-            elif not indices:
-                out[name] = t[:0].clone()
-            else:
-                starts, lens = self.spans[lens_name]
-                view = torch.empty(sum(lens[i] for i in indices), dtype=t.dtype)
-                _gather_spans(t, starts, lens, indices, view)
-                out[name] = view
-        return SampleBatch([b.sample_ids[i] for i in indices], [b.prompt_ids[i] for i in indices], out,
-                           [b.extras[i] for i in indices])
+    """``batch.select(indices)`` in one packed private buffer (see :class:`Packer`)."""
+    return Packer(batch).pack(indices).to_batch()
 
 
 def owner_groups(batch: SampleBatch, num_consumers: int) -> list[list[int]]:
@@ -86,74 +57,72 @@ def owner_groups(batch: SampleBatch, num_consumers: int) -> list[list[int]]:
     return groups
 
 
-def take_into(batch: SampleBatch, indices: list[int], alloc, taker: "_Taker | None" = None) -> SampleBatch | None:
-    """``batch.select(indices)`` written straight into memory from ``alloc(nbytes) -> uint8 tensor or
-    None`` (e.g. a shared-memory slot the channel lends for the part's consumer, so sending the part
-    copies nothing more): each field is a 64-byte aligned view of that buffer, filled by one
-    ``index_select`` (scalars) or one gather of the samples' spans (ragged fields). None when
-    ``alloc`` gives nothing (then take a copy). ``taker``: the batch's precomputed offsets, when one
-    batch is split many ways (:func:`split_into`)."""
-    from distflow.core.channels.codec import ALIGN
+class Packer:
+    """Writes subsets of one batch in the packed wire form (:class:`PackedPart`): every field of
+    a part at a 64-byte aligned offset of one buffer, filled by one gather per field.
 
-    taker = taker or _Taker(batch)
-    counts: dict[str | None, int] = {None: len(indices)}
-    for lens_name, (_, lens) in taker.spans.items():
-        counts[lens_name] = sum(lens[i] for i in indices)
-    layout, pos = [], 0
-    for name, t in batch.tensors.items():
-        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-        n = counts[LENGTHS.get(name)]
-        layout.append((name, t, pos, n))
-        pos += n * t.element_size()
-    buf = alloc(pos) if pos else None
-    if buf is None:
-        return None
-    idx = torch.tensor(indices, dtype=torch.int64)
-    out: dict[str, torch.Tensor] = {}
-    for name, t, off, n in layout:
-        view = buf[off:off + n * t.element_size()].view(t.dtype)
-        lens_name = LENGTHS.get(name)
-        if lens_name is None:
-            torch.index_select(t, 0, idx, out=view)
-        elif indices:
-            starts, lens = taker.spans[lens_name]
-            _gather_spans(t, starts, lens, indices, view)
-        out[name] = view
-    return SampleBatch([batch.sample_ids[i] for i in indices], [batch.prompt_ids[i] for i in indices], out,
-                       [batch.extras[i] for i in indices])
+    Why: a split is the producer's only copy of the bytes, and each part then travels as one
+    buffer; writing it straight into the memory it is sent from (``alloc``: a shared-memory slot
+    the channel lends for the part's consumer) leaves the send nothing to copy. The batch's
+    ragged offsets and numpy views are computed once for all parts; copies go through numpy
+    (a numpy slice costs ~0.2 us, a torch one ~2 us, and a split takes one per sample and field).
+    """
 
+    def __init__(self, batch: SampleBatch):
+        from distflow.core.channels.codec import DTYPE_NAMES
 
-def split_into(batch: SampleBatch, groups: list[list[int]], allocs: list) -> list[SampleBatch]:
-    """One part per group (sample indices): part k written into ``allocs[k](nbytes)``'s memory
-    (:func:`take_into`), or a private copy where that gives nothing. The batch's offsets are
-    computed once for all parts."""
-    taker = _Taker(batch)
-    return [take_into(batch, g, a, taker) or taker(g) for g, a in zip(groups, allocs)]
+        self.batch = batch
+        t = batch.tensors
+        self.lens = {ln: t[ln].tolist() for ln in {LENGTHS[n] for n in t if n in LENGTHS}}
+        self.starts = {ln: list(itertools.accumulate(v, initial=0)) for ln, v in self.lens.items()}
+        self.fields: list[tuple[str, str, int, np.ndarray, str | None]] = []
+        for name, x in t.items():
+            if x.device.type != "cpu":
+                x = x.cpu()
+            x = x.contiguous()
+            src = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()  # numpy has no bfloat16
+            self.fields.append((name, DTYPE_NAMES[x.dtype], x.element_size(), src, LENGTHS.get(name)))
 
-
-def _gather_spans(t: torch.Tensor, starts: list[int], lens: list[int], indices: list[int],
-                  out: torch.Tensor) -> None:
-    """out[...] = concatenation of t[starts[i]:starts[i]+lens[i]] for i in indices.
-
-    t: [total] contiguous CPU tensor; out: [sum of the selected lens], same dtype. Through numpy
-    views (a numpy slice costs ~0.2 us, a torch one ~2 us; a split makes one per sample and field);
-    dtypes numpy lacks (bfloat16) are moved as same-size integers."""
-    if t.dtype == torch.bfloat16:
-        t, out = t.view(torch.int16), out.view(torch.int16)
-    src, dst = t.numpy(), out.numpy()
-    np.concatenate([src[starts[i]:starts[i] + lens[i]] for i in indices], out=dst)
+    def pack(self, indices: list[int], alloc: Callable[[int], torch.Tensor | None] | None = None) -> PackedPart:
+        """The samples ``indices`` (in order) packed into ``alloc(nbytes)`` (a uint8 tensor of at
+        least nbytes), or a private buffer when ``alloc`` is None or gives None."""
+        counts: dict[str | None, int] = {None: len(indices)}
+        for ln, lens in self.lens.items():
+            counts[ln] = sum([lens[i] for i in indices])
+        layout, pos, field_bytes = [], 0, 0
+        for name, dname, size, _, ln in self.fields:
+            pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+            layout.append([name, dname, pos, counts[ln]])
+            pos += counts[ln] * size
+            field_bytes += counts[ln] * size
+        buf = alloc(pos) if alloc is not None and pos else None
+        buf = torch.empty(pos, dtype=torch.uint8) if buf is None else buf[:pos]
+        if pos:
+            dst = buf.numpy()
+            idx = None
+            for (_, _, size, src, ln), (_, _, off, n) in zip(self.fields, layout):
+                if not n:
+                    continue
+                out = dst[off:off + n * size].view(src.dtype)
+                if ln is None:
+                    if idx is None:
+                        idx = np.array(indices, dtype=np.int64)
+                    np.take(src, idx, out=out)
+                else:
+                    starts, lens = self.starts[ln], self.lens[ln]
+                    np.concatenate([src[starts[i]:starts[i] + lens[i]] for i in indices], out=out)
+        b = self.batch
+        return PackedPart([b.sample_ids[i] for i in indices], [b.prompt_ids[i] for i in indices],
+                          [b.extras[i] for i in indices], buf, layout, field_bytes)
 
 
 def split_by_owner(batch: SampleBatch, num_consumers: int) -> list[SampleBatch]:
     """One batch per consumer rank (possibly empty), each sample going to its owner, order kept."""
-    ranks = owners(batch.sample_ids, num_consumers)
-    groups: list[list[int]] = [[] for _ in range(num_consumers)]
-    for i, r in enumerate(ranks):
-        groups[r].append(i)
+    groups = owner_groups(batch, num_consumers)
     if any(len(g) == len(batch) for g in groups):  # everything goes to one consumer: no copy
         return [batch if len(g) == len(batch) else batch.select([]) for g in groups]
-    taker = _Taker(batch)
-    return [taker(g) for g in groups]
+    packer = Packer(batch)
+    return [packer.pack(g).to_batch() for g in groups]
 
 
 def token_partition(num_tokens: torch.Tensor | list[int], num_parts: int) -> list[list[int]]:
@@ -178,5 +147,5 @@ def token_partition(num_tokens: torch.Tensor | list[int], num_parts: int) -> lis
 
 def balance_by_tokens(batch: SampleBatch, num_parts: int) -> list[SampleBatch]:
     """Split a batch into ``num_parts`` batches of near-equal total tokens (prompt + response)."""
-    taker = _Taker(batch)
-    return [taker(idx) for idx in token_partition(batch.num_tokens(), num_parts)]
+    packer = Packer(batch)
+    return [packer.pack(idx).to_batch() for idx in token_partition(batch.num_tokens(), num_parts)]

@@ -104,19 +104,27 @@ class _Conn:
             self.reading = True
 
     def _on_readable(self) -> None:
+        # A read shorter than asked for emptied the socket: return instead of paying one more
+        # system call to hear EAGAIN (the loop's readiness is level-triggered: more data, or the
+        # peer's close, calls this again).
         while self.reading and not self.closed:
             try:
                 if self._body is not None and len(self._body) - self._got >= SCRATCH:
+                    want = len(self._body) - self._got
                     n = self.sock.recv_into(memoryview(self._body)[self._got:])  # a big frame: straight into place
                     if n:
                         self._got += n
                         if self._got == len(self._body):
                             self._finish()
+                        if n < want:
+                            return
                         continue
                 else:
                     n = self.sock.recv_into(self._scratch)
                     if n:
                         self._parse(n)
+                        if n < SCRATCH:
+                            return
                         continue
             except (BlockingIOError, InterruptedError):
                 return

@@ -392,7 +392,7 @@ class ShmChannel(ZmqChannel):
 
     def _apply_releases(self, p: _PeerOut, slots: Any) -> None:
         pool = self._pools.get(p.endpoint)
-        if pool is None or not isinstance(slots, list):
+        if pool is None or not isinstance(slots, list) or not slots:
             return
         by_name = {s.name: s for s in pool.slots}
         for item in slots:
