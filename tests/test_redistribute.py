@@ -254,15 +254,16 @@ def test_slow_consumer_backpressures_producers_without_losing_samples(workers):
 
 
 def test_shm_scatter_writes_parts_straight_into_lent_slots():
-    """Same-host parts of at least shm_min_bytes are taken straight into shared-memory slots the
-    channel lends (one copy, then a zero-copy send); contents and accounting are unchanged."""
+    """Same-host parts of at least shm_min_bytes are packed straight into shared-memory slots the
+    channel lends (one copy, then a zero-copy send); contents and accounting are unchanged, with
+    owner or token balancing and for a retry to one consumer."""
     import asyncio
 
     import torch
 
     from distflow.buffer.batch import SampleBatch
     from distflow.buffer.redistribute import gather_step, scatter, shard_receiver
-    from distflow.buffer.routing import split_by_owner
+    from distflow.buffer.routing import split_by_owner, token_partition
     from distflow.buffer.shard import BufferShard
     from distflow.core.channels import Endpoint, make_channel
 
@@ -292,6 +293,23 @@ def test_shm_scatter_writes_parts_straight_into_lent_slots():
                 for k, t in want.tensors.items():
                     assert torch.equal(part.tensors[k], t), k
             assert sorted(i for p in got for i in p.sample_ids) == sorted(batch.sample_ids)
+
+            # token balancing packs its parts the same way; a retry (``only``) sends just the named
+            # consumer's part, the same part a full send would have given it
+            parts = token_partition(batch.num_tokens(), 2)
+            res = await scatter(prod, batch, eps, step=1, source_rank=0, timeout=10, balance="tokens")
+            assert res["samples"] == [len(p) for p in parts] and res["bytes"] == batch.nbytes()
+            res = await scatter(prod, batch, eps, step=2, source_rank=0, timeout=10, balance="tokens", only=[1])
+            assert res["samples"] == [len(p) for p in parts]
+            for step, takers in ((1, [0, 1]), (2, [1])):
+                for k in takers:
+                    part = await gather_step(shards[k], step, ["p"], timeout=10)
+                    want = batch.select(parts[k])
+                    assert part.sample_ids == want.sample_ids, (step, k)
+                    for name, t in want.tensors.items():
+                        assert torch.equal(part.tensors[name], t), (step, k, name)
+            assert shards[0].steps_held() == {}  # consumer 0 got nothing for step 2
+            assert cons[0].stats()["recv_msgs"] == 2 and cons[1].stats()["recv_msgs"] == 3
         finally:
             for c in (prod, *cons):
                 await c.close()
