@@ -194,13 +194,15 @@ class PackedPart:
     extras: list[dict[str, Any]]
     buf: torch.Tensor
     layout: list[list[Any]]
-    field_bytes: int  # the fields' bytes (without alignment padding)
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     def nbytes(self) -> int:
-        return self.field_bytes
+        """The fields' bytes (alignment padding not counted)."""
+        from distflow.core.channels.codec import DTYPES
+
+        return sum(count * DTYPES[dname].itemsize for _, dname, _, count in self.layout)
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         meta = {"sample_ids": self.sample_ids, "prompt_ids": self.prompt_ids, "extras": self.extras,

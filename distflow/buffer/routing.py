@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from distflow.buffer.batch import LENGTHS, PackedPart, SampleBatch
-from distflow.core.channels.codec import ALIGN
+from distflow.core.channels.codec import ALIGN, DTYPE_NAMES
 
 
 def owner(sample_id: str, num_consumers: int) -> int:
@@ -69,8 +69,6 @@ class Packer:
     """
 
     def __init__(self, batch: SampleBatch):
-        from distflow.core.channels.codec import DTYPE_NAMES
-
         self.batch = batch
         t = batch.tensors
         self.lens = {ln: t[ln].tolist() for ln in {LENGTHS[n] for n in t if n in LENGTHS}}
@@ -89,12 +87,11 @@ class Packer:
         counts: dict[str | None, int] = {None: len(indices)}
         for ln, lens in self.lens.items():
             counts[ln] = sum([lens[i] for i in indices])
-        layout, pos, field_bytes = [], 0, 0
+        layout, pos = [], 0
         for name, dname, size, _, ln in self.fields:
             pos = (pos + ALIGN - 1) // ALIGN * ALIGN
             layout.append([name, dname, pos, counts[ln]])
             pos += counts[ln] * size
-            field_bytes += counts[ln] * size
         buf = alloc(pos) if alloc is not None and pos else None
         buf = torch.empty(pos, dtype=torch.uint8) if buf is None else buf[:pos]
         if pos:
@@ -113,7 +110,7 @@ class Packer:
                     np.concatenate([src[starts[i]:starts[i] + lens[i]] for i in indices], out=out)
         b = self.batch
         return PackedPart([b.sample_ids[i] for i in indices], [b.prompt_ids[i] for i in indices],
-                          [b.extras[i] for i in indices], buf, layout, field_bytes)
+                          [b.extras[i] for i in indices], buf, layout)
 
 
 def split_by_owner(batch: SampleBatch, num_consumers: int) -> list[SampleBatch]:

@@ -68,7 +68,6 @@ class BufferShard:
         self._cond = asyncio.Condition()
         self._held_samples = 0
         self._held_bytes = 0
-        self._part_bytes: dict[tuple[int, str], int] = {}  # bytes of each held part, counted once at put
         self._waiting = 0
         self._c: Counter[str] = Counter()
 
@@ -101,8 +100,7 @@ class BufferShard:
                         self._waiting -= 1
                 self._parts.setdefault(step, {})[source] = batch
                 self._held_samples += n
-                self._held_bytes += (nbytes := batch.nbytes())
-                self._part_bytes[key] = nbytes
+                self._held_bytes += batch.nbytes()
                 self._c["in"] += n
                 self._c["puts"] += 1
                 admitted = True
@@ -167,10 +165,10 @@ class BufferShard:
                 for s in srcs:
                     del have[s]
                     self._taken.add((step, s))
-                    self._held_bytes -= self._part_bytes.pop((step, s))
                 if not have:
                     self._parts.pop(step, None)
                 self._held_samples -= sum(len(p) for p in parts)
+                self._held_bytes -= sum(p.nbytes() for p in parts)
                 self._c["out"] += len(batch)
                 self._c["takes"] += 1
                 self._prune_taken(step)
