@@ -68,6 +68,20 @@ def wait_rows(proc: subprocess.Popen, metrics: Path, n: int, timeout: float = 12
     return len(read_metrics(metrics))
 
 
+def kill_node_midrun(proc: subprocess.Popen, out: Path, node_id: str, after_rows: int = 3) -> str:
+    """Once the run has ``after_rows`` metrics rows, SIGKILL ``node_id``; wait for the run to end
+    (its return code is then ``proc.returncode``) and return its stderr."""
+    try:
+        wait_rows(proc, out / "metrics.jsonl", after_rows)
+        pid = node_pid(out, node_id)
+        assert pid is not None, f"no pid for {node_id}"
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        return proc.communicate(timeout=240)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def make_data(tmp_path: Path, rows: int) -> Path:
     from distflow.toy import make_toy_dataset
 
@@ -80,15 +94,7 @@ def test_killed_rollout_child_is_restarted_and_the_run_completes(toy_model, tmp_
     rows = 240
     out = tmp_path / "run"
     proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=1", "rollout_nodes=2")
-    try:
-        wait_rows(proc, out / "metrics.jsonl", 3)
-        pid = node_pid(out, "rollout-1")
-        assert pid is not None
-        subprocess.run(["kill", "-9", str(pid)], check=True)
-        _, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    err = kill_node_midrun(proc, out, "rollout-1")
     assert proc.returncode == 0, err[-3000:]
     assert "rollout-1 died (exit -9)" in err and "restarting it with the same id and ports (restart 1 of 3)" in err
     log1 = (out / "logs" / "rollout-1.log").read_text()

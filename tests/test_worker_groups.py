@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -180,7 +179,7 @@ def test_reward_model_on_its_own_worker_group_scores_every_sample_once(toy_model
 
 
 def test_killed_reward_worker_is_restarted_and_every_sample_is_still_trained_once(toy_model, tmp_path):
-    from tests.test_supervise import children_of, make_data, node_pid, wait_rows
+    from tests.test_supervise import children_of, kill_node_midrun, make_data
 
     rows, out = 64, tmp_path / "run"
     args = ["run", EXAMPLE, "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
@@ -189,15 +188,7 @@ def test_killed_reward_worker_is_restarted_and_every_sample_is_still_trained_onc
             f"workflow.2.args.path={tmp_path / 'rm'}"]
     proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **CHILD_ENV})
-    try:
-        wait_rows(proc, out / "metrics.jsonl", 3)
-        pid = node_pid(out, "reward-0")
-        assert pid is not None
-        subprocess.run(["kill", "-9", str(pid)], check=True)
-        _, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    err = kill_node_midrun(proc, out, "reward-0")
     assert proc.returncode == 0, err[-3000:]
     assert "reward-0 died (exit -9)" in err and "the rollout nodes retry their sends to it until it is back" in err
     assert "----- distflow run: restart 1 of reward-0 -----" in (out / "logs" / "reward-0.log").read_text()
