@@ -79,6 +79,10 @@ def test_suspicion_expires_into_death_unless_refuted():
     events = ms.expire(101.7, slack=0.5)
     assert [(e, m.node_id) for e, m in events] == [("dead", "x")]
     assert ms.get("x").state == "dead" and ms.get("y").state == "alive"
+    # ``since`` is when this node saw the state change; a refutation is a change, an update is not
+    assert ms.get("x").since == 101.7 and ms.get("y").since == 100.5
+    ms.apply(upd(A, "y", 3, meta={"k": 1}), 102.0)
+    assert ms.get("y").since == 100.5 and ms.get("y").copy().since == 100.5
 
 
 def test_refutation_of_news_about_self():

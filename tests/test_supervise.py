@@ -175,3 +175,26 @@ def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_clu
     assert codes == {"rollout-0": 1, "rollout-1": 1}
     for i in ("rollout-0", "rollout-1"):
         assert "trainer trainer-0 died" in (logs / f"{i}.log").read_text()
+
+
+def test_a_healing_node_does_not_take_a_peer_back_before_the_trainer_for_its_death():
+    """The partition case (tests/test_multihost.py): a cut-off rollout node saw every peer
+    die; on healing they reappear one by one. The first one back is no evidence the trainer
+    died while it stayed reachable: it counts only after settling. A peer alive all along, or
+    one that announced its leave, is evidence at once."""
+    from distflow.core.mesh import Member
+    from distflow.rollout.worker import not_cut_off_witness
+
+    def member(node_id: str, state: str, since: float) -> Member:
+        return Member(node_id, "rollout", "127.0.0.1", 1, state, 1, {}, since, 0.0, since)
+
+    dead_at, settle = 100.0, 12.0
+    back = member("rollout-h2", "alive", 105.0)  # declared dead at ~100, alive again at 105
+    assert not_cut_off_witness([back], dead_at, now=106.0, settle_s=settle) is None
+    assert not_cut_off_witness([back], dead_at, now=116.9, settle_s=settle) is None
+    assert not_cut_off_witness([back], dead_at, now=117.0, settle_s=settle) == "rollout-h2"
+    assert not_cut_off_witness([member("r", "alive", 99.0)], dead_at, 101.0, settle) == "r"  # alive all along
+    assert not_cut_off_witness([member("r", "alive", 100.0)], dead_at, 101.0, settle) == "r"
+    assert not_cut_off_witness([member("r", "left", 104.0)], dead_at, 104.5, settle) == "r"
+    assert not_cut_off_witness([member("r", "suspect", 90.0)], dead_at, 200.0, settle) is None  # unreachable
+    assert not_cut_off_witness([member("r", "dead", 90.0), back], dead_at, 106.0, settle) is None

@@ -119,6 +119,7 @@ class Member:
     meta: dict = field(default_factory=dict)
     last_seen: float = 0.0  # time.time() of the last direct or gossiped sign of life
     loop_lag_s: float = 0.0
+    since: float = 0.0  # time.time() this node last saw the state change (or first heard of the member)
 
     @property
     def address(self) -> str:
@@ -126,7 +127,7 @@ class Member:
 
     def copy(self) -> "Member":
         return Member(self.node_id, self.role, self.host, self.port, self.state, self.incarnation, dict(self.meta),
-                      self.last_seen, self.loop_lag_s)
+                      self.last_seen, self.loop_lag_s, self.since)
 
     def to_update(self) -> Update:
         return [_CODE[self.state], self.node_id, self.incarnation, self.role, self.host, self.port, self.meta,
@@ -395,7 +396,7 @@ class Membership:
         m = self.table.get(nid)
         if m is None:
             state = STATES[code]
-            m = Member(nid, u[3], u[4], u[5], state, inc, u[6], now, float(u[7]))
+            m = Member(nid, u[3], u[4], u[5], state, inc, u[6], now, float(u[7]), now)
             self.table[nid] = m
             self._records[nid] = (u, self.queue.push(u) if rebroadcast else 0)
             if state in _LIVE:
@@ -433,6 +434,7 @@ class Membership:
             self._suspect_deadline.pop(nid, None)
             self._tomb_since[nid] = now
         if new != old:
+            m.since = now
             self._alive_ids = self._n_live = None
             if old not in _LIVE and new in _LIVE:
                 self._insert_probe(nid)

@@ -135,6 +135,22 @@ def sent_summary(batch: SampleBatch) -> dict:
             "response_lens": [int(x) for x in t["response_lens"].tolist()]}
 
 
+def not_cut_off_witness(others: list, dead_at: float, now: float, settle_s: float) -> str | None:
+    """A member whose state shows this node is not the one cut off, or None.
+
+    ``others``: mesh members (``.node_id``, ``.state``, ``.since``: ``time.time()`` of their
+    last state change here); ``dead_at``: when the trainer was declared dead. A member counts
+    when its leave announcement reached this node, or it is alive (not merely suspect) and has been
+    since before the trainer died. One that came back *after* (this node was cut off and is
+    healing: its peers reappear one by one) counts only once it has been back ``settle_s``, by
+    when a trainer that is alive has refuted its death too.
+    """
+    for m in others:
+        if m.state == "left" or (m.state == "alive" and (m.since <= dead_at or now - m.since >= settle_s)):
+            return m.node_id
+    return None
+
+
 class RolloutLoop:
     """One rollout node's state: its shard loaders, engine, weight inbox and trace."""
 
@@ -142,7 +158,6 @@ class RolloutLoop:
         self.rt, self.cfg = rt, rt.cfg
         # Buckets land on the engine's device (pinned-host staging is the sender's job).
         self.inbox = WeightInbox(device=node_device(self.cfg.device) if self.cfg.device == "cuda" else None)
-        self._dead_since: dict[str, float] = {}
         self._first_batch = False
         rt.on_data("weights", self.inbox.receive)
 
@@ -155,28 +170,32 @@ class RolloutLoop:
         """Raise when the trainers are gone for good: every one left (ClusterStopped), or one
         died (PeerLostError naming it). A trainer this node merely cannot reach (this node is
         cut off: it sees no other member alive) may come back, so that is waited for."""
-        node, now = self.rt.node, time.monotonic()
-        states = {t.node_id: (m := node.member(t.node_id)) and m.state for t in self.groups.trainer}
-        if all(s == "left" for s in states.values()):
+        node, now, mesh = self.rt.node, time.time(), self.rt.node.config
+        trainers = [m for t in self.groups.trainer if (m := node.member(t.node_id)) is not None]
+        states = {m.node_id: m.state for m in trainers}
+        if len(states) == len(self.groups.trainer) and all(s == "left" for s in states.values()):
             raise ClusterStopped("every trainer left the mesh")
-        dead = [i for i, s in states.items() if s == "dead"]
-        self._dead_since = {i: self._dead_since.get(i, now) for i in dead}
+        dead = {m.node_id: m.since for m in trainers if m.state == "dead"}
         if not dead:
             return
         if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
             raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
-        # Evidence that this node is not the one cut off: another member it still reaches, or
-        # one whose leave announcement reached it.
+        lasting = [i for i, at in dead.items() if now - at >= mesh.suspicion_timeout_s]
+        if not lasting:
+            return
         # Only the run's own nodes count (a `distflow status` client joins the mesh briefly).
         g = self.groups
         cluster = {m.node_id for m in g.rollout + g.trainer + g.controller} | {
             m.node_id for ms in g.workers.values() for m in ms}
-        others = [m for m in node.members(include_dead=True) if m.node_id != node.node_id and m.node_id in cluster
-                  and m.node_id not in dead and m.state in ("alive", "suspect", "left")]
-        lasting = [i for i in dead if now - self._dead_since[i] >= self.cfg.mesh.suspicion_timeout_s]
-        if others and lasting:
+        others = [m for m in node.members(include_dead=True)
+                  if m.node_id != node.node_id and m.node_id in cluster and m.node_id not in dead]
+        # A cut-off node that heals hears from its peers one by one: settle long enough for a
+        # live trainer to refute its death (one anti-entropy round plus a detection spread).
+        settle = mesh.push_pull_interval_s + mesh.expected_detection_s(len(cluster))
+        witness = not_cut_off_witness(others, min(dead[i] for i in lasting), now, settle)
+        if witness is not None:
             raise PeerLostError(f"trainer {', '.join(lasting)} died (the mesh declared it dead; "
-                                f"{others[0].node_id} is still reachable, so this node is not cut "
+                                f"{witness} is still reachable, so this node is not cut "
                                 f"off): the trainer group cannot go on without it")
 
     async def run(self) -> None:
