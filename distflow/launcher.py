@@ -306,12 +306,13 @@ class Progress:
                 self.bar.total = r["total_steps"]
             self.bar.update(1)
             stages = format_stages(r)
-            self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}", samples_s=f"{r['samples_per_s']:.0f}",
+            gen = {"generated": f"{r['generated_reward_mean']:.3f}"} if "generated_reward_mean" in r else {}
+            self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}", **gen, samples_s=f"{r['samples_per_s']:.0f}",
                                  stale=f"{r['staleness_mean']:.2f}", **({"time": stages} if stages else {}),
                                  refresh=False)
             if self.plain:
                 print(f"step {r['step'] + 1}/{r.get('total_steps', '?')} reward={r['reward_mean']:.3f} "
-                      f"loss={r.get('loss', 0):.4f} samples/s={r['samples_per_s']:.0f} "
+                      + "".join(f"{k}={v} " for k, v in gen.items()) + f"loss={r.get('loss', 0):.4f} samples/s={r['samples_per_s']:.0f} "
                       f"staleness={r['staleness_mean']:.2f}" + (f" [{stages}]" if stages else ""), flush=True)
         self.seen = len(rows)
 
@@ -360,8 +361,9 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     if code:
         return code
     last = bar.last or {}
-    print(f"distflow: done. {last.get('step', -1) + 1} steps, final reward {last.get('reward_mean', float('nan')):.3f}; "
-          f"metrics {metrics}, checkpoint {Path(cfg.output_dir) / 'checkpoint'}", file=sys.stderr)
+    gen = f" (generated {last['generated_reward_mean']:.3f})" if "generated_reward_mean" in last else ""
+    print(f"distflow: done. {last.get('step', -1) + 1} steps, final reward {last.get('reward_mean', float('nan')):.3f}"
+          f"{gen}; metrics {metrics}, checkpoint {Path(cfg.output_dir) / 'checkpoint'}", file=sys.stderr)
     return 0
 
 

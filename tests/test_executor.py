@@ -94,9 +94,11 @@ def test_dynamic_sampling_regenerates_then_drops_constant_groups(engine, toy_mod
     cfg = make_cfg(toy_model, workflow=wf)
     rs = rows("12=", "345=", "678=")
     rs[1].data["const"] = True
-    stats: dict[str, int] = {}
+    stats: dict[str, float] = {}
     batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, stats)
-    assert stats == {"resampled_prompts": 2, "dropped_prompts": 1}  # 1 prompt, regenerated twice, then dropped
+    # 1 prompt, regenerated twice, then dropped; what was generated first is counted before the
+    # filter: 4 samples of the constant prompt score 1, the other 8 alternate 0/1
+    assert stats == {"resampled_prompts": 2, "dropped_prompts": 1, "generated_samples": 12, "generated_reward": 8.0}
     assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:2"] and len(batch) == 8
     # every group left varies, so its advantages are not all zero
     for p in ("e0:0", "e0:2"):
@@ -107,7 +109,7 @@ def test_dynamic_sampling_regenerates_then_drops_constant_groups(engine, toy_mod
         r.data["const"] = True
     stats = {}
     batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, stats)
-    assert len(batch) == 12 and stats == {"resampled_prompts": 6}
+    assert len(batch) == 12 and stats == {"resampled_prompts": 6, "generated_samples": 12, "generated_reward": 12.0}
     assert batch.tensors["advantage"].abs().sum() == 0
 
 

@@ -62,11 +62,11 @@ class RolloutContext:
     rows: list[PromptRow]
     seed: int
     pipeline: list[WorkflowNode] = field(default_factory=list)
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
     weights_update: Callable[[], Any] | None = None  # partial rollout: polled by the engine mid-generation
 
-    def count(self, key: str, n: int) -> None:
-        self.stats[key] = self.stats.get(key, 0) + int(n)
+    def count(self, key: str, n: float) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
 
 
 Stage = Callable[[WorkflowNode, RolloutContext, "SampleBatch | None"], SampleBatch]
@@ -98,7 +98,7 @@ def _need(node: WorkflowNode, batch: SampleBatch | None) -> SampleBatch:
 
 # ----------------------------------------------------------------------------- stages
 def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], seed: int,
-                  stats: dict[str, int] | None = None, weights_update: Callable[[], Any] | None = None) -> SampleBatch:
+                  stats: dict[str, float] | None = None, weights_update: Callable[[], Any] | None = None) -> SampleBatch:
     """Sample ``group_size`` responses per prompt. Each sample carries ``policy_version`` (the
     weights it started with), ``last_version`` (the weights it ended with) and ``truncated``."""
     prompts = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
@@ -177,9 +177,15 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
     on them with a new seed) up to ``args.max_retries`` times (default 2), keeping the step's
     prompt count where possible; groups still constant are then dropped. A step never
     becomes empty: if every group is constant the batch is kept whole (its group advantages
-    are all 0, so it adds no gradient). Counts ``resampled_prompts`` and ``dropped_prompts``."""
+    are all 0, so it adds no gradient). Counts ``resampled_prompts`` and ``dropped_prompts``,
+    and ``generated_samples`` / ``generated_reward`` (their sum) of the first generation: the
+    trained samples' mean reward is biased by the filter (a policy that solves every prompt
+    trains on few, mixed groups), the generated one is the policy's."""
     retries = int(node.args.get("max_retries", 2))
     prefix = ctx.pipeline[:ctx.pipeline.index(node)] if node in ctx.pipeline else []
+    if len(batch) and "reward" in batch.tensors:
+        ctx.count("generated_samples", len(batch))
+        ctx.count("generated_reward", float(batch.tensors["reward"].float().sum()))
 
     def keep_mask(b: SampleBatch) -> list[bool]:
         if not len(b):
@@ -230,7 +236,7 @@ def _run(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: SampleBatch |
 
 
 def run_pipeline(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, rows: list[PromptRow],
-                 seed: int, stats: dict[str, int] | None = None,
+                 seed: int, stats: dict[str, float] | None = None,
                  weights_update: Callable[[], Any] | None = None) -> SampleBatch:
     """Run this group's pipeline (plan order, deps checked) on one step's prompts; blocking,
     call in a thread. ``stats`` (optional) receives the counters (``skipped_prompts``,

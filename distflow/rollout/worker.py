@@ -260,7 +260,7 @@ class RolloutLoop:
             rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
             t0 = time.perf_counter()
             seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
-            stage_stats: dict[str, int] = {}
+            stage_stats: dict[str, float] = {}
             batch = await asyncio.to_thread(run_pipeline, self.pipeline, engine, cfg, rows, seed, stage_stats,
                                             self.weights_update)
             t_gen = time.perf_counter() - t0

@@ -44,6 +44,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def with_generated_mean(stats: dict[str, float]) -> dict[str, float]:
+    """The step's summed rollout counters, plus ``generated_reward_mean`` where a filter
+    (DAPO's dynamic sampling) counted what the policy generated before it dropped groups:
+    ``reward_mean`` is over the trained samples only, which the filter biases."""
+    n = stats.get("generated_samples", 0)
+    if n > 0:
+        return {**stats, "generated_reward_mean": stats.get("generated_reward", 0.0) / n}
+    return stats
+
+
 def plot_reward_curve(metrics_path: Path, out_png: Path) -> None:
     import matplotlib
 
@@ -54,13 +64,17 @@ def plot_reward_curve(metrics_path: Path, out_png: Path) -> None:
     steps = [r["step"] for r in rows]
     rewards = [r["reward_mean"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(steps, rewards, marker=".", linewidth=1)
+    ax.plot(steps, rewards, marker=".", linewidth=1, label="trained samples")
+    generated = [(r["step"], r["generated_reward_mean"]) for r in rows if "generated_reward_mean" in r]
+    if generated:
+        ax.plot(*zip(*generated), linewidth=1, label="generated (before the filter)")
+        ax.legend(loc="upper left")
     if len(rewards) >= 5:
         k = max(2, len(rewards) // 10)
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, linewidth=2, label=f"mean of last {k}")
-        ax.legend(loc="lower right")
+        ax.legend(loc="upper left")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.05, 1.05)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +36,7 @@ from distflow.rl.weight_transport import resolve_transport
 from distflow.trainer.actor import Actor
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
-from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings
+from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings, with_generated_mean
 from distflow.trace import Trace
 from distflow.rl.weights import WeightPublisher
 
@@ -111,7 +112,7 @@ class SampleInbox:
         self.total: int | None = None
         self.consumed = 0  # steps already taken out of the buffer
         self.dropped = {"late": 0, "duplicate": 0}
-        self.stage_stats: dict[int, dict[str, int]] = {}
+        self.stage_stats: dict[int, dict[str, float]] = {}
         rt.on_data("samples", self.receive)
 
     async def receive(self, env: Envelope) -> None:
@@ -135,7 +136,7 @@ class SampleInbox:
         if env.meta.get("part") == 0 and isinstance(counts, dict):
             mine = self.stage_stats.setdefault(step, {})
             for k, v in counts.items():
-                if isinstance(k, str) and isinstance(v, int):
+                if isinstance(k, str) and type(v) in (int, float) and math.isfinite(v):
                     mine[k] = mine.get(k, 0) + v
 
 
@@ -235,7 +236,7 @@ async def run_trainer(rt: Runtime) -> None:
                           "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
                           "truncated_frac": truncated / max(n, 1), "response_len_mean": resp_tokens / max(n, 1),
                           "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
-                          **inbox.stage_stats.pop(step, {}), **stats, **times})
+                          **with_generated_mean(inbox.stage_stats.pop(step, {})), **stats, **times})
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:
