@@ -51,6 +51,7 @@ class Runtime:
     handlers: dict[str, object] = field(default_factory=dict)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _plan: object = None
+    _down: set = field(default_factory=set)  # this run's peers last seen dead (for "alive again")
 
     @classmethod
     def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
@@ -116,7 +117,23 @@ class Runtime:
                              {g: by_role[g] for g in self.cfg.worker_groups})
         self.node.set_meta(rank=self.groups.rank, group=self.role, state="running")
         log.info("%s: %s rank %d of %d", self.node.node_id, self.role, self.groups.rank, len(mine))
+        cluster = {m.node_id for ms in by_role.values() for m in ms}
+        self.node.subscribe(lambda event, m: self._log_peer(event, m) if m.node_id in cluster else None)
         return self.groups
+
+    def _log_peer(self, event: str, m: Member) -> None:
+        """This run's peers dying, leaving and coming back go to the node's log: the first thing
+        to read when a run stops or stalls (a suspicion is not logged: it is often refuted)."""
+        me = self.node.node_id
+        if event == "dead":
+            self._down.add(m.node_id)
+            log.warning("%s: peer %s (%s) declared dead by the mesh", me, m.node_id, m.role)
+        elif event == "left":
+            self._down.discard(m.node_id)
+            log.info("%s: peer %s (%s) left the mesh", me, m.node_id, m.role)
+        elif event == "alive" and m.node_id in self._down:
+            self._down.discard(m.node_id)
+            log.info("%s: peer %s (%s) is alive again", me, m.node_id, m.role)
 
     def targets_after(self, group: str, shard: int) -> list[str]:
         """Node ids that receive ``group``'s output for rollout shard ``shard``: the controller
@@ -164,8 +181,8 @@ class Runtime:
             await asyncio.sleep(0.1)
 
     async def watch_group(self, poll_s: float = 0.25) -> None:
-        """Raise GroupMemberLost once a peer of my own group has been dead for a whole suspicion
-        timeout (a falsely suspected node refutes in that time). For the trainer group: the
+        """Raise GroupMemberLost once a peer of my own group has been dead for the mesh's
+        refute window (a node declared dead by mistake refutes in that time). For the trainer group: the
         ranks of a torch.distributed group cannot be replaced, so a dead rank ends the group,
         and the surviving ranks must say which one instead of a transport error, promptly,
         whatever they are waiting for."""
@@ -176,7 +193,8 @@ class Runtime:
                 now = loop.time()
                 dead = self.dead_peers(self.role)
                 since = {i: since.get(i, now) for i in dead}
-                gone = sorted(i for i, t in since.items() if now - t >= self.cfg.mesh.suspicion_timeout_s)
+                window = self.node.config.refute_window_s(len(self.node.members(include_dead=True)) + 1)
+                gone = sorted(i for i, t in since.items() if now - t >= window)
                 if gone:
                     raise GroupMemberLost(self.role, gone)
             await asyncio.sleep(poll_s)

@@ -105,6 +105,12 @@ class MeshConfig:
         spread = math.ceil(math.log(max(n, 2)) / math.log(self.gossip_fanout + 2)) + 1
         return (2 + spread) * self.protocol_period_s + self.suspicion_timeout_s
 
+    def refute_window_s(self, n: int) -> float:
+        """How long a death must stand before it is believed: a live member declared dead by
+        mistake (its host was loaded and missed probes) refutes once the rumour reaches it,
+        and its refutation spreads back. Two detection spreads cover both."""
+        return 2 * self.expected_detection_s(n)
+
 
 @dataclass
 class Member:

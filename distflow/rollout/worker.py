@@ -180,18 +180,19 @@ class RolloutLoop:
             return
         if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
             raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
-        lasting = [i for i, at in dead.items() if now - at >= mesh.suspicion_timeout_s]
-        if not lasting:
-            return
         # Only the run's own nodes count (a `distflow status` client joins the mesh briefly).
         g = self.groups
         cluster = {m.node_id for m in g.rollout + g.trainer + g.controller} | {
             m.node_id for ms in g.workers.values() for m in ms}
+        spread = mesh.refute_window_s(len(cluster))  # a death believed only once it stands this long
+        lasting = [i for i, at in dead.items() if now - at >= spread]
+        if not lasting:
+            return
         others = [m for m in node.members(include_dead=True)
                   if m.node_id != node.node_id and m.node_id in cluster and m.node_id not in dead]
         # A cut-off node that heals hears from its peers one by one: settle long enough for a
-        # live trainer to refute its death (one anti-entropy round plus a detection spread).
-        settle = mesh.push_pull_interval_s + mesh.expected_detection_s(len(cluster))
+        # live trainer to refute its death too (one anti-entropy round plus the spreads).
+        settle = mesh.push_pull_interval_s + spread
         witness = not_cut_off_witness(others, min(dead[i] for i in lasting), now, settle)
         if witness is not None:
             raise PeerLostError(f"trainer {', '.join(lasting)} died (the mesh declared it dead; "
