@@ -156,6 +156,14 @@ def test_config_rejects_nonsense_with_named_field():
         MeshConfig(suspicion_timeout_s=0)
 
 
+def test_refute_window_covers_two_detection_spreads():
+    c = MeshConfig(protocol_period_s=0.2, suspicion_timeout_s=1.2, gossip_fanout=3)
+    # 3 members: ceil(log 3 / log 5) + 1 = 2 periods of spread, +2 periods of probing, + suspicion
+    assert c.expected_detection_s(3) == pytest.approx((2 + 2) * 0.2 + 1.2)
+    assert c.refute_window_s(3) == pytest.approx(2 * 2.0)
+    assert c.refute_window_s(100) > c.refute_window_s(3)  # wider clusters spread longer
+
+
 def test_status_rows_and_table_format():
     from distflow.core.status import format_table, member_row
 
