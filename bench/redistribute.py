@@ -72,6 +72,9 @@ def worker_main() -> None:
     # Many processes share few cores here: intra-op thread pools would oversubscribe the CPU
     # and make every large copy wait on descheduled OpenMP threads (as any multi-process host should).
     torch.set_num_threads(1)
+    from distflow.core.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as a node does at start-up (DISTFLOW_MALLOC_TUNING=0 for the A/B)
 
     from distflow.buffer.batch import SampleBatch
     from distflow.buffer.redistribute import gather_step, scatter, shard_receiver

@@ -120,7 +120,10 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
 
     from distflow.runtime import Runtime
 
+    from distflow.core.allocator import keep_freed_memory
+
     torch.set_num_threads(cfg.torch_threads)
+    keep_freed_memory()  # a step's buffers are reused, not page-faulted anew
     rt = Runtime.create(cfg, role, node_id, secret, host=host, port=port, data_port=data_port, seeds=seeds,
                         advertise_host=advertise_host)
     if role == "trainer":
