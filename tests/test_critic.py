@@ -95,6 +95,35 @@ def test_values_train_and_resume(group, toy_model, tmp_path) -> None:
     assert torch.allclose(from_path.values(batch_of(5, seed=1)).tensors["values"], before, atol=1e-6)
 
 
+def test_packed_rows_match_padded(group, toy_model, tmp_path) -> None:
+    """max_tokens_per_micro_batch: the critic packs samples into rows (varlen attention, no
+    attention across samples); values and an update match the padded path."""
+    cfg = make_cfg(toy_model)
+    trained = Critic(cfg)
+    b = batch_of(6)
+    b.set_ragged("returns", torch.linspace(-1, 1, int(b.tensors["response_lens"].sum())))
+    for _ in range(2):  # a non-zero value head, so the parity below is not 0 == 0
+        trained.update(cfg.plan().node("critic_update"), trained.values(b))
+    trained.save_checkpoint(tmp_path / "ckpt")
+    path = str(tmp_path / "ckpt" / CRITIC_DIR)
+    padded = Critic(make_cfg(toy_model, critic_path=path))
+    packed = Critic(make_cfg(toy_model, critic_path=path, max_tokens_per_micro_batch=16))
+    rows: list[bool] = []  # per decoder call: packed (varlen kwargs) or not
+    packed.model.model.register_forward_pre_hook(lambda m, a, kw: rows.append("cu_seq_lens_q" in kw),
+                                                 with_kwargs=True)
+    v_pad = padded.values(copy.deepcopy(b)).tensors["values"]
+    v_pack = packed.values(copy.deepcopy(b)).tensors["values"]
+    assert rows and all(rows) and len(rows) < len(b)  # several samples per packed row
+    assert v_pad.abs().max() > 1e-3
+    torch.testing.assert_close(v_pack, v_pad, atol=1e-5, rtol=1e-4)
+    node = cfg.plan().node("critic_update")
+    s_pad = padded.update(node, padded.values(copy.deepcopy(b)))
+    s_pack = packed.update(node, packed.values(copy.deepcopy(b)))
+    assert s_pack["vf_loss"] == pytest.approx(s_pad["vf_loss"], rel=1e-4)
+    torch.testing.assert_close(packed.values(copy.deepcopy(b)).tensors["values"],
+                               padded.values(copy.deepcopy(b)).tensors["values"], atol=1e-5, rtol=1e-4)
+
+
 def test_update_without_returns_names_the_node(group, toy_model) -> None:
     cfg = make_cfg(toy_model)
     critic = Critic(cfg)

@@ -35,6 +35,7 @@ from distflow.core.dag import WorkflowNode
 from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
 from distflow.trainer.actor import all_reduce, step_micro_batches
+from distflow.trainer.attention import register_varlen_attention
 from distflow.trainer.model import DTYPES, disable_dropout, shard_mixed_precision
 from distflow.trainer.packing import ModelInputs, split_mini_batches
 
@@ -57,10 +58,11 @@ class ValueModel(torch.nn.Module):
         self.config = config
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                index: torch.Tensor) -> torch.Tensor:
-        """ModelInputs fields -> values [N] fp32 at the ``index`` positions (flat ragged order)."""
+                index: torch.Tensor, **attention: Any) -> torch.Tensor:
+        """ModelInputs fields -> values [N] fp32 at the ``index`` positions (flat ragged order);
+        ``attention``: a packed row's varlen kwargs (``ModelInputs.attention_kwargs``)."""
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state  # [R, L, H]
+                            use_cache=False, **attention).last_hidden_state  # [R, L, H]
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
         return self.value_head(picked.to(self.value_head.weight.dtype)).squeeze(-1).to(torch.float32, copy=True)
 
@@ -92,13 +94,14 @@ def build_value_model(path: str) -> ValueModel:
     return ValueModel(decoder, lm.config.hidden_size, lm.config)
 
 
-def _micro_batches(batch: SampleBatch, idx: list[int], micro_batch_size: int
+def _micro_batches(batch: SampleBatch, idx: list[int], micro_batch_size: int, max_tokens: int | None
                    ) -> Iterator[tuple[list[int] | None, ModelInputs]]:
     """The actor's micro-batch rule (:func:`distflow.trainer.actor.step_micro_batches`: the
-    same count on every rank, dummies for ranks with fewer) over the samples ``idx`` of
-    ``batch``; chunk indices are indices into ``batch``."""
+    same count on every rank, dummies for ranks with fewer; packed rows under ``max_tokens``,
+    padded ones without) over the samples ``idx`` of ``batch``; chunk indices are indices
+    into ``batch``."""
     sub = batch if idx == list(range(len(batch))) else batch.select(idx)
-    for chunk, inputs in step_micro_batches(sub, micro_batch_size=micro_batch_size, max_tokens=None):
+    for chunk, inputs in step_micro_batches(sub, micro_batch_size=micro_batch_size, max_tokens=max_tokens):
         yield (None if chunk is None else [idx[j] for j in chunk]), inputs
 
 
@@ -115,6 +118,7 @@ class Critic:
         resume = Path(cfg.resume_from) / CRITIC_DIR if cfg.resume_from else None
         source = str(resume) if resume is not None and resume.is_dir() else (cfg.critic_path or cfg.model_path)
         vm = build_value_model(source).to(self.device)
+        vm.model.set_attn_implementation(register_varlen_attention())  # packed rows: no cross-sample attention
         self.config = vm.config
         self.model = shard_mixed_precision(disable_dropout(vm), mesh, DTYPES[cfg.dtype]).train()
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic_lr or cfg.lr, betas=cfg.adam_betas,
@@ -126,13 +130,14 @@ class Critic:
     # ------------------------------------------------------------------ stages
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         x = inputs.to(self.device)
-        return self.model(x.input_ids, x.position_ids, x.attention_mask, x.index)
+        return self.model(x.input_ids, x.position_ids, x.attention_mask, x.index, **x.attention_kwargs())
 
     @torch.no_grad()
     def values(self, batch: SampleBatch) -> SampleBatch:
         """CRITIC MODEL_INFERENCE: ``values`` (ragged, one per response token) of every sample."""
         pieces: list[torch.Tensor | None] = [None] * len(batch)
-        for chunk, inputs in _micro_batches(batch, list(range(len(batch))), self.cfg.micro_batch_size):
+        for chunk, inputs in _micro_batches(batch, list(range(len(batch))), self.cfg.micro_batch_size,
+                                              self.cfg.max_tokens_per_micro_batch):
             v = self._forward(inputs).cpu()
             if chunk is not None:
                 for i, piece in zip(chunk, torch.split(v, inputs.response_lens)):
@@ -157,7 +162,7 @@ class Critic:
                 tokens = all_reduce([float(lens[mini].sum()) if mini else 0.0])[0]
                 normalizer = max(tokens, 1.0) / self.world
                 self.optim.zero_grad(set_to_none=True)
-                for chunk, inputs in _micro_batches(batch, mini, cfg.micro_batch_size):
+                for chunk, inputs in _micro_batches(batch, mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
                     v = self._forward(inputs)
                     if chunk is None:
                         loss, metrics = v.sum() * 0.0, {}
