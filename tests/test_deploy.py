@@ -206,6 +206,30 @@ def test_hostfile_gpus_follow_the_placement_rule():
         plan("h trainer=1 rollout=1 gpus=0 bind=10.0.0.1")
 
 
+def test_hostfile_worker_groups_plan_their_nodes_counts_and_argv(tmp_path):
+    """``group.NAME=N``: N nodes of worker group NAME on that host (``--role worker --group
+    NAME``), the totals become ``worker_groups.NAME``, GPUs are placed like rollout nodes, and
+    the planned command line passes ``distflow-node --check`` on the shipped example."""
+    dp = load_launcher()
+    specs = dp.parse_hostfile("a trainer=1 rollout=1 group.reward=1 gpus=0,1 device=cuda bind=10.0.0.1\n"
+                              "b rollout=1 group.reward=2 bind=10.0.0.2 port=29700")
+    plans = dp.build_plans(specs, str(ROOT / "examples" / "grpo_reward_model.yaml"), [], "/run", str(ROOT))
+    a, b = plans["a"], plans["b"]
+    assert [(n["id"], n["role"], n.get("group"), n["port"], n["gpu"]) for n in a["nodes"]] == [
+        ("trainer-a-0", "trainer", None, 29600, "0"), ("rollout-a-0", "rollout", None, 29602, "1"),
+        ("reward-a-0", "worker", "reward", 29604, "1")]
+    assert [(n["id"], n["port"]) for n in b["nodes"]] == [("rollout-b-0", 29700), ("reward-b-0", 29702),
+                                                          ("reward-b-1", 29704)]
+    assert b["overrides"] == ["rollout_nodes=2", "trainer_nodes=1", "worker_groups.reward=3"]
+    argv = dp._node_argv(a, a["nodes"][2])
+    assert argv[argv.index("--role") + 1: argv.index("--role") + 4] == ["worker", "--group", "reward"]
+    env = {**os.environ, "DISTFLOW_SECRET": new_secret()}
+    r = subprocess.run([*argv, "--check"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("ok: reward-a-0 role=reward ") and "pipeline=['score', 'rm', 'advantage']" in r.stdout, \
+        r.stdout
+
+
 @pytest.mark.parametrize("text, message", [
     ("a trainer=1 rollout=1 colour=blue", "hostfile:1: unknown key 'colour'"),
     ("a trainer=1 rollout=1 colocate=yes bind=10.0.0.1", "hostfile:1: colocate='yes' must be 0 or 1"),
@@ -220,6 +244,9 @@ def test_hostfile_gpus_follow_the_placement_rule():
      "b and a both use 10.0.0.1:29602"),
     ("a trainer=1 rollout=1 bind=10.0.0.1 device=tpu", "device='tpu' must be cpu or cuda"),
     ("a trainer=1 rollout=1 bind=10.0.0.1 port=65534", "port=65534 leaves no room for 2 nodes"),
+    ("a trainer=1 rollout=1 group.reward=1 bind=10.0.0.1 port=65532", "port=65532 leaves no room for 3 nodes"),
+    ("a trainer=1 rollout=1 group.9x=1 bind=10.0.0.1", "hostfile:1: 'group.9x': a worker group name"),
+    ("a trainer=1 rollout=1 group.reward=two bind=10.0.0.1", "group.reward='two' must be a non-negative"),
 ])
 def test_hostfile_errors_name_the_line_and_the_problem(text: str, message: str) -> None:
     dp = load_launcher()
