@@ -14,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["collective_device", "node_device"]
+__all__ = ["collective_device", "node_device", "peak_flops"]
 
 
 def node_device(kind: str = "cpu") -> torch.device:
@@ -42,3 +42,22 @@ def collective_device(group=None) -> torch.device:
 
     backend = dist.get_backend(group)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s of one GPU, by a substring of
+# torch.cuda.get_device_name() (first match wins: the more specific names come first).
+# fp32 compute runs on TF32 tensor cores at half that. Vendor data-sheet figures.
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
+                   ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12))
+FALLBACK_PEAK_FLOPS = 1e14  # a placeholder: mfu is then only comparable between runs on one machine
+
+
+def peak_flops(device_name: str | None, dtype: str) -> float | None:
+    """Peak FLOP/s of one ``device_name`` GPU computing in ``dtype`` ("bfloat16", "float16",
+    "float32"), or None for a device not in :data:`PEAK_BF16_FLOPS` (or the CPU: None)."""
+    if not device_name:
+        return None
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops if dtype in ("bfloat16", "float16") else flops / 2
+    return None

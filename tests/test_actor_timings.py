@@ -38,6 +38,22 @@ def test_throughput_and_mfu_hand_computed():
     assert throughput({"time_update_s": 0.0, "train_tokens": 10.0}, 1, 1, 1.0) == {"tokens_per_s": 0.0, "mfu": 0.0}
 
 
+def test_peak_flops_by_gpu_name_and_dtype_and_the_config_wins():
+    from types import SimpleNamespace
+
+    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops
+    from distflow.trainer.worker import trainer_peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12  # not the SXM figure
+    assert peak_flops("NVIDIA H200", "float16") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 156e12  # TF32: half the bf16 peak
+    assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12 and peak_flops("NVIDIA L4", "bfloat16") == 121e12
+    assert peak_flops("Some Future GPU", "bfloat16") is None and peak_flops(None, "bfloat16") is None
+    assert trainer_peak_flops(SimpleNamespace(peak_flops=2e15, device="cuda", dtype="bfloat16")) == 2e15
+    assert trainer_peak_flops(SimpleNamespace(peak_flops=None, device="cpu", dtype="float32")) == FALLBACK_PEAK_FLOPS
+
+
 def test_stage_summary_line_status_column_and_plot(tmp_path):
     rec = {"time_generate_s": 1.2, "time_wait_s": 0.05, "time_update_s": 0.8, "tokens_per_s": 1234.0, "mfu": 0.031}
     assert format_stages(rec) == "gen 1.20s wait 0.05s upd 0.80s | 1.2k tok/s mfu 3.1%"

@@ -101,6 +101,23 @@ def throughput(stats: dict[str, float], num_params: int, world: int, peak_flops:
     return {"tokens_per_s": tokens / t, "mfu": 6.0 * num_params * tokens / t / (world * peak_flops)}
 
 
+def trainer_peak_flops(cfg: Any) -> float:
+    """``peak_flops`` for the mfu metric: the config's, else this GPU's data-sheet figure for
+    the compute dtype, else a placeholder (logged, so an mfu is never silently off by 10x)."""
+    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops
+
+    if cfg.peak_flops is not None:
+        return cfg.peak_flops
+    name = torch.cuda.get_device_name() if cfg.device == "cuda" and torch.cuda.is_available() else None
+    found = peak_flops(name, cfg.dtype)
+    if found is not None:
+        log.info("mfu against %s's dense %s peak, %.3g FLOP/s (set peak_flops to override)", name, cfg.dtype, found)
+        return found
+    log.info("mfu against a placeholder peak of %.0e FLOP/s (%s): set peak_flops for a meaningful figure",
+             FALLBACK_PEAK_FLOPS, name or "cpu")
+    return FALLBACK_PEAK_FLOPS
+
+
 class SampleInbox:
     """Stores each received part in the BufferShard under ``(step, "shard-<s>")``. A re-issued
     shard (its node was down) can arrive twice, or after its step was trained: the first part
@@ -179,6 +196,7 @@ async def run_trainer(rt: Runtime) -> None:
     actor = await asyncio.to_thread(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
     ctx = await asyncio.to_thread(build_context, cfg, pipeline, actor)
     rank, world = groups.rank, len(groups.trainer)
+    peak = trainer_peak_flops(cfg)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
     rollout_ids = [m.node_id for m in groups.rollout]
     mine = [node_id for i, node_id in enumerate(rollout_ids) if i % world == rank]
@@ -223,7 +241,7 @@ async def run_trainer(rt: Runtime) -> None:
         await publish(actor.version)
         times["time_weights_s"] = time.perf_counter() - t_weights
         times.update(rollout_times(rt.node.member, rollout_ids))
-        times.update(throughput(stats, actor.num_params, world, cfg.peak_flops))
+        times.update(throughput(stats, actor.num_params, world, peak))
         now = time.perf_counter()
         stages = {k: round(v, 4) for k, v in {**stats, **times}.items() if k in STAGE_KEYS}
         rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1),
