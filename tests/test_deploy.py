@@ -55,13 +55,14 @@ def compose() -> list[str]:
     return ["docker-compose"]
 
 
-def compose_config(compose: list[str], tmp_path: Path, secret: str, **env: str) -> dict:
+def compose_config(compose: list[str], tmp_path: Path, secret: str, profiles: tuple[str, ...] = (), **env: str) -> dict:
     env_file = tmp_path / "compose.env"
     env_file.write_text(f"DISTFLOW_SECRET={secret}\n")
     full = {k: v for k, v in os.environ.items() if not k.startswith("DISTFLOW_")}
     full.update(DISTFLOW_ENV_FILE=str(env_file), **env)
     # --env-file: interpolate from this test's file, never from a developer's deploy/.env
-    r = subprocess.run([*compose, "--env-file", str(env_file), "-f", str(COMPOSE), "config"], capture_output=True,
+    flags = [f for p in profiles for f in ("--profile", p)]
+    r = subprocess.run([*compose, "--env-file", str(env_file), "-f", str(COMPOSE), *flags, "config"], capture_output=True,
                        text=True, timeout=120, env=full, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     return yaml.safe_load(r.stdout)
@@ -90,7 +91,10 @@ def test_compose_services_resolve_and_every_command_checks(compose, tmp_path):
     secret = new_secret()
     cfg = compose_config(compose, tmp_path, secret)
     services = cfg["services"]
-    assert set(services) == {"trainer-0", "trainer", "rollout"}
+    # the worker-group service is in profile "workers" (compose v1 lists it anyway; v2 does not)
+    assert set(services) - {"worker"} == {"trainer-0", "trainer", "rollout"}
+    assert services.get("worker", {}).get("profiles", ["workers"]) == ["workers"]
+    services.pop("worker", None)
     assert services["trainer-0"]["hostname"] == "trainer-0"
     assert services["trainer"]["deploy"]["replicas"] == 1 and services["rollout"]["deploy"]["replicas"] == 2
     for name, svc in services.items():
@@ -126,6 +130,29 @@ def test_compose_counts_come_from_the_environment(compose, tmp_path):
     bad = compose_config(compose, tmp_path, new_secret(), DISTFLOW_ROLLOUT_NODES="3")
     r = run_service_check(bad["services"]["rollout"], tmp_path, "bbbb")
     assert r.returncode == 2 and "prompts_per_step (32) must be a multiple of rollout_nodes (3)" in r.stderr
+
+
+def test_compose_worker_group_profile_checks_with_the_reward_model_example(compose, tmp_path):
+    """``--profile workers`` with DISTFLOW_WORKER_GROUP/NODES: the `worker` service runs that
+    group's nodes (``--role worker --group reward``) and every node gets ``worker_groups.reward``."""
+    cfg = compose_config(compose, tmp_path, new_secret(), profiles=("workers",),
+                         DISTFLOW_CONFIG="/app/examples/grpo_reward_model.yaml", DISTFLOW_WORKER_GROUP="reward",
+                         DISTFLOW_WORKER_NODES="2")
+    s = cfg["services"]
+    assert s["worker"]["deploy"]["replicas"] == 2 and s["worker"]["profiles"] == ["workers"]
+    expected = {"worker": ("5e6f7a8b9c0d", "ok: worker-5e6f7a8b9c0d role=reward", "['score', 'rm', 'advantage']"),
+                "rollout": ("1a2b3c4d5e6f", "ok: rollout-1a2b3c4d5e6f role=rollout", "['generate']"),
+                "trainer-0": ("trainer-0", "ok: trainer-0 role=trainer", "'update'")}
+    for name, (hostname, head, stage) in expected.items():
+        r = run_service_check(s[name], tmp_path, hostname)
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+        assert r.stdout.startswith(head) and stage in r.stdout, r.stdout
+    # the count reaches the config: a worker group of 0 nodes is refused by its validation
+    bad = compose_config(compose, tmp_path, new_secret(), profiles=("workers",),
+                         DISTFLOW_CONFIG="/app/examples/grpo_reward_model.yaml", DISTFLOW_WORKER_GROUP="reward",
+                         DISTFLOW_WORKER_NODES="0")
+    r = run_service_check(bad["services"]["rollout"], tmp_path, "dddd")
+    assert r.returncode == 2 and "worker_groups" in r.stderr, r.stderr
 
 
 def test_committed_env_example_has_no_secret_and_dot_env_is_ignored(compose, tmp_path):
