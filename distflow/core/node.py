@@ -12,7 +12,8 @@ Sockets: each node binds one ROUTER and only *receives* on it. Everything it sen
 (probes, acks, replies, gossip, application messages) goes out through DEALER sockets
 created on demand per destination address and shared by all nodes of the event loop;
 sends are non-blocking against a bounded queue (ZMQ high-water mark), so a dead or slow
-peer can never block a node.
+peer can never block a node. Those sockets live in ``out_sockets.py``; the SWIM timers and
+probes (join, probe, expiry, gossip, anti-entropy) in ``swim_driver.py``, a mixin of Node.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import random
 import time
-import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Awaitable, Callable, Sequence
 
 import zmq
@@ -33,6 +32,8 @@ import zmq.asyncio
 
 from distflow.core.auth import Authenticator
 from distflow.core.mesh import ALIVE, DEAD, LEFT, SUSPECT, Member, MeshConfig, Membership, check_meta
+from distflow.core.out_sockets import acquire_pool, endpoint, parse_address, release_pool, shared_context
+from distflow.core.swim_driver import JoinTimeout, SwimDriver
 from distflow.core.wire import KIND_ERROR, KIND_ONEWAY, KIND_REPLY, KIND_REQUEST, Codec, Envelope, WireError
 
 __all__ = ["Node", "Member", "MeshConfig", "PeerUnavailable", "RemoteError", "JoinTimeout", "parse_address"]
@@ -41,7 +42,6 @@ log = logging.getLogger("distflow.mesh")
 
 Handler = Callable[[str, dict], Awaitable["dict | None"]]
 _RESERVED = ("swim.", "mesh.")
-LAG_ANNOUNCE_S = 0.5  # a loop stall this long is gossiped to everyone
 _CONTROL = frozenset({"swim.ping", "swim.ack", "swim.ping_req", "swim.gossip", "swim.join", "swim.join_ack",
                       "swim.sync", "swim.sync_ack"})
 
@@ -58,93 +58,8 @@ class RemoteError(RuntimeError):
         self.peer, self.msg_type, self.remote_message = peer, msg_type, message
 
 
-class JoinTimeout(TimeoutError):
-    """No seed answered within ``join_timeout_s``."""
-
-
-def parse_address(addr: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``; ValueError naming the input."""
-    host, sep, port = addr.strip().rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad address {addr!r}: expected HOST:PORT with a port in 1..65535")
-    return host, int(port)
-
-
-def _endpoint(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-# ---------------------------------------------------------------------- shared sockets
-_ctx: zmq.asyncio.Context | None = None
-_ctx_pid = -1
-
-
-def shared_context() -> zmq.asyncio.Context:
-    """One ZMQ context per process (re-created after fork)."""
-    global _ctx, _ctx_pid
-    if _ctx is None or _ctx_pid != os.getpid():
-        _ctx = zmq.asyncio.Context()
-        _ctx.set(zmq.MAX_SOCKETS, 16384)
-        _ctx_pid = os.getpid()
-    return _ctx
-
-
-class _OutPool:
-    """Outgoing DEALER sockets of one event loop, one per destination endpoint (LRU-capped)."""
-
-    def __init__(self, ctx: zmq.Context, cap: int = 4096):
-        self._ctx, self._cap = ctx, cap
-        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
-        self.users = 0
-
-    def send(self, endpoint: str, frames: list[bytes]) -> bool:
-        sock = self._socks.get(endpoint)
-        if sock is None:
-            if len(self._socks) >= self._cap:
-                self._socks.popitem(last=False)[1].close(linger=200)
-            sock = zmq.Socket(self._ctx, zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 200)
-            sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            sock.connect(endpoint)
-            self._socks[endpoint] = sock
-        else:
-            self._socks.move_to_end(endpoint)
-        try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
-
-    def close(self) -> None:
-        for s in self._socks.values():
-            s.close(linger=200)
-        self._socks.clear()
-
-
-_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _OutPool]" = weakref.WeakKeyDictionary()
-
-
-def _acquire_pool(loop: asyncio.AbstractEventLoop) -> _OutPool:
-    pool = _pools.get(loop)
-    if pool is None:
-        pool = _pools[loop] = _OutPool(shared_context())
-    pool.users += 1
-    return pool
-
-
-def _release_pool(loop: asyncio.AbstractEventLoop, pool: _OutPool) -> None:
-    pool.users -= 1
-    if pool.users <= 0:
-        pool.close()
-        if _pools.get(loop) is pool:
-            del _pools[loop]
-
-
 # ---------------------------------------------------------------------- the node
-class Node:
+class Node(SwimDriver):
     """A mesh member. See module docstring; API documented per method."""
 
     def __init__(self, node_id: str, role: str, *, secret: str | bytes, host: str = "127.0.0.1", port: int = 0,
@@ -199,10 +114,10 @@ class Node:
         self._router.setsockopt(zmq.MAXMSGSIZE, max(4 * c.max_frame_bytes, 1 << 16))
         try:
             if self._port:
-                self._router.bind(_endpoint(self._host, self._port))
+                self._router.bind(endpoint(self._host, self._port))
                 port = self._port
             else:
-                port = self._router.bind_to_random_port(_endpoint(self._host, 0).rsplit(":", 1)[0])
+                port = self._router.bind_to_random_port(endpoint(self._host, 0).rsplit(":", 1)[0])
         except zmq.ZMQError as e:
             self._router.close(linger=0)
             raise OSError(f"node {self.node_id}: cannot bind control socket on {self._host}:{self._port}: {e}") from e
@@ -214,7 +129,7 @@ class Node:
         self._codec = Codec(self._auth, self.node_id, boot, max_frame_bytes=c.max_frame_bytes,
                             max_age_s=c.max_msg_age_s)
         self._dropped = self._codec.dropped  # the node counts its own drop reasons alongside the codec's
-        self._pool = _acquire_pool(self._loop)
+        self._pool = acquire_pool(self._loop)
         self._bound = self._started = True
         self._next_push_pull = time.monotonic() + self._push_pull_interval() * self._rng.uniform(0.5, 1.0)
         self._spawn_core("recv", self._recv_loop)
@@ -251,7 +166,7 @@ class Node:
                 fut.set_exception(err)
         self._pending.clear()
         self._router.close(linger=0)
-        _release_pool(self._loop, self._pool)
+        release_pool(self._loop, self._pool)
 
     async def _leave(self) -> None:
         self._membership.leave()
@@ -440,7 +355,7 @@ class Node:
                 raise
             log.exception("node %s: cannot encode %s", self.node_id, msg_type)
             return False
-        ok = self._pool.send(_endpoint(host, port), frames)
+        ok = self._pool.send(endpoint(host, port), frames)
         self._n_sent += ok
         self._n_send_dropped += not ok
         return ok
@@ -648,137 +563,6 @@ class Node:
         if events and self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
-
-    # ------------------------------------------------------------------ SWIM driver
-    def _slack(self) -> float:
-        """Local-health allowance: a lagging loop waits longer before it blames others."""
-        return min(self._lag, 2 * self.config.protocol_period_s)
-
-    def _push_pull_interval(self) -> float:
-        n = self._membership.n_live()
-        scale = max(1.0, math.log2(max(n, 1)) - 4) if n > 32 else 1.0
-        return self.config.push_pull_interval_s * scale
-
-    async def _join(self) -> None:
-        own = parse_address(self.address)
-        seeds = [s for s in self._seeds if s != own and not (s[1] == own[1] and s[0] in (self._host, "localhost"))]
-        if not seeds:
-            return
-        c = self.config
-        self._join_fut = self._loop.create_future()
-        deadline = self._loop.time() + c.join_timeout_s
-        wait = 0.25
-        me = self._membership.me
-        while True:
-            for host, port in seeds:
-                self._send("", host, port, 0, "swim.join", {"u": me.to_update()})
-            remaining = deadline - self._loop.time()
-            done, _ = await asyncio.wait({self._join_fut}, timeout=min(wait * self._rng.uniform(0.8, 1.2), remaining))
-            if done:
-                # others may be joining at the same time (a cold start): pull the seed's state
-                # once more after a period, when it knows them (see _protocol_loop)
-                self._resync = (self._loop.time() + c.protocol_period_s, self._join_fut.result())
-                return
-            if self._loop.time() >= deadline:
-                names = ", ".join(f"{h}:{p}" for h, p in seeds)
-                raise JoinTimeout(f"node {self.node_id} could not join the mesh within {c.join_timeout_s:.3g}s: "
-                                  f"no seed answered ({names}); check the seed addresses, that they are running, "
-                                  f"and that DISTFLOW_SECRET is the cluster's")
-            wait = min(2 * wait, 2.0)
-
-    async def _lag_loop(self) -> None:
-        """Event-loop lag: the overshoot of a 0.1 s sleep (a decaying maximum)."""
-        while True:
-            t0 = self._loop.time()
-            await asyncio.sleep(0.1)
-            self._lag = max(self._loop.time() - t0 - 0.1, self._lag * 0.7, 0.0)
-
-    async def _protocol_loop(self) -> None:
-        c = self.config
-        period = c.protocol_period_s
-        await asyncio.sleep(self._rng.uniform(0, period))
-        next_t = self._loop.time()
-        while True:
-            self._rounds += 1
-            ms = self._membership
-            now = time.time()
-            self._notify(ms.expire(now, slack=self._slack()))
-            self._maybe_announce_lag(now)
-            self._gossip_round()
-            self._maybe_push_pull()
-            if self._resync is not None and self._loop.time() >= self._resync[0]:
-                self._pull_state(self._resync[1], force=True)
-                self._resync = None
-            target = ms.next_probe_target()
-            next_t += period
-            if target is not None:
-                await self._probe(target, next_t)
-                self._notify(ms.expire(time.time(), slack=self._slack()))
-            delay = next_t - self._loop.time()
-            if delay < 0:
-                next_t = self._loop.time()
-                delay = 0
-            await asyncio.sleep(delay)
-
-    async def _probe(self, target: Member, period_end: float) -> None:
-        c = self.config
-        seq, fut = self._new_ack()
-        try:
-            self._send_member(target, "swim.ping", {"s": seq, "l": self._lag, "m": self._membership.n_live()})
-            done, _ = await asyncio.wait({fut}, timeout=c.probe_timeout_s + self._slack())
-            if done:
-                return
-            helpers = self._membership.random_members(c.indirect_k, exclude={target.node_id})
-            body = {"s": seq, "n": target.node_id, "h": target.host, "p": target.port, "i": target.incarnation}
-            for h in helpers:
-                self._send_member(h, "swim.ping_req", body)
-            remaining = max(period_end - self._loop.time(), c.probe_timeout_s) + self._slack()
-            done, _ = await asyncio.wait({fut}, timeout=remaining)
-            if not done and not self._stopping:
-                self._notify(self._membership.suspect(target.node_id, time.time()))
-        finally:
-            fut.cancel()
-
-    async def _indirect_probe(self, env: Envelope, seq: int, target: str, host: str, port: int, inc: int) -> None:
-        my_seq, fut = self._new_ack()
-        try:
-            self._send(target, host, port, inc, "swim.ping", {"s": my_seq, "l": self._lag})
-            done, _ = await asyncio.wait({fut}, timeout=self.config.probe_timeout_s + self._slack())
-            if done:
-                self._send_ack(env, seq, target)
-        finally:
-            fut.cancel()
-
-    def _gossip_round(self) -> None:
-        """While updates are pending, piggyback them on extra messages to ``gossip_fanout`` peers."""
-        ms = self._membership
-        for m in ms.random_members(self.config.gossip_fanout) if len(ms.queue) else ():
-            if not len(ms.queue):
-                break
-            self._send_member(m, "swim.gossip", {"m": ms.n_live()})
-
-    def _maybe_push_pull(self) -> None:
-        now = time.monotonic()
-        if now < self._next_push_pull:
-            return
-        self._next_push_pull = now + self._push_pull_interval() * self._rng.uniform(0.8, 1.2)
-        peers = self._membership.random_members(1)
-        if peers:
-            self._send_member(peers[0], "swim.sync",
-                              {"state": self._membership.full_state(self.config.max_frame_bytes // 2)})
-
-    def _maybe_announce_lag(self, now: float) -> None:
-        """Loop lag travels in every probe/ack; it is disseminated cluster-wide only on a real stall.
-
-        Bumping the incarnation on every lag change would start a gossip storm exactly when
-        the cluster is loaded (every node's lag rises together), so only a stall of
-        LAG_ANNOUNCE_S or more, or the recovery from it, is announced (at most every 30 s).
-        """
-        lag = round(self._lag, 3)
-        stalled, was = lag >= LAG_ANNOUNCE_S, self._announced_lag >= LAG_ANNOUNCE_S
-        if (stalled or was) and (stalled != was or lag > 2 * self._announced_lag) and now - self._last_announce >= 30.0:
-            self._announced_lag, self._last_announce = lag, now
-            self._membership.update_self(now, loop_lag_s=lag)
 
 
 # ---------------------------------------------------------------------- helpers
