@@ -56,6 +56,25 @@ def test_order_is_deterministic_per_seed_and_epoch(data):
     assert a == perm[1::2].tolist()  # the documented definition, computed independently
 
 
+def test_reserve_draws_fresh_rows_of_this_shard_deterministically(data):
+    """DAPO's refill: rows of this rank's shard, no repeats within a draw, the same draw for the
+    same (seed, epoch, step, attempt) in any process, ids that never collide with the step's."""
+    s = PromptShard(str(data), 1, 3, seed=3)
+    mine = set(s.rank_rows(0).tolist())
+    a = s.reserve(0, 5, 0, 10)
+    assert len(a) == 10 and len({r.row_index for r in a}) == 10 and {r.row_index for r in a} <= mine
+    assert all(r.prompt_id == f"e0:{r.row_index}:r5.0" for r in a)
+    assert [r.row_index for r in a] == [r.row_index for r in PromptShard(str(data), 1, 3, seed=3).reserve(0, 5, 0, 10)]
+    assert [r.row_index for r in a] != [r.row_index for r in s.reserve(0, 5, 1, 10)]  # the next attempt differs
+    assert [r.row_index for r in a] != [r.row_index for r in s.reserve(0, 6, 0, 10)]  # and the next step
+    assert len(s.reserve(0, 0, 0, 1000)) == len(mine)  # capped at the shard
+    assert s.reserve(0, 0, 0, 0) == []
+    step_ids = {r.prompt_id for r in s.batch(0, 5, 10)}
+    assert not step_ids & {r.prompt_id for r in a}
+    with pytest.raises(ValueError, match="must be >= 0"):
+        s.reserve(0, -1, 0, 1)
+
+
 def test_no_shuffle_is_strided_identity(data):
     s = PromptShard(str(data), 2, 4, shuffle=False)
     assert [r.row_index for r in s.batch(0, 0, 3)] == [2, 6, 10]

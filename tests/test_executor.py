@@ -113,6 +113,41 @@ def test_dynamic_sampling_regenerates_then_drops_constant_groups(engine, toy_mod
     assert batch.tensors["advantage"].abs().sum() == 0
 
 
+def test_dynamic_sampling_refills_with_fresh_prompts(engine, toy_model) -> None:
+    """refill: fresh (the default, DAPO's recipe): a constant group's prompt is replaced by new
+    prompts from the shard (here a stub source), retried while the replacements are constant too;
+    refill: same keeps regenerating the step's own prompt."""
+    def wf(**args):
+        return [GEN, {**REWARD, "fn": "tests.test_executor:alternating_or_constant"},
+                {"id": "filter", "role": "ACTOR", "type": "COMPUTE", "fn": "dynamic_sampling", "deps": ["reward"],
+                 "args": {"max_retries": 2, **args}},
+                {**ADV, "deps": ["filter"]}, UPDATE]
+
+    asked: list[tuple[int, int]] = []
+
+    def refill(attempt: int, n: int) -> list[PromptRow]:
+        asked.append((attempt, n))
+        fresh = [PromptRow(f"fresh{attempt}:{k}", 100 + k, {"prompt": "12=", "const": attempt == 0}) for k in range(n)]
+        return fresh
+
+    cfg = make_cfg(toy_model, workflow=wf())
+    rs = rows("12=", "345=", "678=")
+    rs[1].data["const"] = True
+    stats: dict[str, float] = {}
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, stats, refill=refill)
+    # attempt 0's replacement is constant too, attempt 1's varies: kept, the step keeps 3 prompts
+    assert asked == [(0, 1), (1, 1)]
+    assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:2", "fresh1:0"] and len(batch) == 12
+    assert stats == {"resampled_prompts": 2, "dropped_prompts": 0, "generated_samples": 12, "generated_reward": 8.0}
+    asked.clear()
+    cfg = make_cfg(toy_model, workflow=wf(refill="same"))
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, {}, refill=refill)
+    assert asked == [] and sorted(set(batch.prompt_ids)) == ["e0:0", "e0:2"]
+    with pytest.raises(StageError, match="args.refill must be 'fresh' or 'same'"):
+        bad = make_cfg(toy_model, workflow=wf(refill="new"))
+        run_pipeline(bad.plan().pipeline("rollout"), engine, bad, rs, 5, {}, refill=refill)
+
+
 def test_overlong_mask_zeroes_truncated_advantages(engine, toy_model) -> None:
     wf = [GEN, {**REWARD, "fn": "tests.test_executor:alternating_or_constant"}, ADV, UPDATE]
     cfg = make_cfg(toy_model, workflow=wf, overlong="mask", max_new_tokens=2)

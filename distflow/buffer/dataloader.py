@@ -23,7 +23,7 @@ import mmap
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -194,9 +194,10 @@ class PromptShard:
 
     def rank_rows(self, epoch: int) -> np.ndarray:
         """This rank's row indices for ``epoch`` in order: perm[rank::world_size]."""
-        if self._rows_cache is None or self._rows_cache[0] != epoch:
-            self._rows_cache = (epoch, self.permutation(epoch)[self.rank:: self.world_size].copy())
-        return self._rows_cache[1]
+        cache = self._rows_cache  # read once: a dynamic-sampling refill reads from a worker thread
+        if cache is None or cache[0] != epoch:
+            cache = self._rows_cache = (epoch, self.permutation(epoch)[self.rank:: self.world_size].copy())
+        return cache[1]
 
     # ------------------------------------------------------------------ reading
     def batch(self, epoch: int, step: int, local_batch: int) -> list[PromptRow]:
@@ -206,6 +207,21 @@ class PromptShard:
         if epoch < 0 or step < 0:
             raise ValueError(f"epoch and step must be >= 0, got {epoch}, {step}")
         rows = self.rank_rows(epoch)[step * local_batch:(step + 1) * local_batch].tolist()
+        return self._read(rows, lambda r: f"e{epoch}:{r}")
+
+    def reserve(self, epoch: int, step: int, attempt: int, n: int) -> list[PromptRow]:
+        """``n`` extra rows of this rank's shard for step ``step`` (DAPO's dynamic sampling
+        replaces the prompts it filtered out with these): a deterministic draw per (seed, epoch,
+        step, attempt), without repeats within the draw, so a resumed run draws the same. Their
+        prompt ids (``e<epoch>:<row>:r<step>.<attempt>``) never collide with the step's own."""
+        if epoch < 0 or step < 0 or attempt < 0 or n < 0:
+            raise ValueError(f"epoch, step, attempt and n must be >= 0, got {epoch}, {step}, {attempt}, {n}")
+        pool = self.rank_rows(epoch)
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, step, attempt, 0xDA90])))
+        rows = rng.choice(pool, size=min(n, len(pool)), replace=False).tolist() if n and len(pool) else []
+        return self._read(rows, lambda r: f"e{epoch}:{r}:r{step}.{attempt}")
+
+    def _read(self, rows: list[int], prompt_id: Callable[[int], str]) -> list[PromptRow]:
         out: list[PromptRow] = []
         for r, where, value in self._src.read(rows):
             problem = value if isinstance(value, DatasetError) else self._row_problem(value, where)
@@ -214,7 +230,7 @@ class PromptShard:
                     raise problem
                 self.bad_rows_skipped += 1
                 continue
-            out.append(PromptRow(f"e{epoch}:{r}", r, value))
+            out.append(PromptRow(prompt_id(r), r, value))
         return out
 
     def _row_problem(self, value: Any, where: str) -> DatasetError | None:

@@ -64,6 +64,7 @@ class RolloutContext:
     pipeline: list[WorkflowNode] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
     weights_update: Callable[[], Any] | None = None  # partial rollout: polled by the engine mid-generation
+    refill: Callable[[int, int], list[PromptRow]] | None = None  # (attempt, n) -> fresh prompts of this shard
 
     def count(self, key: str, n: float) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
@@ -172,16 +173,23 @@ def _estimate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> Sa
 
 
 def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> SampleBatch:
-    """DAPO's dynamic sampling on the task reward (``reward``, before overlong shaping):
-    prompts whose samples all got the same reward are regenerated (the pipeline prefix re-run
-    on them with a new seed) up to ``args.max_retries`` times (default 2), keeping the step's
-    prompt count where possible; groups still constant are then dropped. A step never
-    becomes empty: if every group is constant the batch is kept whole (its group advantages
-    are all 0, so it adds no gradient). Counts ``resampled_prompts`` and ``dropped_prompts``,
-    and ``generated_samples`` / ``generated_reward`` (their sum) of the first generation: the
-    trained samples' mean reward is biased by the filter (a policy that solves every prompt
-    trains on few, mixed groups), the generated one is the policy's."""
+    """DAPO's dynamic sampling on the task reward (``reward``, before overlong shaping): the
+    prompts whose samples all got the same reward are replaced, the pipeline prefix re-run on
+    the replacements up to ``args.max_retries`` times (default 2), keeping the step's prompt
+    count where possible; groups still constant are then dropped. ``args.refill``: ``fresh``
+    (default, the paper's recipe: new prompts drawn from this rank's shard, a deterministic
+    draw per step and attempt, ``PromptShard.reserve``) or ``same`` (the same prompts with a
+    new seed; also what a node without a prompt source, e.g. a worker group, does). A step
+    never becomes empty: if every group is constant the batch is kept whole (its group
+    advantages are all 0, so it adds no gradient). Counts ``resampled_prompts`` (prompts
+    generated as replacements) and ``dropped_prompts``, and ``generated_samples`` /
+    ``generated_reward`` (their sum) of the first generation: the trained samples' mean reward
+    is biased by the filter (a policy that solves every prompt trains on few, mixed groups),
+    the generated one is the policy's."""
     retries = int(node.args.get("max_retries", 2))
+    refill = node.args.get("refill", "fresh")
+    if refill not in ("fresh", "same"):
+        raise StageError(f"workflow node {node.id!r}: args.refill must be 'fresh' or 'same', got {refill!r}")
     prefix = ctx.pipeline[:ctx.pipeline.index(node)] if node in ctx.pipeline else []
     if len(batch) and "reward" in batch.tensors:
         ctx.count("generated_samples", len(batch))
@@ -194,19 +202,25 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
             raise StageError(f"workflow node {node.id!r}: dynamic_sampling needs a REWARD node among its deps")
         return nonconstant_groups(b.tensors["reward"].float(), group_index(b.prompt_ids)).tolist()
 
+    first = batch
     for attempt in range(retries):
         keep = keep_mask(batch)
         bad = dict.fromkeys(p for p, k in zip(batch.prompt_ids, keep) if not k)
         if not bad or not prefix:
             break
-        ctx.count("resampled_prompts", len(bad))
-        sub_ctx = RolloutContext(ctx.engine, ctx.cfg, [r for r in ctx.rows if r.prompt_id in bad],
-                                 ctx.seed + 7919 * (attempt + 1), ctx.pipeline, {})
+        if refill == "fresh" and ctx.refill is not None:
+            rows = ctx.refill(attempt, len(bad))
+        else:
+            rows = [r for r in ctx.rows if r.prompt_id in bad]
+        if not rows:
+            break
+        ctx.count("resampled_prompts", len(rows))
+        sub_ctx = RolloutContext(ctx.engine, ctx.cfg, rows, ctx.seed + 7919 * (attempt + 1), ctx.pipeline, {})
         sub = _run(prefix, sub_ctx)
         batch = SampleBatch.concat([batch.select([i for i, k in enumerate(keep) if k]), sub])
     keep = keep_mask(batch)
     if not any(keep):
-        return batch
+        return batch if len(batch) else first
     ctx.count("dropped_prompts", len(dict.fromkeys(p for p, k in zip(batch.prompt_ids, keep) if not k)))
     return batch.select([i for i, k in enumerate(keep) if k])
 
@@ -237,11 +251,14 @@ def _run(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: SampleBatch |
 
 def run_pipeline(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, rows: list[PromptRow],
                  seed: int, stats: dict[str, float] | None = None,
-                 weights_update: Callable[[], Any] | None = None) -> SampleBatch:
+                 weights_update: Callable[[], Any] | None = None,
+                 refill: Callable[[int, int], list[PromptRow]] | None = None) -> SampleBatch:
     """Run this group's pipeline (plan order, deps checked) on one step's prompts; blocking,
     call in a thread. ``stats`` (optional) receives the counters (``skipped_prompts``,
-    ``resampled_prompts``, ``dropped_prompts``)."""
-    ctx = RolloutContext(engine, cfg, rows, seed, list(pipeline), stats if stats is not None else {}, weights_update)
+    ``resampled_prompts``, ``dropped_prompts``); ``refill(attempt, n)`` (optional) gives fresh
+    prompts of this shard for a filter that replaces the ones it drops."""
+    ctx = RolloutContext(engine, cfg, rows, seed, list(pipeline), stats if stats is not None else {}, weights_update,
+                         refill)
     return _run(list(pipeline), ctx)
 
 

@@ -262,8 +262,10 @@ class RolloutLoop:
             t0 = time.perf_counter()
             seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
             stage_stats: dict[str, float] = {}
+            refill = (lambda attempt, n, loader=loaders[shard], e=epoch, i=in_epoch:  # noqa: E731
+                      loader.reserve(e, i, attempt, n))
             batch = await asyncio.to_thread(run_pipeline, self.pipeline, engine, cfg, rows, seed, stage_stats,
-                                            self.weights_update)
+                                            self.weights_update, refill)
             t_gen = time.perf_counter() - t0
             rate = len(batch) / max(t_gen, 1e-9)
             if stage_stats:
