@@ -211,6 +211,27 @@ def test_stop_eos_and_length_edges(model_dir: str, prompts: list[list[int]]) -> 
             assert s.finish_reason == "stop" and s.tokens == c.tokens[:c.tokens.index(stop) + 1]
 
 
+def test_hf_loop_samples_the_static_paths_streams(model_dir: str, prompts: list[list[int]]) -> None:
+    """The HF loop (unsupported architectures, sliding windows) draws from the same
+    per-sequence streams as the static-cache path: a seed gives the same sampled completions
+    on either path and for any HF batch size (it used to share one generator per batch)."""
+    eng = TorchEngine(model_dir, max_slots=4)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    static = eng.generate(prompts, params, seed=11)
+    eng.runner, runner = None, eng.runner
+    try:
+        hf = eng.generate(prompts, params, seed=11)
+        eng.max_batch_size, batch = 2, eng.max_batch_size
+        hf_small = eng.generate(prompts, params, seed=11)
+        eng.max_batch_size = batch
+        other = eng.generate(prompts, params, seed=12)
+    finally:
+        eng.runner = runner
+    assert [c.tokens for c in hf] == [c.tokens for c in static] == [c.tokens for c in hf_small]
+    assert _max_err([c.logprobs for c in hf], [c.logprobs for c in static]) < 1e-4
+    assert [c.tokens for c in other] != [c.tokens for c in hf]
+
+
 # ---------------------------------------------------------------------- weight loading
 def test_load_weights_buckets_and_errors(model_dir: str, other_dir: str, prompts: list[list[int]]) -> None:
     eng = TorchEngine(model_dir)

@@ -28,7 +28,7 @@ from distflow.hf import load_causal_lm, load_tokenizer
 from distflow.rollout.llama_forward import LlamaRunner, unsupported_reason
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
-from distflow.rollout.sampling import sample_next, sample_rows, seed_key
+from distflow.rollout.sampling import sample_rows, seed_key
 from distflow.rollout.weight_loading import WeightTarget
 
 __all__ = ["TorchEngine"]
@@ -163,18 +163,17 @@ class TorchEngine:
 
     def _generate_hf(self, prompts: list[list[int]], params: SamplingParams, stop: list[int], seed: int,
                      weights_update: WeightsUpdate | None) -> list[Completion]:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        key = seed_key(seed)  # the static path's per-sequence streams: the same draws, any batch size
         stop_t = torch.tensor(stop, dtype=torch.int64, device=self.device)
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
             if start:
                 self._poll(weights_update)
-            out.extend(self._generate_hf_batch(prompts[start:start + self.max_batch_size], params, stop_t, gen))
+            out.extend(self._generate_hf_batch(prompts[start:start + self.max_batch_size], params, stop_t, key, start))
         return out
 
     def _generate_hf_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: torch.Tensor,
-                           gen: torch.Generator) -> list[Completion]:
+                           key: int, first_seq: int) -> list[Completion]:
         b, width, dev = len(prompts), max(len(p) for p in prompts), self.device
         ids = torch.full((b, width), self.pad_token_id, dtype=torch.int64)
         mask = torch.zeros((b, width), dtype=torch.int64)
@@ -191,8 +190,9 @@ class TorchEngine:
         lengths = torch.full((b,), n, dtype=torch.int64, device=dev)
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)
         next_pos = pos[:, -1:]
+        seq = torch.arange(first_seq, first_seq + b, dtype=torch.int64, device=dev)
         for step in range(n):
-            tok, lp = sample_next(logits, params, gen)
+            tok, lp = sample_rows(logits, params, key, seq, torch.full_like(seq, step))
             tok = torch.where(stopped, self.pad_token_id, tok)
             tokens[:, step], logps[:, step] = tok, lp
             hit = torch.isin(tok, stop) & ~stopped
