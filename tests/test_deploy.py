@@ -377,7 +377,7 @@ def pdsh_run(pdsh: str, toy_model: Path, tmp_path: Path) -> Iterator[dict]:
     secret_file = tmp_path / "secret.txt"
     secret_file.write_text(secret)
     secret_file.chmod(0o600)
-    p1, p2 = free_base_port("127.0.0.1", 4), free_base_port("127.0.0.2", 2)
+    p1, p2 = free_base_port("127.0.0.1", 4), free_base_port("127.0.0.2", 4)
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"# two 'hosts' on loopback\n127.0.0.1 trainer=1 rollout=1 port={p1}\n"
                         f"127.0.0.2 rollout=1 port={p2}\n")
@@ -456,6 +456,46 @@ def test_pdsh_cluster_starts_reports_trains_and_stops_without_leaks(pdsh_run):
     for node_id in ids:
         host = node_id.split("-")[1]
         assert f"{node_id} up: control" in (collected / host / f"{node_id}.log").read_text()
+
+
+def test_pdsh_worker_group_node_trains_and_stops(pdsh_run):
+    """A hostfile with ``group.reward=1``: the reward worker starts on its host as
+    ``--role worker --group reward``, joins with its group's role, scores every step (the
+    trainer trains them) and stops with the rest."""
+    c = pdsh_run
+    raw = yaml.safe_load(c["cfg"].read_text())
+    raw["worker_groups"] = {"reward": 1}
+    raw["workflow"] = [
+        {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"},
+        {"id": "score", "role": "REWARD", "type": "COMPUTE", "fn": "successor", "deps": ["generate"],
+         "group": "reward"},
+        {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["score"]},
+        {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage"]}]
+    c["cfg"].write_text(yaml.safe_dump(raw))
+    p1, p2 = c["ports"]
+    c["hostfile"].write_text(f"127.0.0.1 trainer=1 rollout=1 port={p1}\n127.0.0.2 rollout=1 group.reward=1 port={p2}\n")
+    r = launcher(*c["start"])
+    try:
+        assert r.returncode == 0, r.stderr
+        started = dict(ln.split("\t")[1:3] for ln in r.stdout.splitlines())
+        assert set(started) == {"trainer-127.0.0.1-0", "rollout-127.0.0.1-0", "rollout-127.0.0.2-0",
+                                "reward-127.0.0.2-0"}
+        metrics = c["out"] / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while len(read_metrics(metrics)) < 3:
+            assert time.monotonic() < deadline, "no training steps"
+            time.sleep(0.2)
+        st = launcher("status", "--run-dir", str(c["run_dir"]), "--json", timeout=120)
+        members = {m["id"]: m for m in json.loads(st.stdout)["members"]}
+        assert members["reward-127.0.0.2-0"]["role"] == "reward"
+        assert members["reward-127.0.0.2-0"]["address"] == f"127.0.0.2:{p2 + 2}"
+        assert all(row["samples"] == 8 for row in read_metrics(metrics)[:3])  # 4 prompts x 2, all scored
+    finally:
+        stop = launcher("stop", "--run-dir", str(c["run_dir"]), "--grace", "15", timeout=120)
+    assert stop.returncode == 0, stop.stderr
+    assert processes_mentioning(str(c["run_dir"]), str(c["cfg"])) == {}
+    log = (c["run_dir"] / "collected" / "127.0.0.2" / "reward-127.0.0.2-0.log").read_text()
+    assert "reward-127.0.0.2-0 up: control" in log
 
 
 def test_pdsh_bad_config_starts_nothing_and_says_why(pdsh_run):
