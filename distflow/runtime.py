@@ -39,6 +39,11 @@ class Groups:
             return getattr(self, group)
         return self.workers[group]
 
+    def node_ids(self) -> set[str]:
+        """Every node of the run (a `distflow status` client in the mesh is not one)."""
+        return {m.node_id for m in self.rollout + self.trainer + self.controller} | {
+            m.node_id for ms in self.workers.values() for m in ms}
+
 
 @dataclass
 class Runtime:
@@ -117,9 +122,14 @@ class Runtime:
                              {g: by_role[g] for g in self.cfg.worker_groups})
         self.node.set_meta(rank=self.groups.rank, group=self.role, state="running")
         log.info("%s: %s rank %d of %d", self.node.node_id, self.role, self.groups.rank, len(mine))
-        cluster = {m.node_id for ms in by_role.values() for m in ms}
+        cluster = self.groups.node_ids()
         self.node.subscribe(lambda event, m: self._log_peer(event, m) if m.node_id in cluster else None)
         return self.groups
+
+    def refute_window_s(self) -> float:
+        """How long a peer's death must stand before this node acts on it (the mesh's refute
+        window for this run's size: a node declared dead by mistake refutes within it)."""
+        return self.node.config.refute_window_s(len(self.groups.node_ids()) if self.groups is not None else 1)
 
     def _log_peer(self, event: str, m: Member) -> None:
         """This run's peers dying, leaving and coming back go to the node's log: the first thing
@@ -186,15 +196,11 @@ class Runtime:
         ranks of a torch.distributed group cannot be replaced, so a dead rank ends the group,
         and the surviving ranks must say which one instead of a transport error, promptly,
         whatever they are waiting for."""
-        loop = asyncio.get_running_loop()
-        since: dict[str, float] = {}
         while True:
             if self.groups is not None:
-                now = loop.time()
-                dead = self.dead_peers(self.role)
-                since = {i: since.get(i, now) for i in dead}
-                window = self.node.config.refute_window_s(len(self.node.members(include_dead=True)) + 1)
-                gone = sorted(i for i, t in since.items() if now - t >= window)
+                now, window = time.time(), self.refute_window_s()  # Member.since is time.time()
+                gone = sorted(i for i in self.dead_peers(self.role)
+                              if (m := self.node.member(i)) is not None and now - m.since >= window)
                 if gone:
                     raise GroupMemberLost(self.role, gone)
             await asyncio.sleep(poll_s)

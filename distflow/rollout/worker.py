@@ -170,7 +170,7 @@ class RolloutLoop:
         """Raise when the trainers are gone for good: every one left (ClusterStopped), or one
         died (PeerLostError naming it). A trainer this node merely cannot reach (this node is
         cut off: it sees no other member alive) may come back, so that is waited for."""
-        node, now, mesh = self.rt.node, time.time(), self.rt.node.config
+        node, now = self.rt.node, time.time()
         trainers = [m for t in self.groups.trainer if (m := node.member(t.node_id)) is not None]
         states = {m.node_id: m.state for m in trainers}
         if len(states) == len(self.groups.trainer) and all(s == "left" for s in states.values()):
@@ -180,11 +180,8 @@ class RolloutLoop:
             return
         if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
             raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
-        # Only the run's own nodes count (a `distflow status` client joins the mesh briefly).
-        g = self.groups
-        cluster = {m.node_id for m in g.rollout + g.trainer + g.controller} | {
-            m.node_id for ms in g.workers.values() for m in ms}
-        spread = mesh.refute_window_s(len(cluster))  # a death believed only once it stands this long
+        cluster = self.groups.node_ids()  # a `distflow status` client in the mesh is no witness
+        spread = self.rt.refute_window_s()  # a death believed only once it stands this long
         lasting = [i for i, at in dead.items() if now - at >= spread]
         if not lasting:
             return
@@ -192,7 +189,7 @@ class RolloutLoop:
                   if m.node_id != node.node_id and m.node_id in cluster and m.node_id not in dead]
         # A cut-off node that heals hears from its peers one by one: settle long enough for a
         # live trainer to refute its death too (one anti-entropy round plus the spreads).
-        settle = mesh.push_pull_interval_s + spread
+        settle = node.config.push_pull_interval_s + spread
         witness = not_cut_off_witness(others, min(dead[i] for i in lasting), now, settle)
         if witness is not None:
             raise PeerLostError(f"trainer {', '.join(lasting)} died (the mesh declared it dead; "
