@@ -23,8 +23,8 @@ import asyncio
 import time
 from typing import Any, Callable, Collection, Sequence
 
-from distflow.buffer.batch import PACKED, PackedPart, SampleBatch
-from distflow.buffer.routing import Packer, owner_groups, owners, token_partition
+from distflow.buffer.batch import PACKED, SampleBatch
+from distflow.buffer.routing import owner_groups, owners, split_parts, token_partition
 from distflow.buffer.shard import BufferShard
 from distflow.core.channels import Endpoint, Envelope, TensorChannel
 
@@ -89,20 +89,12 @@ async def scatter(
         raise ValueError(f"duplicate consumer node ids in {[c.node_id for c in consumers]}")
     t0 = time.perf_counter()
     groups = groups_for(batch, len(consumers), balance)
-    whole = next((k for k, g in enumerate(groups) if len(g) == len(batch)), None)
-    packer = Packer(batch) if whole is None else None  # all to one consumer: sent as is, no copy
     lend = getattr(channel, "lend", None)
-    parts: list[SampleBatch | PackedPart | None] = []
+    parts = split_parts(batch, groups, None if lend is None else (lambda k, n: lend(consumers[k], n)), only)
     sends: dict[str, asyncio.Task] = {}
-    for rank, (consumer, group) in enumerate(zip(consumers, groups)):
-        if only is not None and rank not in only:
-            parts.append(None)
+    for rank, (consumer, part) in enumerate(zip(consumers, parts)):
+        if part is None:
             continue
-        if packer is None:
-            part = batch if rank == whole else batch.select([])
-        else:
-            part = packer.pack(group, None if lend is None else (lambda n, c=consumer: lend(c, n)))
-        parts.append(part)
         wire_meta, tensors = part.to_wire()
         meta = {**(extra_meta or {}), **wire_meta, "step": step, "source_rank": source_rank,
                 "num_sources": num_sources, "part": rank, "num_parts": len(consumers), "balance": balance}

@@ -9,10 +9,11 @@ per sample: greedy longest-first onto the lightest part, deterministic on ties.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import itertools
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch
@@ -113,13 +114,33 @@ class Packer:
                           [b.extras[i] for i in indices], buf, layout)
 
 
+def split_parts(batch: SampleBatch, groups: list[list[int]],
+                alloc: Callable[[int, int], torch.Tensor | None] | None = None,
+                only: Collection[int] | None = None) -> list[SampleBatch | PackedPart | None]:
+    """Each group's part of ``batch`` (``groups``: sample indices per part). When one group holds
+    every sample, the batch itself (no copy) and empty batches for the others; else packed parts,
+    part k written into ``alloc(k, nbytes)`` when that gives a buffer. None for a part whose
+    index is not in ``only``."""
+    whole = next((k for k, g in enumerate(groups) if len(g) == len(batch)), None)
+    packer = Packer(batch) if whole is None else None
+    out: list[SampleBatch | PackedPart | None] = []
+    for k, group in enumerate(groups):
+        if only is not None and k not in only:
+            out.append(None)
+        elif packer is None:
+            out.append(batch if k == whole else batch.select([]))
+        else:
+            out.append(packer.pack(group, None if alloc is None else functools.partial(alloc, k)))
+    return out
+
+
+def _batches(parts: list[SampleBatch | PackedPart | None]) -> list[SampleBatch]:
+    return [p.to_batch() if isinstance(p, PackedPart) else p for p in parts]
+
+
 def split_by_owner(batch: SampleBatch, num_consumers: int) -> list[SampleBatch]:
     """One batch per consumer rank (possibly empty), each sample going to its owner, order kept."""
-    groups = owner_groups(batch, num_consumers)
-    if any(len(g) == len(batch) for g in groups):  # everything goes to one consumer: no copy
-        return [batch if len(g) == len(batch) else batch.select([]) for g in groups]
-    packer = Packer(batch)
-    return [packer.pack(g).to_batch() for g in groups]
+    return _batches(split_parts(batch, owner_groups(batch, num_consumers)))
 
 
 def token_partition(num_tokens: torch.Tensor | list[int], num_parts: int) -> list[list[int]]:
@@ -144,5 +165,4 @@ def token_partition(num_tokens: torch.Tensor | list[int], num_parts: int) -> lis
 
 def balance_by_tokens(batch: SampleBatch, num_parts: int) -> list[SampleBatch]:
     """Split a batch into ``num_parts`` batches of near-equal total tokens (prompt + response)."""
-    packer = Packer(batch)
-    return [packer.pack(idx).to_batch() for idx in token_partition(batch.num_tokens(), num_parts)]
+    return _batches(split_parts(batch, token_partition(batch.num_tokens(), num_parts)))
