@@ -118,9 +118,8 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     """Start the node, run its role's loop, and stop bounded in time on a signal or error."""
     import torch
 
-    from distflow.runtime import Runtime
-
     from distflow.core.allocator import keep_freed_memory
+    from distflow.runtime import Runtime
 
     torch.set_num_threads(cfg.torch_threads)
     keep_freed_memory()  # a step's buffers are reused, not page-faulted anew

@@ -311,8 +311,9 @@ class Progress:
                                  stale=f"{r['staleness_mean']:.2f}", **({"time": stages} if stages else {}),
                                  refresh=False)
             if self.plain:
-                print(f"step {r['step'] + 1}/{r.get('total_steps', '?')} reward={r['reward_mean']:.3f} "
-                      + "".join(f"{k}={v} " for k, v in gen.items()) + f"loss={r.get('loss', 0):.4f} samples/s={r['samples_per_s']:.0f} "
+                generated = "".join(f"{k}={v} " for k, v in gen.items())
+                print(f"step {r['step'] + 1}/{r.get('total_steps', '?')} reward={r['reward_mean']:.3f} {generated}"
+                      f"loss={r.get('loss', 0):.4f} samples/s={r['samples_per_s']:.0f} "
                       f"staleness={r['staleness_mean']:.2f}" + (f" [{stages}]" if stages else ""), flush=True)
         self.seen = len(rows)
 

@@ -68,12 +68,12 @@ def plot_reward_curve(metrics_path: Path, out_png: Path) -> None:
     generated = [(r["step"], r["generated_reward_mean"]) for r in rows if "generated_reward_mean" in r]
     if generated:
         ax.plot(*zip(*generated), linewidth=1, label="generated (before the filter)")
-        ax.legend(loc="upper left")
     if len(rewards) >= 5:
         k = max(2, len(rewards) // 10)
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, linewidth=2, label=f"mean of last {k}")
+    if generated or len(rewards) >= 5:
         ax.legend(loc="upper left")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward")
