@@ -98,6 +98,58 @@ def test_static_cache_forward_matches_hf_logits(kind: str) -> None:
             assert torch.allclose(logits[slot], ref[q][len(seqs[q]) - back], atol=1e-4, rtol=0)
 
 
+def test_causal_prefill_matches_length_mask_with_gqa() -> None:
+    """Prefill runs SDPA with is_causal (so CUDA can use flash with GQA) instead of the
+    length mask: same logits, same KV at every real position, same decode after it, with
+    right-padded rows of different lengths in one chunk."""
+    model = _tiny("qwen2")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    seqs = [[1, 5, 9, 2, 7, 3, 3], [3, 4], [8, 8, 8, 1, 2]]
+    out = {}
+    for masked in (True, False):
+        runner = LlamaRunner(model, use_graphs=False)
+        runner.prefill_mask = masked
+        runner.reserve(3, 16)
+        last = runner.prefill([0, 1, 2], seqs)
+        runner.tok_in[:3] = torch.tensor([4, 5, 6])
+        runner.pos[:3] = torch.tensor([len(s) for s in seqs])
+        out[masked] = (last, runner.decode(3, max(len(s) for s in seqs)), runner)
+    (lm, dm, rm), (lc, dc, rc) = out[True], out[False]
+    assert torch.allclose(lc, lm, atol=1e-5, rtol=0) and torch.allclose(dc, dm, atol=1e-5, rtol=0)
+    for slot, s in enumerate(seqs):  # positions written by prefill and the decode step
+        n = len(s) + 1
+        assert torch.allclose(rc.k_cache[:, slot, :, :n], rm.k_cache[:, slot, :, :n], atol=1e-5, rtol=0)
+        assert torch.allclose(rc.v_cache[:, slot, :, :n], rm.v_cache[:, slot, :, :n], atol=1e-5, rtol=0)
+
+
+def test_kv_cache_sizing(model_dir: str) -> None:
+    from distflow.rollout.llama_forward import kv_slot_bytes, plan_kv_slots
+
+    # Qwen2.5-7B in bf16 (28 layers, 4 kv heads of 128): ~68 GB for 256 slots of 4608 positions.
+    each = kv_slot_bytes(28, 4, 4608, 128, 2)
+    assert each == 2 * 28 * 4 * 4608 * 128 * 2 and 67e9 < 256 * each < 68e9
+    gib = 1 << 30
+    assert plan_kv_slots(256, each, 80 * gib, 0.9, 4608) == 256  # all fit
+    assert plan_kv_slots(256, each, 40 * gib, 0.9, 4608) == int(40 * gib * 0.9) // each < 256  # capped
+    assert plan_kv_slots(8, each, 40 * gib, 0.9, 4608) == 8
+    with pytest.raises(RuntimeError, match=r"one slot of 4608 positions .*kv_cache_memory_fraction.*max_new_tokens"):
+        plan_kv_slots(256, each, each, 0.9, 4608)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction must be a number in \(0, 1\]"):
+        TorchEngine(model_dir, kv_cache_memory_fraction=0)
+
+
+def test_close_releases_the_parameters(model_dir: str) -> None:
+    import gc
+    import weakref
+
+    eng = TorchEngine(model_dir)
+    eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, temperature=0.0))
+    ref = weakref.ref(eng.model.model.embed_tokens.weight)
+    eng.close()
+    gc.collect()
+    assert ref() is None  # nothing (weight target, runner) keeps the weights alive
+
+
 def test_unsupported_architecture_reason() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -263,7 +315,7 @@ def test_load_weights_buckets_and_errors(model_dir: str, other_dir: str, prompts
 # ---------------------------------------------------------------------- CUDA graphs
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_decode_matches_eager(model_dir: str, prompts: list[list[int]]) -> None:
+def test_cuda_graph_decode_matches_eager(model_dir: str, other_dir: str, prompts: list[list[int]]) -> None:
     many = [prompts[i % len(prompts)] for i in range(20)]
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
     graphs = TorchEngine(model_dir, device="cuda", max_slots=8, compile=True)
@@ -275,9 +327,15 @@ def test_cuda_graph_decode_matches_eager(model_dir: str, prompts: list[list[int]
     assert _max_err([c.logprobs for c in a], [c.logprobs for c in b]) < 1e-4
     cpu = TorchEngine(model_dir, max_slots=8)
     assert _max_err(_recompute(cpu.model, many, a, cpu.pad_token_id, 1.0), [c.logprobs for c in a]) < 1e-3
-    capture = graphs.stats["capture_s"]
-    graphs.generate(many, params, seed=4)
-    assert graphs.stats["capture_s"] == capture  # paid once
+    capture, captured = graphs.stats["capture_s"], len(graphs.runner.graphs)
+    again = graphs.generate(many, params, seed=3)  # the same buckets again: nothing is recaptured
+    assert graphs.stats["capture_s"] == capture and len(graphs.runner.graphs) == captured
+    assert [c.tokens for c in again] == [c.tokens for c in a]
+    # Weights are copied into the captured parameters in place: the replayed graphs use them.
+    other = TorchEngine(other_dir, device="cuda", max_slots=8, compile=False)
+    graphs.load_weights(1, {k: v.clone() for k, v in other.model.state_dict().items()})
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    assert [c.tokens for c in graphs.generate(many, greedy)] == [c.tokens for c in other.generate(many, greedy)]
 
 
 def test_graph_bucket_sizes(model_dir: str) -> None:

@@ -6,10 +6,12 @@ Why it exists: a rollout node needs one small interface, whatever does the gener
 :class:`TorchEngine` (:mod:`distflow.rollout.torch_engine`) is the built-in engine:
 continuous batching over a static KV cache, CUDA-graph decode on GPUs, interruptible for
 new weights; :class:`VLLMEngine` (:mod:`distflow.rollout.vllm_engine`) adapts vLLM's
-offline ``LLM`` API. Both report, per generated token, the fp32 logprob of the sampled
-token under ``log_softmax(logits / temperature)`` *before* top-k/top-p filtering, which is
-exactly what the trainer recomputes (``distflow.trainer.logprobs.token_logprobs``) for
-importance ratios.
+offline ``LLM`` API. :class:`TorchEngine` reports, per generated token, the fp32 logprob
+of the sampled token under ``log_softmax(logits / temperature)`` *before* top-k/top-p
+filtering, which is exactly what the trainer recomputes
+(``distflow.trainer.logprobs.token_logprobs``) for importance ratios. vLLM's logprobs are
+taken *after* its top-k/top-p renormalisation, so they match the trainer's only with
+``top_p: 1`` and ``top_k: 0`` (the vLLM engine warns otherwise: the ratios are biased).
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ def make_engine(name: str, model_path: str, **kw: Any) -> RolloutEngine:
     """Build the engine called ``name`` ("torch" | "vllm") for the model in ``model_path``.
 
     Keywords go to the engine (``device``, ``dtype``, ``max_batch_size``; ``compile`` and
-    ``max_slots`` for the torch engine, which vLLM ignores as it batches and compiles itself).
+    ``max_slots`` and ``kv_cache_memory_fraction`` for the torch engine, which vLLM ignores as
+    it batches, compiles and sizes its cache itself).
     """
     if name == "torch":
         return TorchEngine(model_path, **kw)
     if name == "vllm":
-        kw.pop("compile", None)
-        kw.pop("max_slots", None)
+        for torch_only in ("compile", "max_slots", "kv_cache_memory_fraction"):
+            kw.pop(torch_only, None)
         return VLLMEngine(model_path, **kw)
     raise ValueError(f"unknown rollout engine {name!r}: expected one of {list(ENGINES)}")

@@ -5,9 +5,11 @@ on every step and launches ~800 kernels per decode step, which leaves a GPU idle
 forward reads the HF module's *own* parameters (embed_tokens, q/k/v/o_proj with their
 biases, q_norm/k_norm when present, the norms, the MLP, lm_head) and the model's rotary
 table, but keeps the KV in one preallocated cache ``[layers, slots, kv_heads, T, head_dim]``
-written in place at per-slot positions, with attention through SDPA and a length mask.
+written in place at per-slot positions, with attention through SDPA (prefill: causal, so
+CUDA can use the flash kernel, the only fused one with GQA; decode: a length mask).
 Loading weights into the HF model therefore updates this path for free. On CUDA the
-decode step for a few bucketed slot counts is captured once as CUDA graphs.
+decode step for a few bucketed slot counts is captured once as CUDA graphs, and the cache
+is sized to the GPU's free memory (:func:`plan_kv_slots`) rather than assumed to fit.
 
 Supported: llama, mistral (no sliding window in reach), qwen2 (qkv bias), qwen3
 (q_norm/k_norm) with static RoPE types; :func:`unsupported_reason` says why not otherwise.
@@ -15,15 +17,23 @@ Supported: llama, mistral (no sliding window in reach), qwen2 (qkv bias), qwen3
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LlamaRunner", "unsupported_reason"]
+__all__ = ["LlamaRunner", "kv_slot_bytes", "plan_kv_slots", "unsupported_reason"]
+
+log = logging.getLogger(__name__)
 
 _FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+# One graph capture at a time in the process: generate runs in worker threads and
+# --in-process may hold several engines, and a capture must not overlap another one.
+_CAPTURE_LOCK = threading.Lock()
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -45,6 +55,28 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
+def kv_slot_bytes(layers: int, kv_heads: int, length: int, head_dim: int, elem_size: int) -> int:
+    """Bytes of one cache slot of ``length`` positions: K and V of every layer."""
+    return 2 * layers * kv_heads * length * head_dim * elem_size
+
+
+def plan_kv_slots(want: int, slot_bytes: int, free_bytes: int, fraction: float, length: int) -> int:
+    """How many of ``want`` slots of ``slot_bytes`` each to allocate in ``fraction`` of
+    ``free_bytes`` (the rest is left for activations and graphs): ``want`` when they fit,
+    else as many as fit. The batcher decodes with fewer slots, only slower; not even one
+    slot (a prompt plus ``max_new_tokens`` of ``length`` positions) raises."""
+    budget = int(free_bytes * fraction)
+    fit = min(want, budget // slot_bytes)
+    if fit < 1:
+        gib = 1 << 30
+        raise RuntimeError(
+            f"KV cache: one slot of {length} positions (longest prompt + max_new_tokens) needs "
+            f"{slot_bytes / gib:.2f} GiB but {fraction:g} (kv_cache_memory_fraction) of the GPU's "
+            f"{free_bytes / gib:.2f} GiB free memory is {budget / gib:.2f} GiB: lower max_new_tokens or "
+            f"max_prompt_length, or free GPU memory")
+    return fit
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -57,7 +89,8 @@ class LlamaRunner:
     (compacting with :meth:`move_slot`), so a decode step is one batch of ``n`` rows.
     """
 
-    def __init__(self, model: Any, *, use_graphs: bool, max_prefill_tokens: int = 8192):
+    def __init__(self, model: Any, *, use_graphs: bool, max_prefill_tokens: int = 8192,
+                 kv_memory_fraction: float = 0.9):
         self.model = model
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, list(inner.layers), inner.norm, \
@@ -73,11 +106,17 @@ class LlamaRunner:
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = bool(use_graphs) and self.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens
+        self.kv_memory_fraction = kv_memory_fraction  # CUDA: share of free memory the cache may take
+        self._mem_capped = False  # the cache holds fewer slots than asked (all that fit)
+        # Prefill with an explicit length mask instead of is_causal (the reference the causal
+        # path is tested against; on CUDA with GQA it forces SDPA's math kernel).
+        self.prefill_mask = False
         self.k_cache: torch.Tensor | None = None  # [layers, slots, kv_heads, T, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.cos = self.sin = torch.empty(0)  # [positions, head_dim], model dtype
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
+        self._cap_stream: Any = None  # this runner's capture stream (torch.cuda.Stream), made on first capture
         self.capture_s = 0.0
         # Decode inputs (graph-static on CUDA): the token to feed and its position, per slot.
         self.tok_in = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -93,17 +132,30 @@ class LlamaRunner:
         return 0 if self.k_cache is None else self.k_cache.shape[3]
 
     def reserve(self, slots: int, length: int) -> None:
-        """Make the cache hold at least ``slots`` x ``length`` tokens (reallocates, dropping
-        graphs, only when it grows; sizes are rounded up so it rarely does)."""
-        if slots <= self.slots and length <= self.length:
+        """Make the cache hold ``slots`` x ``length`` tokens (reallocates, dropping graphs,
+        only when it grows; sizes are rounded up so it rarely does). On CUDA the slots are
+        capped to what fits in ``kv_memory_fraction`` of the free memory (logged; the caller
+        reads :attr:`slots`), and a cache capped so is not regrown for more slots at the same
+        length (which would drop and recapture the graphs on every call)."""
+        if length <= self.length and (slots <= self.slots or self._mem_capped):
             return
         slots = max(slots, self.slots)
         length = max(-(-length // 128) * 128, self.length)
-        shape = (len(self.layers), slots, self.n_kv, length, self.head_dim)
         self.k_cache = self.v_cache = None
         self.graphs.clear()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the old cache's memory counts as free below
+            free, _ = torch.cuda.mem_get_info(self.device)
+            each = kv_slot_bytes(len(self.layers), self.n_kv, length, self.head_dim, self.dtype.itemsize)
+            fit = plan_kv_slots(slots, each, free, self.kv_memory_fraction, length)
+            self._mem_capped = fit < slots
+            if self._mem_capped:
+                log.warning("KV cache: %d of the %d slots asked for (engine_max_slots, or the call's prompts) fit in "
+                            "%g (kv_cache_memory_fraction) of %.1f GiB free on %s at %d positions each (%.2f GiB a "
+                            "slot); decoding %d sequences at a time", fit, slots, self.kv_memory_fraction,
+                            free / (1 << 30), self.device, length, each / (1 << 30), fit)
+            slots = fit
+        shape = (len(self.layers), slots, self.n_kv, length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.tok_in = torch.zeros(slots, dtype=torch.int64, device=self.device)
@@ -163,8 +215,9 @@ class LlamaRunner:
         x = x + layer.self_attn.o_proj(a.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Prefill attention; ``mask`` None = causal (queries and keys both start at position 0)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
                                               enable_gqa=self.n_kv != self.n_heads)
 
     # ------------------------------------------------------------------ prefill
@@ -200,8 +253,16 @@ class LlamaRunner:
         ids = ids.to(dev)
         lens = torch.tensor([len(s) for s in seqs], device=dev)
         cols = torch.arange(width, device=dev)
-        mask = (cols[None, :, None] >= cols[None, None, :]) & (cols[None, None, :] < lens[:, None, None])
-        mask = mask.unsqueeze(1)  # [b, 1, width, width]: causal and within the sequence
+        # Queries and keys are both this chunk's positions [0, width) (a sequence is never
+        # split across chunks and no chunk reads KV cached before it), so SDPA's top-left
+        # aligned is_causal equals the length mask on every real position. Padding rows
+        # (positions >= len) then also see padding keys: their outputs and the KV they write
+        # are garbage under either mask and never read (decode writes position p before it
+        # attends to [0, p]; copy_prefix copies [0, len); a re-prefill rewrites [0, len)).
+        mask = None
+        if self.prefill_mask:
+            mask = (cols[None, :, None] >= cols[None, None, :]) & (cols[None, None, :] < lens[:, None, None])
+            mask = mask.unsqueeze(1)  # [b, 1, width, width]: causal and within the sequence
         cos = self.cos[:width].unsqueeze(0).expand(b, -1, -1)
         sin = self.sin[:width].unsqueeze(0).expand(b, -1, -1)
         idx = self._flat_index(torch.tensor(slots, device=dev), cols.unsqueeze(0).expand(b, -1))
@@ -256,20 +317,28 @@ class LlamaRunner:
 
     def _capture(self, b: int) -> None:
         """Capture the decode step for ``b`` rows over the whole cache length. Rows beyond
-        the live ones decode garbage into free slots (their positions stay in range)."""
+        the live ones decode garbage into free slots (their positions stay in range).
+
+        Captures on this runner's own stream (``torch.cuda.graph``'s default is one stream
+        shared by the process) in ``thread_local`` mode: another thread's unsafe CUDA call
+        (the event loop receiving weights: cudaMalloc, IPC opens) must not invalidate it, as
+        it would in the default global mode. One capture at a time per process."""
         t0 = time.perf_counter()
         saved_tok, saved_pos = self.tok_in.clone(), self.pos.clone()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm up kernels/allocations outside the graph
-                self._decode(b, self.length)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._decode(b, self.length)
+        with _CAPTURE_LOCK, torch.cuda.device(self.device):
+            if self._cap_stream is None:
+                self._cap_stream = torch.cuda.Stream(self.device)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side, main = self._cap_stream, torch.cuda.current_stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm up kernels/allocations outside the graph
+                    self._decode(b, self.length)
+            main.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                logits = self._decode(b, self.length)
         self.graphs[b] = (graph, logits)
         # Warm-up and capture wrote KV at the saved positions of rows [0, b); the real step
         # rewrites those same positions before reading them, so only the inputs need restoring.

@@ -9,13 +9,18 @@ and their KV copied; the host looks at stop flags every ``sync_every`` steps (1 
 where a sync is free); on CUDA the decode step replays CUDA graphs. Each sequence samples
 from its own counter-based stream (:mod:`distflow.rollout.sampling`), so results depend on
 the seed only, not on slots. ``generate`` can swap weights mid-call (partial rollout):
-in-flight sequences are re-prefilled under the new weights and continue.
+in-flight sequences are re-prefilled under the new weights and continue. On CUDA the KV
+cache takes at most ``kv_cache_memory_fraction`` of the free GPU memory (fewer slots when
+``max_slots`` do not fit), and ``generate``/``load_weights`` run with the engine's GPU as
+the calling thread's current device (they run in worker threads; ``set_device`` is per thread).
 
 Models outside the Llama family fall back to an HF ``model(...)`` loop (logged once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import random
 import threading
@@ -46,7 +51,9 @@ class TorchEngine:
     """Continuous-batching sampler on plain PyTorch + transformers (CPU and GPUs).
 
     ``max_slots``: sequences decoded at once; ``compile``: capture the decode step as CUDA
-    graphs on CUDA (ignored on CPU); ``max_batch_size``: batch size of the HF fallback loop.
+    graphs on CUDA (ignored on CPU); ``max_batch_size``: batch size of the HF fallback loop;
+    ``kv_cache_memory_fraction``: on CUDA, the share of the free GPU memory the KV cache may
+    take (the slots are capped to what fits, logged).
     ``stats`` reports ``capture_s`` (graph capture time, paid once per process and cache
     size), ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
     (mid-generate), cumulative.
@@ -54,11 +61,14 @@ class TorchEngine:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
                  max_batch_size: int = 256, max_slots: int = 256, compile: bool = True,
-                 max_prefill_tokens: int = 8192):
+                 max_prefill_tokens: int = 8192, kv_cache_memory_fraction: float = 0.9):
         path = check_model_dir(model_path)
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
         self.max_slots = _positive_int("max_slots", max_slots)
         _positive_int("max_prefill_tokens", max_prefill_tokens)
+        if isinstance(kv_cache_memory_fraction, bool) or not isinstance(kv_cache_memory_fraction, (int, float)) \
+                or not 0 < kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be a number in (0, 1], got {kv_cache_memory_fraction!r}")
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {device!r} requested but CUDA is not available")
@@ -87,13 +97,14 @@ class TorchEngine:
         if isinstance(pad, (list, tuple)):
             pad = pad[0] if pad else None
         self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_id or 0)
-        self._target = WeightTarget(self.model)
+        self._target: WeightTarget | None = WeightTarget(self.model)
         self.stats: dict[str, float] = {"capture_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0,
                                         "weight_swaps": 0}
         why = unsupported_reason(self.model)
         self.runner: LlamaRunner | None = None
         if why is None:
-            self.runner = LlamaRunner(self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens)
+            self.runner = LlamaRunner(self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens,
+                                      kv_memory_fraction=float(kv_cache_memory_fraction))
         else:
             log.info("TorchEngine: %s; using the HF generate loop (no static cache)", why)
         # Host looks at the device's stop flags (and polls weights_update) every this many steps.
@@ -107,6 +118,10 @@ class TorchEngine:
                 if v is not None and int(v) not in ids:
                     ids.append(int(v))
         return tuple(ids)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """The engine's GPU as the calling thread's current device (nothing on CPU)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
@@ -135,7 +150,7 @@ class TorchEngine:
             )
         stop = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
         seed = int(seed) % (1 << 63) if seed is not None else random.getrandbits(63)
-        with self._lock:
+        with self._lock, self._on_device():
             runner = self.runner
             if runner is not None and runner.window and longest + params.max_new_tokens > runner.window:
                 runner = None  # the sliding window would matter: HF's attention handles it
@@ -221,19 +236,30 @@ class TorchEngine:
         offending keys and the current weights are untouched. Then each bucket is copied
         straight into the model's parameters on the engine's device.
         """
-        if self.model is None:
+        target = self._target
+        if self.model is None or target is None:
             raise RuntimeError("TorchEngine.load_weights called after close()")
-        buckets = self._target.validate(version, weights, partial)
-        with self._lock:
-            self._target.copy_in(buckets)
-            self.version = version
+        with self._on_device():
+            buckets = target.validate(version, weights, partial)
+            with self._lock:
+                if self._target is None:
+                    raise RuntimeError("TorchEngine closed while load_weights was validating")
+                target.copy_in(buckets)
+                self.version = version
 
     def close(self) -> None:
-        """Release the model, the KV cache and the graphs (and cached GPU memory)."""
+        """Release the model, the KV cache and the graphs (and cached GPU memory). Every
+        reference to the parameters goes (the weight target holds them all too), so the
+        GPU memory really is returned."""
         with self._lock:
+            runner, self.runner = self.runner, None
+            if runner is not None:  # in case someone else still holds the runner
+                runner.graphs.clear()
+                runner.k_cache = runner.v_cache = None
             self.model = None  # type: ignore[assignment]
-            self.runner = None
+            self._target = None
         if self.device.type == "cuda":
+            gc.collect()  # parameters caught in reference cycles
             torch.cuda.empty_cache()
 
 
@@ -254,6 +280,7 @@ class _Batcher:
         runner.reserve(slots if not runner.use_graphs else engine.max_slots,
                        max(len(p) for p in prompts) + n_max)
         s = runner.slots
+        slots = min(slots, s)  # on CUDA the cache may hold fewer (all that fit in memory)
         self.stop = torch.tensor(stop, dtype=torch.int64, device=dev)
         self.seq = torch.zeros(s, dtype=torch.int64, device=dev)
         self.gen = torch.zeros(s, dtype=torch.int64, device=dev)

@@ -3,11 +3,14 @@
 Why it exists: production rollout nodes with vLLM installed can use it behind the same
 protocol as the built-in engine. It does not interrupt generation for new weights
 (``weights_update`` is accepted and ignored); each completion reports the engine's version
-as both its first and last version.
+as both its first and last version. Its logprobs are vLLM's processed ones, taken after the
+top-k/top-p renormalisation, while the trainer recomputes unfiltered ones: with ``top_p < 1``
+or ``top_k > 0`` the importance ratios are biased, and the engine warns once.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -17,6 +20,9 @@ from distflow.rollout.protocol import (Completion, SamplingParams, Weights, Weig
                                        parse_dtype, validate_prompts)
 
 __all__ = ["VLLMEngine"]
+
+log = logging.getLogger(__name__)
+
 
 def _vllm_load_weights(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
     """Runs inside every vLLM worker (via ``LLM.collective_rpc``): load HF-named tensors."""
@@ -55,6 +61,7 @@ class VLLMEngine:
                        **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
+        self._warned_filters = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, *,
                  weights_update: WeightsUpdate | None = None) -> list[Completion]:
@@ -62,6 +69,12 @@ class VLLMEngine:
 
         params.validate()
         validate_prompts(prompts, len(self.tokenizer))
+        if params.temperature > 0 and (params.top_p < 1.0 or params.top_k > 0) and not self._warned_filters:
+            self._warned_filters = True
+            log.warning("engine 'vllm' with top_p=%g, top_k=%d: vLLM's logprobs are taken after the top-k/top-p "
+                        "renormalisation but the trainer recomputes unfiltered ones, so the importance ratios are "
+                        "biased (not 1 on-policy); set top_p: 1 and top_k: 0, or use engine: torch",
+                        params.top_p, params.top_k)
         base = random.getrandbits(31) if seed is None else int(seed)
         sps = [VSamplingParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
