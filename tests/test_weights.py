@@ -311,24 +311,26 @@ def test_resolve_transport_by_locality() -> None:
 
 
 # ----------------------------------------------------------------------------- GPU tiers
-def _ipc_rollout(q_out, q_in, out_path: str) -> None:
+def _gpu_rollout(kind: str, device: int, q_out, out_path: str) -> None:
+    """The rollout end of a GPU tier in its own process (NCCL ranks may not share a GPU, and a
+    blocking NCCL call must never stall the other end's loop): receive v1, copy it, save it."""
     from distflow.core.aio import run_loop
 
     async def main() -> None:
-        ch = make_channel("shm", "rollout", SECRET)
-        inbox = WeightInbox(torch.device("cuda", 0))
+        ch = make_channel(kind, "rollout", SECRET, **({"device": device} if kind == "nccl" else {}))
+        inbox = WeightInbox(torch.device("cuda", device))
         ch.set_handler(inbox.receive)
         await ch.start()
         q_out.put(ch.port)
         await inbox.wait_for(1, 60, lambda: None)
         upd = inbox.take_update()
         engine = {n: torch.empty_like(t) for bk in upd.buckets for n, t in bk.items()}
-        for bk in upd.buckets:  # device-to-device copy out of the exporter's memory
+        for bk in upd.buckets:  # device-to-device copy (out of the exporter's memory, for cuda_ipc)
             for n, t in bk.items():
-                assert t.is_cuda
+                assert t.is_cuda and t.device.index == device, t.device
                 engine[n].copy_(t)
         del upd
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         torch.save({n: t.cpu() for n, t in engine.items()}, out_path)
         q_out.put("saved")
         await ch.close()
@@ -336,69 +338,58 @@ def _ipc_rollout(q_out, q_in, out_path: str) -> None:
     run_loop(main())
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_ipc_tier_between_processes(tmp_path) -> None:
+def _gpu_tier_between_processes(tmp_path, kind: str, tier: str, rollout_device: int) -> dict:
+    """Publish v1 from cuda:0 of this process to a rollout process on ``rollout_device``;
+    returns the trainer channel's stats and checks what the rollout saved."""
     ctx = multiprocessing.get_context("spawn")
-    q_out, q_in = ctx.Queue(), ctx.Queue()
-    out = str(tmp_path / "ipc.pt")
-    proc = ctx.Process(target=_ipc_rollout, args=(q_out, q_in, out), daemon=True)
+    q_out = ctx.Queue()
+    out = str(tmp_path / f"{tier}.pt")
+    proc = ctx.Process(target=_gpu_rollout, args=(kind, rollout_device, q_out, out), daemon=True)
     proc.start()
-    state = {n: t.cuda() for n, t in weights(1, {}).items()}
+    state = {n: t.cuda(0) for n, t in weights(1, {}).items()}
     try:
         port = q_out.get(timeout=60)
 
-        async def trainer() -> None:
-            ch = make_channel("shm", "trainer", SECRET)
+        async def trainer() -> dict:
+            ch = make_channel(kind, "trainer", SECRET, **({"device": 0} if kind == "nccl" else {}))
             await ch.start()
             pub = WeightPublisher(ch, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", port),
-                                  lambda _: True, timeout=30, transport_of=lambda _: "cuda_ipc",
+                                  lambda _: True, timeout=60, transport_of=lambda _: tier,
                                   bucket_bytes=2 * T_BYTES)
-            pub.offer(1, state)
-            await pub.flush(60)
-            assert pub.sent["rollout"] == 1
-            await asyncio.get_running_loop().run_in_executor(None, q_out.get, True, 60)
-            await pub.close()
-            await ch.close()
+            try:
+                pub.offer(1, state)
+                await pub.flush(90)
+                assert pub.sent["rollout"] == 1
+                assert await asyncio.get_running_loop().run_in_executor(None, q_out.get, True, 60) == "saved"
+                return ch.stats()
+            finally:
+                await pub.close()
+                await ch.close()
 
-        asyncio.run(trainer())
+        stats = asyncio.run(asyncio.wait_for(trainer(), 240))
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
     got = torch.load(out)
     for n, t in state.items():
-        assert torch.equal(got[n], t.cpu())
+        assert torch.equal(got[n], t.cpu()), n
+    return stats
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_nccl_tier_keeps_buckets_on_gpu() -> None:
+def test_cuda_ipc_tier_between_processes(tmp_path) -> None:
+    _gpu_tier_between_processes(tmp_path, "shm", "cuda_ipc", 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs (NCCL ranks may not share a GPU)")
+def test_nccl_tier_keeps_buckets_on_gpu(tmp_path) -> None:
     pytest.importorskip("cupy")
-
-    async def main() -> None:
-        a, b = make_channel("nccl", "trainer", SECRET), make_channel("nccl", "rollout", SECRET)
-        await a.start()
-        await b.start()
-        inbox = WeightInbox()
-        b.set_handler(inbox.receive)
-        state = {n: t.cuda() for n, t in weights(1, {}).items()}
-        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
-                              lambda _: True, timeout=60, transport_of=lambda _: "nccl", bucket_bytes=2 * T_BYTES)
-        try:
-            pub.offer(1, state)
-            await pub.flush(60)
-            upd = inbox.take_update()
-            got = {n: t for bk in upd.buckets for n, t in bk.items()}
-            assert all(t.is_cuda for t in got.values())
-            assert all(torch.equal(got[n], state[n]) for n in state)
-            assert a.stats()["nccl_sends"] >= 3
-        finally:
-            await pub.close()
-            await a.close()
-            await b.close()
-
-    asyncio.run(main())
+    stats = _gpu_tier_between_processes(tmp_path, "nccl", "nccl", 1)
+    assert stats["nccl_sends"] == 3 and stats["nccl_aborts"] == 0  # 3 buckets of 2 tensors, nothing refused
 
 
 def test_streamed_versions_apply_buckets_as_they_arrive() -> None:
@@ -443,3 +434,78 @@ def test_streamed_versions_apply_buckets_as_they_arrive() -> None:
             await b.close()
 
     asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- CUDA IPC counts (CPU)
+def _desc(name: str, ref_offset: int, **kw) -> dict:
+    d = {"name": name, "dtype": "float32", "size": [4], "stride": [1], "offset": 0, "device": 0,
+         "handle": b"h-" + name.encode(), "size_bytes": 16, "offset_bytes": 0, "ref_handle": b"/torch_ref",
+         "ref_offset": ref_offset, "event_handle": None, "event_sync": False}
+    d.update(kw)
+    return d
+
+
+def test_ipc_descriptors_never_opened_are_released(monkeypatch) -> None:
+    """Every descriptor holds one count of the exporter's IPC counter: the inbox gives back the
+    ones of an old version it drops; a failed import gives back the ones it did not open."""
+    from distflow.rl import weight_transport
+
+    released: list[tuple[bytes, int]] = []
+    monkeypatch.setattr(weight_transport, "_release_counter", lambda h, o: released.append((h, o)))
+
+    async def main() -> None:
+        inbox = WeightInbox()
+        inbox.version = 3
+        old = {"version": 2, "bucket": 0, "base": None, "ipc": [_desc("a", 7), _desc("b", 8)]}
+        await inbox.receive(Envelope("trainer", "weights", old, {}))
+        assert released == [(b"/torch_ref", 7), (b"/torch_ref", 8)] and inbox.pending is None
+        released.clear()
+        with pytest.raises(ValueError, match="bad meta"):
+            await inbox.receive(Envelope("trainer", "weights", {"version": "x", "ipc": [_desc("a", 9)]}, {}))
+        assert released == [(b"/torch_ref", 9)]
+
+    asyncio.run(main())
+
+    # a malformed descriptor: nothing is opened, every well-formed count goes back (the empty one holds none)
+    released.clear()
+    empty = {"name": "e", "dtype": "float32", "size": [0], "empty": True, "device": 0}
+    with pytest.raises(ValueError, match="'b' lacks 'stride'"):
+        weight_transport.import_ipc([_desc("a", 1), _desc("b", 2, stride=None), empty])
+    assert released == [(b"/torch_ref", 1), (b"/torch_ref", 2)]
+    with pytest.raises(ValueError, match="reaches outside its storage"):
+        weight_transport.import_ipc([_desc("a", 1, size=[5])])
+
+    # opening #1 fails: #0 was opened (freed with it), #1 and #2 go back
+    released.clear()
+    opened: list[bytes] = []
+
+    def rebuild(*args):
+        handle = args[7]
+        if handle == b"h-b":
+            raise RuntimeError("cudaIpcOpenMemHandle failed")
+        opened.append(handle)
+        return torch.zeros(4)
+
+    monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", rebuild)
+    with pytest.raises(RuntimeError, match="cudaIpcOpenMemHandle"):
+        weight_transport.import_ipc([_desc("a", 1), _desc("b", 2), _desc("c", 3)])
+    assert opened == [b"h-a"] and released == [(b"/torch_ref", 2), (b"/torch_ref", 3)]
+
+
+def test_ipc_export_of_an_empty_tensor_shares_nothing(monkeypatch) -> None:
+    """An empty storage has no IPC handle (torch returns None): it is described, not shared."""
+    from distflow.rl import weight_transport
+
+    class EmptyCuda:  # what export_ipc reads of a zero-size CUDA tensor
+        is_cuda, dtype, shape, device = True, torch.bfloat16, torch.Size([0, 8]), torch.device("cuda", 1)
+
+        def numel(self) -> int:
+            return 0
+
+    def no_share(_t):
+        raise AssertionError("reduce_tensor must not be called on an empty tensor")
+
+    monkeypatch.setattr("torch.multiprocessing.reductions.reduce_tensor", no_share)
+    assert weight_transport.export_ipc({"bias": EmptyCuda()}) == [
+        {"name": "bias", "dtype": "bfloat16", "size": [0, 8], "empty": True, "device": 1}]
+    assert weight_transport.release_ipc(weight_transport.export_ipc({"bias": EmptyCuda()})) == 0

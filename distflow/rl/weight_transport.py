@@ -11,7 +11,9 @@ two GPU-only wire forms live here so ``weights.py`` stays about versions, not tr
   device-to-device. Lifetime: torch's CUDA IPC reference counter (a shared counter per
   exported block) keeps an exported block alive on the exporter, even after the publisher
   drops the version (superseded), until every importer has freed its views, so a rollout
-  node never reads memory that was reused.
+  node never reads memory that was reused. Each descriptor holds one count: the exporter
+  exports right before the send, and the importer opens or releases every descriptor it
+  gets, the ones it drops (an old version) or fails to open included, or the block leaks.
 * ``nccl`` (GPUs on different hosts): the buckets stay on the GPU and go through the NCCL
   channel (``distflow/core/channels/nccl_channel.py``: one cupy communicator per direction,
   unique id over the authenticated channel, every wait under ``nccl_timeout``); per-peer
@@ -24,6 +26,7 @@ two GPU-only wire forms live here so ``weights.py`` stays about versions, not tr
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch
 
 TRANSPORTS = ("auto", "channel", "cuda_ipc", "nccl")
 SYNC_MODES = ("full", "delta")
+log = logging.getLogger(__name__)
 
 
 def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout_cuda: bool) -> str:
@@ -52,8 +56,21 @@ def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout
 
 
 # ---------------------------------------------------------------------------- CUDA IPC
+# Every exported descriptor holds one count of torch's CUDA IPC reference counter: the
+# exporter keeps the block (in "limbo" once it freed it) until an importer releases that
+# count, by freeing the tensor it opened or, for one it never opens, by ``release_ipc``.
+# So the exporter exports right before the send, and the importer opens or releases every
+# descriptor it receives, even the ones it drops.
+_IPC_FIELDS = (("handle", bytes), ("ref_handle", bytes), ("ref_offset", int), ("size_bytes", int),
+               ("offset_bytes", int), ("offset", int), ("device", int))
+
+
 def export_ipc(bucket: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """msgpack-able IPC descriptors of a bucket of CUDA tensors (no bytes are copied)."""
+    """msgpack-able IPC descriptors of a bucket of CUDA tensors (no bytes are copied).
+
+    Each holds a count of the exporter's IPC reference counter until the importer opens and
+    frees it, or releases it (:func:`release_ipc`). An empty tensor is described without a
+    handle (an empty storage has none) and re-created empty on import."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     from distflow.core.channels.codec import DTYPE_NAMES
@@ -62,6 +79,10 @@ def export_ipc(bucket: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     for name, t in bucket.items():
         if not t.is_cuda:
             raise ValueError(f"cuda_ipc export: tensor {name!r} is on {t.device}, not CUDA")
+        if t.numel() == 0:
+            out.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "size": list(t.shape), "empty": True,
+                        "device": int(t.device.index or 0)})
+            continue
         _, a = reduce_tensor(t.detach())
         (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
          event_handle, event_sync) = a
@@ -74,11 +95,52 @@ def export_ipc(bucket: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     return out
 
 
+def _release_counter(ref_handle: bytes, ref_offset: int) -> None:
+    """Give back one count of an exporter's IPC reference counter (what torch's rebuild does
+    for a storage it already has open)."""
+    torch.UntypedStorage._release_ipc_counter_cuda(ref_handle, ref_offset)
+
+
+def release_ipc(descriptors: Any) -> int:
+    """Release the exporter's reference count of descriptors that will not be opened (best
+    effort: malformed ones are skipped, as is a counter whose exporter is gone). Returns how
+    many were released."""
+    n = 0
+    for d in descriptors if isinstance(descriptors, list) else []:
+        if (not isinstance(d, dict) or d.get("empty") or not isinstance(d.get("ref_handle"), bytes)
+                or not isinstance(d.get("ref_offset"), int)):
+            continue
+        try:
+            _release_counter(d["ref_handle"], d["ref_offset"])
+            n += 1
+        except Exception as e:  # noqa: BLE001 - the exporter may have exited; nothing is held then
+            log.warning("cuda_ipc: could not release descriptor %r: %s", d.get("name"), e)
+    return n
+
+
+def _check_descriptor(i: int, d: Any) -> None:
+    from distflow.core.channels.codec import DTYPES
+
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or d.get("dtype") not in DTYPES:
+        raise ValueError(f"cuda_ipc bucket: descriptor #{i} is malformed")
+    ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and x >= 0 for x in v)  # noqa: E731
+    fields = (("size", list), ("device", int)) if d.get("empty") else (*_IPC_FIELDS, ("size", list), ("stride", list))
+    for key, typ in fields:
+        if not isinstance(d.get(key), typ) or (typ is list and not ints(d[key])):
+            raise ValueError(f"cuda_ipc bucket: descriptor {d['name']!r} lacks {key!r} (or it is malformed)")
+    if not d.get("empty"):  # the view must lie inside the shared storage (checked before opening anything)
+        itemsize = DTYPES[d["dtype"]].itemsize
+        extent = 0 if 0 in d["size"] else 1 + sum((n - 1) * s for n, s in zip(d["size"], d["stride"]))
+        if len(d["size"]) != len(d["stride"]) or (d["offset"] + extent) * itemsize > d["size_bytes"]:
+            raise ValueError(f"cuda_ipc bucket: descriptor {d['name']!r} reaches outside its storage")
+
+
 def import_ipc(descriptors: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Open IPC descriptors (from an authenticated header) as CUDA tensors viewing the exporter's memory.
 
     The views keep the exporter's blocks alive until they are freed; copy out of them (the
-    engine's device-to-device load) and drop them.
+    engine's device-to-device load) and drop them. On any error, the descriptors not opened
+    are released (:func:`release_ipc`) before it is raised; the ones opened are freed.
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -86,18 +148,27 @@ def import_ipc(descriptors: Any, device: torch.device | None = None) -> dict[str
 
     if not isinstance(descriptors, list):
         raise ValueError(f"cuda_ipc bucket: descriptors must be a list, got {type(descriptors).__name__}")
-    out: dict[str, torch.Tensor] = {}
-    for i, d in enumerate(descriptors):
-        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or d.get("dtype") not in DTYPES:
-            raise ValueError(f"cuda_ipc bucket: descriptor #{i} is malformed")
-        for key in ("handle", "ref_handle"):
-            if not isinstance(d.get(key), bytes):
-                raise ValueError(f"cuda_ipc bucket: descriptor {d['name']!r} lacks {key!r}")
-        dev = int(d["device"]) if device is None else (device.index or 0)
-        out[d["name"]] = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(d["size"]), tuple(d["stride"]), int(d["offset"]), torch.storage.TypedStorage,
-            DTYPES[d["dtype"]], dev, d["handle"], int(d["size_bytes"]), int(d["offset_bytes"]), False,
-            d["ref_handle"], int(d["ref_offset"]), d.get("event_handle"), bool(d.get("event_sync")))
+    opened = 0
+    try:
+        for i, d in enumerate(descriptors):
+            _check_descriptor(i, d)
+        out: dict[str, torch.Tensor] = {}
+        for d in descriptors:
+            dev = int(d["device"]) if device is None else (device.index or 0)
+            if d.get("empty"):
+                out[d["name"]] = torch.empty(d["size"], dtype=DTYPES[d["dtype"]], device=torch.device("cuda", dev))
+            else:
+                out[d["name"]] = rebuild_cuda_tensor(
+                    torch.Tensor, torch.Size(d["size"]), tuple(d["stride"]), int(d["offset"]),
+                    torch.storage.TypedStorage, DTYPES[d["dtype"]], dev, d["handle"], int(d["size_bytes"]),
+                    int(d["offset_bytes"]), False, d["ref_handle"], int(d["ref_offset"]), d.get("event_handle"),
+                    bool(d.get("event_sync")))
+            opened += 1
+    except BaseException:
+        # The ones opened are freed with ``out``; the rest (all, when a check failed) are released.
+        # A failure inside rebuild comes before it takes the count over (the view was checked to fit).
+        release_ipc(descriptors[opened:])
+        raise
     return out
 
 
@@ -131,8 +202,8 @@ class PinnedPool:
             view.copy_(t, non_blocking=True)
             out[name] = view
             off += (n + 63) // 64 * 64
-        if any(t.is_cuda for t in bucket.values()):
-            torch.cuda.current_stream().synchronize()
+        for dev in {t.device for t in bucket.values() if t.is_cuda}:  # the copies ran on each tensor's device
+            torch.cuda.current_stream(dev).synchronize()
         return out, buf
 
     def give_back(self, buf: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 import torch
 
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
-from distflow.rl.weight_transport import SYNC_MODES, PinnedPool, export_ipc, import_ipc
+from distflow.rl.weight_transport import SYNC_MODES, PinnedPool, export_ipc, import_ipc, release_ipc
 
 BUCKET_BYTES = 64 << 20
 MAX_DELTA_LAG = 8
@@ -105,9 +105,11 @@ class WeightInbox:
             base = meta.get("base")
             base = None if base is None else int(base)
         except (KeyError, TypeError, ValueError) as e:
+            release_ipc(meta.get("ipc") if isinstance(meta, dict) else None)
             raise ValueError(f"weights message from {env.sender} has bad meta {meta!r}: {e}") from None
-        if v <= self.version:
-            return  # an old version: newer weights are already here
+        if v <= self.version:  # an old version (e.g. resent after an ack timeout): newer weights are here
+            release_ipc(meta.get("ipc"))  # never opened, so the exporter's IPC counts go back now
+            return
         if meta.get("commit"):
             await self._commit(env.sender, v, base, meta.get("num_buckets"))
             return
@@ -489,15 +491,11 @@ class WeightPublisher:
                     continue
                 part = src if len(names) == len(src) else {n: src[n] for n in names}
                 meta: dict[str, Any] = {"version": v, "bucket": sent, "base": base}
-                if tier == "cuda_ipc":
-                    meta["ipc"] = export_ipc(part)
-                    part = {}
                 if len(window) >= SEND_WINDOW:
                     done, window = await asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED)
                     for t in done:
                         t.result()
-                window.add(asyncio.create_task(self.channel.send(endpoint, "weights", meta, part,
-                                                                 timeout=self.timeout)))
+                window.add(asyncio.create_task(self._send_bucket(endpoint, tier, meta, part)))
                 sent += 1
                 self.stats["tensors"] += len(names)
                 self.stats["bytes"] += sum(_nbytes(src[n]) for n in names)
@@ -515,6 +513,13 @@ class WeightPublisher:
                 await asyncio.gather(*window, return_exceptions=True)
             ver.readers -= 1
             self._release(ver)
+
+    async def _send_bucket(self, endpoint: Endpoint, tier: str, meta: dict[str, Any],
+                           part: dict[str, torch.Tensor]) -> None:
+        if tier == "cuda_ipc":  # exported right before the send: a send cancelled before it began holds no
+            meta = {**meta, "ipc": export_ipc(part)}  # IPC count (one that reached the peer is released there)
+            part = {}
+        await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
 
     async def flush(self, timeout: float) -> None:
         """Wait (bounded) until every alive peer has the newest version."""

@@ -10,12 +10,32 @@ Communicators are created on demand, one per *direction* between two peers (the 
 is rank 0, the receiver rank 1), so A->B and B->A traffic can never interleave their
 NCCL calls in different orders. The sender makes the NCCL unique id and sends it in an
 internal ``__nccl_init__`` message; both sides then run ``NcclCommunicator(2, uid, r)``
-concurrently (each in a worker thread, under a deadline). Message order = NCCL call
-order: the sender holds a per-communicator lock from posting its sends until its header
-is on the wire; the receiver posts its receives under the same kind of lock before its
-first await, in arrival order. Tensors are sent as raw bytes (``uint8``), so every
-dtype, bfloat16 included, works. A timed-out NCCL operation aborts that communicator
-(it is re-created on the next send).
+concurrently (each in a worker thread, under a deadline) and, still there, move one
+warm-up byte from rank 0 to rank 1. The warm-up matters: NCCL connects a send/recv pair
+lazily, inside the first ``groupEnd`` that moves data, and that call blocks its thread
+until the peer posts the matching call; the receiver only posts once the header arrives,
+and the header leaves after the sender's ``groupEnd``, so an unwarmed first send would
+deadlock. Posting still runs in a worker thread under ``nccl_timeout``, so no NCCL call
+can freeze the event loop.
+
+Each communicator has its own CUDA stream on the channel's device (``device``, else
+:func:`distflow.device.node_device`), so NCCL traffic neither queues behind nor holds up
+training or generation kernels: the stream first waits for the device's current stream
+(the producer's work; memory the allocator just reused), sent buffers are marked as used
+on it (``record_stream``), and the receiver waits for its receives (an event, under the
+deadline) before it hands the tensors over.
+
+Message order = NCCL call order: the sender holds a per-communicator lock from posting
+its sends until its header is on the wire; the receiver posts its receives under the same
+kind of lock before its first await, in arrival order, and checks each message's index
+on the communicator (a gap means a message whose sends it never matched: later receives
+would take its bytes). Once sends or receives may have been posted, any failure (a refusal
+before the bytes arrived, a timeout, a cancellation) aborts the communicator and drops it;
+the next send makes a new one, whose init names the one it replaces so the receiver frees
+its end. A refusal by the receiver's handler comes after its receives completed and keeps
+the communicator (a stale sample must not kill the messages behind it). An abort waits
+for a post running in a worker thread to return, unless that post is the one that hangs.
+Tensors are sent as raw bytes (``uint8``), so every dtype, bfloat16 included, works.
 
 cupy is imported lazily: importing this module without cupy or without a GPU is fine;
 constructing the channel then raises a clear error. Tests skip without a GPU.
@@ -25,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +53,12 @@ import torch
 import zmq
 
 from distflow.core.channels import codec
-from distflow.core.channels.base import Endpoint, Envelope, Handler, RemoteError, log
+from distflow.core.channels.base import ChannelError, Endpoint, Envelope, Handler, RemoteError, log
 from distflow.core.channels.shm_channel import ShmChannel
 from distflow.core.channels.zmq_channel import PayloadError
 
 INIT_KIND = "__nccl_init__"
+CONSUMED_CODES = frozenset({"handler_error", "no_handler"})  # refusals after the receive completed
 
 
 def _import_nccl() -> Any:
@@ -62,11 +84,24 @@ def nccl_available() -> bool:
 class _Comm:
     comm: Any
     comm_id: str
+    stream: Any  # the torch.cuda.ExternalStream all of this communicator's NCCL calls go on
+    owner: Any = None  # the cupy stream behind it (kept alive with the communicator)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     broken: bool = False
+    next_n: int = 0  # index of the next message posted (sender) / expected (receiver) on it
+    posting: bool = False  # a worker thread is inside NCCL calls on it (_post)
+    aborted: bool = False
+    guard: threading.Lock = field(default_factory=threading.Lock)  # broken/posting/aborted across threads
 
-    def abort(self) -> None:
-        self.broken = True
+    def abort(self, force: bool = False) -> None:
+        """Mark it broken and abort it: now, or when the running post ends (ncclCommAbort frees
+        the communicator under a thread still calling into it). ``force``: now anyway, for a
+        post that hangs (the abort is what unblocks it). Also stops its kernels still waiting."""
+        with self.guard:
+            self.broken = True
+            if self.aborted or (self.posting and not force):
+                return
+            self.aborted = True
         try:
             self.comm.abort()
         except Exception:  # pragma: no cover - best effort on a broken communicator
@@ -93,12 +128,19 @@ class NcclChannel(ShmChannel):
         self._nccl = _import_nccl()
         if not torch.cuda.is_available():
             raise RuntimeError("the nccl channel needs a CUDA device (torch.cuda.is_available() is False)")
-        self.device = torch.cuda.current_device() if device is None else int(device)
+        if device is None:  # this node's GPU, not whichever one the constructing thread has current
+            from distflow.device import node_device  # noqa: PLC0415
+
+            device = node_device("cuda").index
+        self.device = int(device)
+        if not 0 <= self.device < torch.cuda.device_count():
+            raise ValueError(f"nccl channel device {self.device}: only {torch.cuda.device_count()} GPU(s) are visible")
         self._nccl_timeout = nccl_timeout
         self._uint8 = getattr(self._nccl, "NCCL_UINT8", 1)
         self._out: dict[Endpoint, _Comm] = {}  # I am rank 0
         self._in: dict[tuple[str, str], _Comm] = {}  # (sender, comm id) -> comm, I am rank 1
         self._out_init: dict[Endpoint, asyncio.Lock] = {}
+        self._replaced: dict[Endpoint, str] = {}  # peer -> id of the dropped comm the next init replaces
         self._no_nccl: set[Endpoint] = set()  # peers that refused a communicator
         self._user_handler: Handler | None = None
         super().set_handler(self._dispatch)
@@ -111,16 +153,14 @@ class NcclChannel(ShmChannel):
     async def close(self) -> None:
         await super().close()
         for c in [*self._out.values(), *self._in.values()]:
-            try:
-                c.comm.destroy()
-            except Exception:  # pragma: no cover
-                pass
+            c.abort()  # not destroy(): that waits for unmatched calls of a peer that may be gone
         self._out.clear()
         self._in.clear()
 
     def _extra_stats(self) -> dict[str, Any]:
         return {**super()._extra_stats(), "nccl_sends": self._counters["nccl_sends"],
-                "nccl_recvs": self._counters["nccl_recvs"], "nccl_comms": len(self._out) + len(self._in)}
+                "nccl_recvs": self._counters["nccl_recvs"], "nccl_aborts": self._counters["nccl_aborts"],
+                "nccl_comms": len(self._out) + len(self._in)}
 
     # ------------------------------------------------------------------ communicators
     async def _dispatch(self, env: Envelope) -> None:
@@ -132,17 +172,99 @@ class NcclChannel(ShmChannel):
         await self._user_handler(env)
 
     async def _accept_comm(self, env: Envelope) -> None:
-        uid, comm_id = env.meta.get("uid"), env.meta.get("comm")
+        uid, comm_id, replaces = env.meta.get("uid"), env.meta.get("comm"), env.meta.get("replaces")
         if not isinstance(uid, list) or not isinstance(comm_id, str):
             raise ValueError("malformed nccl init message")
-        comm = await asyncio.wait_for(asyncio.to_thread(self._make_comm, tuple(uid), 1), self._nccl_timeout)
-        self._in[(env.sender, comm_id)] = _Comm(comm, comm_id)
+        old = self._in.get((env.sender, replaces)) if isinstance(replaces, str) else None
+        if old is not None:  # the sender dropped it: its receives can never complete
+            self._discard_comm(old)
+        self._in[(env.sender, comm_id)] = await self._new_comm(tuple(uid), 1, comm_id)
 
-    def _make_comm(self, uid: tuple, rank: int) -> Any:
+    async def _new_comm(self, uid: tuple, rank: int, comm_id: str) -> _Comm:
+        made: list[Any] = []
+        try:
+            comm, stream, owner = await asyncio.wait_for(asyncio.to_thread(self._make_comm, uid, rank, made),
+                                                         self._nccl_timeout)
+        except BaseException:
+            for c in made:  # built, but the warm-up did not finish in time: unblock its thread
+                _Comm(c, comm_id, None).abort(force=True)
+            raise
+        return _Comm(comm, comm_id, stream, owner)
+
+    def _make_comm(self, uid: tuple, rank: int, made: list[Any]) -> tuple[Any, Any, Any]:
+        """Worker thread: the communicator, its stream, and the warm-up byte (rank 0 -> rank 1)
+        that makes NCCL connect the pair now rather than inside a message's groupEnd.
+
+        The stream is a new one, not ``torch.cuda.Stream()``: that hands out torch's pool streams
+        round-robin, shared with e.g. torch.distributed's NCCL streams, which would then queue
+        behind a receive waiting on a slow or dead peer."""
         import cupy  # noqa: PLC0415
 
         with cupy.cuda.Device(self.device):
-            return self._nccl.NcclCommunicator(2, uid, rank)
+            comm = self._nccl.NcclCommunicator(2, uid, rank)
+            made.append(comm)
+            owner = cupy.cuda.Stream(non_blocking=True)
+            stream = torch.cuda.ExternalStream(owner.ptr, device=torch.device("cuda", self.device))
+            byte = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            if rank == 0:
+                comm.send(byte.data_ptr(), 1, self._uint8, 1, stream.cuda_stream)
+            else:
+                comm.recv(byte.data_ptr(), 1, self._uint8, 0, stream.cuda_stream)
+            stream.synchronize()
+            return comm, stream, owner
+
+    def _post(self, comm: _Comm, bufs: list[torch.Tensor], send: bool) -> None:
+        """Worker thread: one NCCL group of sends to rank 1 (or receives from rank 0) on the
+        communicator's stream. groupEnd always runs, so a failure never leaves the group open."""
+        import cupy  # noqa: PLC0415
+
+        with comm.guard:
+            if comm.broken:  # aborted since the caller checked (e.g. by a failed sibling send)
+                raise ChannelError(f"channel {self.node_id}: NCCL communicator {comm.comm_id} was aborted")
+            comm.posting = True
+        try:
+            with cupy.cuda.Device(self.device):
+                self._nccl.groupStart()
+                try:
+                    for b in bufs:
+                        if not b.numel():
+                            continue
+                        if send:
+                            comm.comm.send(b.data_ptr(), b.numel(), self._uint8, 1, comm.stream.cuda_stream)
+                        else:
+                            comm.comm.recv(b.data_ptr(), b.numel(), self._uint8, 0, comm.stream.cuda_stream)
+                finally:
+                    self._nccl.groupEnd()
+        finally:
+            with comm.guard:
+                comm.posting = False
+            if comm.broken:
+                comm.abort()  # one deferred while this post ran
+
+    async def _post_in_thread(self, comm: _Comm, bufs: list[torch.Tensor], send: bool) -> None:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._post, comm, bufs, send), self._nccl_timeout)
+        except TimeoutError:
+            self._discard_comm(comm, force=True)  # the post hangs in NCCL: only an abort unblocks it
+            what = f"posting NCCL {'sends' if send else 'receives'} on {comm.comm_id} took over {self._nccl_timeout:g}s"
+            if send:
+                raise ChannelError(f"channel {self.node_id}: {what}; communicator aborted") from None
+            raise PayloadError("nccl_timeout", what) from None
+
+    def _discard_comm(self, comm: _Comm, force: bool = False) -> None:
+        """Abort a communicator whose posted calls may never be matched, and forget it: a later
+        send to that peer makes a new one (whose init names this one, so the receiver frees it)."""
+        if not comm.broken:
+            self._counters["nccl_aborts"] += 1
+        comm.abort(force)
+        for peer, c in list(self._out.items()):
+            if c is comm:
+                del self._out[peer]
+                self._replaced[peer] = comm.comm_id
+        for key, c in list(self._in.items()):
+            if c is comm:
+                del self._in[key]
 
     async def _comm_to(self, peer: Endpoint) -> _Comm:
         c = self._out.get(peer)
@@ -155,15 +277,19 @@ class NcclChannel(ShmChannel):
                 return c
             uid = self._nccl.get_unique_id()
             comm_id = os.urandom(8).hex()
-            mine = asyncio.create_task(asyncio.to_thread(self._make_comm, uid, 0),
+            init: dict[str, Any] = {"uid": list(uid), "comm": comm_id}
+            if peer in self._replaced:
+                init["replaces"] = self._replaced[peer]
+            mine = asyncio.create_task(self._new_comm(uid, 0, comm_id),
                                        name=f"nccl-init-{self.node_id}->{peer.node_id}")
+            mine.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even when abandoned
             try:
-                await super()._send(peer, INIT_KIND, {"uid": list(uid), "comm": comm_id}, {})
-                comm = await asyncio.wait_for(mine, self._nccl_timeout)
+                await super()._send(peer, INIT_KIND, init, {})
+                c = await mine  # under its own deadline
             except BaseException:
                 mine.cancel()
                 raise
-            c = _Comm(comm, comm_id)
+            self._replaced.pop(peer, None)
             self._out[peer] = c
             return c
 
@@ -174,6 +300,10 @@ class NcclChannel(ShmChannel):
             await super()._send(peer, kind, meta, tensors)  # CUDA tensors, if any, go through host memory
             return
         self._check_send_args(peer, kind, meta, tensors)
+        for k, t in cuda.items():
+            if t.device.index != self.device:
+                raise ValueError(f"channel {self.node_id}: tensor {k!r} is on {t.device}, but this NCCL channel "
+                                 f"runs on cuda:{self.device}; move it there first")
         cpu = {k: t for k, t in tensors.items() if k not in cuda}
         try:
             comm = await self._comm_to(peer)
@@ -187,23 +317,34 @@ class NcclChannel(ShmChannel):
         bufs = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in cuda.values()]
         out = await self._inline_outgoing(*codec.encode(cpu))  # CPU side-tensors go inline
         out.pay = "nccl"
-        out.header["nccl"] = {"comm": comm.comm_id, "tens": headers}
         out.nbytes += sum(h["nbytes"] for h in headers)
-        stream = torch.cuda.current_stream(self.device)
+        sent: asyncio.Task | None = None
+        posted = False
         try:
             async with comm.lock:
-                self._nccl.groupStart()
+                if comm.broken:  # a concurrent send on it failed and aborted it
+                    raise ChannelError(f"channel {self.node_id}: the NCCL communicator to {peer.node_id} was "
+                                       "aborted by a failed send; the next send makes a new one")
+                posted = True  # from here on a failure leaves the comm's message count or sends behind
+                out.header["nccl"] = {"comm": comm.comm_id, "n": comm.next_n, "tens": headers}
+                comm.next_n += 1
+                comm.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer's work first
                 for b in bufs:
-                    if b.numel():
-                        comm.comm.send(b.data_ptr(), b.numel(), self._uint8, 1, stream.cuda_stream)
-                self._nccl.groupEnd()
+                    b.record_stream(comm.stream)  # freed blocks are not reused before the sends ran
+                await self._post_in_thread(comm, bufs, True)
                 sent = asyncio.create_task(self._send_prepared(peer, kind, meta, out),
                                            name=f"nccl-send-{self.node_id}->{peer.node_id}")
                 await asyncio.sleep(0)  # let the header reach the socket before the next NCCL post
             await sent
             self._counters["nccl_sends"] += 1
-        except (asyncio.CancelledError, TimeoutError):
-            comm.abort()  # posted sends may never be matched now; the next send makes a new communicator
+        except BaseException as e:
+            if sent is not None:
+                sent.cancel()
+            # Refused before its receives completed, timed out or cancelled: unmatched sends would hang
+            # the communicator (and match a later message's receives). A handler's refusal comes after
+            # the bytes arrived (e.g. a stale sample): the communicator is clean, its other messages live.
+            if posted and not (isinstance(e, RemoteError) and e.code in CONSUMED_CODES):
+                self._discard_comm(comm)
             raise
         finally:
             del bufs
@@ -216,29 +357,41 @@ class NcclChannel(ShmChannel):
         info = header.get("nccl")
         if not isinstance(info, dict):
             raise PayloadError("bad_header", "nccl message without an 'nccl' section")
-        comm = self._in.get((header["from"], info.get("comm")))
+        sender = header["from"]
+        comm = self._in.get((sender, info.get("comm")))
         if comm is None or comm.broken:
-            raise PayloadError("bad_payload", f"unknown NCCL communicator {info.get('comm')!r} from {header['from']}")
-        ntens = codec.validate_headers(info.get("tens"))
-        stream = torch.cuda.current_stream(self.device)
+            raise PayloadError("bad_payload", f"unknown NCCL communicator {info.get('comm')!r} from {sender}")
         out: dict[str, torch.Tensor] = {}
         async with comm.lock:  # first await of the handler task: posts happen in arrival order
-            self._nccl.groupStart()
-            for h in ntens:
-                t = torch.empty(h["shape"], dtype=codec.DTYPES[h["dtype"]], device=self.device)
-                if h["nbytes"]:
-                    b = t.reshape(-1).view(torch.uint8)
-                    comm.comm.recv(b.data_ptr(), b.numel(), self._uint8, 0, stream.cuda_stream)
-                out[h["name"]] = t
-            self._nccl.groupEnd()
+            try:
+                if comm.broken:
+                    raise PayloadError("nccl_aborted", f"NCCL communicator {comm.comm_id} from {sender} was aborted")
+                if info.get("n") != comm.next_n:
+                    raise PayloadError("nccl_out_of_order", f"message #{info.get('n')!r} on NCCL communicator "
+                                       f"{comm.comm_id} from {sender}, expected #{comm.next_n}: one was lost")
+                comm.next_n += 1
+                recv = []
+                for h in codec.validate_headers(info.get("tens")):  # allocated before the group opens
+                    t = torch.empty(h["shape"], dtype=codec.DTYPES[h["dtype"]], device=self.device)
+                    out[h["name"]] = t
+                    recv.append(t.reshape(-1).view(torch.uint8))
+                comm.stream.wait_stream(torch.cuda.current_stream(self.device))  # reused memory is free
+                await self._post_in_thread(comm, recv, False)
+            except BaseException:
+                self._discard_comm(comm)  # this message's sends stay unmatched: never reuse the communicator
+                raise
         event = torch.cuda.Event()
-        event.record(stream)
+        event.record(comm.stream)
         try:
             await asyncio.wait_for(asyncio.to_thread(event.synchronize), self._nccl_timeout)
-        except TimeoutError:
-            comm.abort()
-            raise PayloadError("nccl_timeout", f"NCCL receive from {header['from']} timed out") from None
+        except BaseException as e:
+            self._discard_comm(comm)
+            if isinstance(e, TimeoutError):
+                raise PayloadError("nccl_timeout", f"NCCL receive from {sender} timed out") from None
+            raise
+        if comm.broken:  # aborted while we waited: its kernels stopped early, the bytes are incomplete
+            raise PayloadError("nccl_aborted", f"NCCL communicator {comm.comm_id} from {sender} was aborted")
+        torch.cuda.current_stream(self.device).wait_event(event)
         self._counters["nccl_recvs"] += 1
         out.update(await self._decode_inline(header, payload))
         return out
-

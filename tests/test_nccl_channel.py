@@ -1,0 +1,257 @@
+"""NCCL channel bookkeeping that needs no GPU: a communicator whose posted calls may never be
+matched is aborted and forgotten, a gap in a communicator's message indices refuses the message
+(later receives would take the lost one's bytes), a new init frees the communicator it
+replaces, and a post always closes its NCCL group and never has its communicator aborted
+under it (fake cupy/NCCL modules): the first tests build the channel without its constructor
+(that needs cupy and a GPU); the last runs two real channels whose NCCL pair is an in-process
+queue, so the whole protocol (init, replacement, refusals) runs on a CPU. NCCL moving real
+bytes is tested in tests/test_channels.py and tests/test_weights.py (gpu marker)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import os
+import sys
+import types
+from collections import Counter
+
+import pytest
+import torch
+
+from distflow.core.channels import ChannelError, Envelope
+from distflow.core.channels.base import Endpoint
+from distflow.core.channels.nccl_channel import INIT_KIND, NcclChannel, _Comm
+from distflow.core.channels.zmq_channel import PayloadError
+
+SECRET = "nccl-test-secret-0123456789abcdef"
+
+
+class FakeNccl:
+    def __init__(self) -> None:
+        self.aborts = 0
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+def bare_channel() -> NcclChannel:
+    ch = NcclChannel.__new__(NcclChannel)
+    ch.node_id, ch.device, ch._nccl_timeout = "rollout", 0, 5.0
+    ch._counters = Counter()
+    ch._out, ch._in, ch._replaced = {}, {}, {}
+    return ch
+
+
+def test_discard_aborts_once_forgets_and_names_the_replaced_comm() -> None:
+    ch = bare_channel()
+    peer = Endpoint("trainer", "127.0.0.1", 5555)
+    out, inn = _Comm(FakeNccl(), "c-out", None), _Comm(FakeNccl(), "c-in", None)
+    ch._out[peer], ch._in[("trainer", "c-in")] = out, inn
+    ch._discard_comm(out)
+    ch._discard_comm(out)  # a second failure on the same communicator
+    assert out.broken and ch._out == {} and ch._replaced == {peer: "c-out"}
+    assert ch._counters["nccl_aborts"] == 1
+    ch._discard_comm(inn)
+    assert inn.broken and ch._in == {} and ch._counters["nccl_aborts"] == 2
+
+
+def nccl_header(comm_id: str, n: int) -> dict:
+    return {"pay": "nccl", "from": "trainer", "nccl": {"comm": comm_id, "n": n, "tens": []}}
+
+
+def test_a_gap_in_message_indices_aborts_the_communicator() -> None:
+    async def main() -> None:
+        ch = bare_channel()
+        c = _Comm(FakeNccl(), "c1", None)
+        c.next_n = 4
+        ch._in[("trainer", "c1")] = c
+        with pytest.raises(PayloadError) as e:
+            await ch._receive_payload(nccl_header("c1", 5), [], b"")  # #4 never reached this side
+        assert e.value.code == "nccl_out_of_order" and c.broken and c.comm.aborts == 1 and ch._in == {}
+        with pytest.raises(PayloadError, match="unknown NCCL communicator 'c1'"):
+            await ch._receive_payload(nccl_header("c1", 4), [], b"")  # the sender gets refused and aborts too
+
+    asyncio.run(main())
+
+
+def test_init_frees_the_communicator_it_replaces() -> None:
+    async def main() -> None:
+        ch = bare_channel()
+        old, other = _Comm(FakeNccl(), "old", None), _Comm(FakeNccl(), "x", None)
+        ch._in[("trainer", "old")], ch._in[("learner", "x")] = old, other
+        made = []
+
+        async def new_comm(uid, rank, comm_id):
+            made.append((len(uid), rank, comm_id))
+            return _Comm(FakeNccl(), comm_id, None)
+
+        ch._new_comm = new_comm
+        await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": [0] * 128, "comm": "new", "replaces": "old"}, {}))
+        assert made == [(128, 1, "new")] and old.broken and old.comm.aborts == 1
+        assert set(ch._in) == {("trainer", "new"), ("learner", "x")} and not other.broken
+        with pytest.raises(ValueError, match="malformed nccl init"):
+            await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": "zz", "comm": "n2"}, {}))
+
+    asyncio.run(main())
+
+
+class FakeNcclModule:
+    """What _post calls of cupy.cuda.nccl: the group calls; the comm's send/recv raise on demand."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def groupStart(self) -> None:  # noqa: N802 - cupy's name
+        self.calls.append("start")
+
+    def groupEnd(self) -> None:  # noqa: N802
+        self.calls.append("end")
+
+
+class PostingComm(FakeNccl):
+    def __init__(self, calls: list[str], fail_at: int = -1, during=None) -> None:
+        super().__init__()
+        self.calls, self.fail_at, self.during = calls, fail_at, during
+
+    def send(self, ptr, count, dtype, peer, stream) -> None:
+        self.calls.append(f"send{count}->{peer}")
+        if self.during is not None:
+            self.during()
+        if len([c for c in self.calls if c.startswith("send")]) - 1 == self.fail_at:
+            raise RuntimeError("NCCL error: unhandled cuda error")
+
+
+def test_post_always_closes_the_group_and_defers_an_abort_until_it_returns(monkeypatch) -> None:
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda _i: contextlib.nullcontext()))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    ch = bare_channel()
+    ch._nccl, ch._uint8 = FakeNcclModule(), 1
+    stream = types.SimpleNamespace(cuda_stream=0)
+    bufs = [torch.zeros(3, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8)]
+
+    c = _Comm(PostingComm(ch._nccl.calls, fail_at=1), "c", stream)
+    with pytest.raises(RuntimeError, match="unhandled cuda error"):
+        ch._post(c, bufs, True)
+    assert ch._nccl.calls == ["start", "send3->1", "send5->1", "end"]  # empty skipped; the group closed anyway
+
+    ch._nccl.calls.clear()
+    seen = []
+    c = _Comm(PostingComm(ch._nccl.calls, during=lambda: (c.abort(), seen.append(c.comm.aborts))), "c", stream)
+    ch._post(c, bufs[:1], True)
+    assert seen == [0] and c.broken and c.comm.aborts == 1  # aborted once the post returned, not under it
+    with pytest.raises(ChannelError, match="was aborted"):
+        ch._post(c, bufs, True)  # a broken communicator is never posted on
+    assert ch._nccl.calls == ["start", "send3->1", "end"]
+
+
+# ----------------------------------------------------------------------------- whole protocol, faked
+class LoopbackComm:
+    """An NCCL pair member over an in-process queue: sends are matched by receives in order."""
+
+    def __init__(self, pipe: collections.deque) -> None:
+        self.pipe, self.aborts = pipe, 0
+
+    def send(self, ptr, count, dtype, peer, stream) -> None:
+        self.pipe.append(ctypes.string_at(ptr, count))
+
+    def recv(self, ptr, count, dtype, peer, stream) -> None:
+        data = self.pipe.popleft()  # the earliest unmatched send, as NCCL matches them
+        assert len(data) == count, (len(data), count)
+        ctypes.memmove(ptr, data, count)
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+class FakeStream:
+    cuda_stream = 0
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def wait_event(self, _event) -> None:
+        pass
+
+
+class FakeEvent:
+    def record(self, _stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class OnGpu(torch.Tensor):
+    """A CPU tensor the channel takes for one on cuda:0 (no stream bookkeeping)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def record_stream(self, _stream) -> None:
+        pass
+
+
+def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_refusal_does_not(monkeypatch):
+    from distflow.core.channels import RemoteError, make_channel
+    from distflow.core.channels import nccl_channel
+
+    pipes: dict[tuple, collections.deque] = {}
+    module = FakeNcclModule()
+    module.get_unique_id = lambda: tuple(os.urandom(128))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda _i: contextlib.nullcontext())))
+    monkeypatch.setattr(nccl_channel, "_import_nccl", lambda: module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda _d=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(NcclChannel, "_make_comm", lambda self, uid, rank, made: (
+        LoopbackComm(pipes.setdefault(uid, collections.deque())), FakeStream(), None))
+
+    async def main() -> None:
+        a, b = make_channel("nccl", "a", SECRET, device=0), make_channel("nccl", "b", SECRET, device=0)
+        b.device = "cpu"  # where the receiver allocates: this machine has no GPU
+        await a.start()
+        await b.start()
+        got: list[dict] = []
+
+        async def handler(env: Envelope) -> None:
+            if env.kind == "stale":
+                raise ValueError("step 3 is too old")
+            got.append(dict(env.tensors))
+
+        b.set_handler(handler)
+        peer = Endpoint("b", "127.0.0.1", b.port)
+        x = torch.arange(12, dtype=torch.float32).as_subclass(OnGpu)
+        try:
+            await a.send(peer, "k", {}, {"x": x, "cpu": torch.ones(2)}, timeout=10)
+            assert torch.equal(got[0]["x"], torch.arange(12, dtype=torch.float32)) and got[0]["cpu"].sum() == 2
+            first = a._out[peer]
+            with pytest.raises(RemoteError, match="handler_error"):  # refused after the bytes arrived
+                await a.send(peer, "stale", {}, {"x": x}, timeout=10)
+            assert a._out[peer] is first and not first.broken and a.stats()["nccl_aborts"] == 0
+
+            (theirs,) = b._in.values()
+            theirs.next_n += 1  # as if a message of this communicator never reached b's handler
+            with pytest.raises(RemoteError, match="nccl_out_of_order"):
+                await a.send(peer, "k", {}, {"x": x}, timeout=10)
+            assert first.broken and peer not in a._out and a._replaced == {peer: first.comm_id}
+            assert theirs.broken and b._in == {}
+            await a.send(peer, "k", {}, {"x": x * 2}, timeout=10)  # a new communicator, the old one named
+            assert torch.equal(got[-1]["x"], torch.arange(12, dtype=torch.float32) * 2)
+            assert list(b._in) == [("a", a._out[peer].comm_id)] and a._replaced == {}
+            assert a.stats()["nccl_sends"] == 2 and a.stats()["nccl_aborts"] == 1  # the acked ones
+            assert b.stats()["nccl_recvs"] == 3 and b.stats()["nccl_aborts"] == 1  # "stale" was received
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
