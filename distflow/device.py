@@ -6,21 +6,38 @@ device, and a node must never open a GPU the launcher did not give it. ``distflo
 so inside a node its first visible GPU is always ``cuda:0``. Everything that picks a
 device (the trainer's FSDP mesh, the rollout engine, collectives' scratch tensors, the
 NCCL channel) calls :func:`node_device` instead of ``torch.cuda.current_device()``.
+
+The current CUDA device is per THREAD (``torch.cuda.set_device`` only affects the thread
+that calls it), and a node runs its torch work in asyncio worker threads, a different one
+each time. So :func:`node_device` remembers its choice for the process,
+:func:`collective_device` returns that (not the calling thread's current device), and
+whatever runs in a worker thread and relies on the current device (FSDP2's streams,
+``all_gather_object``, ``barrier``) is entered through :func:`on_device` /
+:func:`call_on` / :func:`iterate_on`. With ``DISTFLOW_LOCAL_GPU`` unset every thread's
+default, ``cuda:0``, happens to be right; with it set, nothing else would be.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-__all__ = ["collective_device", "node_device", "peak_flops"]
+__all__ = ["call_on", "chosen_device", "collective_device", "iterate_on", "node_device", "on_device", "peak_flops"]
+
+T = TypeVar("T")
+
+# This process's GPU once node_device("cuda") chose it (None before, and on CPU).
+_CHOSEN: torch.device | None = None
 
 
 def node_device(kind: str = "cpu") -> torch.device:
     """``"cpu"`` -> cpu; ``"cuda"`` -> this node's GPU (``cuda:0`` of its visible devices, or
     ``cuda:$DISTFLOW_LOCAL_GPU`` when a launcher shares one CUDA_VISIBLE_DEVICES list between
-    several nodes). Raises a clear error when CUDA was asked for and there is none."""
+    several nodes), remembered for the process (:func:`chosen_device`) and made the calling
+    thread's current device. Raises a clear error when CUDA was asked for and there is none."""
     if kind == "cpu":
         return torch.device("cpu")
     if kind != "cuda":
@@ -31,17 +48,55 @@ def node_device(kind: str = "cpu") -> torch.device:
     index = int(os.environ.get("DISTFLOW_LOCAL_GPU", "0"))
     if not 0 <= index < torch.cuda.device_count():
         raise RuntimeError(f"DISTFLOW_LOCAL_GPU={index} but only {torch.cuda.device_count()} GPU(s) are visible")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    global _CHOSEN
+    _CHOSEN = torch.device("cuda", index)
+    torch.cuda.set_device(_CHOSEN)  # the calling thread's only: see on_device for the others
+    return _CHOSEN
+
+
+def chosen_device() -> torch.device | None:
+    """The GPU :func:`node_device` chose for this process, or None (not yet, or CPU)."""
+    return _CHOSEN
 
 
 def collective_device(group=None) -> torch.device:
-    """The device a collective on ``group`` needs its tensors on: the current GPU for NCCL,
-    cpu for gloo."""
+    """The device a collective on ``group`` needs its tensors on: this node's GPU for NCCL
+    (whatever thread asks), cpu for gloo."""
     import torch.distributed as dist
 
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return _CHOSEN if _CHOSEN is not None else node_device("cuda")
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device | str | None) -> Iterator[None]:
+    """Make ``device`` the calling thread's current CUDA device for the block (the previous
+    one is restored after); a no-op for None or a CPU device."""
+    device = None if device is None else torch.device(device)
+    if device is None or device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+def call_on(device: torch.device | str | None, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` inside :func:`on_device` (for ``asyncio.to_thread``)."""
+    with on_device(device):
+        return fn(*args, **kwargs)
+
+
+def iterate_on(device: torch.device | str | None, it: Iterator[T]) -> Iterator[T]:
+    """``it``'s items, each ``next(it)`` run inside :func:`on_device` and no device context
+    held across a yield (the next item may be asked for from another thread)."""
+    while True:
+        with on_device(device):
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+        yield item
 
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s of one GPU, by a substring of

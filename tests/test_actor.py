@@ -1,6 +1,7 @@
 """The FSDP2 actor on real gloo process groups: packed vs padded, uneven ranks, the
-global token mean, gradient sync once per step, the fused logprob pass, checkpointing
-and the learning-rate schedule.
+global token mean, gradient sync once per step or per micro-batch (``grad_sync``), the
+fused logprob pass, checkpointing, the learning-rate schedule and sliding-window attention
+on packed rows.
 
 The world-size-2 run splits the batch unevenly (7 samples vs 1), packs with a small token
 budget so rank 0 runs several micro-batches and rank 1 pads with dummies, and must give
@@ -41,8 +42,14 @@ def _one_step(world: int, rank: int, toy_model, overrides) -> dict:
         batch = batch.select(range(7) if rank == 0 else [7])
     batch = actor.reference_logprobs(batch)
     n_mb = len(list(actor._micro_batches(batch)))
+    calls = []
+    sync = actor.model.set_requires_gradient_sync
+    actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
     stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
-    return {"stats": stats, "state": actor.full_state_dict(), "n_mb": n_mb, "ref": actor.ref is not None}
+    state = actor.full_state_dict()
+    assert (state == {}) == (rank != 0)  # a collective, but only rank 0 keeps a host copy
+    return {"stats": stats, "state": state, "n_mb": n_mb, "ref": actor.ref is not None, "mode": actor.grad_sync,
+            "sync_calls": calls}
 
 
 def _step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
@@ -60,14 +67,20 @@ def world1(tmp_path_factory):
         yield
 
 
+def _two_ranks(tmp_path, toy_model, name: str, overrides: list[str]) -> dict:
+    out = str(tmp_path / f"{name}.pt")
+    mp.start_processes(_step, args=(2, str(tmp_path / f"{name}.store"), str(toy_model),
+                                    ["kl_coef=0.01", "lr=0.01", "max_tokens_per_micro_batch=12", *overrides], out),
+                       nprocs=2, join=True, start_method="fork")
+    return torch.load(out)
+
+
 def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
     # forked (no re-import of torch/transformers); runs before this process joins any group
     assert not dist.is_initialized()
-    out = str(tmp_path / "two.pt")
-    mp.start_processes(_step, args=(2, str(tmp_path / "two.store"), str(toy_model),
-                                    ["kl_coef=0.01", "lr=0.01", "max_tokens_per_micro_batch=12"], out),
-                       nprocs=2, join=True, start_method="fork")
-    two = torch.load(out)
+    two = _two_ranks(tmp_path, toy_model, "two", [])
+    # grad_sync micro_batch: a reduce-scatter after every micro-batch, the same step
+    per_mb = _two_ranks(tmp_path, toy_model, "per_mb", ["grad_sync=micro_batch"])
     out = str(tmp_path / "one.pt")
     mp.start_processes(_step, args=(1, str(tmp_path / "one.store"), str(toy_model), ["kl_coef=0.01", "lr=0.01"], out),
                        nprocs=1, join=True, start_method="fork")
@@ -78,10 +91,29 @@ def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
     a, b = one["stats"], two["stats"]
     assert a["tokens"] == b["tokens"] == float(make_batch(8, seed=5).tensors["response_lens"].sum())
     assert a["train_tokens"] == b["train_tokens"] == float(make_batch(8, seed=5).num_tokens().sum())
-    for key in ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"):
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    for name, t in one["state"].items():
-        assert torch.allclose(t, two["state"][name], atol=1e-6), name
+    assert two["mode"] == "step" and False in two["sync_calls"]  # auto: a toy model reduces once per step
+    assert per_mb["mode"] == "micro_batch" and False not in per_mb["sync_calls"]
+    for other in (two, per_mb):
+        b = other["stats"]
+        for key in ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        for name, t in one["state"].items():
+            assert torch.allclose(t, other["state"][name], atol=1e-6), name
+
+
+def test_grad_sync_mode():
+    from distflow.trainer.actor import GRAD_SYNC_AUTO_BYTES, grad_sync_mode
+
+    assert grad_sync_mode("auto", 1, 7_000_000_000) == ("step", 0)  # one rank: nothing is sharded anyway
+    mode, extra = grad_sync_mode("auto", 8, 7_000_000_000)
+    assert mode == "micro_batch" and extra == 4 * 7_000_000_000 * 7 // 8  # ~24.4 GiB per GPU
+    small = GRAD_SYNC_AUTO_BYTES // 2  # 4 bytes x params x 1/2 = exactly the limit on 2 ranks
+    assert grad_sync_mode("auto", 2, small) == ("step", GRAD_SYNC_AUTO_BYTES)
+    assert grad_sync_mode("auto", 2, small + 1)[0] == "micro_batch"
+    assert grad_sync_mode("step", 8, 7_000_000_000)[0] == "step"
+    assert grad_sync_mode("micro_batch", 1, 10)[0] == "micro_batch"
+    with pytest.raises(ValueError, match="grad_sync"):
+        grad_sync_mode("never", 2, 10)
 
 
 def test_lr_schedule_hand_computed():
@@ -134,6 +166,58 @@ def test_fused_pass_skips_reference_at_kl_zero_and_recomputes_old_logprobs(toy_m
     assert resp == float(batch.tensors["response_lens"].sum())
     del batch.tensors["truncated"]  # a batch without the field: 0 truncated
     assert step_summary(actor, batch, step=2)[3] == 0.0
+
+
+def test_grad_sync_per_micro_batch_gives_the_same_step(toy_model, world1):
+    from distflow.trainer.actor import Actor
+
+    out = []
+    for mode in ("step", "micro_batch"):
+        cfg = _cfg(toy_model, f"grad_sync={mode}", "lr=0.01", "max_tokens_per_micro_batch=16")
+        actor = Actor(cfg, with_reference=False)
+        calls = []
+        sync = actor.model.set_requires_gradient_sync
+        actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
+        stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), make_batch(8, seed=7))
+        out.append((stats, actor.full_state_dict(), calls))
+    (a, sa, ca), (b, sb, cb) = out
+    assert False in ca and cb == []  # micro_batch never turns gradient sync off
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    for name in sa:
+        assert torch.allclose(sa[name], sb[name], atol=1e-7), name
+
+
+def test_packed_rows_honour_the_sliding_window():
+    """A sliding-window model: packed rows (varlen attention, per-sample SDPA on CPU) give the
+    padded path's logprobs (transformers' sliding-window mask), not full causal attention."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from distflow.trainer.attention import register_varlen_attention
+    from distflow.trainer.head import response_forward
+    from distflow.trainer.packing import pack_inputs, pad_inputs
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=3,
+                         max_window_layers=0, layer_types=["sliding_attention"] * 2)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.set_attn_implementation(register_varlen_attention())
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [3, 3]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 32, (n,), generator=g) for n in (4, 7, 2)]
+    responses = [torch.randint(0, 32, (n,), generator=g) for n in (5, 3, 6)]
+    packed = pack_inputs(prompts, responses)
+    assert packed.seq_lens == (9, 10, 8)
+    with torch.no_grad():
+        padded, _ = response_forward(model, pad_inputs(prompts, responses))
+        windowed, _ = response_forward(model, packed)
+        packed.seq_lens = ()  # a caller without host lengths: read from cu_seqlens, same result
+        from_cu, _ = response_forward(model, packed)
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = None
+        full, _ = response_forward(model, packed)
+    assert torch.allclose(windowed, padded, atol=1e-6) and torch.equal(windowed, from_cu)
+    assert not torch.allclose(full, padded, atol=1e-3)  # the window matters at these lengths
 
 
 def test_activation_checkpointing_gives_the_same_step(toy_model, world1):

@@ -34,6 +34,12 @@ def test_quickstart_loads_and_derives():
     assert cfg.model_copy(update={"max_steps": 3}).total_steps(100) == 3
 
 
+def test_grad_sync_defaults_to_auto_and_takes_both_modes():
+    assert load_config(QUICKSTART).grad_sync == "auto"
+    for mode in ("step", "micro_batch"):
+        assert load_config(QUICKSTART, [f"grad_sync={mode}"]).grad_sync == mode
+
+
 def test_gsm8k_example_validates():
     cfg = load_config(ROOT / "examples" / "grpo_gsm8k.yaml")
     assert cfg.chat_template and cfg.node("REWARD", "COMPUTE").fn == "gsm8k"
@@ -57,6 +63,7 @@ def test_overrides_typed_nested_and_indexed(tmp_path):
     ({"max_staleness": -1}, "max_staleness", "greater than or equal"),
     ({"trainer_nodes": 0}, "trainer_nodes", "greater than or equal"),
     ({"engine": "sglang"}, "engine", "torch"),
+    ({"grad_sync": "sometimes"}, "grad_sync", "micro_batch"),
 ])
 def test_errors_name_the_key(tmp_path, change, key, needle):
     raw = base()

@@ -142,6 +142,12 @@ class Config(BaseModel):
         None, ge=2, description="token budget of a packed micro-batch (samples packed into one row, block-diagonal "
                                 "attention, no padding); None = padded micro-batches of micro_batch_size samples")
     activation_checkpointing: bool = Field(False, description="checkpoint every decoder layer of the policy")
+    grad_sync: Literal["auto", "step", "micro_batch"] = Field(
+        "auto", description="when the policy's gradients are reduce-scattered: step = once per optimizer step "
+                            "(every rank holds the full unsharded fp32 gradients, 4 bytes x params, between "
+                            "micro-batches); micro_batch = after every micro-batch's backward (overlapped with "
+                            "it; gradient memory stays sharded); auto = step on one trainer or when that costs "
+                            "at most 2 GiB more per GPU, else micro_batch")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="learning-rate schedule after warm-up (linear/cosine decay to 0 at the last step)")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in trainer steps")

@@ -19,7 +19,6 @@ Models outside the Llama family fall back to an HF ``model(...)`` loop (logged o
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import random
@@ -28,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from distflow.device import node_device
+from distflow.device import node_device, on_device
 from distflow.hf import load_causal_lm, load_tokenizer
 from distflow.rollout.llama_forward import LlamaRunner, unsupported_reason
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
@@ -119,10 +118,6 @@ class TorchEngine:
                     ids.append(int(v))
         return tuple(ids)
 
-    def _on_device(self) -> contextlib.AbstractContextManager:
-        """The engine's GPU as the calling thread's current device (nothing on CPU)."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, *,
@@ -150,7 +145,7 @@ class TorchEngine:
             )
         stop = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
         seed = int(seed) % (1 << 63) if seed is not None else random.getrandbits(63)
-        with self._lock, self._on_device():
+        with self._lock, on_device(self.device):
             runner = self.runner
             if runner is not None and runner.window and longest + params.max_new_tokens > runner.window:
                 runner = None  # the sliding window would matter: HF's attention handles it
@@ -239,7 +234,7 @@ class TorchEngine:
         target = self._target
         if self.model is None or target is None:
             raise RuntimeError("TorchEngine.load_weights called after close()")
-        with self._on_device():
+        with on_device(self.device):
             buckets = target.validate(version, weights, partial)
             with self._lock:
                 if self._target is None:

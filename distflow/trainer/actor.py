@@ -11,7 +11,10 @@ on the number of micro-batches (all-reduce MAX, :func:`step_micro_batches`) and 
 fewer run dummy micro-batches with no response token. Loss normalisation uses the GLOBAL
 token (and sequence) count so the DP-averaged gradient is the token mean over the whole
 step, however samples fall into ranks and micro-batches. Gradients are reduce-scattered
-once per step, on the last micro-batch.
+once per step on the last micro-batch, or after every micro-batch (``grad_sync``,
+:func:`grad_sync_mode`): once per step moves the fewest bytes, but FSDP2 then keeps every
+parameter's UNSHARDED fp32 gradient on every rank until that reduce-scatter (4 bytes x
+params per GPU, ~28 GB for a 7B model), which undoes gradient sharding.
 
 Micro-batches are padded (``micro_batch_size`` samples) or, with
 ``max_tokens_per_micro_batch``, packed (:mod:`distflow.trainer.packing`); logprobs come from
@@ -37,17 +40,33 @@ from distflow.core.dag import WorkflowNode
 from distflow.device import collective_device, node_device
 from distflow.hf import load_causal_lm, load_tokenizer
 from distflow.rl.registry import POLICY_LOSSES, resolve
-from distflow.trainer.model import DTYPES, load_for_training
+from distflow.trainer.model import DTYPES, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
 from distflow.trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Actor", "DTYPES", "all_reduce", "flat_to_padded", "step_micro_batches"]
+__all__ = ["Actor", "DTYPES", "all_reduce", "flat_to_padded", "grad_sync_mode", "step_micro_batches"]
 
 STATE_FILE = "distflow_state.json"
 OPTIM_DIR = "optimizer"
+# grad_sync auto: reduce-scatter once per step only while that holds at most this many bytes
+# per GPU beyond sharded gradients.
+GRAD_SYNC_AUTO_BYTES = 2 << 30
+
+
+def grad_sync_mode(setting: str, world: int, num_params: int) -> tuple[str, int]:
+    """The effective ``grad_sync`` ("step" | "micro_batch") for ``setting`` ("auto" too) and
+    the bytes per GPU that "step" holds beyond sharded gradients: with gradient sync off,
+    FSDP2 keeps each parameter's unsharded gradient, in fp32 (the reduce dtype), until the
+    step's reduce-scatter: 4 x params instead of 4 x params / world."""
+    if setting not in ("auto", "step", "micro_batch"):
+        raise ValueError(f"grad_sync must be auto, step or micro_batch, got {setting!r}")
+    extra = 4 * num_params * (world - 1) // max(world, 1)
+    if setting == "auto":
+        setting = "step" if world == 1 or extra <= GRAD_SYNC_AUTO_BYTES else "micro_batch"
+    return setting, extra
 
 
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:
@@ -111,6 +130,14 @@ class Actor:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel = full size
+        self.grad_sync, extra = grad_sync_mode(cfg.grad_sync, self.world, self.num_params)
+        if self.rank == 0:
+            log.info("grad_sync: %s (%s; reducing once per step holds %.1f GiB more per GPU)", self.grad_sync,
+                     cfg.grad_sync, extra / 2**30)
+            if self.grad_sync == "step" and extra > GRAD_SYNC_AUTO_BYTES:
+                log.warning("grad_sync: step holds the full unsharded fp32 gradients on every rank between "
+                            "micro-batches, %.1f GiB more per GPU; grad_sync: micro_batch keeps them sharded",
+                            extra / 2**30)
         self.pad_id = 0
         self.version = 0
         self.total_steps: int | None = cfg.max_steps  # the worker sets the run's length when it learns it
@@ -213,8 +240,10 @@ class Actor:
         self.optim.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         mbs = list(self._micro_batches(batch))
+        once = self.grad_sync == "step"
         for i, (idx, inputs) in enumerate(mbs):
-            self.model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter once per step
+            if once:
+                self.model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter on the last only
             lp, ent = self._forward(self.model, inputs)
             if idx is None:
                 loss, metrics = lp.sum() * 0.0, {}
@@ -228,7 +257,8 @@ class Actor:
             for k in ("pg_loss", "kl", "clip_frac"):
                 if k in metrics:
                     sums[k] += float(metrics[k]) * w
-        self.model.set_requires_gradient_sync(True)
+        if once:
+            self.model.set_requires_gradient_sync(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -260,17 +290,11 @@ class Actor:
 
     # ------------------------------------------------------------------ weights
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded fp32 master weights on every rank (a collective), on the CPU, never
-        sharing memory with the live parameters: for publishing to rollout nodes (which cast
-        to their own dtype) and the checkpoint."""
-        out = {}
-        for name, t in self.model.state_dict().items():
-            local = t.to_local() if hasattr(t, "to_local") else t
-            full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to("cpu").contiguous()
-            if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                full = full.clone()  # one rank on CPU: the "gather" is the live parameter itself
-            out[name] = full
-        return out
+        """Unsharded fp32 master weights for the checkpoint: on rank 0 (which writes it), on
+        the CPU, never sharing memory with the live parameters; ``{}`` on the other ranks. A
+        collective: every rank calls it (:func:`~distflow.trainer.model.gather_full_state`).
+        Publishing to rollout nodes streams buckets instead (``gather.iter_weight_buckets``)."""
+        return gather_full_state(self.model, keep=self.rank == 0)
 
     def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor], run_state: dict[str, Any]) -> None:
         """A Hugging Face directory (model + tokenizer, loadable with from_pretrained, written by

@@ -10,7 +10,10 @@ trainer's models use the attention implementation registered here, ``distflow_va
 * packed rows (the caller passes ``cu_seq_lens_q``, the int32 [n + 1] cumulative sample
   lengths, through the model's kwargs): on CUDA ``torch.nn.attention.varlen.varlen_attn``
   (FlashAttention varlen, causal) in bf16/fp16; elsewhere (CPU, fp32) one causal
-  ``scaled_dot_product_attention`` per sample. Attention work is sum(L_i^2), never row^2;
+  ``scaled_dot_product_attention`` per sample. Attention work is sum(L_i^2), never row^2.
+  The sample lengths also come as host ints (``distflow_seq_lens``), so no layer reads
+  them back from the GPU. A model's ``sliding_window`` is honoured on both (FlashAttention's
+  ``window_size``, a banded mask for SDPA), as transformers' padded path does;
 * everything else (padded batches with a 2-D attention mask): exactly transformers' SDPA.
 
 The mask builder registered under the same name returns no mask when there is no padding
@@ -24,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from distflow.trainer.packing import SEQ_LENS_KWARG
+
 __all__ = ["VARLEN", "register_varlen_attention", "varlen_attention"]
 
 VARLEN = "distflow_varlen"
@@ -35,31 +40,49 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [B, Hq, S, D], key/value [B, Hkv, S, D] -> ([B, S, Hq, D], None), like
     transformers' attention functions. With ``cu_seq_lens_q`` (int32 [n + 1]) B must be 1
-    and the row holds n causally-masked samples."""
+    and the row holds n causally-masked samples (``distflow_seq_lens``: their lengths as
+    ints; ``sliding_window``: the model's window, applied within each sample)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    lens = kwargs.pop(SEQ_LENS_KWARG, None)  # packed rows: the sample lengths as host ints
     if cu_seq_lens_q is None:
         kwargs.pop("cu_seq_lens_k", None), kwargs.pop("max_length_k", None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"varlen attention: a packed batch is one row, got {query.shape[0]} rows")
+    if not lens:  # a caller without them: one host sync
+        bounds = cu_seq_lens_q.tolist()
+        lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    lens = [int(n) for n in lens]
+    # transformers' sliding window: query i sees keys i - window + 1 .. i
+    window = kwargs.get("sliding_window")
+    window = int(window) if window is not None and window > 0 else None
     gqa = query.shape[1] != key.shape[1]
     varlen_attn = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
     if varlen_attn is not None:  # FlashAttention's dtypes, on a torch that has it
         cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
-        longest = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
+        longest = int(max_length_q) if max_length_q is not None else max(lens, default=0)
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling,
+                          window_size=(-1 if window is None else window - 1, 0), enable_gqa=gqa)
         return out.unsqueeze(0), None
-    bounds = cu_seq_lens_q.tolist()
-    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     # split (not slicing): its backward is one concatenation, not a zero-filled full-size
     # gradient per sample
     qs, ks, vs = (t.split(lens, dim=2) for t in (query, key, value))
-    pieces = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    pieces = [F.scaled_dot_product_attention(q, k, v, attn_mask=_band(n, window, q.device), is_causal=False,
+                                             scale=scaling, enable_gqa=gqa)
+              if window is not None and n > window else
+              F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
               for q, k, v, n in zip(qs, ks, vs, lens) if n > 0]
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: causal, and each query sees at most ``window`` keys (itself included)."""
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
 
 
 def _flash_varlen():

@@ -36,7 +36,7 @@ from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
 from distflow.trainer.actor import all_reduce, step_micro_batches
 from distflow.trainer.attention import register_varlen_attention
-from distflow.trainer.model import DTYPES, disable_dropout, shard_mixed_precision
+from distflow.trainer.model import DTYPES, disable_dropout, gather_full_state, shard_mixed_precision
 from distflow.trainer.packing import ModelInputs, split_mini_batches
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,16 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 index: torch.Tensor, **attention: Any) -> torch.Tensor:
         """ModelInputs fields -> values [N] fp32 at the ``index`` positions (flat ragged order);
-        ``attention``: a packed row's varlen kwargs (``ModelInputs.attention_kwargs``)."""
+        ``attention``: a packed row's varlen kwargs (``ModelInputs.attention_kwargs``). The
+        value head runs in fp32 whatever the compute dtype (a bf16 value would put ~0.4%
+        rounding into every GAE target); its gradient flows back to the compute-dtype weight."""
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False, **attention).last_hidden_state  # [R, L, H]
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-        return self.value_head(picked.to(self.value_head.weight.dtype)).squeeze(-1).to(torch.float32, copy=True)
+        head = self.value_head
+        bias = None if head.bias is None else head.bias.float()
+        # clone: an FSDP2 root must not return a view (an in-place op on it would skip its hooks)
+        return torch.nn.functional.linear(picked.float(), head.weight.float(), bias).squeeze(-1).clone()
 
 
 def build_value_model(path: str) -> ValueModel:
@@ -198,10 +203,7 @@ class Critic:
 
         out = Path(ckpt_dir) / CRITIC_DIR
         out.mkdir(parents=True, exist_ok=True)
-        full = {}
-        for name, t in self.model.state_dict().items():
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
-            full[name] = t.detach().to("cpu").contiguous()
+        full = gather_full_state(self.model, keep=self.rank == 0)  # every rank gathers, rank 0 keeps
         dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)}, checkpoint_id=str(out / OPTIM_DIR))
         if self.rank == 0:
             save_file(full, str(out / WEIGHTS_FILE))

@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from distflow.device import iterate_on
+
 PLACES = ("device", "pinned", "cpu")
 
 
@@ -70,8 +72,9 @@ class PinnedStaging:
             view.copy_(t, non_blocking=True)
             out[name] = view
             off += n
-        if any(t.is_cuda for t in bucket.values()):
-            torch.cuda.current_stream().synchronize()  # the views are complete when returned
+        cuda = [t.device for t in bucket.values() if t.is_cuda]
+        if cuda:  # the copies' stream on THEIR device (the calling thread's current device may differ)
+            torch.cuda.current_stream(cuda[0]).synchronize()  # the views are complete when returned
         return out
 
 
@@ -239,8 +242,15 @@ def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, d
     alloc: ``alloc(nbytes) -> uint8 [nbytes] tensor or None``: where a "cpu" bucket's bytes go (e.g.
       a shared-memory slot lent by the channel, so sending it copies nothing); None = a new buffer.
     Each bucket's tensors are 64-byte aligned views of one flat uint8 buffer. Every rank must
-    consume the generator to the end (the collectives must line up).
+    consume the generator to the end (the collectives must line up). Each ``next()`` runs with
+    ``device`` as the current CUDA device, from whatever thread asks.
     """
+    yield from iterate_on(device, _buckets(model, bucket_bytes, keep, device, place, dtype, alloc))
+
+
+def _buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, device: torch.device | str,
+             place: str | None, dtype: torch.dtype | None, alloc: Callable[[int], torch.Tensor | None] | None,
+             ) -> Iterator[dict[str, torch.Tensor]]:
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     device = torch.device(device)

@@ -11,7 +11,11 @@ whatever the number of tokens. The policy entropy (for the metrics, and an entro
 in the loss) comes out of the same chunks; it is differentiable too.
 
 Logits are computed in the weight's dtype (the compute dtype under mixed precision, as the
-full-model path and the rollout engine do) and then promoted to fp32 for the softmax.
+full-model path and the rollout engine do) and then promoted to fp32 for the softmax. In
+backward both matmuls run in that dtype too (tensor cores; an fp32 matmul is ~16x slower on
+an H100): the weight gradient, summed over chunks, accumulates in fp32 through
+``torch.mm(..., out_dtype=torch.float32)`` on CUDA (:func:`_add_mm_fp32`); elsewhere, and
+for fp32 weights, it is computed in fp32.
 
 :func:`response_forward` runs a Hugging Face causal LM's decoder once over
 :class:`~distflow.trainer.packing.ModelInputs` (packed or padded) and applies the head; the
@@ -21,6 +25,7 @@ final norm, LM head) are all-gathered around it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -28,9 +33,37 @@ from torch import Tensor
 
 from distflow.trainer.packing import ModelInputs
 
+log = logging.getLogger(__name__)
+
 __all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_logprobs", "response_forward"]
 
 DEFAULT_CHUNK_TOKENS = 1024
+_HALF = (torch.float16, torch.bfloat16)
+# Whether torch.mm(..., out_dtype=torch.float32) (aten::mm.dtype, CUDA-only) works here; None = untried.
+_MM_FP32_OUT: list[bool | None] = [None]
+
+
+def _add_mm_fp32(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``acc + a @ b`` in fp32, ``acc`` updated in place (None: a new fp32 tensor). Half
+    precision CUDA inputs: one tensor-core GEMM with an fp32 result (``aten::mm.dtype``);
+    otherwise (CPU, fp32, a torch without it) the product of the inputs promoted to fp32."""
+    if a.is_cuda and a.dtype in _HALF and b.dtype == a.dtype and _MM_FP32_OUT[0] is not False:
+        try:
+            prod = torch.mm(a, b, out_dtype=torch.float32)
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, NotImplementedError, RuntimeError) as e:  # argument/dispatch checks: no kernel ran
+            if _MM_FP32_OUT[0]:
+                raise  # it worked before: a real error
+            _MM_FP32_OUT[0] = False
+            log.warning("LM head backward: torch.mm(out_dtype=float32) unavailable (%s); the weight gradient "
+                        "is computed in fp32 (slower)", e)
+        else:
+            _MM_FP32_OUT[0] = True
+            return prod if acc is None else acc.add_(prod)
+    if acc is None:
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    return acc.addmm_(a.float(), b.float())
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -66,7 +99,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         inv_temp, chunk = ctx.inv_temp, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w: Tensor | None = None  # fp32 [V, H], summed over the chunks
         if grad_lp is None:
             grad_lp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
@@ -85,10 +118,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             dlogits.scatter_add_(-1, targets[s:s + chunk, None], g)
             if inv_temp != 1.0:
                 dlogits.mul_(inv_temp)  # the chain factor 1/T
+            dl = dlogits.to(weight.dtype)  # the matmuls run in the weight's dtype (a no-op in fp32)
             if need_h:
-                grad_h[s:s + chunk] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w.addmm_(dlogits.t(), h.float())
+                grad_h[s:s + chunk] = (dl @ weight).to(hidden.dtype)
+            if need_w:  # half precision on CUDA: dl @ h with an fp32 result; else fp32 dlogits @ fp32 h
+                fast = weight.is_cuda and weight.dtype in _HALF
+                grad_w = _add_mm_fp32(grad_w, (dl if fast else dlogits).t(), h)
+        if need_w and grad_w is None:  # no tokens
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 

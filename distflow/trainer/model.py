@@ -31,7 +31,7 @@ from distflow.hf import load_causal_lm
 from distflow.trainer.attention import register_varlen_attention
 from distflow.trainer.head import response_forward
 
-__all__ = ["DTYPES", "disable_dropout", "load_for_training", "shard_mixed_precision"]
+__all__ = ["DTYPES", "disable_dropout", "gather_full_state", "load_for_training", "shard_mixed_precision"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,3 +92,23 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
     model.response_forward = types.MethodType(response_forward, model)
     register_fsdp_forward_method(model, "response_forward")
     return model.train()
+
+
+def gather_full_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """``model``'s unsharded state dict on the CPU where ``keep`` (e.g. rank 0, which writes the
+    checkpoint), never sharing memory with the live parameters; ``{}`` elsewhere.
+
+    A collective: EVERY rank must call it (each DTensor's ``full_tensor()`` is an all-gather),
+    but only a keeping rank copies the gathered tensors to host memory and holds them: the
+    others drop each one right away (one parameter's worth of device memory at a time)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if not keep:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        full = full.detach().to("cpu").contiguous()
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            full = full.clone()  # one rank on CPU: the "gather" is the live parameter itself
+        out[name] = full
+    return out

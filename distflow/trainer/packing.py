@@ -24,7 +24,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ModelInputs", "pack_inputs", "pad_inputs", "plan_micro_batches", "dummy_inputs", "sample_lengths"]
+__all__ = ["ModelInputs", "SEQ_LENS_KWARG", "pack_inputs", "pad_inputs", "plan_micro_batches", "dummy_inputs",
+           "sample_lengths"]
+
+# The model kwarg that carries a packed row's sample lengths as Python ints to the attention
+# (which then never reads them back from the device tensor: no host sync per layer).
+SEQ_LENS_KWARG = "distflow_seq_lens"
 
 
 @dataclass
@@ -36,7 +41,8 @@ class ModelInputs:
     [R * L] hidden states that predict the N response tokens; targets: [N] int64;
     response_lens: per-sample response lengths (sum N); tokens: real (non-pad) tokens;
     cu_seqlens: packed rows only, int32 [n + 1] cumulative sample lengths (for varlen
-    attention, :mod:`distflow.trainer.attention`), max_len: the longest sample.
+    attention, :mod:`distflow.trainer.attention`), max_len: the longest sample, seq_lens:
+    packed rows only, the sample lengths (host ints, the differences of cu_seqlens).
     """
 
     input_ids: Tensor
@@ -48,18 +54,21 @@ class ModelInputs:
     tokens: int
     cu_seqlens: Tensor | None = None
     max_len: int = 0
+    seq_lens: tuple[int, ...] = ()
 
     def to(self, device: torch.device) -> "ModelInputs":
         mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return ModelInputs(mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask), mv(self.index),
-                           mv(self.targets), self.response_lens, self.tokens, mv(self.cu_seqlens), self.max_len)
+                           mv(self.targets), self.response_lens, self.tokens, mv(self.cu_seqlens), self.max_len,
+                           self.seq_lens)
 
     def attention_kwargs(self) -> dict:
         """Extra model kwargs for varlen attention (packed rows), else {}."""
         if self.cu_seqlens is None:
             return {}
-        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_len,
-                "max_length_k": self.max_len}
+        out = {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_len,
+               "max_length_k": self.max_len}
+        return {**out, SEQ_LENS_KWARG: self.seq_lens} if self.seq_lens else out
 
     @property
     def compute_tokens(self) -> int:
@@ -133,7 +142,7 @@ def pack_inputs(prompts: Sequence[Tensor], responses: Sequence[Tensor]) -> Model
     lens = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
     cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32)
     return ModelInputs(cat(ids)[None], cat(pos)[None], None, cat(index), cat(targets), rlens, off, cu,
-                       max(lens, default=0))
+                       max(lens, default=0), tuple(lens))
 
 
 def pad_inputs(prompts: Sequence[Tensor], responses: Sequence[Tensor], pad_id: int = 0) -> ModelInputs:

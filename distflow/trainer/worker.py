@@ -31,6 +31,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.buffer.redistribute import parse_part
 from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.core.channels import Envelope
+from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime
 from distflow.rl.weight_transport import resolve_transport
 from distflow.trainer.actor import Actor
@@ -49,7 +50,9 @@ ROLLOUT_TIME_KEYS = ("time_generate_s", "time_load_weights_s")
 
 async def init_process_group(rt: Runtime, groups: Groups) -> None:
     """The trainer group's torch.distributed group. Rank 0 opens the rendezvous store on
-    any free port and gossips it; the others read it from rank 0's metadata."""
+    any free port and gossips it; the others read it from rank 0's metadata. On CUDA the
+    group is bound to this node's GPU (``device_id``), so device-less collectives such as
+    ``barrier`` use it from any thread."""
     head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
     if groups.rank == 0:
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, rt.cfg.rendezvous_port, world, is_master=True,
@@ -61,9 +64,10 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
         port = next(m.meta["pg_port"] for m in ms if m.node_id == head.node_id)
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, port, world, is_master=False,
                                                                 timeout=timeout))
-    backend = "nccl" if rt.cfg.device == "cuda" else "gloo"
-    await asyncio.to_thread(dist.init_process_group, backend, store=store, rank=groups.rank, world_size=world,
-                            timeout=timeout)
+    cuda = rt.cfg.device == "cuda"
+    extra = {"device_id": node_device("cuda")} if cuda else {}
+    await asyncio.to_thread(dist.init_process_group, "nccl" if cuda else "gloo", store=store, rank=groups.rank,
+                            world_size=world, timeout=timeout, **extra)
 
 
 def step_summary(actor: Actor, batch: SampleBatch, step: int) -> list[float]:
@@ -108,7 +112,8 @@ def trainer_peak_flops(cfg: Any) -> float:
 
     if cfg.peak_flops is not None:
         return cfg.peak_flops
-    name = torch.cuda.get_device_name() if cfg.device == "cuda" and torch.cuda.is_available() else None
+    name = torch.cuda.get_device_name(node_device("cuda")) if cfg.device == "cuda" and torch.cuda.is_available() \
+        else None
     found = peak_flops(name, cfg.dtype)
     if found is not None:
         log.info("mfu against %s's dense %s peak, %.3g FLOP/s (set peak_flops to override)", name, cfg.dtype, found)
@@ -193,8 +198,11 @@ async def run_trainer(rt: Runtime) -> None:
     groups = await rt.form_groups()
     await init_process_group(rt, groups)
     pipeline = cfg.plan().pipeline("trainer")
-    actor = await asyncio.to_thread(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
-    ctx = await asyncio.to_thread(build_context, cfg, pipeline, actor)
+    # Torch work runs in worker threads, each with its own current CUDA device: every call
+    # below enters this node's GPU first (distflow.device.call_on).
+    dev = node_device(cfg.device)
+    actor = await asyncio.to_thread(call_on, dev, Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
+    ctx = await asyncio.to_thread(call_on, dev, build_context, cfg, pipeline, actor)
     rank, world = groups.rank, len(groups.trainer)
     peak = trainer_peak_flops(cfg)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
@@ -235,8 +243,9 @@ async def run_trainer(rt: Runtime) -> None:
         actor.total_steps = inbox.total
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
-        stats = await asyncio.to_thread(run_pipeline, pipeline, ctx, batch)
-        n, reward, stale, truncated, resp_tokens = await asyncio.to_thread(step_summary, actor, batch, step)
+        stats = await asyncio.to_thread(call_on, dev, run_pipeline, pipeline, ctx, batch)
+        n, reward, stale, truncated, resp_tokens = await asyncio.to_thread(call_on, dev, step_summary, actor, batch,
+                                                                           step)
         t_weights = time.perf_counter()
         await publish(actor.version)
         times["time_weights_s"] = time.perf_counter() - t_weights
@@ -258,18 +267,19 @@ async def run_trainer(rt: Runtime) -> None:
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:
-            state = await asyncio.to_thread(actor.full_state_dict)
-            await asyncio.to_thread(save_checkpoint, ctx, out_dir / f"checkpoint-{step}", state, run_state())
+            state = await asyncio.to_thread(call_on, dev, actor.full_state_dict)
+            await asyncio.to_thread(call_on, dev, save_checkpoint, ctx, out_dir / f"checkpoint-{step}", state,
+                                    run_state())
 
-    final = await asyncio.to_thread(actor.full_state_dict)
-    await asyncio.to_thread(save_checkpoint, ctx, out_dir / "checkpoint", final, run_state())
+    final = await asyncio.to_thread(call_on, dev, actor.full_state_dict)
+    await asyncio.to_thread(call_on, dev, save_checkpoint, ctx, out_dir / "checkpoint", final, run_state())
     if writer is not None:
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
         await asyncio.to_thread(plot_timings, writer.path, out_dir / "timings.png")
     await publisher.flush(timeout=30)
     await publisher.close()
     rt.node.set_meta(state="done")
-    await asyncio.to_thread(dist.barrier)
+    await asyncio.to_thread(call_on, dev, dist.barrier)
     dist.destroy_process_group()
     log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, inbox.dropped)
 
