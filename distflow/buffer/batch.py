@@ -114,16 +114,18 @@ class SampleBatch:
     def nbytes(self) -> int:
         return sum([t.nbytes for t in self.tensors.values()])
 
+    # A batch lives in host memory (routing, the wire forms and select() work on CPU tensors and
+    # numpy views): a field a stage computed on the GPU is brought back here, once.
     def set_scalar(self, name: str, values: torch.Tensor) -> None:
         if values.shape != (len(self),):
             raise ValueError(f"{name}: expected shape [{len(self)}], got {list(values.shape)}")
-        self.tensors[name] = values
+        self.tensors[name] = values.cpu()
 
     def set_ragged(self, name: str, flat: torch.Tensor) -> None:
         expected = int(self.tensors[LENGTHS[name]].sum())
         if flat.shape != (expected,):
             raise ValueError(f"{name}: expected [{expected}] flat values, got {list(flat.shape)}")
-        self.tensors[name] = flat
+        self.tensors[name] = flat.cpu()
 
     # ------------------------------------------------------------------ reshaping
     def select(self, indices: Sequence[int] | torch.Tensor) -> "SampleBatch":

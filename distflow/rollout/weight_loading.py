@@ -81,15 +81,16 @@ class WeightTarget:
         """Copy validated buckets into the parameters, one bucket at a time and in order (a
         name repeated in a later bucket wins; dtypes cast; asynchronous from pinned host
         memory, then one synchronisation)."""
-        cuda = False
+        cuda: set[torch.device] = set()
         for b in buckets:
             for k, v in b.items():
                 dst = self.own[k]
                 async_ok = dst.device.type == "cuda" and v.device.type == "cpu" and v.is_pinned()
                 dst.copy_(v, non_blocking=async_ok)
-                cuda = cuda or dst.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()  # the sources may be freed or reused as soon as we return
+                if dst.device.type == "cuda":
+                    cuda.add(dst.device)
+        for dev in cuda:  # the parameters' devices, whatever the calling thread's current one is
+            torch.cuda.synchronize(dev)  # the sources may be freed or reused as soon as we return
 
 
 def _non_finite(items: list[tuple[str, torch.Tensor]]) -> list[str]:

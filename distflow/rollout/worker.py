@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 from distflow.buffer.dataloader import PromptShard
-from distflow.device import node_device
+from distflow.device import call_on, chosen_device, node_device
 from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
@@ -38,6 +38,7 @@ from distflow.trace import Trace
 from distflow.rl.weights import WeightInbox
 
 log = logging.getLogger(__name__)
+POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits for the event loop
 
 
 def covered_shards(rt: Runtime, groups: Groups) -> list[int]:
@@ -261,8 +262,9 @@ class RolloutLoop:
             stage_stats: dict[str, float] = {}
             refill = (lambda attempt, n, loader=loaders[shard], e=epoch, i=in_epoch:  # noqa: E731
                       loader.reserve(e, i, attempt, n))
-            batch = await asyncio.to_thread(run_pipeline, self.pipeline, engine, cfg, rows, seed, stage_stats,
-                                            self.weights_update, refill)
+            # The stages run in a pool thread: enter this node's GPU there (a reward model runs in it).
+            batch = await asyncio.to_thread(call_on, chosen_device(), run_pipeline, self.pipeline, engine, cfg, rows,
+                                            seed, stage_stats, self.weights_update, refill)
             t_gen = time.perf_counter() - t0
             rate = len(batch) / max(t_gen, 1e-9)
             if stage_stats:
@@ -307,11 +309,25 @@ class RolloutLoop:
             if inbox.pending is None:  # a plain attribute read: cheap, and safe from a thread
                 return None
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(inbox.take_update()))
+
+            def take() -> None:  # on the loop; takes the update only if the engine still waits for it
+                if not fut.set_running_or_notify_cancel():
+                    return  # the engine gave up (below): the update stays pending for the next poll
+                try:
+                    fut.set_result(inbox.take_update())
+                except BaseException as e:  # noqa: BLE001 - never leave the engine thread waiting
+                    fut.set_exception(e)
+
             try:
-                return fut.result(timeout=5.0)
-            except concurrent.futures.TimeoutError:  # the loop is shutting down
+                loop.call_soon_threadsafe(take)
+            except RuntimeError:  # the loop is closed
                 return None
+            try:
+                return fut.result(timeout=POLL_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:  # the loop is busy or shutting down
+                if fut.cancel():
+                    return None  # never ran: nothing was taken
+                return fut.result()  # it is running right now: what it took must be applied, not lost
 
         return poll
 
