@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from distflow.core.aio import run_loop
@@ -64,10 +65,34 @@ async def _run(cfg: Config) -> int:
     return code
 
 
+def cuda_in_process(cfg: Config) -> Config:
+    """The config every in-process node runs with on ``device: cuda``: one process has one GPU
+    (:func:`distflow.device.node_device` is per process), the first of ``gpus`` (an index into
+    this process's visible GPUs, as for ``distflow run``), so the trainer and every engine share
+    it; and the weights go over the data channel: CUDA IPC cannot open a handle in the process
+    that exported it, and NCCL refuses two ranks on one GPU. Raises ValueError naming the key."""
+    if cfg.device != "cuda":
+        return cfg
+    if cfg.weight_transport in ("cuda_ipc", "nccl"):
+        raise ValueError(f"weight_transport: {cfg.weight_transport} cannot work in one process on one GPU; "
+                         f"use weight_transport=auto (or channel) with --in-process")
+    index = cfg.gpus[0] if isinstance(cfg.gpus, list) else 0
+    os.environ.setdefault("DISTFLOW_LOCAL_GPU", str(index))
+    log.warning("--in-process on cuda: the trainer and %d rollout engine(s) share cuda:%s of this process; the "
+                "weights go over the data channel (weight_transport: channel)", cfg.rollout_nodes,
+                os.environ["DISTFLOW_LOCAL_GPU"])
+    return cfg.model_copy(update={"weight_transport": "channel"})
+
+
 def run_in_process(cfg: Config) -> int:
     if cfg.trainer_nodes != 1:
         print("distflow run --in-process: needs trainer_nodes=1 (one torch.distributed group per process); "
               "add trainer_nodes=1", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = cuda_in_process(cfg)
+    except ValueError as e:
+        print(f"distflow run --in-process: {e}", file=sys.stderr)
+        return 2
     return run_loop(_run(cfg))

@@ -53,6 +53,10 @@ def _usable(gpus: int | Sequence[int] | None, present: int | None, visible: Sequ
         indices = list(range(gpus))
     else:
         indices = list(gpus)
+        twice = sorted({g for g in indices if indices.count(g) > 1})
+        if twice or any(g < 0 for g in indices):  # two trainer ranks on one GPU: NCCL refuses at the first collective
+            raise PlacementError(f"gpus: {list(gpus)} must name distinct GPU ids >= 0"
+                                 + (f" ({', '.join(map(str, twice))} given twice)" if twice else ""))
         bad = [g for g in indices if present is not None and g >= present]
         if bad:
             raise PlacementError(f"gpus: {list(gpus)} names GPU(s) {bad}, but only {present} present "

@@ -61,7 +61,14 @@ class Runtime:
     @classmethod
     def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
                data_port: int, seeds: list[str], advertise_host: str | None = None) -> "Runtime":
-        channel = make_channel(cfg.channel, node_id, secret, host=host, port=data_port)
+        kind = cfg.channel
+        if kind == "auto" and cfg.device != "cuda":
+            # auto picks NCCL wherever cupy and a GPU are present, and the NCCL channel opens this
+            # process's GPU: a cpu node (a cpu run on a GPU host) must not; NCCL moves only CUDA tensors.
+            from distflow.core.channels.shm_channel import shm_available
+
+            kind = "shm" if shm_available() else "zmq"
+        channel = make_channel(kind, node_id, secret, host=host, port=data_port)
         m = cfg.mesh
         mesh_cfg = MeshConfig(protocol_period_s=m.protocol_period_s, suspicion_timeout_s=m.suspicion_timeout_s,
                               request_timeout_s=m.request_timeout_s, join_timeout_s=m.join_timeout_s,

@@ -77,6 +77,9 @@ def test_trainer_ranks_follow_sorted_ids_and_controllers_get_no_gpu():
     (dict(gpus=None, present=0), "device: cuda, but no GPU is present"),
     (dict(gpus=4, present=2), "gpus: 4 GPUs asked for, but only 2 present"),
     (dict(gpus=[0, 5], present=4), r"gpus: \[0, 5\] names GPU\(s\) \[5\], but only 4 present"),
+    # pdsh passes a hostfile's gpus= straight in (no config validation): two trainers on GPU 1 is refused.
+    (dict(gpus=[1, 1, 2], present=None), r"gpus: \[1, 1, 2\] must name distinct GPU ids >= 0 \(1 given twice\)"),
+    (dict(gpus=[-1, 0, 1], present=4), r"gpus: \[-1, 0, 1\] must name distinct GPU ids >= 0"),
     (dict(gpus=1, present=4), "gpus: 1 GPU\\(s\\) usable \\(0\\), but trainer_nodes=2 needs one GPU per trainer rank"),
     (dict(gpus=2, present=4), "none is left for the rollout nodes; give more GPUs or set colocate: true"),
 ])

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from distflow.device import on_device
+
 __all__ = ["RewardModel", "load_reward_model", "score_batch"]
 
 _CACHE: dict[tuple[str, str, str], "RewardModel"] = {}
@@ -55,14 +57,20 @@ class RewardModel:
         self.path = str(p)
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[Tensor], responses: Sequence[Tensor]) -> Tensor:
-        """prompts[i] ``[P_i]``, responses[i] ``[R_i]`` int token ids -> scores ``[n]`` fp32 (cpu)."""
+    def score(self, prompts: Sequence[Tensor], responses: Sequence[Tensor],
+              micro_batch_size: int | None = None) -> Tensor:
+        """prompts[i] ``[P_i]``, responses[i] ``[R_i]`` int token ids -> scores ``[n]`` fp32 (cpu).
+        Runs with the model's GPU as the calling thread's current device (it runs in worker threads)."""
         if len(prompts) != len(responses):
             raise ValueError(f"reward model: {len(prompts)} prompts but {len(responses)} responses")
+        with on_device(self.device):
+            return self._score(prompts, responses, micro_batch_size or self.micro_batch_size)
+
+    def _score(self, prompts: Sequence[Tensor], responses: Sequence[Tensor], mbs: int) -> Tensor:
         out = []
-        for s in range(0, len(prompts), self.micro_batch_size):
+        for s in range(0, len(prompts), mbs):
             seqs = [torch.cat([p.to(torch.int64), r.to(torch.int64)])
-                    for p, r in zip(prompts[s:s + self.micro_batch_size], responses[s:s + self.micro_batch_size])]
+                    for p, r in zip(prompts[s:s + mbs], responses[s:s + mbs])]
             for i, q in enumerate(seqs):
                 if q.numel() == 0:
                     raise ValueError(f"reward model: sample {s + i} is empty")
@@ -93,18 +101,28 @@ def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch
         return _CACHE[key]
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     """A REWARD MODEL_INFERENCE node on any group. ``node.args``: ``path`` (a local
-    sequence-classification model dir), optional ``weight`` (default 1). The weighted score is
-    added to an existing ``reward`` (a rule-based one that ran before) or becomes it.
-    Raises ValueError naming the node."""
+    sequence-classification model dir), optional ``weight`` (default 1), ``dtype`` (float32,
+    bfloat16 or float16: the model's weights and compute; default ``dtype``, float32) and
+    ``micro_batch_size`` (samples per forward, default 64; lower it for long sequences on a
+    GPU). The weighted score is added to an existing ``reward`` (a rule-based one that ran
+    before) or becomes it. Raises ValueError naming the node and the key."""
     path = node.args.get("path")
     if not isinstance(path, str) or not path:
         raise ValueError(f"workflow node {node.id!r}: a reward model needs args.path (a local model directory)")
+    name, mbs = node.args.get("dtype"), node.args.get("micro_batch_size")
+    if name is not None and name not in DTYPES:
+        raise ValueError(f"workflow node {node.id!r}: args.dtype {name!r} must be one of {', '.join(DTYPES)}")
+    if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+        raise ValueError(f"workflow node {node.id!r}: args.micro_batch_size {mbs!r} must be an integer >= 1")
     try:
         weight = float(node.args.get("weight", 1.0))
-        rm = load_reward_model(path, device, dtype)
-        scores = rm.score(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")) * weight
+        rm = load_reward_model(path, device, DTYPES[name] if name is not None else dtype)
+        scores = rm.score(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"), mbs) * weight
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ValueError(f"workflow node {node.id!r}: {e}") from None
     prev = batch.tensors.get("reward")
