@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-__all__ = ["call_on", "chosen_device", "collective_device", "iterate_on", "node_device", "on_device", "peak_flops"]
+__all__ = ["call_on", "chosen_device", "collective_device", "gpu_sharers", "iterate_on", "node_device", "on_device",
+           "peak_flops"]
 
 T = TypeVar("T")
 
@@ -57,6 +58,15 @@ def node_device(kind: str = "cpu") -> torch.device:
 def chosen_device() -> torch.device | None:
     """The GPU :func:`node_device` chose for this process, or None (not yet, or CPU)."""
     return _CHOSEN
+
+
+def gpu_sharers() -> int:
+    """How many nodes of the run share this node's GPU (``DISTFLOW_GPU_NODES``, set by the
+    launcher's placement; 1 when unset or malformed)."""
+    from distflow.placement import GPU_NODES_ENV  # noqa: PLC0415 - pure, no torch
+
+    raw = os.environ.get(GPU_NODES_ENV, "1")
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else 1
 
 
 def collective_device(group=None) -> torch.device:

@@ -16,6 +16,7 @@ import sys
 from distflow.core.aio import run_loop
 from distflow.core.auth import new_secret
 from distflow.core.config import Config
+from distflow.placement import GPU_NODES_ENV
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def cuda_in_process(cfg: Config) -> Config:
                          f"use weight_transport=auto (or channel) with --in-process")
     index = cfg.gpus[0] if isinstance(cfg.gpus, list) else 0
     os.environ.setdefault("DISTFLOW_LOCAL_GPU", str(index))
+    os.environ.setdefault(GPU_NODES_ENV, str(cfg.trainer_nodes + cfg.rollout_nodes))  # engines size their KV cache
     log.warning("--in-process on cuda: the trainer and %d rollout engine(s) share cuda:%s of this process; the "
                 "weights go over the data channel (weight_transport: channel)", cfg.rollout_nodes,
                 os.environ["DISTFLOW_LOCAL_GPU"])

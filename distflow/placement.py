@@ -13,15 +13,19 @@ The rule: one GPU per trainer rank, always, distinct. Rollout nodes take the GPU
 over (round-robin; several rollout nodes may share one), or with ``colocate: true`` share
 the trainers' GPUs round-robin. Nodes of a worker group (role ``worker``, e.g. a reward
 model) are placed like rollout nodes. Controller nodes get no GPU. On ``device: cpu`` every node
-gets ``CUDA_VISIBLE_DEVICES=""``.
+gets ``CUDA_VISIBLE_DEVICES=""``. Each node on a GPU also learns how many nodes share it
+(``DISTFLOW_GPU_NODES``), so a rollout engine's KV cache leaves the others their share.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["PlacementError", "Slot", "describe", "place"]
+__all__ = ["GPU_NODES_ENV", "PlacementError", "Slot", "describe", "place"]
+
+GPU_NODES_ENV = "DISTFLOW_GPU_NODES"  # how many nodes of the run share this node's GPU
 
 
 class PlacementError(ValueError):
@@ -96,10 +100,13 @@ def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence
                              f"or set colocate: true (rollout nodes share the trainers' GPUs)")
     given: dict[str, str | None] = {t: usable[k] for k, t in enumerate(sorted(trainers))}
     given.update({r: pool[k % len(pool)] for k, r in enumerate(rollouts)})
+    sharing = Counter(given.values())  # nodes per GPU: an engine's KV cache leaves the others room
     slots = []
     for node_id, role in nodes:
         gpu = given.get(node_id)
         env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", "DISTFLOW_LOCAL_GPU": "0"}
+        if gpu is not None:
+            env[GPU_NODES_ENV] = str(sharing[gpu])
         slots.append(Slot(node_id, role, gpu, env))
     return slots
 

@@ -227,6 +227,11 @@ def test_hostfile_gpus_follow_the_placement_rule():
         "trainer-h-0": "4", "trainer-h-1": "5", "rollout-h-0": "6", "rollout-h-1": "6", "rollout-h-2": "6"}
     assert plan("h trainer=2 rollout=3 gpus=0,1 colocate=1 bind=10.0.0.1") == {
         "trainer-h-0": "0", "trainer-h-1": "1", "rollout-h-0": "0", "rollout-h-1": "1", "rollout-h-2": "0"}
+    # each node's environment says how many of the host's nodes share its GPU (KV-cache sizing)
+    (p,) = dp.build_plans(dp.parse_hostfile("h trainer=2 rollout=3 gpus=0,1 colocate=1 bind=10.0.0.1"), "/c.yaml",
+                          [], "/r", "/w").values()
+    assert {n["id"]: dp._node_env(p, n, "s" * 32)["DISTFLOW_GPU_NODES"] for n in p["nodes"]} == {
+        "trainer-h-0": "3", "trainer-h-1": "2", "rollout-h-0": "3", "rollout-h-1": "2", "rollout-h-2": "3"}
     with pytest.raises(dp.LaunchError, match="host h: gpus: 1 GPU.*trainer_nodes=2 needs one GPU per trainer rank"):
         plan("h trainer=2 rollout=1 gpus=0 bind=10.0.0.1")
     with pytest.raises(dp.LaunchError, match="none is left for the rollout nodes.*colocate"):

@@ -96,3 +96,20 @@ def test_iterate_on_enters_the_device_for_each_item_only(fake_gpus):
         got.append((dev, torch.cuda.current_device()))  # the consumer's own device between items
     assert got == [(1, 0)] * 3
     assert fake_gpus == [("enter", 1)] * 4  # three items and the final StopIteration
+
+
+@pytest.mark.parametrize("raw, sharers", [(None, 1), ("1", 1), ("3", 3), ("0", 1), ("x", 1), ("-2", 1)])
+def test_gpu_sharers_reads_the_placement(monkeypatch, raw, sharers):
+    if raw is None:
+        monkeypatch.delenv("DISTFLOW_GPU_NODES", raising=False)
+    else:
+        monkeypatch.setenv("DISTFLOW_GPU_NODES", raw)
+    assert device.gpu_sharers() == sharers
+
+
+def test_kv_cache_fraction_splits_the_default_among_the_gpus_nodes():
+    from distflow.rollout.worker import kv_cache_fraction
+
+    assert kv_cache_fraction(None, 1) == pytest.approx(0.9)
+    assert kv_cache_fraction(None, 3) == pytest.approx(0.3)  # colocated: trainer + two engines
+    assert kv_cache_fraction(0.5, 3) == 0.5  # an explicit setting wins

@@ -64,6 +64,14 @@ def test_colocation_puts_rollouts_on_the_trainers_gpus_round_robin():
     one = place([("trainer-0", "trainer"), ("rollout-0", "rollout"), ("rollout-1", "rollout")], device="cuda",
                 colocate=True, present=1)
     assert gpus_of(one) == {"trainer-0": "0", "rollout-0": "0", "rollout-1": "0"}
+    # every node learns how many share its GPU (an engine's KV cache leaves the others room)
+    assert {s.node_id: s.env["DISTFLOW_GPU_NODES"] for s in slots} == {
+        "trainer-0": "3", "trainer-1": "2", "rollout-0": "3", "rollout-1": "2", "rollout-2": "3"}
+    assert {s.env["DISTFLOW_GPU_NODES"] for s in one} == {"3"}
+    apart = place(NODES, device="cuda", gpus=None, present=4)  # rollout-0 and rollout-2 share GPU 2
+    assert {s.node_id: s.env["DISTFLOW_GPU_NODES"] for s in apart} == {
+        "trainer-0": "1", "trainer-1": "1", "rollout-0": "2", "rollout-1": "1", "rollout-2": "2"}
+    assert "DISTFLOW_GPU_NODES" not in place(NODES, device="cpu")[0].env
 
 
 def test_trainer_ranks_follow_sorted_ids_and_controllers_get_no_gpu():

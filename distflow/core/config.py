@@ -90,6 +90,10 @@ class Config(BaseModel):
                                                    "(once per process); false = eager. Ignored on CPU")
     engine_max_slots: int = Field(256, ge=1, le=65536, description="torch engine: sequences decoded at once "
                                                                    "(continuous-batching slots of its KV cache)")
+    engine_kv_cache_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="torch engine on CUDA: the share of the GPU's free memory its KV cache may take "
+                                      "(fewer slots than engine_max_slots when they do not fit, logged); null = 0.9 "
+                                      "divided among the nodes placed on that GPU (colocate, shared rollout GPUs)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     torch_threads: int = Field(1, ge=1, description="intra-op threads per node process")

@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 from distflow.buffer.dataloader import PromptShard
-from distflow.device import call_on, chosen_device, node_device
+from distflow.device import call_on, chosen_device, gpu_sharers, node_device
 from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
@@ -39,6 +39,13 @@ from distflow.rl.weights import WeightInbox
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits for the event loop
+
+
+def kv_cache_fraction(setting: float | None, sharers: int) -> float:
+    """The torch engine's KV-cache share of its GPU's free memory: ``engine_kv_cache_memory_fraction``,
+    or (null) 0.9 split among the ``sharers`` nodes placed on that GPU, so that a colocated trainer
+    or another engine that allocates later still finds its part."""
+    return setting if setting is not None else 0.9 / max(1, sharers)
 
 
 def covered_shards(rt: Runtime, groups: Groups) -> list[int]:
@@ -202,7 +209,9 @@ class RolloutLoop:
         # The engine needs no group: load the model while the other nodes are still joining.
         loading = asyncio.ensure_future(asyncio.to_thread(make_engine, cfg.engine, cfg.model_path,
                                                           device=cfg.device, dtype=cfg.dtype,
-                                                          compile=cfg.engine_compile, max_slots=cfg.engine_max_slots))
+                                                          compile=cfg.engine_compile, max_slots=cfg.engine_max_slots,
+                                                          kv_cache_memory_fraction=kv_cache_fraction(
+                                                              cfg.engine_kv_cache_memory_fraction, gpu_sharers())))
         try:
             self.groups = groups = await rt.form_groups()
         except BaseException:
