@@ -41,8 +41,11 @@ def _worker(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> 
             calls["all_gather"] += 1
             return real_ag(*a, **k)
 
+        wire: list[torch.dtype] = []  # dtypes of the tensors point-to-point operations move
+
         def counting_p2p(ops):
             calls["p2p"] += 1
+            wire.extend(op.tensor.dtype for op in ops)
             return real_p2p(ops)
 
         dist.all_gather_single, dist.batch_isend_irecv = counting_ag, counting_p2p
@@ -50,7 +53,9 @@ def _worker(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> 
             # one serving rank: the shards are sent to it only (one flags all-gather, then point-to-point)
             buckets = list(iter_weight_buckets(model, BUCKET, keep=(rank == 0), device="cpu"))
             one_server = dict(calls)
+            wire.clear()
             again = list(iter_weight_buckets(model, BUCKET, keep=(rank == 1), device="cpu", dtype=torch.bfloat16))
+            again_wire = sorted({str(d) for d in wire})  # cast before the wire: bf16 rows, half the bytes
             calls.update(all_gather=0, p2p=0)
             both = list(iter_weight_buckets(model, BUCKET, keep=True, device="cpu"))  # every rank serves: all-gather
             every_server = dict(calls)
@@ -59,7 +64,7 @@ def _worker(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> 
             no_server = dict(calls)
         finally:
             dist.all_gather_single, dist.batch_isend_irecv = real_ag, real_p2p
-        torch.save({"buckets": buckets, "again": again, "both": both, "nobody": nobody, "one_server": one_server,
+        torch.save({"buckets": buckets, "again": again, "again_wire": again_wire, "both": both, "nobody": nobody, "one_server": one_server,
                     "every_server": every_server, "no_server": no_server}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -70,6 +75,7 @@ def test_bucketed_gather_of_fsdp2_model_equals_unsharded_weights(toy_model: Path
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
     assert r0["again"] == [] and r1["buckets"] == []  # discarding ranks yield nothing
+    assert r0["again_wire"] == r1["again_wire"] == ["torch.bfloat16"]  # fp32 shards cast before they travel
     assert r0["nobody"] == [] and r1["nobody"] == []
     # the toy state dict: 21 tensors, all row-sharded; 2 of them (embed_tokens, lm_head: 17 rows) uneven
     for r in (r0, r1):

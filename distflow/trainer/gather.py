@@ -26,7 +26,9 @@ Where a bucket lives (``place``):
 * ``"cpu"``: fresh plain host tensors (the gloo/CPU case, or a consumer that keeps them).
 
 Buckets are dicts name -> tensor (contiguous), in state-dict order; concatenated they are
-exactly ``model.state_dict()`` unsharded (optionally cast to ``dtype``).
+exactly ``model.state_dict()`` unsharded (optionally cast to ``dtype``: every rank casts its
+own rows before they travel, so fp32 master weights cross the wire as the engine's bf16, half
+the bytes).
 """
 
 from __future__ import annotations
@@ -124,14 +126,16 @@ class _Gatherer:
         return self._servers[key]
 
     @torch.no_grad()
-    def gather_into(self, t: torch.Tensor, out: torch.Tensor | None, then: Callable[[], Any] | None = None) -> None:
+    def gather_into(self, t: torch.Tensor, out: torch.Tensor | None, then: Callable[[], Any] | None = None,
+                    dtype: torch.dtype | None = None) -> None:
         """Start writing the unsharded value of ``t`` (a DTensor or a plain tensor) into ``out``
-        (None on ranks that keep nothing). Complete after :meth:`wait`, which then runs ``then()``
-        (e.g. a cast of ``out`` into the bucket).
+        (None on ranks that keep nothing). Complete after :meth:`wait`, which then runs ``then()``.
 
         FSDP2 shards dim 0 in ``torch.chunk`` pieces: the rows are moved straight into ``out``
         (when it is on the collective's device, else through one temporary). Other placements,
         and uneven rows when every rank keeps, take ``full_tensor()`` (an all-gather) and one copy.
+        ``dtype`` (the same on every rank): each rank casts its rows before they travel (fp32
+        master weights -> the engine's bf16: half the bytes on the wire); ``out`` is in it.
         """
         if not hasattr(t, "full_tensor"):
             if out is not None:
@@ -162,7 +166,7 @@ class _Gatherer:
                 out.copy_(full)
             self._pending.append((None, then))
             return
-        local = local.contiguous()
+        local = local.contiguous() if dtype is None else local.to(dtype, memory_format=torch.contiguous_format)
         direct = out is not None and out.device == local.device and out.dtype == local.dtype
         dst = out if direct else (torch.empty(t.shape, dtype=local.dtype, device=local.device)
                                   if out is not None else None)
@@ -276,22 +280,15 @@ def _buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, device: torc
         out: dict[str, torch.Tensor] = {}
         for name, dt, n, off in bucket:
             t = state[name]
+            cast = dt if dt != t.dtype else None  # rows are cast where they live, before they travel
             if not keep:
-                gatherer.gather_into(t, None)
-                continue
-            if place == "pinned" or dt != t.dtype:  # gather on the device, then cast / stage
-                tmp = torch.empty(t.shape, dtype=t.dtype, device=device)
-                if place == "pinned":  # staged after the bucket is complete; cast first if asked
-                    out[name] = tmp
-                    then = None if dt == t.dtype else (
-                        lambda out=out, name=name, tmp=tmp, dt=dt: out.__setitem__(name, tmp.to(dt)))  # noqa: E731
-                else:
-                    view = out[name] = buf[off:off + n].view(dt).view(t.shape)
-                    then = lambda view=view, tmp=tmp: view.copy_(tmp)  # noqa: E731
-                gatherer.gather_into(t, tmp, then)
+                gatherer.gather_into(t, None, dtype=cast)
+            elif place == "pinned":  # gathered on the device, staged once the bucket is complete
+                out[name] = torch.empty(t.shape, dtype=dt, device=device)
+                gatherer.gather_into(t, out[name], dtype=cast)
             else:
-                view = out[name] = buf[off:off + n].view(dt).view(t.shape)
-                gatherer.gather_into(t, view)
+                out[name] = buf[off:off + n].view(dt).view(t.shape)
+                gatherer.gather_into(t, out[name], dtype=cast)
         if started is not None:
             yield from _complete(started, keep, staging)
         started = (out, gatherer.take())
