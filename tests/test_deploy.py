@@ -236,6 +236,9 @@ def test_hostfile_gpus_follow_the_placement_rule():
         plan("h trainer=2 rollout=1 gpus=0 bind=10.0.0.1")
     with pytest.raises(dp.LaunchError, match="none is left for the rollout nodes.*colocate"):
         plan("h trainer=1 rollout=1 gpus=0 bind=10.0.0.1")
+    with pytest.raises(dp.LaunchError, match="host h: trainer=2 on device=cuda needs gpus="):
+        plan("h trainer=2 rollout=1 device=cuda bind=10.0.0.1")
+    assert plan("h trainer=1 rollout=1 device=cuda bind=10.0.0.1") == {"trainer-h-0": None, "rollout-h-0": None}
 
 
 def test_hostfile_worker_groups_plan_their_nodes_counts_and_argv(tmp_path):
