@@ -262,3 +262,18 @@ def test_cuda_packed_varlen_update_matches_padded(toy_model, dtype, tmp_path):
     tol = 1e-4 if dtype == "float32" else 2e-2
     for key in ("loss", "entropy", "grad_norm"):
         assert packed[key] == pytest.approx(padded[key], rel=tol, abs=tol), key
+
+
+def test_varlen_kwargs_follow_the_kernels_signature():
+    """The FlashAttention varlen call is built from the installed torch's keywords (they changed
+    across releases); a call the kernel cannot make falls back to per-sample SDPA (None)."""
+    from distflow.trainer.attention import varlen_kwargs
+
+    new = {"scale", "window_size", "enable_gqa"}
+    assert varlen_kwargs(new, 0.125, 64, None, True) == {"scale": 0.125, "window_size": (-1, 0), "enable_gqa": True}
+    assert varlen_kwargs(new, 0.125, 64, 4096, False) == {"scale": 0.125, "window_size": (4095, 0)}
+    old = {"is_causal"}  # an older torch: causal flag, default scale, GQA native
+    assert varlen_kwargs(old, 64 ** -0.5, 64, None, True) == {"is_causal": True}
+    assert varlen_kwargs(old, 0.2, 64, None, False) is None  # a custom scale it cannot take
+    assert varlen_kwargs(old, None, 64, 128, False) is None  # a sliding window it cannot apply
+    assert varlen_kwargs({"scale", "window_size"}, 0.1, 64, None, True) is None  # cannot be told about GQA

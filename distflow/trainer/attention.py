@@ -22,7 +22,9 @@ mask (packed rows: the cumulative lengths carry the structure), else SDPA's mask
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from typing import Any, Collection
 
 import torch
 import torch.nn.functional as F
@@ -59,13 +61,13 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     window = kwargs.get("sliding_window")
     window = int(window) if window is not None and window > 0 else None
     gqa = query.shape[1] != key.shape[1]
-    varlen_attn = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
-    if varlen_attn is not None:  # FlashAttention's dtypes, on a torch that has it
+    flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    kw = None if flash is None else varlen_kwargs(flash[1], scaling, query.shape[-1], window, gqa)
+    if flash is not None and kw is not None:  # FlashAttention's dtypes, on a torch whose kernel does this call
         cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
         longest = int(max_length_q) if max_length_q is not None else max(lens, default=0)
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling,
-                          window_size=(-1 if window is None else window - 1, 0), enable_gqa=gqa)
+        out = flash[0](q, k, v, cu, cu, longest, longest, **kw)
         return out.unsqueeze(0), None
     # split (not slicing): its backward is one concatenation, not a zero-filled full-size
     # gradient per sample
@@ -85,13 +87,40 @@ def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
     return (d >= 0) & (d < window)
 
 
-def _flash_varlen():
-    """torch's FlashAttention varlen kernel, or None on a torch without it (then per-sample SDPA)."""
+@functools.lru_cache(maxsize=1)
+def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
+    """torch's FlashAttention varlen kernel and its keyword names, or None on a torch without it
+    (then per-sample SDPA). Its keywords changed across torch releases (``is_causal`` before
+    ``window_size``/``enable_gqa``/``scale``), so calls are built by :func:`varlen_kwargs`."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_kwargs(params: Collection[str], scaling: float | None, head_dim: int, window: int | None,
+                  gqa: bool) -> dict[str, Any] | None:
+    """Keywords for a causal ``varlen_attn`` call on a torch whose kernel takes ``params``, or
+    None when it cannot do this one (a scale other than 1/sqrt(head_dim) it cannot take, a
+    sliding window, or GQA it cannot be told about): per-sample SDPA then."""
+    kw: dict[str, Any] = {}
+    if "scale" in params:
+        kw["scale"] = scaling
+    elif scaling is not None and abs(scaling - head_dim ** -0.5) > 1e-9 * head_dim ** -0.5:
+        return None
+    if "window_size" in params:  # (left, right): -1 = unbounded; right 0 = causal
+        kw["window_size"] = (-1 if window is None else window - 1, 0)
+    elif "is_causal" in params and window is None:
+        kw["is_causal"] = True
+    else:
+        return None
+    if gqa:
+        if "enable_gqa" not in params and "window_size" in params:
+            return None  # a release that checks head counts unless told
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+    return kw
 
 
 def _varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
