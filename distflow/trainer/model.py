@@ -72,6 +72,17 @@ def shard_mixed_precision(model: torch.nn.Module, mesh: Any, compute_dtype: torc
     return model
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, by the name this
+    transformers release has (``activation_checkpointing_enable`` from 5.2x on,
+    ``gradient_checkpointing_enable`` before)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype: torch.dtype, *,
                       activation_checkpointing: bool = False, trainable: bool = True) -> Any:
     """Load ``path`` in fp32 on ``device``, shard it with FSDP2 on ``mesh`` with mixed
@@ -85,7 +96,7 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
     model.set_attn_implementation(register_varlen_attention())
     disable_dropout(model)
     if activation_checkpointing and trainable:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if not trainable:
         model.requires_grad_(False)
     shard_mixed_precision(model, mesh, compute_dtype)
