@@ -381,24 +381,31 @@ def test_inverse_cdf_sampling_hand_computed() -> None:
 
 def test_graph_shaped_decode_on_cpu(model_dir: str, prompts: list[list[int]]) -> None:
     """What a captured graph computes — a power-of-two bucket of rows (free slots decoding
-    garbage) over the whole cache length — gives the eager results exactly."""
+    garbage) over a power-of-two bucket of the cache length (or all of it) — gives the eager
+    results exactly."""
     many = [prompts[i % len(prompts)] for i in range(11)]
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
     ref = TorchEngine(model_dir, max_slots=6).generate(many, params, seed=8)
-    eng = TorchEngine(model_dir, max_slots=6)
-    runner = eng.runner
-    shapes = []
+    for min_length in (4, 1 << 20):  # length buckets from 4 positions on; the whole cache always
+        eng = TorchEngine(model_dir, max_slots=6)
+        runner = eng.runner
+        runner.min_graph_length = min_length
+        shapes = []
 
-    def graph_like(n: int, max_pos: int) -> torch.Tensor:
-        shapes.append(runner.bucket(n))
-        with torch.inference_mode():
-            return runner._decode(runner.bucket(n), runner.length)[:n]
+        def graph_like(n: int, max_pos: int) -> torch.Tensor:
+            shapes.append(runner.graph_shape(n, max_pos))
+            with torch.inference_mode():
+                return runner._decode(*shapes[-1])[:n]
 
-    runner.decode = graph_like
-    out = eng.generate(many, params, seed=8)
-    assert [c.tokens for c in out] == [c.tokens for c in ref]
-    assert _max_err([c.logprobs for c in out], [c.logprobs for c in ref]) < 1e-5
-    assert {4, 6} <= set(shapes) and runner.length >= max(len(p) for p in many) + 12
+        runner.decode = graph_like
+        out = eng.generate(many, params, seed=8)
+        assert [c.tokens for c in out] == [c.tokens for c in ref]
+        assert _max_err([c.logprobs for c in out], [c.logprobs for c in ref]) < 1e-5
+        assert {4, 6} <= {b for b, _ in shapes} and runner.length >= max(len(p) for p in many) + 12
+        lengths = {length for _, length in shapes}
+        assert lengths == ({runner.length} if min_length > runner.length else lengths)
+        if min_length == 4:  # several length buckets, each a power of two below the cache length
+            assert len(lengths) >= 2 and all(x & (x - 1) == 0 for x in lengths) and max(lengths) <= runner.length
 
 
 def test_bench_engine_smoke(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,8 @@ table, but keeps the KV in one preallocated cache ``[layers, slots, kv_heads, T,
 written in place at per-slot positions, with attention through SDPA (prefill: causal, so
 CUDA can use the flash kernel, the only fused one with GQA; decode: a length mask).
 Loading weights into the HF model therefore updates this path for free. On CUDA the
-decode step for a few bucketed slot counts is captured once as CUDA graphs, and the cache
+decode step for a few bucketed (slot count, attended length) shapes is captured once as CUDA
+graphs, and the cache
 is sized to the GPU's free memory (:func:`plan_kv_slots`) rather than assumed to fit.
 
 Supported: llama, mistral (no sliding window in reach), qwen2 (qkv bias), qwen3
@@ -114,7 +115,10 @@ class LlamaRunner:
         self.k_cache: torch.Tensor | None = None  # [layers, slots, kv_heads, T, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.cos = self.sin = torch.empty(0)  # [positions, head_dim], model dtype
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Captured decode steps by (rows, attended length): a step attends only to the length
+        # bucket holding its longest sequence, not the whole cache (decode cost follows live length).
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.min_graph_length = 256  # the shortest length bucket (smaller ones save little)
         self._pool: Any = None
         self._cap_stream: Any = None  # this runner's capture stream (torch.cuda.Stream), made on first capture
         self.capture_s = 0.0
@@ -301,23 +305,37 @@ class LlamaRunner:
             b *= 2
         return min(b, self.slots)
 
+    def length_bucket(self, need: int) -> int:
+        """The attended length of a graph for positions [0, need): a power of two of at least
+        ``min_graph_length``, capped at the cache length."""
+        length = self.min_graph_length
+        while length < need:
+            length *= 2
+        return min(length, self.length)
+
+    def graph_shape(self, n: int, max_pos: int) -> tuple[int, int]:
+        """(rows, attended length) of the graph that decodes ``n`` live rows whose largest
+        position is ``max_pos``."""
+        return self.bucket(n), self.length_bucket(max_pos + 1)
+
     @torch.inference_mode()
     def decode(self, n: int, max_pos: int) -> torch.Tensor:
         """Decode slots [0, n); ``max_pos`` is the largest position fed (host-known). Returns
-        [n, V] fp32 logits. CUDA: replays the captured graph of the bucket holding ``n``
-        (capturing it on first use); otherwise eager over the live part of the cache."""
+        [n, V] fp32 logits. CUDA: replays the captured graph of the (rows, length) bucket
+        holding them (capturing it on first use); otherwise eager over the live part of the cache."""
         if not self.use_graphs:
             return self._decode(n, max_pos + 1)
-        b = self.bucket(n)
-        if b not in self.graphs:
-            self._capture(b)
-        graph, logits = self.graphs[b]
+        shape = self.graph_shape(n, max_pos)
+        if shape not in self.graphs:
+            self._capture(*shape)
+        graph, logits = self.graphs[shape]
         graph.replay()
         return logits[:n]
 
-    def _capture(self, b: int) -> None:
-        """Capture the decode step for ``b`` rows over the whole cache length. Rows beyond
-        the live ones decode garbage into free slots (their positions stay in range).
+    def _capture(self, b: int, length: int) -> None:
+        """Capture the decode step for ``b`` rows attending to cache positions [0, length).
+        Rows beyond the live ones decode garbage into free slots (their positions stay in the
+        cache; one past ``length`` only attends to a prefix, and nobody reads its output).
 
         Captures on this runner's own stream (``torch.cuda.graph``'s default is one stream
         shared by the process) in ``thread_local`` mode: another thread's unsafe CUDA call
@@ -334,12 +352,12 @@ class LlamaRunner:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up kernels/allocations outside the graph
-                    self._decode(b, self.length)
+                    self._decode(b, length)
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-                logits = self._decode(b, self.length)
-        self.graphs[b] = (graph, logits)
+                logits = self._decode(b, length)
+        self.graphs[(b, length)] = (graph, logits)
         # Warm-up and capture wrote KV at the saved positions of rows [0, b); the real step
         # rewrites those same positions before reading them, so only the inputs need restoring.
         self.tok_in.copy_(saved_tok)
