@@ -12,6 +12,7 @@ padded: that is the "global token mean across ranks and micro-batches" invariant
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -262,6 +263,35 @@ def test_cuda_packed_varlen_update_matches_padded(toy_model, dtype, tmp_path):
     tol = 1e-4 if dtype == "float32" else 2e-2
     for key in ("loss", "entropy", "grad_norm"):
         assert packed[key] == pytest.approx(padded[key], rel=tol, abs=tol), key
+
+
+def _step_nccl(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
+    os.environ["DISTFLOW_LOCAL_GPU"] = str(rank)  # one GPU per rank, as placement gives each node its own
+    with process_group(store, rank, world, backend="nccl", device_id=torch.device("cuda", rank)):
+        result = _one_step(world, rank, toy_model, ["device=cuda", *overrides])
+        if rank == 0:
+            torch.save(result, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one NCCL rank each)")
+@pytest.mark.parametrize("grad_sync", ["step", "micro_batch"])
+def test_two_nccl_ranks_uneven_equal_one_cpu_rank(tmp_path, toy_model, grad_sync):
+    """FSDP2 over NCCL on two GPUs, uneven samples (7 and 1, dummies on the short rank), packed:
+    the same step as one CPU rank, padded (fp32: reduce-scatter, padding micro-batches, the
+    global token mean and clip_grad_norm_ across the mesh on real NCCL)."""
+    two, one = str(tmp_path / "two.pt"), str(tmp_path / "one.pt")
+    mp.start_processes(_step_nccl, args=(2, str(tmp_path / "two.store"), str(toy_model),
+                                         ["kl_coef=0.01", "lr=0.01", "max_tokens_per_micro_batch=12",
+                                          f"grad_sync={grad_sync}"], two), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_step, args=(1, str(tmp_path / "one.store"), str(toy_model), ["kl_coef=0.01", "lr=0.01"], one),
+                       nprocs=1, join=True, start_method="spawn")
+    a, b = torch.load(one)["stats"], torch.load(two)["stats"]
+    assert a["tokens"] == b["tokens"] and torch.load(two)["mode"] == grad_sync
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    for name, t in torch.load(one)["state"].items():
+        assert torch.allclose(t, torch.load(two)["state"][name].cpu(), atol=1e-5), name
 
 
 def test_varlen_kwargs_follow_the_kernels_signature():
