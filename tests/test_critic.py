@@ -209,3 +209,39 @@ def test_critic_on_cuda_bf16_compute_fp32_master(toy_model, tmp_path) -> None:
     assert got["fp32_master"]
     assert got["values"].device.type == "cpu" and torch.isfinite(got["values"]).all()
     assert got["stats"]["critic_steps"] == 1.0 and got["stats"]["vf_loss"] > 0
+
+
+def _cuda_packed_worker(rank: int, store: str, model: str, ckpt: str, out: str) -> None:
+    with process_group(store, backend="nccl"):
+        cfg = make_cfg(Path(model), device="cuda")
+        trained = Critic(cfg)
+        b = batch_of(6)
+        b.set_ragged("returns", torch.linspace(-1, 1, int(b.tensors["response_lens"].sum())))
+        for _ in range(2):  # a non-zero value head, so the parity below is not 0 == 0
+            trained.update(cfg.plan().node("critic_update"), trained.values(b))
+        trained.save_checkpoint(Path(ckpt))
+        path = str(Path(ckpt) / CRITIC_DIR)
+        padded = Critic(make_cfg(Path(model), device="cuda", critic_path=path))
+        packed = Critic(make_cfg(Path(model), device="cuda", critic_path=path, max_tokens_per_micro_batch=16))
+        node = cfg.plan().node("critic_update")
+        got = {"v_pad": padded.values(copy.deepcopy(b)).tensors["values"],
+               "v_pack": packed.values(copy.deepcopy(b)).tensors["values"],
+               "s_pad": padded.update(node, padded.values(copy.deepcopy(b))),
+               "s_pack": packed.update(node, packed.values(copy.deepcopy(b)))}
+        torch.save(got, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_critic_on_cuda_packed_matches_padded(toy_model, tmp_path) -> None:
+    """On a GPU in fp32: the packed critic (per-sample attention in fp32; varlen in bf16) gives
+    the padded path's values and update, after two steps made its value head non-zero."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "packed.pt")
+    mp.spawn(_cuda_packed_worker, args=(store_path(tmp_path), str(toy_model), str(tmp_path / "ckpt"), out),
+             nprocs=1, join=True)
+    got = torch.load(out)
+    assert got["v_pad"].device.type == "cpu" and got["v_pad"].abs().max() > 1e-3
+    torch.testing.assert_close(got["v_pack"], got["v_pad"], atol=1e-4, rtol=1e-3)
+    assert got["s_pack"]["vf_loss"] == pytest.approx(got["s_pad"]["vf_loss"], rel=1e-3)
