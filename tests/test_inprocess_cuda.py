@@ -13,8 +13,16 @@ from distflow.inprocess import cuda_in_process, run_in_process
 QUICKSTART = "examples/grpo_quickstart.yaml"
 
 
+@pytest.fixture(autouse=True)
+def clean_gpu_env(monkeypatch):
+    """cuda_in_process sets these in os.environ: unset them for the test and restore whatever
+    was there afterwards (set-then-delete makes monkeypatch remember the original state)."""
+    for name in ("DISTFLOW_LOCAL_GPU", "DISTFLOW_GPU_NODES"):
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
+
+
 def test_cpu_config_is_left_alone(monkeypatch):
-    monkeypatch.delenv("DISTFLOW_LOCAL_GPU", raising=False)
     cfg = load_config(QUICKSTART, ["trainer_nodes=1"])
     assert cuda_in_process(cfg) is cfg
     import os
@@ -26,16 +34,15 @@ def test_cpu_config_is_left_alone(monkeypatch):
 def test_cuda_shares_the_first_gpu_and_sends_weights_over_the_channel(monkeypatch, gpus, index):
     import os
 
-    monkeypatch.delenv("DISTFLOW_LOCAL_GPU", raising=False)
     over = ["trainer_nodes=1", "device=cuda"] + ([f"gpus={gpus}"] if gpus is not None else [])
     cfg = cuda_in_process(load_config(QUICKSTART, over))
     assert cfg.weight_transport == "channel"
     assert os.environ["DISTFLOW_LOCAL_GPU"] == index
+    assert os.environ["DISTFLOW_GPU_NODES"] == "3"  # one trainer and the two rollout nodes share it
 
 
 @pytest.mark.parametrize("tier", ["cuda_ipc", "nccl"])
 def test_an_explicit_gpu_weight_tier_is_refused_naming_the_key(monkeypatch, capsys, tier):
-    monkeypatch.delenv("DISTFLOW_LOCAL_GPU", raising=False)
     cfg = load_config(QUICKSTART, ["trainer_nodes=1", "device=cuda", f"weight_transport={tier}"])
     with pytest.raises(ValueError, match=f"weight_transport: {tier} cannot work in one process"):
         cuda_in_process(cfg)

@@ -59,12 +59,14 @@ def _worker(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> 
             calls.update(all_gather=0, p2p=0)
             both = list(iter_weight_buckets(model, BUCKET, keep=True, device="cpu"))  # every rank serves: all-gather
             every_server = dict(calls)
+            both16 = list(iter_weight_buckets(model, BUCKET, keep=True, device="cpu", dtype=torch.bfloat16))
             calls.update(all_gather=0, p2p=0)
             nobody = list(iter_weight_buckets(model, BUCKET, keep=False, device="cpu"))  # nothing moves at all
             no_server = dict(calls)
         finally:
             dist.all_gather_single, dist.batch_isend_irecv = real_ag, real_p2p
-        torch.save({"buckets": buckets, "again": again, "again_wire": again_wire, "both": both, "nobody": nobody, "one_server": one_server,
+        torch.save({"buckets": buckets, "again": again, "again_wire": again_wire, "both": both, "both16": both16,
+                    "nobody": nobody, "one_server": one_server,
                     "every_server": every_server, "no_server": no_server}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -88,7 +90,8 @@ def test_bucketed_gather_of_fsdp2_model_equals_unsharded_weights(toy_model: Path
     ref = load_causal_lm(str(toy_model), torch.float32, torch.device("cpu")).state_dict()
     expect = {k: v + 0.5 for k, v in ref.items()}
     for buckets, dtype in ((r0["buckets"], torch.float32), (r1["again"], torch.bfloat16),
-                           (r0["both"], torch.float32), (r1["both"], torch.float32)):
+                           (r0["both"], torch.float32), (r1["both"], torch.float32),
+                           (r0["both16"], torch.bfloat16), (r1["both16"], torch.bfloat16)):  # uneven rows: full_tensor
         assert len(buckets) > 2
         names = [n for b in buckets for n in b]
         assert names == list(expect)  # state-dict order, each tensor exactly once

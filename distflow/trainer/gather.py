@@ -161,7 +161,8 @@ class _Gatherer:
             self._pending.append((None, then))
             return  # nobody keeps the weights: no rank moves a byte
         if servers is None or (len(servers) == world and rows % world):
-            full = t.full_tensor()  # not row-sharded, or uneven rows that every rank keeps
+            # not row-sharded, or uneven rows that every rank keeps (each rank casts its shard first)
+            full = (t if dtype is None else t.to(dtype)).full_tensor()
             if out is not None:
                 out.copy_(full)
             self._pending.append((None, then))

@@ -153,7 +153,8 @@ class NcclChannel(ShmChannel):
     async def close(self) -> None:
         await super().close()
         for c in [*self._out.values(), *self._in.values()]:
-            c.abort()  # not destroy(): that waits for unmatched calls of a peer that may be gone
+            c.abort(force=True)  # not destroy(): that waits for unmatched calls of a peer that may be gone;
+            # forced: a post hanging in NCCL would otherwise keep its worker thread (and exit) waiting
         self._out.clear()
         self._in.clear()
 
