@@ -18,7 +18,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.disable_progress_bar()
@@ -40,6 +40,16 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | 
     with LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
     return model.to(device)
+
+
+def meta_causal_lm(path: str | Path, dtype: torch.dtype) -> Any:
+    """The model of ``path`` built on the meta device: its structure and config, no memory and
+    no weights (a trainer rank that gets its shards from rank 0 reads no checkpoint)."""
+    p = check_model_dir(path)
+    with LOAD_LOCK:
+        cfg = AutoConfig.from_pretrained(str(p), local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def load_tokenizer(path: str | Path) -> Any:

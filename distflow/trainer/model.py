@@ -3,7 +3,10 @@
 Why it exists: the actor, its frozen reference and a PPO critic all need the same recipe,
 and getting it wrong is silent (a bf16 master copy rounds lr-1e-6 updates away). So:
 
-* the model is loaded in **fp32** (master weights; the optimizer state follows them);
+* the model is loaded in **fp32** (master weights; the optimizer state follows them); with
+  more than one rank only rank 0 reads the checkpoint (into host memory), every rank builds
+  the model on the meta device, shards it and receives its shards from rank 0
+  (:func:`load_from_rank0`), so no rank holds the whole model on its GPU;
 * ``dtype`` is the **compute** dtype: FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype,
   reduce_dtype=float32)`` all-gathers the parameters cast to ``dtype`` for forward/backward
   and reduce-scatters gradients in fp32 (works on gloo/CPU as on NCCL; tested);
@@ -27,11 +30,12 @@ from typing import Any
 
 import torch
 
-from distflow.hf import load_causal_lm
+from distflow.hf import load_causal_lm, meta_causal_lm
 from distflow.trainer.attention import register_varlen_attention
 from distflow.trainer.head import response_forward
 
-__all__ = ["DTYPES", "disable_dropout", "gather_full_state", "load_for_training", "shard_mixed_precision"]
+__all__ = ["DTYPES", "disable_dropout", "gather_full_state", "load_for_training", "load_from_rank0",
+           "shard_mixed_precision"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,7 +95,12 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
     is its FSDP-aware logprob forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    model = load_causal_lm(path, torch.float32, device)
+    full = None
+    if mesh.size() == 1:
+        model = load_causal_lm(path, torch.float32, device)
+    else:  # only rank 0 reads the checkpoint (into host memory); every rank builds on meta and gets its shards
+        full = load_causal_lm(path, torch.float32, "cpu") if mesh.get_local_rank() == 0 else None
+        model = meta_causal_lm(path, torch.float32)
     model.config.use_cache = False
     model.set_attn_implementation(register_varlen_attention())
     disable_dropout(model)
@@ -100,9 +109,34 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
     if not trainable:
         model.requires_grad_(False)
     shard_mixed_precision(model, mesh, compute_dtype)
+    if mesh.size() > 1:
+        model.to_empty(device=device)
+        load_from_rank0(model, full, mesh)
+        del full
     model.response_forward = types.MethodType(response_forward, model)
     register_fsdp_forward_method(model, "response_forward")
     return model.train()
+
+
+def load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, mesh: Any) -> None:
+    """Fill a sharded, materialised-but-empty ``model`` from ``full`` (the loaded model on mesh
+    rank 0, None elsewhere): parameters and persistent buffers through
+    ``set_model_state_dict(broadcast_from_rank0=True)`` (each rank keeps its shards), then every
+    buffer, the non-persistent ones (rotary tables) included, broadcast from rank 0. A collective.
+
+    Why: loading the whole model on every rank costs a full fp32 copy per rank in host memory and
+    on each GPU before sharding (a 14B model is 56 GB): rank 0 alone now holds one, in host memory."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    group = mesh.get_group()
+    src = dict(full.named_buffers()) if full is not None else {}
+    for name, buf in model.named_buffers():
+        if full is not None:
+            buf.copy_(src[name])
+        dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
 
 
 def gather_full_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
