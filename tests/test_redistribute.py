@@ -343,3 +343,16 @@ def test_parse_part_names_a_misrouted_sample_and_a_bad_step():
     with pytest.raises(ValueError, match="'step' must be a non-negative int"):
         parse_part(env(mine, step=-1))
     assert torch.equal(got.tensors["prompt_lens"], torch.ones(len(mine), dtype=torch.int64))
+
+
+def test_bench_message_smoke():
+    """bench/message.py runs end to end (two real processes, the shm channel and the raw socket
+    baseline) and ends with its JSON line of per-message CPU figures."""
+    bench = Path(__file__).parent.parent / "bench" / "message.py"
+    r = subprocess.run([sys.executable, str(bench), "--msgs", "40", "--rounds", "2"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    fig = json.loads(r.stdout.strip().splitlines()[-1])
+    assert fig["transport"] == "shm" and fig["msgs"] == 40 and fig["rounds"] == 2
+    for key in ("channel_tx_us", "channel_rx_us", "raw_tx_us", "raw_rx_us", "channel_vs_raw"):
+        assert fig[key] > 0, key
