@@ -25,10 +25,13 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-__all__ = ["call_on", "chosen_device", "collective_device", "gpu_sharers", "iterate_on", "node_device", "on_device",
-           "peak_flops"]
+__all__ = ["COMPUTE_DTYPES", "call_on", "chosen_device", "collective_device", "gpu_sharers", "iterate_on",
+           "node_device", "on_device", "peak_flops"]
 
 T = TypeVar("T")
+
+# The compute dtypes a config may name (trainer ``dtype``, a reward model's ``args.dtype``).
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # This process's GPU once node_device("cuda") chose it (None before, and on CPU).
 _CHOSEN: torch.device | None = None

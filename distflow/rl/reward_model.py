@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from distflow.device import on_device
+from distflow.device import COMPUTE_DTYPES, on_device
 
 __all__ = ["RewardModel", "load_reward_model", "score_batch"]
 
@@ -101,9 +101,6 @@ def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch
         return _CACHE[key]
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     """A REWARD MODEL_INFERENCE node on any group. ``node.args``: ``path`` (a local
     sequence-classification model dir), optional ``weight`` (default 1), ``dtype`` (float32,
@@ -115,13 +112,13 @@ def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype =
     if not isinstance(path, str) or not path:
         raise ValueError(f"workflow node {node.id!r}: a reward model needs args.path (a local model directory)")
     name, mbs = node.args.get("dtype"), node.args.get("micro_batch_size")
-    if name is not None and name not in DTYPES:
-        raise ValueError(f"workflow node {node.id!r}: args.dtype {name!r} must be one of {', '.join(DTYPES)}")
+    if name is not None and name not in COMPUTE_DTYPES:
+        raise ValueError(f"workflow node {node.id!r}: args.dtype {name!r} must be one of {', '.join(COMPUTE_DTYPES)}")
     if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
         raise ValueError(f"workflow node {node.id!r}: args.micro_batch_size {mbs!r} must be an integer >= 1")
     try:
         weight = float(node.args.get("weight", 1.0))
-        rm = load_reward_model(path, device, DTYPES[name] if name is not None else dtype)
+        rm = load_reward_model(path, device, COMPUTE_DTYPES[name] if name is not None else dtype)
         scores = rm.score(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"), mbs) * weight
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ValueError(f"workflow node {node.id!r}: {e}") from None

@@ -36,7 +36,7 @@ from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
 from distflow.trainer.actor import all_reduce, step_micro_batches
 from distflow.trainer.attention import register_varlen_attention
-from distflow.trainer.model import DTYPES, disable_dropout, gather_full_state, load_from_rank0, shard_mixed_precision
+from distflow.trainer.model import DTYPES, disable_dropout, gather_full_state, shard_fp32
 from distflow.trainer.packing import ModelInputs, split_mini_batches
 
 log = logging.getLogger(__name__)
@@ -101,20 +101,19 @@ def build_value_model(path: str) -> ValueModel:
 
 def meta_value_model(path: str) -> ValueModel:
     """:func:`build_value_model`'s structure on the meta device (no memory, no weights): what
-    trainer ranks other than 0 shard before :func:`~distflow.trainer.model.load_from_rank0`."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    trainer ranks other than 0 shard (:func:`~distflow.trainer.model.shard_fp32`)."""
+    from transformers import AutoConfig, AutoModel
 
-    from distflow.hf import LOAD_LOCK, check_model_dir
+    from distflow.hf import LOAD_LOCK, check_model_dir, meta_causal_lm
 
     p = check_model_dir(path)
+    if not (p / WEIGHTS_FILE).is_file():
+        lm = meta_causal_lm(p, torch.float32)
+        return ValueModel(lm.model, lm.config.hidden_size, lm.config)
     with LOAD_LOCK:
         config = AutoConfig.from_pretrained(str(p), local_files_only=True)
     with torch.device("meta"):
-        if (p / WEIGHTS_FILE).is_file():
-            decoder = AutoModel.from_config(config, dtype=torch.float32)
-        else:
-            decoder = AutoModelForCausalLM.from_config(config, dtype=torch.float32).model
-        return ValueModel(decoder, config.hidden_size, config)
+        return ValueModel(AutoModel.from_config(config, dtype=torch.float32), config.hidden_size, config)
 
 
 def _micro_batches(batch: SampleBatch, idx: list[int], micro_batch_size: int, max_tokens: int | None
@@ -140,19 +139,15 @@ class Critic:
         mesh = init_device_mesh(self.device.type, (self.world,))
         resume = Path(cfg.resume_from) / CRITIC_DIR if cfg.resume_from else None
         source = str(resume) if resume is not None and resume.is_dir() else (cfg.critic_path or cfg.model_path)
-        full = None
-        if self.world == 1:
-            vm = build_value_model(source).to(self.device)
-        else:  # only rank 0 reads the weights; every rank shards a meta model and gets its shards from rank 0
-            full = build_value_model(source) if mesh.get_local_rank() == 0 else None
-            vm = meta_value_model(source)
-        vm.model.set_attn_implementation(register_varlen_attention())  # packed rows: no cross-sample attention
-        self.config = vm.config
-        self.model = shard_mixed_precision(disable_dropout(vm), mesh, DTYPES[cfg.dtype]).train()
-        if self.world > 1:
-            self.model.to_empty(device=self.device)
-            load_from_rank0(self.model, full, mesh)
-            del full
+
+        def prepare(vm: ValueModel) -> None:
+            vm.model.set_attn_implementation(register_varlen_attention())  # packed rows: no cross-sample attention
+            disable_dropout(vm)
+
+        # only rank 0 reads the weights; every rank shards a meta model and gets its shards from rank 0
+        self.model = shard_fp32(lambda: build_value_model(source), lambda: meta_value_model(source), mesh,
+                                self.device, DTYPES[cfg.dtype], prepare).train()
+        self.config = self.model.config
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic_lr or cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
         self.steps = 0

@@ -6,7 +6,7 @@ and getting it wrong is silent (a bf16 master copy rounds lr-1e-6 updates away).
 * the model is loaded in **fp32** (master weights; the optimizer state follows them); with
   more than one rank only rank 0 reads the checkpoint (into host memory), every rank builds
   the model on the meta device, shards it and receives its shards from rank 0
-  (:func:`load_from_rank0`), so no rank holds the whole model on its GPU;
+  (:func:`shard_fp32`), so no rank holds the whole model on its GPU;
 * ``dtype`` is the **compute** dtype: FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype,
   reduce_dtype=float32)`` all-gathers the parameters cast to ``dtype`` for forward/backward
   and reduce-scatters gradients in fp32 (works on gloo/CPU as on NCCL; tested);
@@ -26,18 +26,19 @@ and getting it wrong is silent (a bf16 master copy rounds lr-1e-6 updates away).
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from distflow.device import COMPUTE_DTYPES
 from distflow.hf import load_causal_lm, meta_causal_lm
 from distflow.trainer.attention import register_varlen_attention
 from distflow.trainer.head import response_forward
 
-__all__ = ["DTYPES", "disable_dropout", "gather_full_state", "load_for_training", "load_from_rank0",
+__all__ = ["DTYPES", "disable_dropout", "gather_full_state", "load_for_training", "load_from_rank0", "shard_fp32",
            "shard_mixed_precision"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = COMPUTE_DTYPES
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
@@ -95,27 +96,42 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
     is its FSDP-aware logprob forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
+    def prepare(model: Any) -> None:
+        model.config.use_cache = False
+        model.set_attn_implementation(register_varlen_attention())
+        disable_dropout(model)
+        if activation_checkpointing and trainable:
+            enable_activation_checkpointing(model)
+        if not trainable:
+            model.requires_grad_(False)
+
+    model = shard_fp32(lambda: load_causal_lm(path, torch.float32, "cpu"), lambda: meta_causal_lm(path, torch.float32),
+                       mesh, device, compute_dtype, prepare)
+    model.response_forward = types.MethodType(response_forward, model)
+    register_fsdp_forward_method(model, "response_forward")
+    return model.train()
+
+
+def shard_fp32(load: Callable[[], torch.nn.Module], meta: Callable[[], torch.nn.Module], mesh: Any,
+               device: torch.device, compute_dtype: torch.dtype,
+               prepare: Callable[[torch.nn.Module], Any] = lambda m: None) -> torch.nn.Module:
+    """An fp32 model sharded on ``mesh`` (:func:`shard_mixed_precision`), on ``device``.
+    ``load()`` gives the whole model in host memory, ``meta()`` its structure on the meta
+    device; ``prepare(model)`` runs before sharding. One rank: the loaded model, moved. More:
+    only mesh rank 0 loads, every rank shards ``meta()``, and the shards come from rank 0
+    (:func:`load_from_rank0`), so no rank holds the whole model on its GPU."""
     full = None
     if mesh.size() == 1:
-        model = load_causal_lm(path, torch.float32, device)
-    else:  # only rank 0 reads the checkpoint (into host memory); every rank builds on meta and gets its shards
-        full = load_causal_lm(path, torch.float32, "cpu") if mesh.get_local_rank() == 0 else None
-        model = meta_causal_lm(path, torch.float32)
-    model.config.use_cache = False
-    model.set_attn_implementation(register_varlen_attention())
-    disable_dropout(model)
-    if activation_checkpointing and trainable:
-        enable_activation_checkpointing(model)
-    if not trainable:
-        model.requires_grad_(False)
+        model = load().to(device)
+    else:
+        full = load() if mesh.get_local_rank() == 0 else None
+        model = meta()
+    prepare(model)
     shard_mixed_precision(model, mesh, compute_dtype)
     if mesh.size() > 1:
         model.to_empty(device=device)
         load_from_rank0(model, full, mesh)
-        del full
-    model.response_forward = types.MethodType(response_forward, model)
-    register_fsdp_forward_method(model, "response_forward")
-    return model.train()
+    return model
 
 
 def load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, mesh: Any) -> None:
