@@ -26,11 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LlamaRunner", "kv_slot_bytes", "plan_kv_slots", "unsupported_reason"]
+__all__ = ["KV_CACHE_FRACTION", "LlamaRunner", "kv_slot_bytes", "plan_kv_slots", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
 
 _FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+KV_CACHE_FRACTION = 0.9  # default share of a GPU's free memory the KV cache may take (the rest: activations, graphs)
 
 # One graph capture at a time in the process: generate runs in worker threads and
 # --in-process may hold several engines, and a capture must not overlap another one.
@@ -91,7 +92,7 @@ class LlamaRunner:
     """
 
     def __init__(self, model: Any, *, use_graphs: bool, max_prefill_tokens: int = 8192,
-                 kv_memory_fraction: float = 0.9):
+                 kv_memory_fraction: float = KV_CACHE_FRACTION):
         self.model = model
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, list(inner.layers), inner.norm, \

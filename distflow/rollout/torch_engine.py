@@ -29,7 +29,7 @@ import torch
 
 from distflow.device import node_device, on_device
 from distflow.hf import load_causal_lm, load_tokenizer
-from distflow.rollout.llama_forward import LlamaRunner, unsupported_reason
+from distflow.rollout.llama_forward import KV_CACHE_FRACTION, LlamaRunner, unsupported_reason
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
 from distflow.rollout.sampling import sample_rows, seed_key
@@ -60,7 +60,7 @@ class TorchEngine:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
                  max_batch_size: int = 256, max_slots: int = 256, compile: bool = True,
-                 max_prefill_tokens: int = 8192, kv_cache_memory_fraction: float = 0.9):
+                 max_prefill_tokens: int = 8192, kv_cache_memory_fraction: float = KV_CACHE_FRACTION):
         path = check_model_dir(model_path)
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
         self.max_slots = _positive_int("max_slots", max_slots)

@@ -32,6 +32,7 @@ from distflow.device import call_on, chosen_device, gpu_sharers, node_device
 from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
 from distflow.rollout.engine import make_engine
+from distflow.rollout.llama_forward import KV_CACHE_FRACTION
 from distflow.rollout.stages import run_pipeline
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime
 from distflow.trace import Trace
@@ -43,9 +44,9 @@ POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits f
 
 def kv_cache_fraction(setting: float | None, sharers: int) -> float:
     """The torch engine's KV-cache share of its GPU's free memory: ``engine_kv_cache_memory_fraction``,
-    or (null) 0.9 split among the ``sharers`` nodes placed on that GPU, so that a colocated trainer
-    or another engine that allocates later still finds its part."""
-    return setting if setting is not None else 0.9 / max(1, sharers)
+    or (null) the engine's default split among the ``sharers`` nodes placed on that GPU, so that a
+    colocated trainer or another engine that allocates later still finds its part."""
+    return setting if setting is not None else KV_CACHE_FRACTION / max(1, sharers)
 
 
 def covered_shards(rt: Runtime, groups: Groups) -> list[int]:
