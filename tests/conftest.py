@@ -24,6 +24,24 @@ def toy_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory) -> Path:
+    """A tiny sequence-classification (reward) model saved to a local directory, with a
+    non-zero score head so that its scores differ between samples."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=17, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
+                         pad_token_id=None)
+    model = LlamaForSequenceClassification(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    out = tmp_path_factory.mktemp("rm") / "reward-model"
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
 def toy_data(tmp_path_factory) -> Path:
     from distflow.toy import make_toy_dataset
 

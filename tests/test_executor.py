@@ -185,21 +185,6 @@ def test_pipeline_out_of_order_is_an_error_naming_the_node(engine, toy_model) ->
 
 
 # ----------------------------------------------------------------------------- learned reward model
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=17, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
-                         pad_token_id=None)
-    model = LlamaForSequenceClassification(config)
-    torch.nn.init.normal_(model.score.weight, std=1.0)
-    out = tmp_path_factory.mktemp("rm") / "reward-model"
-    model.save_pretrained(str(out))
-    return out
-
-
 def test_reward_model_stage_scores_like_a_direct_forward(engine, toy_model, reward_model_dir) -> None:
     from transformers import AutoModelForSequenceClassification
 

@@ -13,19 +13,9 @@ import torch
 from distflow.rl import reward_model as rmod
 
 
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=17, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
-                         pad_token_id=None)
-    model = LlamaForSequenceClassification(config)
-    torch.nn.init.normal_(model.score.weight, std=1.0)
-    out = tmp_path_factory.mktemp("rm") / "reward-model"
-    model.save_pretrained(str(out))
-    return str(out)
+@pytest.fixture
+def rm_dir(reward_model_dir) -> str:
+    return str(reward_model_dir)  # the shared tiny reward model (conftest)
 
 
 class Batch:
