@@ -80,12 +80,6 @@ class PinnedStaging:
         return out
 
 
-def _chain(a: Callable[[], Any] | None, b: Callable[[], Any] | None) -> Callable[[], Any] | None:
-    if a is None or b is None:
-        return a or b
-    return lambda: (a(), b())
-
-
 class _Gatherer:
     """Runs the per-tensor collectives of one sync; the choice of collective is the same on every rank.
 
@@ -126,10 +120,9 @@ class _Gatherer:
         return self._servers[key]
 
     @torch.no_grad()
-    def gather_into(self, t: torch.Tensor, out: torch.Tensor | None, then: Callable[[], Any] | None = None,
-                    dtype: torch.dtype | None = None) -> None:
+    def gather_into(self, t: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype | None = None) -> None:
         """Start writing the unsharded value of ``t`` (a DTensor or a plain tensor) into ``out``
-        (None on ranks that keep nothing). Complete after :meth:`wait`, which then runs ``then()``.
+        (None on ranks that keep nothing). Complete after :meth:`wait`.
 
         FSDP2 shards dim 0 in ``torch.chunk`` pieces: the rows are moved straight into ``out``
         (when it is on the collective's device, else through one temporary). Other placements,
@@ -140,7 +133,6 @@ class _Gatherer:
         if not hasattr(t, "full_tensor"):
             if out is not None:
                 out.copy_(t.detach())
-            self._pending.append((None, then))
             return
         from torch.distributed.tensor import Shard
 
@@ -152,26 +144,23 @@ class _Gatherer:
         if world == 1:
             if out is not None:
                 out.copy_(local.reshape(out.shape))
-            self._pending.append((None, then))
             return
         rows = t.shape[0] if t.dim() else 0
         group = mesh.get_group() if tuple(t.placements) == (Shard(0),) and rows else None
         servers = self.servers(group, world, local.device) if group is not None else None
         if servers is not None and not servers:
-            self._pending.append((None, then))
             return  # nobody keeps the weights: no rank moves a byte
         if servers is None or (len(servers) == world and rows % world):
             # not row-sharded, or uneven rows that every rank keeps (each rank casts its shard first)
             full = (t if dtype is None else t.to(dtype)).full_tensor()
             if out is not None:
                 out.copy_(full)
-            self._pending.append((None, then))
             return
         local = local.contiguous() if dtype is None else local.to(dtype, memory_format=torch.contiguous_format)
         direct = out is not None and out.device == local.device and out.dtype == local.dtype
         dst = out if direct else (torch.empty(t.shape, dtype=local.dtype, device=local.device)
                                   if out is not None else None)
-        finish = _chain((lambda: out.copy_(dst)) if (out is not None and not direct) else None, then)
+        finish = (lambda: out.copy_(dst)) if (out is not None and not direct) else None
         if len(servers) == world:
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
             self._pending.append((gather(dst, local, group=group, async_op=True), finish))
@@ -195,7 +184,8 @@ class _Gatherer:
             self._pending.append((w, None))
         if me in servers:
             dst[span[me][0]:span[me][1]].copy_(local)  # while the other rows arrive
-        self._pending.append((None, finish))  # after every operation of this tensor
+        if finish is not None:
+            self._pending.append((None, finish))  # after every operation of this tensor
 
     def take(self) -> list:
         """The operations started since the last take (one bucket's), for :meth:`wait`."""
@@ -204,7 +194,7 @@ class _Gatherer:
 
     @staticmethod
     def wait(pending: list) -> None:
-        """Wait for the operations of :meth:`take`, then run their ``then`` (the bucket is complete)."""
+        """Wait for the operations of :meth:`take`, then run their finishing copies (the bucket is complete)."""
         for work, finish in pending:
             if work is not None:
                 work.wait()
