@@ -201,8 +201,16 @@ async def run_trainer(rt: Runtime) -> None:
     # Torch work runs in worker threads, each with its own current CUDA device: every call
     # below enters this node's GPU first (distflow.device.call_on).
     dev = node_device(cfg.device)
-    actor = await asyncio.to_thread(call_on, dev, Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
-    ctx = await asyncio.to_thread(call_on, dev, build_context, cfg, pipeline, actor)
+
+    def on_gpu(fn: Any, *args: Any) -> Any:
+        return asyncio.to_thread(call_on, dev, fn, *args)
+
+    async def checkpoint(name: str) -> None:  # a collective gather; rank 0 writes
+        state = await on_gpu(actor.full_state_dict)
+        await on_gpu(save_checkpoint, ctx, out_dir / name, state, run_state())
+
+    actor = await on_gpu(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
+    ctx = await on_gpu(build_context, cfg, pipeline, actor)
     rank, world = groups.rank, len(groups.trainer)
     peak = trainer_peak_flops(cfg)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
@@ -243,9 +251,8 @@ async def run_trainer(rt: Runtime) -> None:
         actor.total_steps = inbox.total
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
-        stats = await asyncio.to_thread(call_on, dev, run_pipeline, pipeline, ctx, batch)
-        n, reward, stale, truncated, resp_tokens = await asyncio.to_thread(call_on, dev, step_summary, actor, batch,
-                                                                           step)
+        stats = await on_gpu(run_pipeline, pipeline, ctx, batch)
+        n, reward, stale, truncated, resp_tokens = await on_gpu(step_summary, actor, batch, step)
         t_weights = time.perf_counter()
         await publish(actor.version)
         times["time_weights_s"] = time.perf_counter() - t_weights
@@ -267,19 +274,16 @@ async def run_trainer(rt: Runtime) -> None:
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:
-            state = await asyncio.to_thread(call_on, dev, actor.full_state_dict)
-            await asyncio.to_thread(call_on, dev, save_checkpoint, ctx, out_dir / f"checkpoint-{step}", state,
-                                    run_state())
+            await checkpoint(f"checkpoint-{step}")
 
-    final = await asyncio.to_thread(call_on, dev, actor.full_state_dict)
-    await asyncio.to_thread(call_on, dev, save_checkpoint, ctx, out_dir / "checkpoint", final, run_state())
+    await checkpoint("checkpoint")
     if writer is not None:
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
         await asyncio.to_thread(plot_timings, writer.path, out_dir / "timings.png")
     await publisher.flush(timeout=30)
     await publisher.close()
     rt.node.set_meta(state="done")
-    await asyncio.to_thread(call_on, dev, dist.barrier)
+    await on_gpu(dist.barrier)
     dist.destroy_process_group()
     log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, inbox.dropped)
 
