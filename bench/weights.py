@@ -220,7 +220,7 @@ def run_kind(kind: str, layers: int, reps: int, cuda: bool = False) -> dict[str,
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    q_port, q_roll, q_done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    q_port, q_roll = ctx.Queue(), ctx.Queue()
     roll = ctx.Process(target=rollout_main, args=(kind, layers, q_port, q_roll, cuda), daemon=True)
     roll.start()
     port = q_port.get(timeout=120)
