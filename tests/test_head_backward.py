@@ -47,6 +47,21 @@ def test_cuda_half_backward_uses_fp32_output_gemm_and_matches_fp32(dtype):
         assert h.grad.dtype == w.grad.dtype == dt
         grads.append((h.grad.float(), w.grad.float()))
     assert head._MM_FP32_OUT[0] is True  # the tensor-core path ran
+    assert head._ADDMM_FP32_INTO[0] is not None  # later chunks tried accumulating in place (either way it matches)
     (gh32, gw32), (gh, gw) = grads
     for ref, got in ((gh32, gh), (gw32, gw)):
         assert (got - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_half_chunks_accumulate_into_the_fp32_gradient_in_place():
+    g = torch.Generator().manual_seed(1)
+    a = [torch.randn(64, 48, generator=g).cuda().to(torch.bfloat16) for _ in range(3)]
+    b = [torch.randn(48, 80, generator=g).cuda().to(torch.bfloat16) for _ in range(3)]
+    acc = _add_mm_fp32(None, a[0], b[0])
+    assert acc.dtype == torch.float32
+    for x, y in zip(a[1:], b[1:]):
+        assert _add_mm_fp32(acc, x, y) is acc
+    ref = sum(x.float() @ y.float() for x, y in zip(a, b))
+    assert torch.allclose(acc, ref, rtol=1e-3, atol=1e-2)  # bf16 products, fp32 accumulation

@@ -14,7 +14,7 @@ Logits are computed in the weight's dtype (the compute dtype under mixed precisi
 full-model path and the rollout engine do) and then promoted to fp32 for the softmax. In
 backward both matmuls run in that dtype too (tensor cores; an fp32 matmul is ~16x slower on
 an H100): the weight gradient, summed over chunks, accumulates in fp32 through
-``torch.mm(..., out_dtype=torch.float32)`` on CUDA (:func:`_add_mm_fp32`); elsewhere, and
+fp32-output GEMMs on CUDA, each chunk's added in place (:func:`_add_mm_fp32`); elsewhere, and
 for fp32 weights, it is computed in fp32.
 
 :func:`response_forward` runs a Hugging Face causal LM's decoder once over
@@ -41,13 +41,32 @@ DEFAULT_CHUNK_TOKENS = 1024
 _HALF = (torch.float16, torch.bfloat16)
 # Whether torch.mm(..., out_dtype=torch.float32) (aten::mm.dtype, CUDA-only) works here; None = untried.
 _MM_FP32_OUT: list[bool | None] = [None]
+# Whether torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32) works here; None = untried.
+_ADDMM_FP32_INTO: list[bool | None] = [None]
 
 
 def _add_mm_fp32(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     """``acc + a @ b`` in fp32, ``acc`` updated in place (None: a new fp32 tensor). Half
-    precision CUDA inputs: one tensor-core GEMM with an fp32 result (``aten::mm.dtype``);
-    otherwise (CPU, fp32, a torch without it) the product of the inputs promoted to fp32."""
+    precision CUDA inputs: tensor-core GEMMs with an fp32 result, the first chunk's as
+    ``aten::mm.dtype`` and later ones accumulated straight into ``acc`` (``aten::addmm.dtype_out``
+    with ``out=acc``: no fp32 [V, H] temporary per chunk, 2.2 GB for a 152k x 3584 head; a torch
+    whose kernel refuses an fp32 ``acc`` adds an ``mm.dtype`` product instead); otherwise (CPU,
+    fp32, a torch without them) the product of the inputs promoted to fp32."""
     if a.is_cuda and a.dtype in _HALF and b.dtype == a.dtype and _MM_FP32_OUT[0] is not False:
+        if acc is not None and _ADDMM_FP32_INTO[0] is not False:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            except torch.OutOfMemoryError:
+                raise
+            except (TypeError, NotImplementedError, RuntimeError) as e:  # argument/dtype checks: no kernel ran
+                if _ADDMM_FP32_INTO[0]:
+                    raise  # it worked before: a real error
+                _ADDMM_FP32_INTO[0] = False
+                log.info("LM head backward: addmm(out_dtype=float32) into the fp32 gradient unavailable (%s); "
+                         "each chunk adds an fp32 product", e)
+            else:
+                _ADDMM_FP32_INTO[0] = True
+                return acc
         try:
             prod = torch.mm(a, b, out_dtype=torch.float32)
         except torch.OutOfMemoryError:
