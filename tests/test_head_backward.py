@@ -21,6 +21,19 @@ def test_cpu_half_inputs_take_the_fp32_product_and_accumulate_in_place():
     assert torch.equal(acc, torch.zeros(40, 12).addmm_(a1.float(), b1.float()).addmm_(a2.float(), b2.float()))
 
 
+def test_an_optional_kernel_is_tried_once_and_a_later_failure_is_real():
+    def refuse():
+        raise NotImplementedError("no kernel for this backend")
+
+    works: list[bool | None] = [None]
+    assert head._optional_kernel(works, refuse, "k", "fallback") is None and works == [False]
+    assert head._optional_kernel(works, lambda: 1, "k", "fallback") is None  # not tried again
+    works = [None]
+    assert head._optional_kernel(works, lambda: 5, "k", "fallback") == 5 and works == [True]
+    with pytest.raises(NotImplementedError):  # it worked before: not a missing kernel
+        head._optional_kernel(works, refuse, "k", "fallback")
+
+
 def test_no_tokens_gives_zero_weight_gradient():
     w = torch.randn(9, 4, requires_grad=True)
     lp, ent = chunked_logprobs(torch.zeros(0, 4, requires_grad=True), w, torch.zeros(0, dtype=torch.int64))

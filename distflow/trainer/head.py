@@ -52,37 +52,38 @@ def _add_mm_fp32(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     with ``out=acc``: no fp32 [V, H] temporary per chunk, 2.2 GB for a 152k x 3584 head; a torch
     whose kernel refuses an fp32 ``acc`` adds an ``mm.dtype`` product instead); otherwise (CPU,
     fp32, a torch without them) the product of the inputs promoted to fp32."""
-    if a.is_cuda and a.dtype in _HALF and b.dtype == a.dtype and _MM_FP32_OUT[0] is not False:
-        if acc is not None and _ADDMM_FP32_INTO[0] is not False:
-            try:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            except torch.OutOfMemoryError:
-                raise
-            except (TypeError, NotImplementedError, RuntimeError) as e:  # argument/dtype checks: no kernel ran
-                if _ADDMM_FP32_INTO[0]:
-                    raise  # it worked before: a real error
-                _ADDMM_FP32_INTO[0] = False
-                log.info("LM head backward: addmm(out_dtype=float32) into the fp32 gradient unavailable (%s); "
-                         "each chunk adds an fp32 product", e)
-            else:
-                _ADDMM_FP32_INTO[0] = True
-                return acc
-        try:
-            prod = torch.mm(a, b, out_dtype=torch.float32)
-        except torch.OutOfMemoryError:
-            raise
-        except (TypeError, NotImplementedError, RuntimeError) as e:  # argument/dispatch checks: no kernel ran
-            if _MM_FP32_OUT[0]:
-                raise  # it worked before: a real error
-            _MM_FP32_OUT[0] = False
-            log.warning("LM head backward: torch.mm(out_dtype=float32) unavailable (%s); the weight gradient "
-                        "is computed in fp32 (slower)", e)
-        else:
-            _MM_FP32_OUT[0] = True
+    if a.is_cuda and a.dtype in _HALF and b.dtype == a.dtype:
+        if acc is not None and _optional_kernel(
+                _ADDMM_FP32_INTO, lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
+                "addmm(out_dtype=float32) into the fp32 gradient", "each chunk adds an fp32 product") is not None:
+            return acc
+        prod = _optional_kernel(_MM_FP32_OUT, lambda: torch.mm(a, b, out_dtype=torch.float32),
+                                "torch.mm(out_dtype=float32)", "the weight gradient is computed in fp32 (slower)")
+        if prod is not None:
             return prod if acc is None else acc.add_(prod)
     if acc is None:
         acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
     return acc.addmm_(a.float(), b.float())
+
+
+def _optional_kernel(works: list[bool | None], call: Any, what: str, instead: str) -> Tensor | None:
+    """``call()``, or None when this torch lacks the kernel (remembered in ``works``: the first
+    refusal, an argument or dispatch check before any kernel ran, is logged once and the caller's
+    fallback is used from then on). A failure after it once worked is a real error and raises."""
+    if works[0] is False:
+        return None
+    try:
+        out = call()
+    except torch.OutOfMemoryError:
+        raise
+    except (TypeError, NotImplementedError, RuntimeError) as e:
+        if works[0]:
+            raise
+        works[0] = False
+        log.warning("LM head backward: %s unavailable (%s); %s", what, e, instead)
+        return None
+    works[0] = True
+    return out
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
