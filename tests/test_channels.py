@@ -963,9 +963,9 @@ def test_small_payload_copies_reuse_warm_buffers_once_freed():
     back when the last tensor viewing it dies and the next copy of that size class reuses it."""
     import numpy as np
 
-    from distflow.core.channels.shm_channel import _CopyPool
+    from distflow.core.channels.copy_pool import CopyPool
 
-    pool = _CopyPool(max_free=1)
+    pool = CopyPool(max_free=1)
     src = np.arange(100_000, dtype=np.int64).view(np.uint8)  # 800,000 bytes -> the 1 MiB class
     a = pool.copy(src)
     t = torch.from_numpy(a).view(torch.int64)

@@ -67,6 +67,7 @@ import zmq
 
 from distflow.core.channels import codec
 from distflow.core.channels.base import Endpoint, RemoteError, log
+from distflow.core.channels.copy_pool import CopyPool
 from distflow.core.channels.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
 from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
     _NAME_RE,
@@ -183,7 +184,7 @@ class ShmChannel(ZmqChannel):
         self._rel_flush_later = False  # _rel_flush is the deferred (shm_release_delay) timer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._rx_pool = _CopyPool()
+        self._rx_pool = CopyPool()
         self._expired_at = 0.0
 
     async def start(self) -> None:
@@ -541,39 +542,6 @@ class ShmChannel(ZmqChannel):
                 self._counters["shm_releases_sent"] += len(slots)
             except zmq.ZMQError as e:  # the sender's pool just grows; it never reuses an unreleased slot
                 log.warning("channel %s: could not send shm release to %s: %s", self.node_id, sender, e)
-
-
-class _CopyPool:
-    """Warm buffers for the private copies of small received payloads.
-
-    A fresh 0.5 MiB numpy array is mmapped and page-faults on every write (~4x the cost of the
-    copy itself); these buffers come back here when the last tensor viewing them dies (a
-    ``weakref.finalize``, any thread: list append/pop are atomic under the GIL) and are reused.
-    Sizes are rounded up to powers of two; at most ``max_free`` idle buffers per size.
-    """
-
-    def __init__(self, max_free: int = 32):
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._max_free = max_free
-
-    def copy(self, src: np.ndarray) -> np.ndarray:
-        """A private copy of ``src`` (uint8 [n]) in a pooled buffer."""
-        n = src.nbytes
-        size = max(4096, 1 << (n - 1).bit_length()) if n else 4096
-        free = self._free.setdefault(size, [])
-        try:
-            base = free.pop()
-        except IndexError:
-            base = np.empty(size, dtype=np.uint8)
-        out = base[:n]
-        np.copyto(out, src)
-        fin = weakref.finalize(out, self._give_back, free, base)
-        fin.atexit = False
-        return out
-
-    def _give_back(self, free: list[np.ndarray], base: np.ndarray) -> None:
-        if len(free) < self._max_free:
-            free.append(base)
 
 
 def _end_lease(slot: _Slot) -> None:
