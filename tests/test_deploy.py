@@ -241,6 +241,24 @@ def test_hostfile_gpus_follow_the_placement_rule():
     assert plan("h trainer=1 rollout=1 device=cuda bind=10.0.0.1") == {"trainer-h-0": None, "rollout-h-0": None}
 
 
+def test_hostfile_without_gpus_is_refused_when_the_config_says_cuda(tmp_path):
+    """The "two trainer ranks need gpus=" rule reads the device the nodes will run on: the
+    host's device=, else the config's (with the command line's overrides)."""
+    dp = load_launcher()
+    cuda, cpu = tmp_path / "cuda.yaml", tmp_path / "cpu.yaml"
+    cuda.write_text("device: cuda\n")
+    cpu.write_text("lr: 1.0e-5\n")
+    two = dp.parse_hostfile("h trainer=2 rollout=1 bind=10.0.0.1")
+    with pytest.raises(dp.LaunchError, match=r"host h: trainer=2 on device: cuda \(from the config\) needs gpus="):
+        dp.build_plans(two, str(cuda), [], "/r", "/w")
+    with pytest.raises(dp.LaunchError, match="needs gpus="):
+        dp.build_plans(two, str(cpu), ["device=cuda"], "/r", "/w")
+    assert dp.build_plans(two, str(cuda), ["device=cpu"], "/r", "/w")  # overridden back to cpu
+    assert dp.build_plans(dp.parse_hostfile("h trainer=2 rollout=1 device=cpu bind=10.0.0.1"), str(cuda), [],
+                          "/r", "/w")  # the host's device= wins
+    assert dp.build_plans(two, str(tmp_path / "missing.yaml"), [], "/r", "/w")  # unreadable here: the check says so
+
+
 def test_hostfile_worker_groups_plan_their_nodes_counts_and_argv(tmp_path):
     """``group.NAME=N``: N nodes of worker group NAME on that host (``--role worker --group
     NAME``), the totals become ``worker_groups.NAME``, GPUs are placed like rollout nodes, and
