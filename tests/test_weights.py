@@ -310,6 +310,38 @@ def test_resolve_transport_by_locality() -> None:
         resolve_transport("carrier-pigeon", True, True, True)
 
 
+def test_rollout_nodes_are_served_from_their_own_host_with_the_load_even() -> None:
+    from distflow.rl.weight_transport import serving_plan
+
+    # one host (distflow run): round-robin by rank
+    one = [("t0", "h"), ("t1", "h")]
+    assert serving_plan(one, [(f"r{i}", "h") for i in range(5)]) == {"t0": ["r0", "r2", "r4"], "t1": ["r1", "r3"]}
+    # two colocated hosts, ids sorted by host: round-robin by rank would cross hosts for half of them
+    two = [("trainer-a-0", "10.0.0.1"), ("trainer-b-0", "10.0.0.2")]
+    rollouts = [("rollout-a-0", "10.0.0.1"), ("rollout-a-1", "10.0.0.1"),
+                ("rollout-b-0", "10.0.0.2"), ("rollout-b-1", "10.0.0.2")]
+    assert serving_plan(two, rollouts) == {"trainer-a-0": ["rollout-a-0", "rollout-a-1"],
+                                           "trainer-b-0": ["rollout-b-0", "rollout-b-1"]}
+    # more rollout nodes on one host than its trainers' fair share: the surplus goes where there is room
+    uneven = [("ra0", "a"), ("ra1", "a"), ("ra2", "a"), ("rb0", "b")]
+    assert serving_plan(two[:1] + [("tb", "b")], [(r, "10.0.0.1" if h == "a" else "b") for r, h in uneven]) == {
+        "trainer-a-0": ["ra0", "ra1"], "tb": ["ra2", "rb0"]}
+    # rollout-only hosts (the pdsh example: trainers on gpu-a, rollouts on gpu-b): balanced, lower rank first
+    plan = serving_plan(two[:1] + [("trainer-a-1", "10.0.0.1")], [(f"r{i}", "10.0.0.9") for i in range(3)])
+    assert plan == {"trainer-a-0": ["r0", "r2"], "trainer-a-1": ["r1"]}
+    # every rollout node is served exactly once, whatever the layout
+    hosts = ["x", "y", "z"]
+    for nt in range(1, 5):
+        for nr in range(0, 9):
+            tr = [(f"t{i}", hosts[i % 2]) for i in range(nt)]
+            ro = [(f"r{i}", hosts[i % 3]) for i in range(nr)]
+            got = serving_plan(tr, ro)
+            assert sorted(r for rs in got.values() for r in rs) == sorted(r for r, _ in ro)
+            assert max(map(len, got.values())) <= -(-nr // nt)
+    with pytest.raises(ValueError, match="at least one trainer"):
+        serving_plan([], [("r0", "h")])
+
+
 # ----------------------------------------------------------------------------- GPU tiers
 def _gpu_rollout(kind: str, device: int, q_out, out_path: str) -> None:
     """The rollout end of a GPU tier in its own process (NCCL ranks may not share a GPU, and a

@@ -22,6 +22,10 @@ two GPU-only wire forms live here so ``weights.py`` stays about versions, not tr
   Buckets are pipelined: bucket k+1 is gathered while bucket k is on the wire.
 * ``channel`` (anything else, CPU): shared memory / ZeroMQ frames; CUDA buckets are staged
   into reusable pinned host buffers first (:class:`PinnedPool`).
+
+Which trainer rank serves which rollout node is chosen by locality too (:func:`serving_plan`):
+a rollout node is served from its own host when a trainer rank runs there (CUDA IPC instead
+of NCCL on GPUs, shared memory instead of TCP on CPUs), the load kept even.
 """
 
 from __future__ import annotations
@@ -35,6 +39,27 @@ import torch
 TRANSPORTS = ("auto", "channel", "cuda_ipc", "nccl")
 SYNC_MODES = ("full", "delta")
 log = logging.getLogger(__name__)
+
+
+def serving_plan(trainers: list[tuple[str, str]], rollouts: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """Which rollout nodes each trainer rank serves: ``{trainer id: [rollout ids]}``.
+
+    trainers, rollouts: ``(node id, host)`` in rank order. Every trainer rank computes this
+    alone from the same member lists, so it is a pure, deterministic rule: each rollout node
+    (in order) goes to the least-loaded trainer rank on its own host that serves fewer than
+    ``ceil(rollouts / trainers)``, else to the least-loaded trainer rank anywhere (ties: the
+    lower rank). On one host this is round-robin; across hosts a rollout node is never sent
+    to another host while a trainer on its own host has room.
+    """
+    if not trainers:
+        raise ValueError("serving_plan needs at least one trainer rank")
+    cap = -(-len(rollouts) // len(trainers))
+    plan: dict[str, list[str]] = {t: [] for t, _ in trainers}
+    for rid, rhost in rollouts:
+        local = [t for t, h in trainers if h == rhost and len(plan[t]) < cap]
+        pool = local or [t for t, _ in trainers]
+        plan[min(pool, key=lambda t: len(plan[t]))].append(rid)  # min keeps the first (lowest rank) on ties
+    return plan
 
 
 def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout_cuda: bool) -> str:

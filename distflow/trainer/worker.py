@@ -33,7 +33,7 @@ from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.core.channels import Envelope
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime
-from distflow.rl.weight_transport import resolve_transport
+from distflow.rl.weight_transport import resolve_transport, serving_plan
 from distflow.trainer.actor import Actor
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
@@ -215,7 +215,8 @@ async def run_trainer(rt: Runtime) -> None:
     peak = trainer_peak_flops(cfg)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
     rollout_ids = [m.node_id for m in groups.rollout]
-    mine = [node_id for i, node_id in enumerate(rollout_ids) if i % world == rank]
+    mine = serving_plan([(m.node_id, m.host) for m in groups.trainer],
+                        [(m.node_id, m.host) for m in groups.rollout])[groups.trainer[rank].node_id]
     publisher = make_publisher(rt, mine)
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
