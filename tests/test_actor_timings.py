@@ -72,3 +72,19 @@ def test_stage_summary_line_status_column_and_plot(tmp_path):
                                + "\n" for s in range(5)))
     plot_timings(metrics, tmp_path / "timings.png")
     assert (tmp_path / "timings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resumed_run_keeps_the_metrics_rows_before_its_checkpoint_only(tmp_path):
+    """The run reached step 5, its newest checkpoint is at step 3: steps 3-5 are trained again
+    after the resume, so their old rows go (else metrics.jsonl and the curves hold them twice)."""
+    from distflow.trainer.metrics import MetricsWriter, read_metrics
+
+    first = MetricsWriter(tmp_path)
+    for step in range(6):
+        first.write({"step": step, "reward_mean": step / 10})
+    resumed = MetricsWriter(tmp_path, resume_step=3)
+    assert [r["step"] for r in read_metrics(resumed.path)] == [0, 1, 2]
+    resumed.write({"step": 3, "reward_mean": 0.9})
+    assert [(r["step"], r["reward_mean"]) for r in read_metrics(resumed.path)] == [(0, 0.0), (1, 0.1), (2, 0.2),
+                                                                                   (3, 0.9)]
+    assert [r["step"] for r in read_metrics(MetricsWriter(tmp_path).path)] == []  # a fresh run starts empty

@@ -69,7 +69,9 @@ def test_bf16_compute_step_moves_fp32_masters_like_an_fp32_step(toy_model, world
     for state in actor.optim.state.values():
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
     out = tmp_path / "ckpt"
-    actor.save_checkpoint(out, after16, {"step": 1})
+    from distflow.trainer.executor import TrainerContext, save_checkpoint
+
+    save_checkpoint(TrainerContext(actor.cfg, actor=actor, critic=None, rank=0), out, after16, {"step": 1})
     import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(str(out / "optimizer")).read_metadata().state_dict_metadata
@@ -110,3 +112,44 @@ def test_dropout_is_off_in_the_trainer_forward(toy_model, world1, tmp_path):
         expect, _ = response_forward(plain, inputs)
     assert torch.equal(a, b)
     assert torch.allclose(a, expect, atol=1e-6)
+
+
+def test_a_checkpoint_counts_only_once_every_part_is_written(toy_model, world1, tmp_path):
+    """Rewriting ``checkpoint/`` in place (every run's end) first takes its completion marker
+    away: a save that dies part-way (here: the critic's part raises) leaves a directory that
+    ``newest_checkpoint`` skips instead of one whose stale marker vouches for torn contents."""
+    from distflow.launcher import newest_checkpoint
+    from distflow.trainer.actor import STATE_FILE, Actor
+    from distflow.trainer.executor import TrainerContext, save_checkpoint
+
+    actor = Actor(_cfg(toy_model), with_reference=False)
+    out = tmp_path / "run" / "checkpoint"
+    out.mkdir(parents=True)
+    (out / STATE_FILE).write_text(json.dumps({"policy_version": 99}))  # a previous run's complete save
+
+    class FailingCritic:
+        def save_checkpoint(self, _dir):
+            raise OSError("disk full")
+
+    state = actor.full_state_dict()
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(TrainerContext(actor.cfg, actor=actor, critic=FailingCritic(), rank=0), out, state, {"step": 0})
+    assert not (out / STATE_FILE).exists() and newest_checkpoint(tmp_path / "run") is None
+    save_checkpoint(TrainerContext(actor.cfg, actor=actor, critic=None, rank=0), out, state, {"step": 0})
+    assert json.loads((out / STATE_FILE).read_text()) == {"policy_version": 0, "step": 0}
+    assert newest_checkpoint(tmp_path / "run") == out and not list(out.glob("*.tmp"))
+
+
+def test_resume_takes_adam_settings_from_the_config_not_the_checkpoint(toy_model):
+    from distflow.trainer.actor import apply_optimizer_config
+
+    p = torch.nn.Parameter(torch.ones(3))
+    saved = torch.optim.AdamW([p], lr=1e-3, betas=(0.8, 0.9), weight_decay=0.1)
+    p.grad = torch.ones(3)
+    saved.step()
+    resumed = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    resumed.load_state_dict(saved.state_dict())  # what set_optimizer_state_dict does to the groups
+    assert resumed.param_groups[0]["weight_decay"] == 0.1
+    apply_optimizer_config(resumed, _cfg(toy_model, "weight_decay=0.01", "adam_betas=[0.9,0.95]"))
+    assert resumed.param_groups[0]["weight_decay"] == 0.01 and resumed.param_groups[0]["betas"] == (0.9, 0.95)
+    assert resumed.state[p]["exp_avg"].abs().sum() > 0  # the moments themselves are kept

@@ -38,7 +38,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import collective_device, node_device
-from distflow.hf import load_causal_lm, load_tokenizer
+from distflow.hf import load_tokenizer, meta_causal_lm
 from distflow.rl.registry import POLICY_LOSSES, resolve
 from distflow.trainer.model import DTYPES, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
@@ -158,6 +158,7 @@ class Actor:
         optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
         dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
         set_optimizer_state_dict(self.model, self.optim, optim["optim"])
+        apply_optimizer_config(self.optim, self.cfg)
         log.info("resumed from %s at policy version %d", ckpt, self.version)
 
     # ------------------------------------------------------------------ helpers
@@ -296,24 +297,69 @@ class Actor:
         Publishing to rollout nodes streams buckets instead (``gather.iter_weight_buckets``)."""
         return gather_full_state(self.model, keep=self.rank == 0)
 
-    def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor], run_state: dict[str, Any]) -> None:
+    def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
         """A Hugging Face directory (model + tokenizer, loadable with from_pretrained, written by
         rank 0; the weights are the fp32 master weights whatever the compute ``dtype``, so a
-        resumed run continues exactly; ``from_pretrained(dtype=...)`` casts on load) plus what
-        a resumed run needs: the sharded fp32 optimizer state (every rank writes its shard
-        with torch.distributed.checkpoint) and ``distflow_state.json`` (policy version and the
-        data position, which is the global step)."""
-        import json
+        resumed run continues exactly; ``from_pretrained(dtype=...)`` casts on load) plus the
+        sharded fp32 optimizer state (every rank writes its shard with
+        torch.distributed.checkpoint). A collective. The directory counts as a checkpoint only
+        once :func:`mark_checkpoint` has written ``distflow_state.json`` (after every part).
 
+        Rank 0 writes ``state`` through a model built on the meta device, not a second full
+        fp32 copy loaded from ``model_path`` (that doubled host memory at every checkpoint)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)}, checkpoint_id=str(out_dir / OPTIM_DIR))
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)},
+                 storage_writer=checkpoint_writer(out_dir / OPTIM_DIR))
         if self.rank != 0:
             return
-        model = load_causal_lm(self.cfg.model_path, torch.float32, "cpu")
-        model.load_state_dict(state, strict=True)
+        model = meta_causal_lm(self.cfg.model_path, torch.float32)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.tie_weights()  # assign replaced the tied parameters with two separate ones
         model.save_pretrained(str(out_dir))
         load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))
-        (out_dir / STATE_FILE).write_text(json.dumps({"policy_version": self.version, **run_state}, indent=1))
+
+
+def apply_optimizer_config(optim: torch.optim.Optimizer, cfg: Config) -> None:
+    """The config's AdamW settings over what a loaded optimizer state restored: loading restores
+    the checkpoint's param groups, and a resumed run must use the config it was started with
+    (the learning rate is set every step anyway)."""
+    for g in optim.param_groups:
+        g["betas"], g["weight_decay"] = tuple(cfg.adam_betas), cfg.weight_decay
+
+
+def checkpoint_writer(path: Path) -> Any:
+    """The DCP writer of an optimizer-state directory: overwriting a previous save in place
+    (``checkpoint/`` is rewritten at every run's end) said explicitly, not left to a default
+    (torch still warns about that default at every overwrite; that one warning is silenced)."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint in .* overwriting since "
+                            "self.overwrite=True", category=UserWarning)  # added once: a repeat replaces it
+
+    if "overwrite" in inspect.signature(FileSystemWriter.__init__).parameters:
+        return FileSystemWriter(str(path), overwrite=True)
+    return FileSystemWriter(str(path))  # pragma: no cover - a torch that always overwrites
+
+
+def unmark_checkpoint(out_dir: Path) -> None:
+    """Rank 0, before a checkpoint's first write: a directory being (re)written is not a
+    checkpoint until :func:`mark_checkpoint` (a kill mid-write leaves no stale marker behind)."""
+    (out_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def mark_checkpoint(out_dir: Path, run_state: dict[str, Any]) -> None:
+    """Rank 0, after every part of a checkpoint is on disk (the optimizer shards' DCP save ends
+    in a collective): ``distflow_state.json``, written to a temporary name and renamed, so the
+    marker is either absent or whole. ``run_state`` carries ``policy_version`` and the data position."""
+    import json
+    import os
+
+    tmp = out_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(run_state, indent=1))
+    os.replace(tmp, out_dir / STATE_FILE)
+

@@ -34,7 +34,7 @@ from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
-from distflow.trainer.actor import all_reduce, step_micro_batches
+from distflow.trainer.actor import all_reduce, apply_optimizer_config, checkpoint_writer, step_micro_batches
 from distflow.trainer.attention import register_varlen_attention
 from distflow.trainer.model import DTYPES, disable_dropout, gather_full_state, shard_fp32
 from distflow.trainer.packing import ModelInputs, split_mini_batches
@@ -226,7 +226,8 @@ class Critic:
         out = Path(ckpt_dir) / CRITIC_DIR
         out.mkdir(parents=True, exist_ok=True)
         full = gather_full_state(self.model, keep=self.rank == 0)  # every rank gathers, rank 0 keeps
-        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)}, checkpoint_id=str(out / OPTIM_DIR))
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)},
+                 storage_writer=checkpoint_writer(out / OPTIM_DIR))
         if self.rank == 0:
             save_file(full, str(out / WEIGHTS_FILE))
             self.config.save_pretrained(str(out))
@@ -239,6 +240,7 @@ class Critic:
         optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
         dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
         set_optimizer_state_dict(self.model, self.optim, optim["optim"])
+        apply_optimizer_config(self.optim, self.cfg)
         state = ckpt / "critic_state.json"
         self.steps = int(json.loads(state.read_text())["steps"]) if state.is_file() else 0
         log.info("critic resumed from %s (%d optimizer steps)", ckpt, self.steps)

@@ -236,9 +236,19 @@ def build_context(cfg: Config, pipeline: list[WorkflowNode], actor: Any) -> Trai
 
 
 def save_checkpoint(ctx: TrainerContext, out_dir: Any, state: dict[str, torch.Tensor], run_state: dict) -> None:
-    """Actor checkpoint plus, with a critic, ``<out_dir>/critic/`` (a collective)."""
+    """Actor checkpoint plus, with a critic, ``<out_dir>/critic/`` (a collective). Rank 0 takes
+    the completion marker away before anything is written and puts it back only after the last
+    part: a checkpoint killed mid-write is never taken for a whole one (``newest_checkpoint``)."""
     from pathlib import Path
 
-    ctx.actor.save_checkpoint(Path(out_dir), state, run_state)
+    from distflow.trainer.actor import mark_checkpoint, unmark_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if ctx.rank == 0:  # before the first collective of the save: no rank has written anything yet
+        unmark_checkpoint(out)
+    ctx.actor.save_checkpoint(out, state)
     if ctx.critic is not None:
-        ctx.critic.save_checkpoint(Path(out_dir))
+        ctx.critic.save_checkpoint(out)
+    if ctx.rank == 0:
+        mark_checkpoint(out, {"policy_version": ctx.actor.version, **run_state})

@@ -19,11 +19,20 @@ STAGE_KEYS = (*STAGE_TIME_KEYS, "tokens_per_s", "mfu")
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path, append: bool = False):
+    """``metrics.jsonl`` of a run. A fresh run starts it empty; a run resumed at step ``resume_step``
+    keeps the rows of the steps before it and drops the later ones (the run got further than its
+    checkpoint before it stopped: those steps are trained again, and would appear twice)."""
+
+    def __init__(self, output_dir: Path, resume_step: int | None = None):
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / "metrics.jsonl"
-        if not append:
+        if resume_step is None:
             self.path.write_text("")
+            return
+        kept = [r for r in read_metrics(self.path) if isinstance(r.get("step"), int) and r["step"] < resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        tmp.replace(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:

@@ -34,7 +34,7 @@ from distflow.core.channels import Envelope
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime
 from distflow.rl.weight_transport import resolve_transport, serving_plan
-from distflow.trainer.actor import Actor
+from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings, with_generated_mean
@@ -220,7 +220,7 @@ async def run_trainer(rt: Runtime) -> None:
     publisher = make_publisher(rt, mine)
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
-    writer = MetricsWriter(out_dir, append=bool(cfg.resume_from)) if rank == 0 else None
+    writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
     log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
              mine)
@@ -238,13 +238,19 @@ async def run_trainer(rt: Runtime) -> None:
 
     while inbox.total is None or step < inbox.total:
         t_wait = time.perf_counter()
+        batch: SampleBatch | None = None
         try:
             batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
                                              min_version=step - cfg.max_staleness, alive=alive)
         except SourceLostError:
             if not all((m := rt.node.member(i)) is not None and m.state == "left" for i in rollout_ids):
                 raise
-            log.warning("trainer rank %d: every rollout node left the mesh (the cluster is being stopped); "
+        # Every rank stops at the same step: a stop mid-send can leave one rank its whole step and
+        # another none, and a rank training while another checkpoints pairs their collectives wrongly.
+        if world > 1 and (await on_gpu(all_reduce, [float(batch is not None)], dist.ReduceOp.MIN))[0] < 1:
+            batch = None
+        if batch is None:
+            log.warning("trainer rank %d: the rollout nodes left the mesh (the cluster is being stopped); "
                         "saving a checkpoint at step %d", rank, step)
             break
         times = {"time_wait_s": time.perf_counter() - t_wait}
