@@ -35,7 +35,6 @@ from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config
 
 STOP_GRACE_S = 15.0
-CHECKPOINT_GRACE_S = 60.0  # on Ctrl-C: how long the trainers get to save their final checkpoint
 RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
 T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
 
@@ -257,7 +256,7 @@ def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
             c.proc.wait(timeout=5)
 
 
-def stop_for_checkpoint(children: list[Child], grace_s: float = CHECKPOINT_GRACE_S) -> None:
+def stop_for_checkpoint(children: list[Child], grace_s: float) -> None:
     """Stop the producers first (the rollout and controller nodes leave the mesh), so each
     trainer saves a checkpoint at its last completed step and exits by itself; then the rest."""
     producers = [c for c in children if c.role != "trainer"]
@@ -348,10 +347,11 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         bar.poll()
     except KeyboardInterrupt:
         bar.close()
-        print("\ndistflow: interrupted; stopping the rollout nodes, the trainers save a checkpoint",
-              file=sys.stderr)
+        # A big model's save takes minutes: the trainers get as long as any of their collectives may take.
+        print(f"\ndistflow: interrupted; stopping the rollout nodes, the trainers save a checkpoint (up to "
+              f"{cfg.step_timeout_s:.0f}s, step_timeout_s; Ctrl-C again to stop at once)", file=sys.stderr)
         try:
-            stop_for_checkpoint(children)
+            stop_for_checkpoint(children, grace_s=cfg.step_timeout_s)
         except KeyboardInterrupt:  # a second Ctrl-C: do not wait for the checkpoint
             print("distflow: interrupted again; stopping every node now", file=sys.stderr)
             stop_children(children, grace_s=5.0)
