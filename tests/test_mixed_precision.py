@@ -122,7 +122,14 @@ def test_a_checkpoint_counts_only_once_every_part_is_written(toy_model, world1, 
     from distflow.trainer.actor import STATE_FILE, Actor
     from distflow.trainer.executor import TrainerContext, save_checkpoint
 
-    actor = Actor(_cfg(toy_model), with_reference=False)
+    import shutil
+
+    model = tmp_path / "model"  # a model whose generation config is its own (stop ids, sampling defaults)
+    shutil.copytree(toy_model, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [1, 3], "temperature": 0.7,
+                                                             "do_sample": True}))
+    actor = Actor(_cfg(model), with_reference=False)
     out = tmp_path / "run" / "checkpoint"
     out.mkdir(parents=True)
     (out / STATE_FILE).write_text(json.dumps({"policy_version": 99}))  # a previous run's complete save
@@ -138,6 +145,8 @@ def test_a_checkpoint_counts_only_once_every_part_is_written(toy_model, world1, 
     save_checkpoint(TrainerContext(actor.cfg, actor=actor, critic=None, rank=0), out, state, {"step": 0})
     assert json.loads((out / STATE_FILE).read_text()) == {"policy_version": 0, "step": 0}
     assert newest_checkpoint(tmp_path / "run") == out and not list(out.glob("*.tmp"))
+    saved = json.loads((out / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == [1, 3] and saved["temperature"] == 0.7  # the model's, not one made from config.json
 
 
 def test_resume_takes_adam_settings_from_the_config_not_the_checkpoint(toy_model):

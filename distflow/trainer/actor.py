@@ -318,6 +318,10 @@ class Actor:
         model = meta_causal_lm(self.cfg.model_path, torch.float32)
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()  # assign replaced the tied parameters with two separate ones
+        if (Path(self.cfg.model_path) / "generation_config.json").is_file():  # from_config made a default one:
+            from transformers import GenerationConfig  # keep the model's stop ids and sampling defaults
+
+            model.generation_config = GenerationConfig.from_pretrained(self.cfg.model_path, local_files_only=True)
         model.save_pretrained(str(out_dir))
         load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))
 
