@@ -207,6 +207,13 @@ def test_reward_model_stage_scores_like_a_direct_forward(engine, toy_model, rewa
     b2 = SampleBatch(batch.sample_ids, batch.prompt_ids, {k: v for k, v in batch.tensors.items() if k != "reward"})
     run_trainer_pipeline([tnode], tctx, b2)
     assert torch.allclose(b2.tensors["reward"], batch.tensors["reward"], atol=1e-5)
+    # without args.dtype the reward model runs in the run's compute dtype (a 7B one in fp32 is 30 GB)
+    from distflow.rl import reward_model as rmod
+
+    b3 = SampleBatch(batch.sample_ids, batch.prompt_ids, {k: v for k, v in batch.tensors.items() if k != "reward"})
+    run_trainer_pipeline([tnode], TrainerContext(make_cfg(toy_model, workflow=cfg.workflow, dtype="bfloat16")), b3)
+    assert (str(reward_model_dir.resolve()), "cpu", "torch.bfloat16") in rmod._CACHE
+    assert torch.allclose(b3.tensors["reward"], batch.tensors["reward"], atol=0.1)
 
 
 def test_reward_model_errors_name_the_node(engine, toy_model, tmp_path) -> None:

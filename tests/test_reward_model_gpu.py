@@ -83,3 +83,31 @@ def test_the_forward_runs_on_the_models_device(rm_dir, monkeypatch):
 def test_bad_args_are_refused_naming_the_key(rm_dir, args, message):
     with pytest.raises(ValueError, match=message):
         rmod.score_batch(node(path=rm_dir, **args), make_batch())
+
+
+def test_the_score_head_runs_in_fp32_for_a_half_precision_model(rm_dir):
+    rm = rmod.load_reward_model(rm_dir, "cpu", torch.bfloat16)
+    h = torch.randn(4, rm.head.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = rm._head_fp32(h)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, h.float() @ rm.head.weight.float().t())  # not rounded to bf16 (~3 significant digits)
+    assert not torch.equal(got, rm.head(h).float())
+
+
+def test_a_reward_model_with_another_tokenizer_is_refused(tmp_path, toy_model):
+    """It reads the policy's token ids: a tokenizer of its own that differs is an error naming
+    both sizes; the same tokenizer, or none in its directory, passes."""
+    from transformers import AutoTokenizer
+
+    same, other, none = tmp_path / "same", tmp_path / "other", tmp_path / "none"
+    for d in (same, other, none):
+        d.mkdir()
+        (d / "config.json").write_text((toy_model / "config.json").read_text())
+    AutoTokenizer.from_pretrained(str(toy_model)).save_pretrained(str(same))
+    tok = AutoTokenizer.from_pretrained(str(toy_model))
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(str(other))
+    rmod.same_tokenizer(same, toy_model)
+    rmod.same_tokenizer(none, toy_model)
+    with pytest.raises(ValueError, match=r"its tokenizer is not the policy's \(\d+ vs \d+ tokens, 1 entries differ\)"):
+        rmod.same_tokenizer(other, toy_model)

@@ -7,7 +7,7 @@ that both groups share rather than in either group's package.
 
 The model is ``AutoModelForSequenceClassification`` with ``num_labels == 1`` loaded from a
 local directory (nothing is downloaded); it reads the policy's token ids (prompt +
-response), so it must share the policy's vocabulary. The score of a sample is the head's
+response), so it must share the policy's tokenizer (checked when its directory has one). The score of a sample is the head's
 output at the sample's last real token, computed here (right padding, positions from the
 attention mask) rather than by the model's own pooling, which needs a pad id that never
 occurs in real text.
@@ -24,10 +24,11 @@ from torch import Tensor
 
 from distflow.device import COMPUTE_DTYPES, on_device
 
-__all__ = ["RewardModel", "load_reward_model", "score_batch"]
+__all__ = ["RewardModel", "load_reward_model", "same_tokenizer", "score_batch"]
 
 _CACHE: dict[tuple[str, str, str], "RewardModel"] = {}
 _CACHE_LOCK = threading.Lock()
+_SAME_TOKENIZER: set[tuple[str, str]] = set()  # (reward model dir, policy dir) pairs already checked
 
 
 class RewardModel:
@@ -88,8 +89,34 @@ class RewardModel:
             hidden = self.base(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)[0]
             last = attn.sum(-1) - 1  # [b]
             h = hidden[torch.arange(len(seqs), device=hidden.device), last]  # [b, H]
-            out.append(self.head(h)[:, 0].float().cpu())
+            out.append(self._head_fp32(h)[:, 0].cpu())
         return torch.cat(out) if out else torch.zeros(0)
+
+
+    def _head_fp32(self, h: Tensor) -> Tensor:
+        """The score head in fp32 whatever the model's dtype: a bf16 score is rounded by up to ~0.03
+        at |score| ~ 1, as large as the differences GRPO normalises within a group."""
+        w, b = self.head.weight, getattr(self.head, "bias", None)
+        return torch.nn.functional.linear(h.float(), w.float(), None if b is None else b.float())
+
+
+def same_tokenizer(model_dir: str | Path, policy_dir: str | Path) -> None:
+    """Raise ValueError when the reward model's directory has a tokenizer that is not the policy's
+    (it scores the policy's token ids: another vocabulary would score nonsense, silently when
+    its vocabulary is larger). No tokenizer there: only the id bound of ``score`` applies."""
+    key = (str(Path(model_dir).resolve()), str(Path(policy_dir).resolve()))
+    if key in _SAME_TOKENIZER:
+        return
+    if any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from distflow.hf import load_tokenizer
+
+        ours, theirs = load_tokenizer(policy_dir).get_vocab(), load_tokenizer(model_dir).get_vocab()
+        if ours != theirs:
+            differ = len(set(ours.items()) ^ set(theirs.items()))
+            raise ValueError(f"reward model {key[0]!r}: its tokenizer is not the policy's ({len(theirs)} vs "
+                             f"{len(ours)} tokens, {differ} entries differ); a reward model reads the policy's "
+                             f"token ids, so it must share the policy's tokenizer")
+    _SAME_TOKENIZER.add(key)
 
 
 def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> RewardModel:
@@ -101,12 +128,15 @@ def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch
         return _CACHE[key]
 
 
-def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype = torch.float32,
+                policy_path: str | None = None) -> Any:
     """A REWARD MODEL_INFERENCE node on any group. ``node.args``: ``path`` (a local
     sequence-classification model dir), optional ``weight`` (default 1), ``dtype`` (float32,
-    bfloat16 or float16: the model's weights and compute; default ``dtype``, float32) and
+    bfloat16 or float16: the model's weights and compute; default ``dtype``, which the
+    executors pass as the run's compute dtype; the score head runs in fp32 either way) and
     ``micro_batch_size`` (samples per forward, default 64; lower it for long sequences on a
-    GPU). The weighted score is added to an existing ``reward`` (a rule-based one that ran
+    GPU). With ``policy_path``, a reward model directory holding a tokenizer must hold the
+    policy's. The weighted score is added to an existing ``reward`` (a rule-based one that ran
     before) or becomes it. Raises ValueError naming the node and the key."""
     path = node.args.get("path")
     if not isinstance(path, str) or not path:
@@ -118,6 +148,8 @@ def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype =
         raise ValueError(f"workflow node {node.id!r}: args.micro_batch_size {mbs!r} must be an integer >= 1")
     try:
         weight = float(node.args.get("weight", 1.0))
+        if policy_path is not None:
+            same_tokenizer(path, policy_path)
         rm = load_reward_model(path, device, COMPUTE_DTYPES[name] if name is not None else dtype)
         scores = rm.score(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"), mbs) * weight
     except (ValueError, TypeError, FileNotFoundError) as e:

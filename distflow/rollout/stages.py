@@ -154,10 +154,11 @@ def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -
 
 @register_stage("REWARD", "MODEL_INFERENCE")
 def reward_model(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
-    from distflow.device import node_device
+    from distflow.device import COMPUTE_DTYPES, node_device
 
     try:
-        return score_batch(node, _need(node, batch), node_device(ctx.cfg.device))
+        return score_batch(node, _need(node, batch), node_device(ctx.cfg.device), COMPUTE_DTYPES[ctx.cfg.dtype],
+                           ctx.cfg.model_path)
     except ValueError as e:
         raise StageError(str(e)) from None
 

@@ -35,7 +35,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.core.executor import StageRegistry
-from distflow.device import collective_device, node_device
+from distflow.device import COMPUTE_DTYPES, collective_device, node_device
 from distflow.rl.advantages import token_rewards
 from distflow.rl.kl import kl_estimate
 from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
@@ -121,7 +121,7 @@ def critic_values(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -
 @register_stage("REWARD", "MODEL_INFERENCE")
 def reward_model(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     """Each rank scores its own samples with a replicated, frozen reward model."""
-    score_batch(node, batch, node_device(ctx.cfg.device))
+    score_batch(node, batch, node_device(ctx.cfg.device), COMPUTE_DTYPES[ctx.cfg.dtype], ctx.cfg.model_path)
     return {}
 
 
