@@ -79,22 +79,24 @@ def test_bucketed_gather_of_fsdp2_model_equals_unsharded_weights(toy_model: Path
     assert r0["again"] == [] and r1["buckets"] == []  # discarding ranks yield nothing
     assert r0["again_wire"] == r1["again_wire"] == ["torch.bfloat16"]  # fp32 shards cast before they travel
     assert r0["nobody"] == [] and r1["nobody"] == []
-    # the toy state dict: 21 tensors, all row-sharded; 2 of them (embed_tokens, lm_head: 17 rows) uneven
+    # the toy state dict: 21 tensors, all row-sharded; the LM head is the embedding (tied), published
+    # once: 20 tensors, one of them (embed_tokens: 17 rows) uneven
     for r in (r0, r1):
         # one serving rank: only the 1-element flags all-gather, then one point-to-point batch per tensor
-        assert r["one_server"] == {"all_gather": 1, "p2p": 21}, r["one_server"]
+        assert r["one_server"] == {"all_gather": 1, "p2p": 20}, r["one_server"]
         # every rank serves: the flags, then one all-gather per even tensor (the 2 uneven: full_tensor)
         assert r["every_server"] == {"all_gather": 1 + 19, "p2p": 0}, r["every_server"]
         assert r["no_server"] == {"all_gather": 1, "p2p": 0}, r["no_server"]  # nobody keeps: only the flags
 
-    ref = load_causal_lm(str(toy_model), torch.float32, torch.device("cpu")).state_dict()
-    expect = {k: v + 0.5 for k, v in ref.items()}
+    model = load_causal_lm(str(toy_model), torch.float32, torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    expect = {k: v + 0.5 for k, v in model.state_dict().items() if k != "lm_head.weight"}
     for buckets, dtype in ((r0["buckets"], torch.float32), (r1["again"], torch.bfloat16),
                            (r0["both"], torch.float32), (r1["both"], torch.float32),
                            (r0["both16"], torch.bfloat16), (r1["both16"], torch.bfloat16)):  # uneven rows: full_tensor
         assert len(buckets) > 2
         names = [n for b in buckets for n in b]
-        assert names == list(expect)  # state-dict order, each tensor exactly once
+        assert names == list(expect)  # state-dict order, each tensor exactly once (a tied one under one name)
         for b in buckets:
             size = sum(t.numel() * t.element_size() for t in b.values())
             assert size <= BUCKET or len(b) == 1  # the limit holds; a bigger tensor travels alone
