@@ -249,8 +249,10 @@ class Config(BaseModel):
         if self.worker_groups and self.controller == "single":
             raise ValueError("worker_groups: controller: single routes every batch through one controller; it "
                              "cannot be combined with worker groups (use controller: distributed)")
-        if self.device == "cpu" and self.dtype == "float16":
-            raise ValueError("dtype float16 is not supported on device cpu; use float32 or bfloat16")
+        if self.dtype == "float16":  # bf16 has fp32's exponent range; fp16 needs a loss scaler to train
+            raise ValueError("dtype float16: training in float16 needs loss scaling, which DistFlow does not do "
+                             "(per-token gradients of ~1e-5 underflow in the half-precision matmuls); use bfloat16 "
+                             "(GPUs since Ampere) or float32. A reward model may still run in float16 (args.dtype)")
         try:
             p = self.plan()
         except WorkflowError as e:
