@@ -237,6 +237,18 @@ def test_bad_requests_are_clear_errors(engine: TorchEngine) -> None:
     assert engine.generate([[2, 5]], SamplingParams(max_new_tokens=2), seed=1)[0].finish_reason in ("stop", "length")
 
 
+def test_vllm_gets_the_nodes_gpu_share_and_not_the_torch_only_keywords(model_dir: str, monkeypatch) -> None:
+    """vLLM cannot run here: the class is replaced by a recorder of what make_engine passes it."""
+    from distflow.rollout import engine as engine_mod
+
+    seen: list[dict] = []
+    monkeypatch.setattr(engine_mod, "VLLMEngine", lambda path, **kw: seen.append(kw))
+    make_engine("vllm", model_dir, device="cuda", dtype="bfloat16", compile=True, max_slots=64,
+                kv_cache_memory_fraction=0.45)
+    make_engine("vllm", model_dir, device="cuda", kv_cache_memory_fraction=None)
+    assert seen == [{"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.45}, {"device": "cuda"}]
+
+
 def test_make_engine_and_protocol(model_dir: str) -> None:
     eng = make_engine("torch", model_dir, dtype="float32")
     assert isinstance(eng, RolloutEngine) and isinstance(eng, TorchEngine)

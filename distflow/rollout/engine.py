@@ -42,13 +42,18 @@ def make_engine(name: str, model_path: str, **kw: Any) -> RolloutEngine:
     """Build the engine called ``name`` ("torch" | "vllm") for the model in ``model_path``.
 
     Keywords go to the engine (``device``, ``dtype``, ``max_batch_size``; ``compile`` and
-    ``max_slots`` and ``kv_cache_memory_fraction`` for the torch engine, which vLLM ignores as
-    it batches, compiles and sizes its cache itself).
+    ``max_slots`` for the torch engine, which vLLM ignores as it batches and compiles itself).
+    ``kv_cache_memory_fraction`` (the node's share of its GPU, smaller when nodes share it) sizes
+    the torch engine's KV cache and becomes vLLM's ``gpu_memory_utilization``: without it vLLM
+    takes 0.9 of the GPU, and a colocated trainer or a second engine would not fit.
     """
     if name == "torch":
         return TorchEngine(model_path, **kw)
     if name == "vllm":
-        for torch_only in ("compile", "max_slots", "kv_cache_memory_fraction"):
+        for torch_only in ("compile", "max_slots"):
             kw.pop(torch_only, None)
+        share = kw.pop("kv_cache_memory_fraction", None)
+        if share is not None:
+            kw.setdefault("gpu_memory_utilization", float(share))
         return VLLMEngine(model_path, **kw)
     raise ValueError(f"unknown rollout engine {name!r}: expected one of {list(ENGINES)}")
