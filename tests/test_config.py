@@ -40,9 +40,21 @@ def test_grad_sync_defaults_to_auto_and_takes_both_modes():
         assert load_config(QUICKSTART, [f"grad_sync={mode}"]).grad_sync == mode
 
 
-def test_gsm8k_example_validates():
-    cfg = load_config(ROOT / "examples" / "grpo_gsm8k.yaml")
+@pytest.mark.parametrize("algo, update", [("grpo", "grpo"), ("ppo", "ppo"), ("dapo", "dapo")])
+def test_gsm8k_gpu_examples_validate_with_real_model_settings(algo, update):
+    cfg = load_config(ROOT / "examples" / f"{algo}_gsm8k.yaml")
     assert cfg.chat_template and cfg.node("REWARD", "COMPUTE").fn == "gsm8k"
+    assert cfg.node("ACTOR", "MODEL_TRAIN").fn == update
+    # a pretrained model: small learning rates, real lengths, a micro-batch that fits next to the engine
+    assert (cfg.device, cfg.dtype, cfg.lr, cfg.max_new_tokens) == ("cuda", "bfloat16", 1e-6, 512)
+    assert cfg.micro_batch_size <= 8 and not cfg.toy_model
+    if algo == "ppo":
+        assert cfg.critic_lr == 1e-5 and cfg.kl_in_reward
+    if algo == "dapo":
+        assert cfg.overlong == "penalty" and cfg.overlong_buffer == 128 and cfg.kl_coef == 0
+    # the one-GPU command of docs/gsm8k.md places every node on GPU 0
+    one = load_config(ROOT / "examples" / f"{algo}_gsm8k.yaml", ["trainer_nodes=1", "gpus=1", "colocate=true"])
+    assert one.trainer_nodes == 1 and one.colocate
 
 
 def test_overrides_typed_nested_and_indexed(tmp_path):

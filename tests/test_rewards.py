@@ -56,6 +56,14 @@ def test_successor(response: str, expected: float) -> None:
         ("", "72", 0.0),
         ("9" * 400, "72", 0.0),  # huge number: no overflow, no crash
         ("\ufffd\x00#### NaN inf", "72", 0.0),
+        # how instruction-tuned models end a solution
+        ("#### Step 2: Total\nSo 70 + 2 = 72.\n\\boxed{72}", "72", 1.0),  # a markdown heading, then a box
+        ("The answer is $\\boxed{1,234}$.", "1234", 1.0),
+        ("\\boxed{\\$18} for 2 shirts", "18", 1.0),  # the box wins over a later number
+        ("**Final Answer: 72** (in 2 months)", "72", 1.0),
+        ("The answer is 72. It took 2 months.", "72", 1.0),
+        ("#### Step 2: then 9", "9", 1.0),  # no number right after '####': the last number
+        ("\\boxed{72} ... \\boxed{71}", "72", 0.0),  # the LAST box
     ],
 )
 def test_gsm8k(response: str, answer: object, expected: float) -> None:

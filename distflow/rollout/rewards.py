@@ -30,6 +30,9 @@ _REGISTRY: dict[str, RewardFn] = {}
 # An optionally signed number with optional thousands separators and decimals: -1,234.50.
 # A minus sign right after a digit or ')' is subtraction, not a sign: "8-5" -> 8, 5.
 _NUMBER = re.compile(r"(?:(?<![\d)])-)?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_HASHES = re.compile(r"####[ \t]*(" + _NUMBER.pattern + r")")
+_ANSWER = re.compile(r"answer(?:\s+is)?[\s:*]*(" + _NUMBER.pattern + r")", re.IGNORECASE)
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -92,12 +95,26 @@ def _to_float(text: str) -> float | None:
 
 
 def extract_final_number(text: str) -> float | None:
-    """The final answer of a GSM8K-style solution: the first number after the last '####'
-    if there is one, else the last number in the text; None if there is none."""
-    if "####" in text:
-        m = _NUMBER.search(text.rsplit("####", 1)[1].replace("$", ""))
-        return _to_float(m.group()) if m else None
-    found = _NUMBER.findall(text.replace("$", ""))
+    """The final answer of a GSM8K-style solution, None if there is none. In order:
+
+    1. the first number inside the last ``\boxed{...}`` (how instruction-tuned models such as
+       Qwen2.5 end a solution);
+    2. the number right after the last ``####`` (the dataset's own format; only a number that
+       directly follows it: ``#### Step 2: ...`` is a markdown heading, not an answer);
+    3. the number right after the last "answer" / "answer is" / "answer:" (``**Final Answer:** 72``);
+    4. the last number in the text.
+    """
+    text = text.replace("\\$", "").replace("$", "")
+    boxed = _BOXED.findall(text)
+    if boxed:
+        m = _NUMBER.search(boxed[-1])
+        if m:
+            return _to_float(m.group())
+    for pattern in (_HASHES, _ANSWER):
+        found = pattern.findall(text)
+        if found:
+            return _to_float(found[-1])
+    found = _NUMBER.findall(text)
     return _to_float(found[-1]) if found else None
 
 
