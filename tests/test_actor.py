@@ -307,3 +307,29 @@ def test_varlen_kwargs_follow_the_kernels_signature():
     assert varlen_kwargs(old, 0.2, 64, None, False) is None  # a custom scale it cannot take
     assert varlen_kwargs(old, None, 64, 128, False) is None  # a sliding window it cannot apply
     assert varlen_kwargs({"scale", "window_size"}, 0.1, 64, None, True) is None  # cannot be told about GQA
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_overlong_mask_trains_exactly_as_if_the_truncated_samples_were_not_there(toy_model, world1, loss_agg):
+    """DAPO's overlong filtering: with ``overlong: mask`` a truncated sample adds no token to the
+    loss and none to its normalisers, so one step on (kept + truncated) samples moves the weights
+    exactly as one step on the kept samples alone. Zeroing only the advantage (as before) left
+    the truncated tokens in the token-mean's denominator, shrinking the kept samples' gradient."""
+    from distflow.trainer.actor import Actor
+
+    batch = make_batch(8, seed=3)
+    truncated = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1])
+    batch.set_scalar("truncated", truncated)
+    kept = batch.select([i for i in range(8) if not truncated[i]])
+    states = []
+    for b, overlong in ((batch, "mask"), (kept, "none")):
+        cfg = _cfg(toy_model, "lr=0.01", "kl_coef=0", f"loss_agg={loss_agg}", f"overlong={overlong}")
+        actor = Actor(cfg, with_reference=False)
+        stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), b)
+        states.append((stats, actor.full_state_dict()))
+    (masked, sm), (alone, sa) = states
+    assert masked["tokens"] == alone["tokens"] == float(kept.tensors["response_lens"].sum())
+    assert masked["loss"] == pytest.approx(alone["loss"], rel=1e-5) and masked["pg_loss"] == pytest.approx(
+        alone["pg_loss"], rel=1e-5)
+    for name in sm:
+        assert torch.allclose(sm[name], sa[name], atol=1e-7), name

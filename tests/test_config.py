@@ -88,6 +88,21 @@ def test_errors_name_the_key(tmp_path, change, key, needle):
     assert key in str(e.value) and needle in str(e.value)
 
 
+def test_kl_in_reward_needs_a_token_level_estimator():
+    """Only GAE reads per-token rewards: kl_in_reward with an outcome estimator (GRPO's) would
+    drop the KL from the loss and put it nowhere. The config's list of token-level estimators
+    is the registry's."""
+    from distflow.core.config import TOKEN_ESTIMATOR_NAMES
+    from distflow.rl.registry import TOKEN_ESTIMATORS
+
+    assert set(TOKEN_ESTIMATOR_NAMES) == set(TOKEN_ESTIMATORS)
+    with pytest.raises(ConfigError, match="kl_in_reward: true puts the KL penalty into per-token rewards"):
+        load_config(QUICKSTART, ["kl_in_reward=true", "kl_coef=0.01"])
+    assert load_config(QUICKSTART, ["kl_in_reward=true", "kl_coef=0"]).kl_in_reward  # no KL: nothing is lost
+    ppo = load_config(ROOT / "examples" / "ppo_quickstart.yaml")
+    assert ppo.kl_in_reward and ppo.kl_coef > 0 and ppo.kl_reward_estimator == "k1"
+
+
 def test_workflow_errors_name_the_node(tmp_path):
     raw = base()
     raw["workflow"][1]["deps"] = ["nope"]

@@ -253,13 +253,22 @@ def test_gae_stage_by_hand() -> None:
     # A = [-0.25 + 0.75, 0.75] = [0.5, 0.75]; returns = A + V = [1, 1]
     assert torch.allclose(b.tensors["token_advantages"], torch.tensor([0.5, 0.75]))
     assert torch.allclose(b.tensors["returns"], torch.tensor([1.0, 1.0]))
-    # KL in reward (k1, coef 0.5): kl = logp - ref = [-1 - (-2), 0] = [1, 0] -> rewards [-0.5, 1]
-    cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
+    # KL in reward (coef 0.5) with k1, the default kl_reward_estimator whatever kl_estimator (the loss
+    # term's) says: kl = logp - ref = [-1 - (-2), 0] = [1, 0] -> rewards [-0.5, 1]
+    cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0, kl_in_reward=True, kl_coef=0.5, kl_estimator="k3")
+    assert cfg.kl_reward_estimator == "k1"
     b = one_sample(values=[0.5, 0.25], reward=[1.0], ref_logprobs=[-2.0, -1.0])
     run_trainer_pipeline([gae_node], TrainerContext(cfg), b)
     # delta_0 = -0.5 + 0.25 - 0.5 = -0.75; A = [0, 0.75]; returns [0.5, 1]
     assert torch.allclose(b.tensors["token_advantages"], torch.tensor([0.0, 0.75]))
     assert torch.allclose(b.tensors["returns"], torch.tensor([0.5, 1.0]))
+    # kl_reward_estimator k2: kl = 0.5 (logp - ref)^2 = [0.5, 0] -> rewards [-0.25, 1]
+    # delta_0 = -0.25 + 0.25 - 0.5 = -0.5; A = [-0.5 + 0.75, 0.75] = [0.25, 0.75]; returns [0.75, 1]
+    cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0, kl_in_reward=True, kl_coef=0.5, kl_reward_estimator="k2")
+    b = one_sample(values=[0.5, 0.25], reward=[1.0], ref_logprobs=[-2.0, -1.0])
+    run_trainer_pipeline([gae_node], TrainerContext(cfg), b)
+    assert torch.allclose(b.tensors["token_advantages"], torch.tensor([0.25, 0.75]))
+    assert torch.allclose(b.tensors["returns"], torch.tensor([0.75, 1.0]))
 
 
 def test_gae_whitening_is_over_every_rank() -> None:

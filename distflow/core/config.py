@@ -27,6 +27,10 @@ RESERVED_GROUPS = ("rollout", "trainer", "controller")
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 
 
+# The token-level advantage estimators (distflow.rl.registry.TOKEN_ESTIMATORS; a test keeps them equal):
+# the only ones that read per-token rewards, and so the KL penalty of kl_in_reward.
+TOKEN_ESTIMATOR_NAMES = ("gae",)
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
 
@@ -180,8 +184,12 @@ class Config(BaseModel):
         "token-mean", description="how per-token losses become one scalar; seq-mean-token-sum-norm is Dr. GRPO's "
                                   "constant normaliser (max_new_tokens)")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL(pi || ref) estimator")
-    kl_in_reward: bool = Field(False, description="kl_coef penalises the per-token reward (PPO/REINFORCE++) "
+    kl_in_reward: bool = Field(False, description="kl_coef penalises the per-token reward (PPO: a gae node) "
                                                   "instead of adding a KL loss term")
+    kl_reward_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k1", description="estimator of the per-token KL penalty with kl_in_reward: k1 (log pi - log ref), whose "
+                          "score-function gradient is the KL's (verl's and OpenRLHF's default); kl_estimator is "
+                          "the loss term's")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient in the policy loss")
     overlong: Literal["none", "mask", "penalty"] = Field(
         "none", description="truncated responses (finish_reason length): mask = no loss, penalty = DAPO's soft "
@@ -210,6 +218,11 @@ class Config(BaseModel):
         if self.temperature == 0:
             raise ValueError("temperature: 0 (greedy) makes every sample of a prompt identical and the policy "
                              "gradient zero; training needs temperature > 0")
+        if self.kl_in_reward and self.kl_coef > 0 and not any(
+                n.type.value == "COMPUTE" and n.fn in TOKEN_ESTIMATOR_NAMES for n in self.workflow):
+            raise ValueError("kl_in_reward: true puts the KL penalty into per-token rewards, which only a token-level "
+                             f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the run "
+                             "would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae node")
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer: overlong: penalty needs 0 < overlong_buffer <= max_new_tokens "
                              f"({self.max_new_tokens}), got {self.overlong_buffer}")

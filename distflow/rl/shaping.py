@@ -4,7 +4,8 @@ Why this module exists: the rollout group (outcome estimators) and the trainer g
 (GAE, trainer-side estimators) must shape rewards identically: DAPO's soft overlong
 punishment is added to the outcome reward that feeds the advantage (the logged
 ``reward`` stays the task score), and ``overlong: mask`` removes truncated samples from
-the policy gradient. Both groups import this module; neither imports the other.
+the policy loss: zero advantage, no tokens in the loss mask, none in its normalisers, none
+in GAE's whitening statistics. Both groups import this module; neither imports the other.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.rl.advantages import overlong_penalty
 
-__all__ = ["group_index", "outcome_rewards", "mask_truncated"]
+__all__ = ["group_index", "outcome_rewards", "mask_truncated", "trained_samples"]
 
 
 def group_index(prompt_ids: Sequence[str]) -> Tensor:
@@ -45,3 +46,15 @@ def mask_truncated(advantages: Tensor, batch: SampleBatch, cfg: Config) -> Tenso
         return advantages
     keep = (batch.tensors["truncated"] == 0).to(advantages.dtype)
     return advantages * keep.reshape((-1,) + (1,) * (advantages.dim() - 1))
+
+
+def trained_samples(batch: SampleBatch, cfg: Config) -> Tensor:
+    """[n] bool: the samples the policy loss trains on: all of them, or with ``overlong: mask``
+    the ones that were not truncated (DAPO's overlong filtering: a truncated sample adds no
+    token to the loss and none to its token or sequence counts, so the others' gradient is
+    not diluted by the text that was cut off)."""
+    n = len(batch)
+    if cfg.overlong != "mask" or "truncated" not in batch.tensors:
+        return torch.ones(n, dtype=torch.bool)
+    return batch.tensors["truncated"].reshape(n) == 0
+

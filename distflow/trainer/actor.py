@@ -40,6 +40,7 @@ from distflow.core.dag import WorkflowNode
 from distflow.device import collective_device, node_device
 from distflow.hf import load_tokenizer, meta_causal_lm
 from distflow.rl.registry import POLICY_LOSSES, resolve
+from distflow.rl.shaping import trained_samples
 from distflow.trainer.model import DTYPES, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
@@ -232,7 +233,7 @@ class Actor:
     def _optimizer_step(self, loss_fn, batch: SampleBatch, kl_coef: float) -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's part of a mini-batch; every rank calls it)."""
         cfg = self.cfg
-        lens = batch.tensors["response_lens"]
+        lens = batch.tensors["response_lens"] * trained_samples(batch, cfg)  # overlong: mask drops truncated ones
         global_tokens, global_seqs, global_all = self._all_reduce(
             [float(lens.sum()), float((lens > 0).sum()), float(batch.num_tokens().sum()) if len(batch) else 0.0])
         # FSDP averages gradients over ranks: normalise by the global count / world.
@@ -247,12 +248,13 @@ class Actor:
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter on the last only
             lp, ent = self._forward(self.model, inputs)
             if idx is None:
-                loss, metrics = lp.sum() * 0.0, {}
+                loss, metrics, kept = lp.sum() * 0.0, {}, 0.0
             else:
-                loss, metrics = self._loss(loss_fn, batch.select(idx), inputs, lp, ent, kl_coef, normalizer,
-                                           seq_normalizer)
+                mb = batch.select(idx)
+                loss, metrics = self._loss(loss_fn, mb, inputs, lp, ent, kl_coef, normalizer, seq_normalizer)
+                kept = float((mb.tensors["response_lens"] * trained_samples(mb, cfg)).sum())
             loss.backward()
-            w = float(sum(inputs.response_lens)) / max(global_tokens, 1.0)  # share of the global token mean
+            w = kept / max(global_tokens, 1.0)  # share of the global token mean
             sums["loss"] += float(loss.detach()) / self.world
             sums["entropy"] += float(ent.detach().sum()) / max(global_tokens, 1.0)
             for k in ("pg_loss", "kl", "clip_frac"):
@@ -277,6 +279,7 @@ class Actor:
             return flat_to_padded(mb.tensors[name].to(dev), rl)[0]
 
         lp2, mask = flat_to_padded(lp, rl)
+        mask = mask & trained_samples(mb, cfg).to(dev)[:, None]  # overlong: mask: truncated samples add nothing
         has_old = "old_logprobs" in mb.tensors
         adv = padded("token_advantages") if "token_advantages" in mb.tensors else mb.tensors["advantage"].to(dev)
         return _call_loss(

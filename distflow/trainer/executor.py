@@ -40,7 +40,7 @@ from distflow.rl.advantages import token_rewards
 from distflow.rl.kl import kl_estimate
 from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
 from distflow.rl.reward_model import score_batch
-from distflow.rl.shaping import group_index, outcome_rewards
+from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_samples
 
 __all__ = ["TrainerContext", "STAGES", "register_stage", "run_pipeline", "build_context", "save_checkpoint",
            "padded", "flat"]
@@ -139,19 +139,19 @@ def gae(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str
     if cfg.kl_in_reward and cfg.kl_coef > 0 and "ref_logprobs" in batch.tensors:
         old = batch.tensors.get("old_logprobs", batch.tensors["logprobs"])
         kl = kl_estimate(padded(old.float(), lens)[0], padded(batch.tensors["ref_logprobs"].float(), lens)[0],
-                         cfg.kl_estimator)
+                         cfg.kl_reward_estimator)
     outcome = outcome_rewards(batch, cfg) if len(batch) else torch.zeros(0)
     rewards = token_rewards(outcome, mask, kl, cfg.kl_coef if kl is not None else 0.0)
     fn = TOKEN_ESTIMATORS[node.fn]
     adv, ret = fn(rewards, values, mask, float(node.args.get("gamma", cfg.gamma)), float(node.args.get("lam", cfg.lam)))
-    if node.args.get("whiten", True):
-        n, s, ss = ctx.reduce([float(mask.sum()), float(adv[mask].sum()), float((adv[mask].double() ** 2).sum())])
+    if node.args.get("whiten", True):  # over the tokens the loss trains on (overlong: mask leaves some out)
+        m = mask & trained_samples(batch, cfg)[:, None]
+        n, s, ss = ctx.reduce([float(m.sum()), float(adv[m].sum()), float((adv[m].double() ** 2).sum())])
         if n > 1:
             mean = s / n
             var = max(ss / n - mean * mean, 0.0) * n / (n - 1)
             adv = torch.where(mask, (adv - mean) / (var ** 0.5 + 1e-8), 0.0)
-    if cfg.overlong == "mask" and "truncated" in batch.tensors:
-        adv = adv * (batch.tensors["truncated"] == 0).float()[:, None]
+    adv = mask_truncated(adv, batch, cfg)
     batch.set_ragged("token_advantages", flat(adv, mask).float())
     batch.set_ragged("returns", flat(ret, mask).float())
     batch.set_scalar("advantage", adv.sum(1) / torch.clamp(mask.sum(1), min=1))
@@ -168,9 +168,7 @@ def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: Sam
     pids = [x for p in parts for x in p[0]]
     rewards = torch.tensor([x for p in parts for x in p[1]], dtype=torch.float32)
     adv = fn(rewards, group_index(pids), **node.args).float()[offset:offset + len(batch)]
-    if ctx.cfg.overlong == "mask" and "truncated" in batch.tensors:
-        adv = adv * (batch.tensors["truncated"] == 0).float()
-    batch.set_scalar("advantage", adv)
+    batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
     return {}
 
 
