@@ -349,3 +349,14 @@ def test_token_logprobs_is_differentiable(model_dir: str) -> None:
     (-(gather_response(lp, resp)).sum()).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_vllm_request_seeds_of_consecutive_steps_do_not_overlap() -> None:
+    """Step seeds are consecutive integers: vLLM's per-request seeds must not be base + i, which
+    would give request i of step s+1 the random stream of request i+1 of step s."""
+    from distflow.rollout.vllm_engine import request_seed
+
+    step0 = [request_seed(1000, i) for i in range(256)]
+    step1 = [request_seed(1001, i) for i in range(256)]
+    assert len(set(step0)) == 256 and not set(step0) & set(step1)
+    assert all(0 <= s < 2 ** 31 for s in step0 + step1) and request_seed(1000, 3) == step0[3]  # deterministic

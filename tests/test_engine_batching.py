@@ -377,6 +377,13 @@ def test_inverse_cdf_sampling_hand_computed() -> None:
     assert counter_uniform(seed_key(6), torch.tensor([0]), torch.tensor([0])) != a[0]
     many = counter_uniform(seed_key(0), torch.arange(20000), torch.zeros(20000, dtype=torch.int64))
     assert 0.0 <= float(many.min()) and float(many.max()) < 1.0 and abs(float(many.mean()) - 0.5) < 0.01
+    assert many.dtype == torch.float64 and ((many * 2 ** 24) % 1 != 0).float().mean() > 0.99  # finer than 24 bits
+    # A token of probability 1e-8 right after a mass of 0.75: an fp32 CDF does not rise there
+    # (spacing 6e-8), so it could never be drawn; in float64 it is drawn for its own sliver of u.
+    probs = torch.tensor([[0.75, 1e-8, 0.25 - 1e-8]])
+    assert torch.cumsum(probs, -1)[0, 1] == torch.cumsum(probs, -1)[0, 0]  # what fp32 would have done
+    assert _inverse_cdf(probs, torch.tensor([0.750000005], dtype=torch.float64)).tolist() == [1]
+    assert _inverse_cdf(probs, torch.tensor([0.7499999], dtype=torch.float64)).tolist() == [0]
 
 
 def test_graph_shaped_decode_on_cpu(model_dir: str, prompts: list[list[int]]) -> None:

@@ -4,7 +4,7 @@ Why it exists: the continuous batcher moves sequences between slots and admits t
 any order, so a shared ``torch.Generator`` would make a sequence's tokens depend on which
 other sequences shared its decode steps. Instead every draw is a pure function of
 ``(seed, sequence index, token index)`` (:func:`counter_uniform`, a 32-bit integer hash run
-on the device, CUDA-graph safe, no host sync), so a seed gives the same completions for
+on the device, CUDA-graph safe, no host sync; 53-bit draws, a float64 CDF), so a seed gives the same completions for
 any slot count or order. Sampling is by inverse CDF over the filtered distribution, with
 top-k taken before the top-p sort. Every sampler reports the fp32 logprob of the chosen
 token under ``log_softmax(logits / T)`` *before* filtering (T = 1 when greedy): what the
@@ -88,22 +88,29 @@ def counter_uniform(key: int, seq: torch.Tensor, step: torch.Tensor) -> torch.Te
     """Uniform draws in [0, 1) that depend only on (key, seq[i], step[i]).
 
     seq, step: [B] int64 (sequence index in the request, token index in its completion).
-    Returns [B] fp32. Pure integer arithmetic on the tensors' device: no generator state.
+    Returns [B] float64 with 53 random bits (two chained 32-bit hashes): a 24-bit fp32 draw
+    cannot resolve the ~1e-8 probabilities of a 150k-token vocabulary's tail. Pure integer
+    arithmetic on the tensors' device: no generator state.
     """
     h = _mix32((seq & _M32) ^ key)
     h = _mix32(h ^ (step & _M32))
-    h = _mix32(h ^ 0x9E3779B9)
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    hi = _mix32(h ^ 0x9E3779B9)
+    lo = _mix32(hi ^ 0x85EBCA6B)
+    return ((hi >> 5) * (1 << 26) + (lo >> 6)).to(torch.float64) * (1.0 / (1 << 53))
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs: [B, N] non-negative rows (not necessarily normalised); u: [B] in [0, 1).
-    Returns [B] int64 column indices, never one with zero probability."""
-    cdf = torch.cumsum(probs, dim=-1)  # [B, N]
+    Returns [B] int64 column indices, never one with zero probability.
+
+    The cumulative sum is float64: in fp32 its spacing near 1 (6e-8) swallows the tail
+    tokens that come after the bulk of the mass (they could never be drawn: up to ~1e-3 of
+    the probability of a 150k vocabulary), which biases the samples against their logprobs."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [B, N]
     total = cdf[:, -1:]  # [B, 1]
     # Strictly below the total (u * total may round up to it), so the first column with
     # cdf > target exists and is a column where the cdf rises: one with probability > 0.
-    target = torch.minimum(u.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(u.to(torch.float64).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 

@@ -10,6 +10,7 @@ or ``top_k > 0`` the importance ratios are biased, and the engine warns once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from typing import Any
@@ -78,7 +79,7 @@ class VLLMEngine:
         base = random.getrandbits(31) if seed is None else int(seed)
         sps = [VSamplingParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                               stop_token_ids=list(params.stop_token_ids), seed=(base + i) % (2**31),
+                               stop_token_ids=list(params.stop_token_ids), seed=request_seed(base, i),
                                logprobs=0, detokenize=False) for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
         result = []
@@ -105,3 +106,12 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.llm = None  # vLLM frees its workers when the LLM object is collected
+
+
+def request_seed(base: int, i: int) -> int:
+    """vLLM's seed for request ``i`` of a call seeded ``base``: a hash of both, not ``base + i``.
+    Step seeds are consecutive integers, so with ``base + i`` request i of step s+1 would replay
+    request i+1 of step s (the same random stream on another prompt, every step)."""
+    digest = hashlib.blake2b(f"{int(base)}:{int(i)}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
