@@ -58,17 +58,29 @@ def load_tokenizer(path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
 
 
-def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` as one user turn in the tokenizer's chat template, ready for the
-    assistant's reply.
+def chat_prompt_ids(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``prompt`` in the tokenizer's chat template, ready for the assistant's reply.
 
-    The template is rendered to text and then tokenized without extra special tokens (the
-    template already holds them). This is the same on transformers 4 and 5, where
+    ``prompt``: the text of one user turn, or a conversation as chat messages
+    (``[{"role": "system" | "user" | "assistant", "content": str}, ...]``, the prompt format of
+    many RL datasets). The template is rendered to text and then tokenized without extra special
+    tokens (the template already holds them). This is the same on transformers 4 and 5, where
     ``apply_chat_template(tokenize=True)`` returns a ``BatchEncoding`` instead of a list.
+    Raises ValueError naming what is wrong with a malformed conversation.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat_template: true, but the tokenizer has no chat template "
                          "(set chat_template: false, or use a model directory whose tokenizer has one)")
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else chat_messages(prompt)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def chat_messages(value: Any) -> list[dict[str, str]]:
+    """``value`` checked as a non-empty list of ``{"role", "content"}`` messages (str values)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"a chat prompt must be a non-empty list of messages, got {type(value).__name__}")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"chat message {i} must be a mapping with string 'role' and 'content', got {m!r:.80}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]

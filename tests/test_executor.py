@@ -53,6 +53,16 @@ def rollout(cfg, engine, prompts, seed=3, stats=None):
 
 
 # ----------------------------------------------------------------------------- rollout
+def test_unusable_prompts_are_counted_and_the_step_goes_on(engine, toy_model) -> None:
+    cfg = make_cfg(toy_model, max_new_tokens=2)
+    good = rows("12=", "34=")
+    bad = [PromptRow("e0:7", 7, {"prompt": [{"role": "user", "content": "12="}]}), PromptRow("e0:8", 8, {"prompt": 5})]
+    stats: dict = {}
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, [good[0], *bad, good[1]], 3, stats)
+    assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:1"] and len(batch) == 2 * cfg.group_size
+    assert stats["bad_prompts"] == 2
+
+
 def test_generate_carries_finish_reason_and_versions(engine, toy_model) -> None:
     cfg = make_cfg(toy_model, max_new_tokens=2)
     batch = rollout(cfg, engine, ["123=", "4567="])

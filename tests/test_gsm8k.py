@@ -69,6 +69,35 @@ def test_tokenizer_is_byte_level_bpe_with_a_qwen_chat_template(gsm8k_model):
     assert logits.shape == (1, len(ids), len(tok))
 
 
+def test_prompts_may_be_chat_messages_and_unusable_ones_are_skipped_and_counted(gsm8k_model):
+    """A dataset row's prompt is text (one user turn) or a conversation of chat messages (many
+    RL datasets' format); a row that is neither, or malformed, is skipped and counted
+    (``bad_prompts``), never a crash of the step."""
+    from transformers import AutoTokenizer
+
+    from distflow.buffer.dataloader import PromptRow
+    from distflow.hf import chat_prompt_ids
+    from distflow.rollout.stages import encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(gsm8k_model, local_files_only=True)
+    text = "Ava has 3 apples. How many?"
+    assert chat_prompt_ids(tok, [{"role": "user", "content": text}]) == chat_prompt_ids(tok, text)
+    with_system = chat_prompt_ids(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}])
+    assert tok.decode(with_system).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    rows = [PromptRow(f"e0:{i}", i, {"prompt": p}) for i, p in enumerate([
+        text, [{"role": "user", "content": text}], [], [{"role": "user"}], 7, None])]
+    out = encode_prompts(tok, rows, "prompt", chat=True)
+    assert out[0] == out[1] == chat_prompt_ids(tok, text)
+    assert [o for o in out[2:]] == [
+        "prompt e0:2: a chat prompt must be a non-empty list of messages, got list",
+        "prompt e0:3: chat message 0 must be a mapping with string 'role' and 'content', got {'role': 'user'}",
+        "prompt e0:4: key 'prompt' is int, expected a string or a list of chat messages",
+        "prompt e0:5: key 'prompt' is NoneType, expected a string or a list of chat messages"]
+    plain = encode_prompts(tok, rows[:2], "prompt", chat=False)
+    assert plain[0] == tok(text)["input_ids"] and plain[1] == (
+        "prompt e0:1: key 'prompt' is list, expected a string (chat messages need chat_template: true)")
+
+
 def test_grpo_gsm8k_tiny_example_runs(gsm8k_model, tmp_path):
     out = tmp_path / "run"
     r = run_distflow(["run", CONFIG, "--no-progress", f"output_dir={out}", f"model_path={gsm8k_model}",

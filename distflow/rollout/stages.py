@@ -26,6 +26,7 @@ Stages: ``stage(node, ctx, batch) -> batch``; they never touch the network.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,6 +44,8 @@ from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards
 from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import resolve_reward
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StageError", "RolloutContext", "STAGES", "register_stage", "run_pipeline", "sampling_params",
            "encode_prompts", "run_stages", "generate", "reward", "reward_model", "advantage"]
@@ -81,13 +84,30 @@ def sampling_params(cfg: Config) -> SamplingParams:
                           top_p=cfg.top_p, top_k=cfg.top_k)
 
 
-def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) -> list[list[int]]:
-    out = []
+def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) -> list[list[int] | str]:
+    """Each row's prompt token ids, or a string saying why the row cannot be a prompt (the
+    caller skips and counts it): ``key`` holds text, or with ``chat`` also a list of chat
+    messages; the encoding must not be empty."""
+    out: list[list[int] | str] = []
     for r in rows:
-        text = r.data[key]
-        if not isinstance(text, str):
-            raise StageError(f"prompt {r.prompt_id}: key {key!r} is {type(text).__name__}, expected a string")
-        out.append(chat_prompt_ids(tokenizer, text) if chat else list(tokenizer(text)["input_ids"]))
+        value = r.data.get(key)
+        try:
+            if isinstance(value, str) and chat:
+                ids = chat_prompt_ids(tokenizer, value)
+            elif isinstance(value, str):
+                ids = list(tokenizer(value)["input_ids"])
+            elif isinstance(value, list) and chat:
+                ids = chat_prompt_ids(tokenizer, value)
+            else:
+                kinds = ("a string or a list of chat messages" if chat
+                         else "a string (chat messages need chat_template: true)")
+                raise ValueError(f"key {key!r} is {type(value).__name__}, expected {kinds}")
+        except ValueError as e:
+            if "no chat template" in str(e):
+                raise StageError(str(e)) from None  # the model's problem, not the row's
+            out.append(f"prompt {r.prompt_id}: {e}")
+            continue
+        out.append(ids if ids else f"prompt {r.prompt_id}: key {key!r} encodes to no tokens")
     return out
 
 
@@ -102,12 +122,19 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
                   stats: dict[str, float] | None = None, weights_update: Callable[[], Any] | None = None) -> SampleBatch:
     """Sample ``group_size`` responses per prompt. Each sample carries ``policy_version`` (the
     weights it started with), ``last_version`` (the weights it ended with) and ``truncated``."""
-    prompts = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
-    if cfg.max_prompt_length is not None:
-        keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_length]
+    encoded = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
+    bad = [e for e in encoded if isinstance(e, str)]
+    if bad:  # counted and named, never a crash: the rest of the step goes on
+        log.warning("skipping %d unusable prompt(s), e.g. %s", len(bad), bad[0])
         if stats is not None:
-            stats["skipped_prompts"] = stats.get("skipped_prompts", 0) + len(prompts) - len(keep)
-        rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+            stats["bad_prompts"] = stats.get("bad_prompts", 0) + len(bad)
+    keep = [i for i, p in enumerate(encoded) if not isinstance(p, str)]
+    if cfg.max_prompt_length is not None:
+        short = [i for i in keep if len(encoded[i]) <= cfg.max_prompt_length]
+        if stats is not None:
+            stats["skipped_prompts"] = stats.get("skipped_prompts", 0) + len(keep) - len(short)
+        keep = short
+    rows, prompts = [rows[i] for i in keep], [encoded[i] for i in keep]
     g = cfg.group_size
     flat_prompts = [p for p in prompts for _ in range(g)]
     kw = {"weights_update": weights_update} if weights_update is not None else {}
