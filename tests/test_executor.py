@@ -149,6 +149,16 @@ def test_dynamic_sampling_refills_with_fresh_prompts(engine, toy_model) -> None:
     assert asked == [(0, 1), (1, 1)]
     assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:2", "fresh1:0"] and len(batch) == 12
     assert stats == {"resampled_prompts": 2, "dropped_prompts": 0, "generated_samples": 12, "generated_reward": 8.0}
+    # a replacement that is too long is skipped and counted, and the group it was to replace counts
+    # as dropped (the step shrank by one prompt)
+    def too_long(attempt: int, n: int) -> list[PromptRow]:
+        return [PromptRow(f"long{attempt}:{k}", 200 + k, {"prompt": "1234567890" * 3}) for k in range(n)]
+
+    stats = {}
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, make_cfg(toy_model, workflow=wf(),
+                         max_prompt_length=8), rs, 5, stats, refill=too_long)
+    assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:2"]
+    assert stats["skipped_prompts"] == stats["dropped_prompts"] == stats["resampled_prompts"] == 1
     asked.clear()
     cfg = make_cfg(toy_model, workflow=wf(refill="same"))
     batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, {}, refill=refill)

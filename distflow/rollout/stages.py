@@ -243,8 +243,15 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
         if not rows:
             break
         ctx.count("resampled_prompts", len(rows))
-        sub_ctx = RolloutContext(ctx.engine, ctx.cfg, rows, ctx.seed + 7919 * (attempt + 1), ctx.pipeline, {})
+        sub_stats: dict[str, float] = {}
+        sub_ctx = RolloutContext(ctx.engine, ctx.cfg, rows, ctx.seed + 7919 * (attempt + 1), ctx.pipeline, sub_stats)
         sub = _run(prefix, sub_ctx)
+        for key in ("skipped_prompts", "bad_prompts"):  # replacements too long or unusable: counted as well
+            if sub_stats.get(key):
+                ctx.count(key, sub_stats[key])
+        lost = len(bad) - len(dict.fromkeys(sub.prompt_ids))  # constant groups no replacement took the place of
+        if lost > 0:
+            ctx.count("dropped_prompts", lost)
         batch = SampleBatch.concat([batch.select([i for i, k in enumerate(keep) if k]), sub])
     keep = keep_mask(batch)
     if not any(keep):
