@@ -72,7 +72,12 @@ def chat_prompt_ids(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[
         raise ValueError("chat_template: true, but the tokenizer has no chat template "
                          "(set chat_template: false, or use a model directory whose tokenizer has one)")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else chat_messages(prompt)
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2's TemplateError (e.g. roles that do not alternate) is no ValueError
+        if type(e).__module__.split(".")[0] != "jinja2":
+            raise
+        raise ValueError(f"the chat template refused the conversation: {e}") from None
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 

@@ -331,5 +331,6 @@ def test_overlong_mask_trains_exactly_as_if_the_truncated_samples_were_not_there
     assert masked["tokens"] == alone["tokens"] == float(kept.tensors["response_lens"].sum())
     assert masked["loss"] == pytest.approx(alone["loss"], rel=1e-5) and masked["pg_loss"] == pytest.approx(
         alone["pg_loss"], rel=1e-5)
+    assert masked["entropy"] == pytest.approx(alone["entropy"], rel=1e-5)  # the metric too: trained tokens only
     for name in sm:
         assert torch.allclose(sm[name], sa[name], atol=1e-7), name

@@ -93,6 +93,13 @@ def test_prompts_may_be_chat_messages_and_unusable_ones_are_skipped_and_counted(
         "prompt e0:3: chat message 0 must be a mapping with string 'role' and 'content', got {'role': 'user'}",
         "prompt e0:4: key 'prompt' is int, expected a string or a list of chat messages",
         "prompt e0:5: key 'prompt' is NoneType, expected a string or a list of chat messages"]
+    # a template that refuses a conversation (raise_exception: jinja2's TemplateError) skips that row too
+    strict = AutoTokenizer.from_pretrained(gsm8k_model, local_files_only=True)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system "
+                            "role') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    sys_row = PromptRow("e0:9", 9, {"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]})
+    assert encode_prompts(strict, [sys_row], "prompt", chat=True) == [
+        "prompt e0:9: the chat template refused the conversation: no system role"]
     plain = encode_prompts(tok, rows[:2], "prompt", chat=False)
     assert plain[0] == tok(text)["input_ids"] and plain[1] == (
         "prompt e0:1: key 'prompt' is list, expected a string (chat messages need chat_template: true)")

@@ -162,3 +162,6 @@ def test_resume_takes_adam_settings_from_the_config_not_the_checkpoint(toy_model
     apply_optimizer_config(resumed, _cfg(toy_model, "weight_decay=0.01", "adam_betas=[0.9,0.95]"))
     assert resumed.param_groups[0]["weight_decay"] == 0.01 and resumed.param_groups[0]["betas"] == (0.9, 0.95)
     assert resumed.state[p]["exp_avg"].abs().sum() > 0  # the moments themselves are kept
+    assert resumed.param_groups[0]["lr"] == 1e-3  # the actor's lr is set every step: left alone here
+    apply_optimizer_config(resumed, _cfg(toy_model), lr=5e-4)  # the critic's constant lr is restored
+    assert resumed.param_groups[0]["lr"] == 5e-4

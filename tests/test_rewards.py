@@ -64,6 +64,9 @@ def test_successor(response: str, expected: float) -> None:
         ("The answer is 72. It took 2 months.", "72", 1.0),
         ("#### Step 2: then 9", "9", 1.0),  # no number right after '####': the last number
         ("\\boxed{72} ... \\boxed{71}", "72", 0.0),  # the LAST box
+        ("The answer is 5 + 3 = 8.", "8", 1.0),  # the result after '=', not the first operand
+        ("Answer: 3 boxes * $4 = $12", "12", 1.0),
+        ("The answer is 3.5 hours. Then 2 = 2.", "3.5", 1.0),  # the '=' of another sentence is not it
     ],
 )
 def test_gsm8k(response: str, answer: object, expected: float) -> None:

@@ -48,9 +48,9 @@ class RewardModel:
                              f"(a scalar score)")
         self.base = getattr(model, model.base_model_prefix, None)
         self.head = getattr(model, "score", None)
-        if self.base is None or not isinstance(self.head, torch.nn.Module):
+        if self.base is None or not isinstance(self.head, torch.nn.Linear):
             raise ValueError(f"reward model {str(p)!r}: {type(model).__name__} has no base model "
-                             f"({model.base_model_prefix!r}) and 'score' head")
+                             f"({model.base_model_prefix!r}) and linear 'score' head")
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.vocab = int(model.config.vocab_size)
@@ -103,7 +103,9 @@ class RewardModel:
 def same_tokenizer(model_dir: str | Path, policy_dir: str | Path) -> None:
     """Raise ValueError when the reward model's directory has a tokenizer that is not the policy's
     (it scores the policy's token ids: another vocabulary would score nonsense, silently when
-    its vocabulary is larger). No tokenizer there: only the id bound of ``score`` applies."""
+    its vocabulary is larger): every policy token must have the same id there; tokens the reward
+    model adds (a pad token of its fine-tune) are fine. No tokenizer there: only the id bound
+    of ``score`` applies."""
     key = (str(Path(model_dir).resolve()), str(Path(policy_dir).resolve()))
     if key in _SAME_TOKENIZER:
         return
@@ -111,11 +113,11 @@ def same_tokenizer(model_dir: str | Path, policy_dir: str | Path) -> None:
         from distflow.hf import load_tokenizer
 
         ours, theirs = load_tokenizer(policy_dir).get_vocab(), load_tokenizer(model_dir).get_vocab()
-        if ours != theirs:
-            differ = len(set(ours.items()) ^ set(theirs.items()))
-            raise ValueError(f"reward model {key[0]!r}: its tokenizer is not the policy's ({len(theirs)} vs "
-                             f"{len(ours)} tokens, {differ} entries differ); a reward model reads the policy's "
-                             f"token ids, so it must share the policy's tokenizer")
+        differ = sum(1 for t, i in ours.items() if theirs.get(t) != i)  # tokens it may add (a pad token) are fine
+        if differ:
+            raise ValueError(f"reward model {key[0]!r}: its tokenizer is not the policy's ({differ} of the policy's "
+                             f"{len(ours)} tokens are missing or have another id there); a reward model reads the "
+                             f"policy's token ids, so it must share the policy's tokenizer")
     _SAME_TOKENIZER.add(key)
 
 

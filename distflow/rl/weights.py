@@ -1,8 +1,9 @@
 """Versioned, bucketed weight publication from trainers to rollout nodes (full or delta).
 
 Why it exists: after every update the rollout nodes need the new weights, and the trainer
-must never wait for them. Rollout node i is served by trainer rank i mod T, so no trainer
-sends to everyone, and only serving ranks materialise full weights.
+must never wait for them. Each rollout node is served by one trainer rank, on its own host
+where one has room (``weight_transport.serving_plan``), so no trainer sends to everyone, and
+only serving ranks materialise full weights.
 
 Trainer side (:class:`WeightPublisher`): a version is ingested bucket by bucket, straight
 from the bucketed FSDP gather (``distflow.trainer.gather.iter_weight_buckets`` through

@@ -32,6 +32,7 @@ _REGISTRY: dict[str, RewardFn] = {}
 _NUMBER = re.compile(r"(?:(?<![\d)])-)?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _HASHES = re.compile(r"####[ \t]*(" + _NUMBER.pattern + r")")
+_SENTENCE_END = re.compile(r"\n|\.(?!\d)")  # a newline, or a full stop that is no decimal point
 _ANSWER = re.compile(r"answer(?:\s+is)?[\s:*]*(" + _NUMBER.pattern + r")", re.IGNORECASE)
 
 
@@ -101,7 +102,8 @@ def extract_final_number(text: str) -> float | None:
        Qwen2.5 end a solution);
     2. the number right after the last ``####`` (the dataset's own format; only a number that
        directly follows it: ``#### Step 2: ...`` is a markdown heading, not an answer);
-    3. the number right after the last "answer" / "answer is" / "answer:" (``**Final Answer:** 72``);
+    3. the number right after the last "answer" / "answer is" / "answer:" (``**Final Answer:** 72``),
+       or when that sentence goes on to an ``=``, the number after its last one (``answer is 5 + 3 = 8``);
     4. the last number in the text.
     """
     text = text.replace("\\$", "").replace("$", "")
@@ -110,10 +112,16 @@ def extract_final_number(text: str) -> float | None:
         m = _NUMBER.search(boxed[-1])
         if m:
             return _to_float(m.group())
-    for pattern in (_HASHES, _ANSWER):
-        found = pattern.findall(text)
-        if found:
-            return _to_float(found[-1])
+    found = _HASHES.findall(text)
+    if found:
+        return _to_float(found[-1])
+    answers = list(_ANSWER.finditer(text))
+    if answers:  # "answer is 5 + 3 = 8.": the result after the sentence's last '=', not its first operand
+        start = answers[-1].start(1)
+        stop = _SENTENCE_END.search(text, start)
+        sentence = text[start:stop.start() if stop else len(text)]
+        m = _NUMBER.search(sentence.rsplit("=", 1)[1]) if "=" in sentence else None
+        return _to_float(m.group() if m else answers[-1].group(1))
     found = _NUMBER.findall(text)
     return _to_float(found[-1]) if found else None
 

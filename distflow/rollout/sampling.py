@@ -88,14 +88,15 @@ def counter_uniform(key: int, seq: torch.Tensor, step: torch.Tensor) -> torch.Te
     """Uniform draws in [0, 1) that depend only on (key, seq[i], step[i]).
 
     seq, step: [B] int64 (sequence index in the request, token index in its completion).
-    Returns [B] float64 with 53 random bits (two chained 32-bit hashes): a 24-bit fp32 draw
+    Returns [B] float64 with 53 random bits (two independent 32-bit hash chains): a 24-bit fp32 draw
     cannot resolve the ~1e-8 probabilities of a 150k-token vocabulary's tail. Pure integer
     arithmetic on the tensors' device: no generator state.
     """
     h = _mix32((seq & _M32) ^ key)
     h = _mix32(h ^ (step & _M32))
     hi = _mix32(h ^ 0x9E3779B9)
-    lo = _mix32(hi ^ 0x85EBCA6B)
+    g = _mix32((seq & _M32) ^ key ^ 0x85EBCA6B)  # a second chain: the low bits are not a function of hi
+    lo = _mix32(_mix32(g ^ (step & _M32)) ^ 0xC2B2AE35)
     return ((hi >> 5) * (1 << 26) + (lo >> 6)).to(torch.float64) * (1.0 / (1 << 53))
 
 

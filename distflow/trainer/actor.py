@@ -247,16 +247,18 @@ class Actor:
             if once:
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter on the last only
             lp, ent = self._forward(self.model, inputs)
-            if idx is None:
-                loss, metrics, kept = lp.sum() * 0.0, {}, 0.0
+            if idx is None:  # a dummy micro-batch (this rank has fewer): no loss, no metrics
+                loss, metrics, kept, ent_sum = lp.sum() * 0.0, {}, 0.0, 0.0
             else:
                 mb = batch.select(idx)
                 loss, metrics = self._loss(loss_fn, mb, inputs, lp, ent, kl_coef, normalizer, seq_normalizer)
-                kept = float((mb.tensors["response_lens"] * trained_samples(mb, cfg)).sum())
+                trained = torch.repeat_interleave(trained_samples(mb, cfg), mb.tensors["response_lens"])
+                kept = float(trained.sum())
+                ent_sum = float(ent.detach()[trained.to(ent.device)].sum())  # over the tokens the loss trains on
             loss.backward()
             w = kept / max(global_tokens, 1.0)  # share of the global token mean
             sums["loss"] += float(loss.detach()) / self.world
-            sums["entropy"] += float(ent.detach().sum()) / max(global_tokens, 1.0)
+            sums["entropy"] += ent_sum / max(global_tokens, 1.0)
             for k in ("pg_loss", "kl", "clip_frac"):
                 if k in metrics:
                     sums[k] += float(metrics[k]) * w
@@ -329,12 +331,14 @@ class Actor:
         load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))
 
 
-def apply_optimizer_config(optim: torch.optim.Optimizer, cfg: Config) -> None:
+def apply_optimizer_config(optim: torch.optim.Optimizer, cfg: Config, lr: float | None = None) -> None:
     """The config's AdamW settings over what a loaded optimizer state restored: loading restores
-    the checkpoint's param groups, and a resumed run must use the config it was started with
-    (the learning rate is set every step anyway)."""
+    the checkpoint's param groups, and a resumed run must use the config it was started with.
+    ``lr``: a constant learning rate to restore too (the critic's; the actor's is set every step)."""
     for g in optim.param_groups:
         g["betas"], g["weight_decay"] = tuple(cfg.adam_betas), cfg.weight_decay
+        if lr is not None:
+            g["lr"] = lr
 
 
 def checkpoint_writer(path: Path) -> Any:

@@ -240,7 +240,7 @@ class Critic:
         optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
         dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
         set_optimizer_state_dict(self.model, self.optim, optim["optim"])
-        apply_optimizer_config(self.optim, self.cfg)
+        apply_optimizer_config(self.optim, self.cfg, lr=self.cfg.critic_lr or self.cfg.lr)
         state = ckpt / "critic_state.json"
         self.steps = int(json.loads(state.read_text())["steps"]) if state.is_file() else 0
         log.info("critic resumed from %s (%d optimizer steps)", ckpt, self.steps)

@@ -239,20 +239,31 @@ async def run_trainer(rt: Runtime) -> None:
     while inbox.total is None or step < inbox.total:
         t_wait = time.perf_counter()
         batch: SampleBatch | None = None
+        error: Exception | None = None
         try:
             batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
                                              min_version=step - cfg.max_staleness, alive=alive)
-        except SourceLostError:
+        except SourceLostError as e:
             if not all((m := rt.node.member(i)) is not None and m.state == "left" for i in rollout_ids):
-                raise
-        # Every rank stops at the same step: a stop mid-send can leave one rank its whole step and
-        # another none, and a rank training while another checkpoints pairs their collectives wrongly.
-        if world > 1 and (await on_gpu(all_reduce, [float(batch is not None)], dist.ReduceOp.MIN))[0] < 1:
-            batch = None
-        if batch is None:
+                error = e
+        except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
+            error = e
+        # Every rank stops, fails or trains at the same step (1 = train, 0 = stop, -1 = fail): a stop
+        # mid-send can leave one rank its whole step and another none, and a rank training while
+        # another checkpoints (or has failed) would pair their collectives wrongly, or wait for ever.
+        status = -1.0 if error is not None else float(batch is not None)
+        if world > 1:
+            status = (await on_gpu(all_reduce, [status], dist.ReduceOp.MIN))[0]
+        if status < 0:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"trainer rank {rank}: another trainer rank could not take step {step} "
+                               "(its log names the error); stopping with it")
+        if status == 0:
             log.warning("trainer rank %d: the rollout nodes left the mesh (the cluster is being stopped); "
                         "saving a checkpoint at step %d", rank, step)
             break
+        assert batch is not None
         times = {"time_wait_s": time.perf_counter() - t_wait}
         inbox.consumed = step + 1
         actor.total_steps = inbox.total
