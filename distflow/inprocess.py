@@ -79,7 +79,9 @@ def cuda_in_process(cfg: Config) -> Config:
                          f"use weight_transport=auto (or channel) with --in-process")
     index = cfg.gpus[0] if isinstance(cfg.gpus, list) else 0
     os.environ.setdefault("DISTFLOW_LOCAL_GPU", str(index))
-    os.environ.setdefault(GPU_NODES_ENV, str(cfg.trainer_nodes + cfg.rollout_nodes))  # engines size their KV cache
+    # every node of the run shares the GPU (worker groups too: a reward model loads there): engines size their
+    # KV cache for that many
+    os.environ.setdefault(GPU_NODES_ENV, str(cfg.trainer_nodes + cfg.rollout_nodes + sum(cfg.worker_groups.values())))
     log.warning("--in-process on cuda: the trainer and %d rollout engine(s) share cuda:%s of this process; the "
                 "weights go over the data channel (weight_transport: channel)", cfg.rollout_nodes,
                 os.environ["DISTFLOW_LOCAL_GPU"])

@@ -81,6 +81,28 @@ def test_token_partition_is_greedy_longest_first():
 
 
 # ---------------------------------------------------------------------------------------- shard
+def test_discard_before_frees_the_steps_a_resumed_run_never_takes():
+    """A resumed run starts at its checkpoint's step S: parts of steps below S sent before the
+    rollout nodes knew it are dropped (their capacity freed), and a later copy is a duplicate."""
+    async def main():
+        s = BufferShard(6)
+        for step in (0, 1, 2):
+            await s.put(make_batch(f"s{step}", 2), step=step, source="shard-0", timeout=1)
+        assert s.stats()["samples_held"] == 6
+        waiting = asyncio.create_task(s.put(make_batch("x", 2), step=3, source="shard-0", timeout=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # full
+        assert await s.discard_before(2) == 2
+        await asyncio.wait_for(waiting, 1)  # the freed room let it in
+        assert s.steps_held() == {2: ["shard-0"], 3: ["shard-0"]} and s.stats()["samples_held"] == 4
+        with pytest.raises(DuplicatePartError):
+            await s.put(make_batch("s0", 2), step=0, source="shard-0", timeout=1)
+        assert (await s.take_step(2, ["shard-0"], timeout=1)).sample_ids == ["s20", "s21"]
+        assert await s.discard_before(2) == 0
+
+    run(main())
+
+
 def test_take_step_concatenates_parts_in_sorted_source_order():
     async def main():
         s = BufferShard(100)

@@ -57,22 +57,28 @@ def test_order_is_deterministic_per_seed_and_epoch(data):
 
 
 def test_reserve_draws_fresh_rows_of_this_shard_deterministically(data):
-    """DAPO's refill: rows of this rank's shard, no repeats within a draw, the same draw for the
-    same (seed, epoch, step, attempt) in any process, ids that never collide with the step's."""
+    """DAPO's refill: rows of this rank's shard, never one of the step's own rows nor one an
+    earlier attempt of the step drew, the same draw for the same (seed, epoch, step, attempt)
+    in any process, ids that never collide with the step's."""
     s = PromptShard(str(data), 1, 3, seed=3)
-    mine = set(s.rank_rows(0).tolist())
-    a = s.reserve(0, 5, 0, 10)
-    assert len(a) == 10 and len({r.row_index for r in a}) == 10 and {r.row_index for r in a} <= mine
-    assert all(r.prompt_id == f"e0:{r.row_index}:r5.0" for r in a)
-    assert [r.row_index for r in a] == [r.row_index for r in PromptShard(str(data), 1, 3, seed=3).reserve(0, 5, 0, 10)]
-    assert [r.row_index for r in a] != [r.row_index for r in s.reserve(0, 5, 1, 10)]  # the next attempt differs
-    assert [r.row_index for r in a] != [r.row_index for r in s.reserve(0, 6, 0, 10)]  # and the next step
-    assert len(s.reserve(0, 0, 0, 1000)) == len(mine)  # capped at the shard
-    assert s.reserve(0, 0, 0, 0) == []
-    step_ids = {r.prompt_id for r in s.batch(0, 5, 10)}
-    assert not step_ids & {r.prompt_id for r in a}
+    mine = s.rank_rows(0).tolist()
+    assert len(mine) == 34
+    own = {r.row_index for r in s.batch(0, 1, 10)}
+    draws = [s.reserve(0, 1, attempt, 10, local_batch=10) for attempt in range(4)]
+    rows = [[r.row_index for r in d] for d in draws]
+    assert [len(r) for r in rows] == [10, 10, 4, 0]  # 34 rows - 10 of the step's own: then the shard runs out
+    flat = [r for rs in rows for r in rs]
+    assert len(set(flat)) == len(flat) == 24 and set(flat) == set(mine) - own  # disjoint, none of the step's
+    assert all(r.prompt_id == f"e0:{r.row_index}:r1.{a}" for a, d in enumerate(draws) for r in d)
+    again = PromptShard(str(data), 1, 3, seed=3)  # another process: the same draw
+    assert [r.row_index for r in again.reserve(0, 1, 1, 10, local_batch=10)] == rows[1]
+    assert [r.row_index for r in s.reserve(0, 2, 0, 10, local_batch=10)] != rows[0]  # the next step differs
+    assert len(s.reserve(0, 1, 0, 1000, local_batch=10)) == 10  # at most a step's worth per attempt
+    assert s.reserve(0, 1, 0, 0, local_batch=10) == []
+    step_ids = {r.prompt_id for r in s.batch(0, 1, 10)}
+    assert not step_ids & {r.prompt_id for d in draws for r in d}
     with pytest.raises(ValueError, match="must be >= 0"):
-        s.reserve(0, -1, 0, 1)
+        s.reserve(0, -1, 0, 1, local_batch=10)
 
 
 def test_no_shuffle_is_strided_identity(data):
@@ -205,5 +211,5 @@ def test_bad_arguments_and_files(tmp_path, data):
         PromptShard(str(data), 0, 1, bad_rows="ignore")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    s = PromptShard(str(empty), 0, 1)
-    assert s.num_rows == 0 and s.steps_per_epoch(4) == 0 and list(s.iterate(4, 3)) == []
+    with pytest.raises(DatasetError, match="empty.jsonl: the prompt file has no rows"):
+        PromptShard(str(empty), 0, 1)  # else the run would start, send nothing, and time out waiting for step 0

@@ -85,3 +85,7 @@ def test_resumed_run_continues_exactly_where_it_stopped(toy_model, toy_data, tmp
 
     resumed = read_trace(split)
     assert sorted({rec["step"] for node in ("trainer-0", "trainer-1") for rec in resumed[node]}) == [3, 4, 5]
+    # ...and the rollout nodes generated nothing the checkpoint already covered (they wait for the
+    # trainers' step before the first batch of a resumed run)
+    generated = [rec["step"] for node, recs in resumed.items() if node.startswith("rollout") for rec in recs]
+    assert generated and min(generated) == 3, sorted(generated)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import mmap
 import os
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 # Types accepted for well-known keys; other required keys only need to be present and not null.
+log = logging.getLogger(__name__)
 DEFAULT_KEY_TYPES: dict[str, tuple[type, ...]] = {"prompt": (str, list)}
 
 
@@ -173,6 +175,8 @@ class PromptShard:
         else:
             raise DatasetError(f"{path}: unknown prompt file format (expected .jsonl, .ndjson, .parquet or .pq)")
         self.num_rows: int = self._src.num_rows
+        if self.num_rows == 0:  # else every node would finish at once and the trainers wait for step 0
+            raise DatasetError(f"{path}: the prompt file has no rows")
         self.bad_rows_skipped = 0
         self._epoch = 0
         self._step = 0
@@ -209,16 +213,25 @@ class PromptShard:
         rows = self.rank_rows(epoch)[step * local_batch:(step + 1) * local_batch].tolist()
         return self._read(rows, lambda r: f"e{epoch}:{r}")
 
-    def reserve(self, epoch: int, step: int, attempt: int, n: int) -> list[PromptRow]:
+    def reserve(self, epoch: int, step: int, attempt: int, n: int, *, local_batch: int) -> list[PromptRow]:
         """``n`` extra rows of this rank's shard for step ``step`` (DAPO's dynamic sampling
-        replaces the prompts it filtered out with these): a deterministic draw per (seed, epoch,
-        step, attempt), without repeats within the draw, so a resumed run draws the same. Their
-        prompt ids (``e<epoch>:<row>:r<step>.<attempt>``) never collide with the step's own."""
-        if epoch < 0 or step < 0 or attempt < 0 or n < 0:
-            raise ValueError(f"epoch, step, attempt and n must be >= 0, got {epoch}, {step}, {attempt}, {n}")
-        pool = self.rank_rows(epoch)
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, step, attempt, 0xDA90])))
-        rows = rng.choice(pool, size=min(n, len(pool)), replace=False).tolist() if n and len(pool) else []
+        replaces the prompts it filtered out with these), ``local_batch`` being the step's own
+        batch size. Never one of the step's own rows (a kept prompt would be trained twice in
+        one step), never a row an earlier attempt of the step drew: attempt ``a`` takes rows
+        ``[a * local_batch, a * local_batch + n)`` of one permutation per (seed, epoch, step) of
+        the shard's other rows (``n <= local_batch``: it replaces some of the step's prompts), so
+        the draw is deterministic and a resumed run draws the same. Fewer when the shard runs
+        out. Their prompt ids (``e<epoch>:<row>:r<step>.<attempt>``) never collide with the step's own."""
+        if epoch < 0 or step < 0 or attempt < 0 or n < 0 or local_batch < 1:
+            raise ValueError(f"epoch, step, attempt, n must be >= 0 and local_batch >= 1, got {epoch}, {step}, "
+                             f"{attempt}, {n}, {local_batch}")
+        n = min(n, local_batch)
+        shard = self.rank_rows(epoch)
+        own = set(shard[step * local_batch:(step + 1) * local_batch].tolist())
+        pool = np.array([r for r in shard.tolist() if r not in own], dtype=np.int64)
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, step, 0xDA90])))
+        order = rng.permutation(pool) if len(pool) else pool
+        rows = order[attempt * local_batch:attempt * local_batch + n].tolist()
         return self._read(rows, lambda r: f"e{epoch}:{r}:r{step}.{attempt}")
 
     def _read(self, rows: list[int], prompt_id: Callable[[int], str]) -> list[PromptRow]:
@@ -229,6 +242,8 @@ class PromptShard:
                 if self.bad_rows == "error":
                     raise problem
                 self.bad_rows_skipped += 1
+                if self.bad_rows_skipped <= 5 or self.bad_rows_skipped % 1000 == 0:
+                    log.warning("skipping bad row #%d (bad_rows: skip): %s", self.bad_rows_skipped, problem)
                 continue
             out.append(PromptRow(prompt_id(r), r, value))
         return out

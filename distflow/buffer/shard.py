@@ -191,6 +191,24 @@ class BufferShard:
             floor = self._max_taken - self._history
             self._taken = {k for k in self._taken if k[0] > floor}
 
+    async def discard_before(self, step: int) -> int:
+        """Drop every part held for a step below ``step`` (steps that will never be taken: a
+        resumed run starts at its checkpoint's step, and a part sent before the rollout nodes
+        knew that would hold capacity for the whole run). Returns the number of parts dropped;
+        a later copy of one of them counts as a duplicate."""
+        async with self._cond:
+            dropped = 0
+            for s in [s for s in self._parts if s < step]:
+                for source, part in self._parts.pop(s).items():
+                    self._held_samples -= len(part)
+                    self._held_bytes -= part.nbytes()
+                    self._taken.add((s, source))
+                    dropped += 1
+            if dropped:
+                self._c["discarded_parts"] += dropped
+                self._cond.notify_all()  # room for producers waiting on capacity
+            return dropped
+
     # ------------------------------------------------------------------ introspection
     def steps_held(self) -> dict[int, list[str]]:
         """{step: [sources with a part held]}."""

@@ -243,9 +243,14 @@ class RolloutLoop:
         rank, total, loaders = groups.rank, self.total, self.loaders
         next_step = {rank: 0}  # per covered shard: the next step to generate
         stalled_since = time.monotonic()
+        progress = (-1, -1)  # (weights version, trainers' step) last seen: either moving is progress
         while inbox.version < total:  # until the trainers have published the final version
             self.trainers_gone()
-            done = trainer_step(rt, groups)
+            # Weights of version v are what v trained steps made: steps below it need no samples (the
+            # gossiped step may lag behind them, e.g. right after a resume or on a node that was cut off).
+            done = max(trainer_step(rt, groups), inbox.version)
+            if (inbox.version, done) != progress:
+                progress, stalled_since = (inbox.version, done), time.monotonic()
             shards = covered_shards(rt, groups)
             for s in shards:
                 if s not in next_step:
@@ -253,8 +258,9 @@ class RolloutLoop:
                     loaders.setdefault(s, self.shard_loader(s))
             next_step = {s: max(next_step.get(s, 0), done) for s in shards}  # catch up; hand back returned shards
             todo = [(k, s) for s, k in next_step.items() if k < total]
-            if not todo or inbox.version < min(todo)[0] - cfg.max_staleness:
-                # Nothing to do, or (staleness bound) weights too old: wait for the trainers.
+            resuming = bool(cfg.resume_from) and done == 0  # the trainers' checkpoint step is not known yet
+            if not todo or resuming or inbox.version < min(todo)[0] - cfg.max_staleness:
+                # Nothing to do, (staleness bound) weights too old, or a resumed run's step unknown: wait.
                 if time.monotonic() - stalled_since > cfg.step_timeout_s:
                     raise TimeoutError(f"no progress for {cfg.step_timeout_s:.0f}s (weights v{inbox.version}, "
                                        f"trainers at step {done}, my shards {next_step})")
@@ -266,16 +272,19 @@ class RolloutLoop:
             step, shard = min(todo)
             await self.load_fresh_weights()
             epoch, in_epoch = divmod(step, self.per_epoch)
+            bad_before = loaders[shard].bad_rows_skipped
             rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
             t0 = time.perf_counter()
             seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
             stage_stats: dict[str, float] = {}
             refill = (lambda attempt, n, loader=loaders[shard], e=epoch, i=in_epoch:  # noqa: E731
-                      loader.reserve(e, i, attempt, n))
+                      loader.reserve(e, i, attempt, n, local_batch=cfg.rollout_batch))
             # The stages run in a pool thread: enter this node's GPU there (a reward model runs in it).
             batch = await asyncio.to_thread(call_on, chosen_device(), run_pipeline, self.pipeline, engine, cfg, rows,
                                             seed, stage_stats, self.weights_update, refill)
             t_gen = time.perf_counter() - t0
+            if loaders[shard].bad_rows_skipped > bad_before:  # bad_rows: skip (refill rows included)
+                stage_stats["bad_rows"] = loaders[shard].bad_rows_skipped - bad_before
             rate = len(batch) / max(t_gen, 1e-9)
             if stage_stats:
                 log.info("rollout rank %d step %d shard %d: %s", rank, step, shard, stage_stats)

@@ -228,6 +228,7 @@ async def run_trainer(rt: Runtime) -> None:
     step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     if step:
+        inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         rt.node.set_meta(policy_version=step)
         await publish(step)
     alive = rollout_liveness(rt, rollout_ids)

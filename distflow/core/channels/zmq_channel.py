@@ -288,7 +288,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         timeout: float,
     ) -> None:
         try:
-            async with _timeout(timeout):
+            async with asyncio.timeout(timeout):
                 await self._send(peer, kind, meta, tensors)
         except TimeoutError:
             self._counters["send_timeouts"] += 1
@@ -522,37 +522,6 @@ def freeze_startup_objects() -> None:
     are collected as usual; only startup objects, which live for the whole process anyway, are
     exempt. Idempotent and cheap (it moves a list), so every channel start calls it."""
     gc.freeze()
-
-
-def _timeout(seconds: float) -> Any:
-    """asyncio.timeout (3.11+: no extra task per call), else a wait_for-based equivalent."""
-    if hasattr(asyncio, "timeout"):
-        return asyncio.timeout(seconds)
-    return _WaitForTimeout(seconds)  # pragma: no cover - Python 3.10
-
-
-class _WaitForTimeout:  # pragma: no cover - Python 3.10 only
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.handle: asyncio.TimerHandle | None = None
-        self.fired = False
-
-    async def __aenter__(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-
-        def fire() -> None:
-            self.fired = True
-            task.cancel()
-
-        self.handle = asyncio.get_running_loop().call_later(self.seconds, fire)
-
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        assert self.handle is not None
-        self.handle.cancel()
-        if self.fired and exc_type is asyncio.CancelledError:
-            raise TimeoutError
-        return False
 
 
 def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
