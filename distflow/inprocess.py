@@ -42,28 +42,66 @@ async def _run(cfg: Config) -> int:
                               seeds=[trainer.node.address]) for g, n in cfg.worker_groups.items() for i in range(n)]
     for rt in rollouts + controllers + workers:
         await rt.start()
-    tasks = {asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")}
-    tasks |= {asyncio.create_task(run_controller(rt), name="controller-0-loop") for rt in controllers}
-    tasks |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
-    tasks |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
+    trainer_task = asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")
+    producers = {asyncio.create_task(run_controller(rt), name="controller-0-loop") for rt in controllers}
+    producers |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
+    producers |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
+    tasks = {trainer_task, *producers}
+    interrupted = _on_interrupt(asyncio.get_running_loop(), tasks)
+    watch = asyncio.create_task(interrupted.wait(), name="in-process-interrupt")
     code = 0
     try:
-        pending = tasks
-        while pending:
+        pending = set(tasks) | {watch}
+        while pending - {watch}:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:  # as a cluster's Ctrl-C: the producers leave, the trainer saves a checkpoint
+                log.warning("interrupted: stopping the rollout nodes; the trainer saves a checkpoint (Ctrl-C again "
+                            "to stop at once)")
+                for t in producers:
+                    t.cancel()
+                await asyncio.wait(producers, timeout=10)
+                for rt in [*rollouts, *controllers, *workers]:
+                    await rt.stop()  # they leave the mesh: the trainer stops at its last completed step
+                pending -= {watch, *producers}
+                code = 130
+                continue
             failed = [t for t in done if not t.cancelled() and t.exception() is not None]
             if failed:
                 t = failed[0]
                 log.error("%s failed: %s", t.get_name(), t.exception(), exc_info=t.exception())
                 code = 1
                 break
+            if trainer_task.cancelled() and code == 130:  # a second Ctrl-C
+                break
     finally:
+        watch.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.wait(tasks, timeout=10)
         for rt in [*rollouts, *controllers, *workers, trainer]:
             await rt.stop()
     return code
+
+
+def _on_interrupt(loop: asyncio.AbstractEventLoop, tasks: set[asyncio.Task]) -> asyncio.Event:
+    """SIGINT/SIGTERM: the first sets the returned event (a graceful stop), a second cancels
+    every task. Where signals cannot be handled (not the main thread) the event never fires."""
+    import signal
+
+    event = asyncio.Event()
+
+    def on_signal() -> None:
+        if event.is_set():
+            for t in tasks:
+                t.cancel()
+        event.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+    return event
 
 
 def cuda_in_process(cfg: Config) -> Config:
@@ -99,4 +137,9 @@ def run_in_process(cfg: Config) -> int:
     except ValueError as e:
         print(f"distflow run --in-process: {e}", file=sys.stderr)
         return 2
-    return run_loop(_run(cfg))
+    code = run_loop(_run(cfg))
+    if code == 130:
+        from distflow.launcher import resume_hint  # noqa: PLC0415
+
+        print(f"distflow: stopped. {resume_hint(cfg.output_dir)}", file=sys.stderr)
+    return code

@@ -148,6 +148,33 @@ def test_ctrl_c_stops_every_child_bounded_and_leaves_a_checkpoint(toy_model, tmp
     assert f"resume_from={out / 'checkpoint'}" in err
 
 
+def test_ctrl_c_in_process_saves_the_last_completed_step_like_a_cluster(toy_model, tmp_path):
+    """--in-process: the first SIGINT stops the rollout nodes (they leave the mesh), so the trainer
+    saves its last completed step and the process exits 130 naming the checkpoint (before, the
+    trainer task was cancelled outright: a traceback and no checkpoint)."""
+    import json
+
+    from distflow.toy import make_toy_dataset
+
+    data = tmp_path / "data.jsonl"
+    make_toy_dataset(data, 800, seed=2)
+    out = tmp_path / "run"
+    args = small_run_args(toy_model, data, out, "prompts_per_step=4", "group_size=2", "trainer_nodes=1")
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args, "--in-process"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(read_metrics(out / "metrics.jsonl")) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    state = json.loads((out / "checkpoint" / "distflow_state.json").read_text())
+    assert state["policy_version"] == state["step"] == len(rows) < 200
+    assert f"resume_from={out / 'checkpoint'}" in err and "Traceback" not in err
+
+
 def test_in_process_mode_trains(toy_model, toy_data, tmp_path):
     out = tmp_path / "run"
     r = run_distflow(small_run_args(toy_model, toy_data, out, "trainer_nodes=1", "max_steps=2") + ["--in-process"],

@@ -52,7 +52,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     name: str = "distflow"
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     output_dir: str = "outputs/run"
 
     # -- cluster ---------------------------------------------------------------
