@@ -9,21 +9,35 @@ an epoch was trained on exactly once.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 
 class Trace:
+    """A node's trace file. A new run starts it empty; a node that ``distflow run`` restarted
+    (same id, same run: the file was written after the launcher started, ``DISTFLOW_T0``) appends,
+    so the records of its first life stay."""
+
     def __init__(self, output_dir: str, node_id: str, enabled: bool):
         self.path = Path(output_dir) / "trace" / f"{node_id}.jsonl" if enabled else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if not _written_this_run(self.path):
+                self.path.write_text("")
 
     def write(self, **record: Any) -> None:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _written_this_run(path: Path) -> bool:
+    try:
+        t0 = float(os.environ["DISTFLOW_T0"])  # launcher.T0_ENV: the launcher's wall-clock start
+        return path.stat().st_mtime >= t0
+    except (KeyError, ValueError, OSError):
+        return False
 
 
 def read_trace(output_dir: str | Path) -> dict[str, list[dict[str, Any]]]:

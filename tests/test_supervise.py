@@ -105,6 +105,9 @@ def test_killed_rollout_child_is_restarted_and_the_run_completes(toy_model, tmp_
     trained = Counter(s for rec in trace["trainer-0"] for s in rec["sample_ids"])
     assert set(trained.values()) == {1}  # every sample trained exactly once
     assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
+    # the restarted rollout-1 appended to its trace: the steps of its first life are still there
+    first_life = [rec["step"] for rec in trace["rollout-1"] if rec["step"] < 3]
+    assert first_life and max(rec["step"] for rec in trace["rollout-1"]) > 3
     assert not children_of(out)
 
 
