@@ -81,6 +81,37 @@ def test_token_partition_is_greedy_longest_first():
 
 
 # ---------------------------------------------------------------------------------------- shard
+def test_a_second_copy_waits_for_the_first_and_takes_its_place_when_it_gives_up():
+    """A re-sent part that arrives while the first copy still waits for room is not dropped as a
+    duplicate at once: if the first copy then times out (its sender may be dead, so nobody would
+    re-send), the second is stored; if the first is stored, the second is the duplicate."""
+    async def main():
+        s = BufferShard(2)
+        await s.put(make_batch("a", 2), step=1, source="shard-0", timeout=1)  # full
+        first = asyncio.create_task(s.put(make_batch("x", 2), step=2, source="shard-1", timeout=0.3))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(s.put(make_batch("x", 2), step=2, source="shard-1", timeout=5))
+        with pytest.raises(TimeoutError, match="for capacity"):
+            await first
+        await asyncio.sleep(0.05)
+        assert not second.done()  # now waiting for room itself
+        assert (await s.take_step(1, ["shard-0"], timeout=1)).sample_ids == ["a0", "a1"]
+        await asyncio.wait_for(second, 1)
+        assert (await s.take_step(2, ["shard-1"], timeout=1)).sample_ids == ["x0", "x1"]
+        # the first copy stored: the waiting second one is the duplicate
+        await s.put(make_batch("b", 2), step=3, source="shard-0", timeout=1)
+        first = asyncio.create_task(s.put(make_batch("y", 2), step=4, source="shard-1", timeout=5))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(s.put(make_batch("y", 2), step=4, source="shard-1", timeout=5))
+        await asyncio.sleep(0.05)
+        await s.take_step(3, ["shard-0"], timeout=1)
+        await asyncio.wait_for(first, 1)
+        with pytest.raises(DuplicatePartError):
+            await asyncio.wait_for(second, 1)
+
+    run(main())
+
+
 def test_discard_before_frees_the_steps_a_resumed_run_never_takes():
     """A resumed run starts at its checkpoint's step S: parts of steps below S sent before the
     rollout nodes knew it are dropped (their capacity freed), and a later copy is a duplicate."""

@@ -83,7 +83,16 @@ class BufferShard:
         key = (step, source)
         n = len(batch)
         async with self._cond:
-            if key in self._taken or key in self._reserved or source in self._parts.get(step, {}):
+            if key in self._reserved:  # a first copy still waits for room: its fate decides this one's
+                self._waiting += 1  # (its admission or failure then wakes us)
+                try:
+                    await asyncio.wait_for(self._cond.wait_for(lambda: key not in self._reserved), timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"{self.name}: put of step {step} from {source!r} waited {timeout:g}s for "
+                                       f"an earlier copy of the same part to be stored or given up") from None
+                finally:
+                    self._waiting -= 1
+            if key in self._taken or source in self._parts.get(step, {}):
                 raise DuplicatePartError(f"{self.name}: duplicate part for step {step} from {source!r}")
             self._reserved.add(key)
             admitted = False
