@@ -334,3 +334,21 @@ def test_overlong_mask_trains_exactly_as_if_the_truncated_samples_were_not_there
     assert masked["entropy"] == pytest.approx(alone["entropy"], rel=1e-5)  # the metric too: trained tokens only
     for name in sm:
         assert torch.allclose(sm[name], sa[name], atol=1e-7), name
+
+
+def test_optional_loss_metrics_are_logged_when_the_loss_reports_them(toy_model, world1):
+    """ratio_mean and approx_kl (every shipped policy loss) and, with truncated importance
+    sampling, tis_weight_mean / tis_clip_frac reach the step's stats (and so metrics.jsonl)."""
+    from distflow.trainer.actor import Actor
+
+    plain = _cfg(toy_model, "lr=0.01", "kl_coef=0")
+    stats = Actor(plain, with_reference=False).update(plain.node("ACTOR", "MODEL_TRAIN"), make_batch(8, seed=4))
+    # the batch's logprobs are made up (not this model's): the ratio is far from 1
+    assert 0 < stats["ratio_mean"] != pytest.approx(1.0, abs=0.05) and stats["approx_kl"] > 0.01
+    assert "tis_weight_mean" not in stats and "tis_clip_frac" not in stats
+    tis = _cfg(toy_model, "lr=0.01", "kl_coef=0", "recompute_old_logprobs=true", "tis_cap=2")
+    stats = Actor(tis, with_reference=False).update(tis.node("ACTOR", "MODEL_TRAIN"), make_batch(8, seed=4))
+    # old logprobs recomputed by this model before the step: ratio 1, no KL; the made-up behaviour
+    # logprobs are what the TIS weights correct for
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and stats["approx_kl"] == pytest.approx(0, abs=1e-6)
+    assert 0 < stats["tis_weight_mean"] < 1 and 0 <= stats["tis_clip_frac"] <= 1  # weights exp(old - behaviour)

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Actor", "DTYPES", "all_reduce", "flat_to_padded", "grad_sync_mode", "step_micro_batches"]
 
 STATE_FILE = "distflow_state.json"
+# Loss metrics some policy losses report (token means): logged per step when any micro-batch had them.
+OPTIONAL_METRICS = ("ratio_mean", "approx_kl", "tis_weight_mean", "tis_clip_frac")
 OPTIM_DIR = "optimizer"
 # grad_sync auto: reduce-scatter once per step only while that holds at most this many bytes
 # per GPU beyond sharded gradients.
@@ -224,7 +226,8 @@ class Actor:
         steps = [self._optimizer_step(loss_fn, batch if len(minis) == 1 else batch.select(mini), kl_coef)
                  for _ in range(cfg.ppo_epochs) for mini in minis]
         self.version += 1
-        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        keys = dict.fromkeys(k for st in steps for k in st)  # an optional metric may be missing from a step
+        out = {k: sum(vals) / len(vals) for k in keys if (vals := [st[k] for st in steps if k in st])}
         # Tokens count the batch once (not once per epoch); tokens/s is per optimizer pass.
         out.update(tokens=sum(s["tokens"] for s in steps[:len(minis)]),
                    train_tokens=sum(s["train_tokens"] for s in steps), lr=lr, optimizer_steps=len(steps))
@@ -240,7 +243,8 @@ class Actor:
         normalizer = max(global_tokens, 1.0) / self.world
         seq_normalizer = max(global_seqs, 1.0) / self.world
         self.optim.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0,
+                **{k: 0.0 for m in OPTIONAL_METRICS for k in (m, f"{m}/w")}}  # the same keys on every rank
         mbs = list(self._micro_batches(batch))
         once = self.grad_sync == "step"
         for i, (idx, inputs) in enumerate(mbs):
@@ -262,6 +266,10 @@ class Actor:
             for k in ("pg_loss", "kl", "clip_frac"):
                 if k in metrics:
                     sums[k] += float(metrics[k]) * w
+            for k in OPTIONAL_METRICS:  # not every loss reports these: a token weight per key, too
+                if k in metrics:
+                    sums[k] += float(metrics[k]) * w
+                    sums[f"{k}/w"] += w
         if once:
             self.model.set_requires_gradient_sync(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -270,6 +278,11 @@ class Actor:
         self.optim.step()
         keys = list(sums)
         out = dict(zip(keys, self._all_reduce([sums[k] for k in keys])))
+        for k in OPTIONAL_METRICS:  # the token-weighted mean over the ranks that reported it, else left out
+            weight = out.pop(f"{k}/w")
+            value = out.pop(k)
+            if weight > 0:
+                out[k] = value / weight
         out.update(grad_norm=float(grad_norm), tokens=global_tokens, train_tokens=global_all)
         return out
 
