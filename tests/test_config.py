@@ -80,6 +80,7 @@ def test_overrides_typed_nested_and_indexed(tmp_path):
     ({"engine_kv_cache_memory_fraction": 1.5}, "engine_kv_cache_memory_fraction", "less than or equal"),
     ({"dtype": "float16", "device": "cuda"}, "dtype float16", "loss scaling"),
     ({"seed": -1}, "seed", "greater than or equal"),
+    ({"gpus": 1}, "gpus", "device is cpu"),
 ])
 def test_errors_name_the_key(tmp_path, change, key, needle):
     raw = base()

@@ -262,6 +262,8 @@ class Config(BaseModel):
         if self.worker_groups and self.controller == "single":
             raise ValueError("worker_groups: controller: single routes every batch through one controller; it "
                              "cannot be combined with worker groups (use controller: distributed)")
+        if self.device == "cpu" and self.gpus is not None:  # here, not only in placement: --check sees it too
+            raise ValueError(f"gpus: {self.gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
         if self.dtype == "float16":  # bf16 has fp32's exponent range; fp16 needs a loss scaler to train
             raise ValueError("dtype float16: training in float16 needs loss scaling, which DistFlow does not do "
                              "(per-token gradients of ~1e-5 underflow in the half-precision matmuls); use bfloat16 "
