@@ -60,6 +60,14 @@ class Child:
                                          start_new_session=True)
 
 
+def launch_time() -> float | None:
+    """Wall-clock start of the ``distflow run`` that launched this process (``DISTFLOW_T0``), or None."""
+    try:
+        return float(os.environ[T0_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
 def process_start_time() -> float:
     """Wall-clock time this process started (from /proc; now, where there is no /proc)."""
     try:

@@ -9,7 +9,6 @@ an epoch was trained on exactly once.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,12 @@ class Trace:
 
 
 def _written_this_run(path: Path) -> bool:
+    from distflow.launcher import launch_time  # noqa: PLC0415 - only nodes that write a trace need it
+
+    t0 = launch_time()
     try:
-        t0 = float(os.environ["DISTFLOW_T0"])  # launcher.T0_ENV: the launcher's wall-clock start
-        return path.stat().st_mtime >= t0
-    except (KeyError, ValueError, OSError):
+        return t0 is not None and path.stat().st_mtime >= t0
+    except OSError:
         return False
 
 

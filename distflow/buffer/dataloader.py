@@ -28,8 +28,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-# Types accepted for well-known keys; other required keys only need to be present and not null.
 log = logging.getLogger(__name__)
+
+# Types accepted for well-known keys; other required keys only need to be present and not null.
 DEFAULT_KEY_TYPES: dict[str, tuple[type, ...]] = {"prompt": (str, list)}
 
 

@@ -31,6 +31,7 @@ _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 # the only ones that read per-token rewards, and so the KL penalty of kl_in_reward.
 TOKEN_ESTIMATOR_NAMES = ("gae",)
 
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
 
@@ -221,8 +222,8 @@ class Config(BaseModel):
         if self.kl_in_reward and self.kl_coef > 0 and not any(
                 n.type.value == "COMPUTE" and n.fn in TOKEN_ESTIMATOR_NAMES for n in self.workflow):
             raise ValueError("kl_in_reward: true puts the KL penalty into per-token rewards, which only a token-level "
-                             f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the run "
-                             "would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae node")
+                             f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the "
+                             "run would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae node")
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer: overlong: penalty needs 0 < overlong_buffer <= max_new_tokens "
                              f"({self.max_new_tokens}), got {self.overlong_buffer}")

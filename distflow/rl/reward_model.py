@@ -7,8 +7,8 @@ that both groups share rather than in either group's package.
 
 The model is ``AutoModelForSequenceClassification`` with ``num_labels == 1`` loaded from a
 local directory (nothing is downloaded); it reads the policy's token ids (prompt +
-response), so it must share the policy's tokenizer (checked when its directory has one). The score of a sample is the head's
-output at the sample's last real token, computed here (right padding, positions from the
+response), so it must share the policy's tokenizer (checked when its directory has one). The
+score of a sample is the head's output at the sample's last real token, computed here (right padding, positions from the
 attention mask) rather than by the model's own pooling, which needs a pad id that never
 occurs in real text.
 """

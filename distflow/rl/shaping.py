@@ -42,9 +42,7 @@ def outcome_rewards(batch: SampleBatch, cfg: Config) -> Tensor:
 def mask_truncated(advantages: Tensor, batch: SampleBatch, cfg: Config) -> Tensor:
     """With ``overlong: mask``, truncated samples get advantage 0 (no policy gradient).
     advantages: [n] or per-sample rows of any trailing shape."""
-    if cfg.overlong != "mask" or "truncated" not in batch.tensors:
-        return advantages
-    keep = (batch.tensors["truncated"] == 0).to(advantages.dtype)
+    keep = trained_samples(batch, cfg).to(advantages.dtype)
     return advantages * keep.reshape((-1,) + (1,) * (advantages.dim() - 1))
 
 

@@ -96,7 +96,7 @@ def _to_float(text: str) -> float | None:
 
 
 def extract_final_number(text: str) -> float | None:
-    """The final answer of a GSM8K-style solution, None if there is none. In order:
+    r"""The final answer of a GSM8K-style solution, None if there is none. In order:
 
     1. the first number inside the last ``\boxed{...}`` (how instruction-tuned models such as
        Qwen2.5 end a solution);

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Callable
 
@@ -353,12 +352,9 @@ class RolloutLoop:
     def report_startup(self) -> None:
         """Seconds from the launch (DISTFLOW_T0, set by `distflow run`; else this process's
         start) to this node's first generated batch: logged, and gossiped as ``startup_s``."""
-        from distflow.launcher import T0_ENV, process_start_time
+        from distflow.launcher import launch_time, process_start_time
 
-        try:
-            t0 = float(os.environ[T0_ENV])
-        except (KeyError, ValueError):
-            t0 = process_start_time()
+        t0 = launch_time() or process_start_time()
         startup = time.time() - t0
         self.rt.node.set_meta(startup_s=round(startup, 3))
         log.info("rollout rank %d: first batch generated %.2fs after launch (startup_s)", self.groups.rank, startup)

@@ -255,8 +255,9 @@ class Actor:
                 loss, metrics, kept, ent_sum = lp.sum() * 0.0, {}, 0.0, 0.0
             else:
                 mb = batch.select(idx)
-                loss, metrics = self._loss(loss_fn, mb, inputs, lp, ent, kl_coef, normalizer, seq_normalizer)
-                trained = torch.repeat_interleave(trained_samples(mb, cfg), mb.tensors["response_lens"])
+                keep = trained_samples(mb, cfg)
+                loss, metrics = self._loss(loss_fn, mb, keep, inputs, lp, ent, kl_coef, normalizer, seq_normalizer)
+                trained = torch.repeat_interleave(keep, mb.tensors["response_lens"])
                 kept = float(trained.sum())
                 ent_sum = float(ent.detach()[trained.to(ent.device)].sum())  # over the tokens the loss trains on
             loss.backward()
@@ -286,15 +287,17 @@ class Actor:
         out.update(grad_norm=float(grad_norm), tokens=global_tokens, train_tokens=global_all)
         return out
 
-    def _loss(self, loss_fn, mb: SampleBatch, inputs: ModelInputs, lp, ent, kl_coef, normalizer, seq_normalizer):
-        """The policy loss of one micro-batch: flat [N] values -> [B, T] for the loss function."""
+    def _loss(self, loss_fn, mb: SampleBatch, keep: torch.Tensor, inputs: ModelInputs, lp, ent, kl_coef, normalizer,
+              seq_normalizer):
+        """The policy loss of one micro-batch: flat [N] values -> [B, T] for the loss function.
+        keep: [B] bool, the samples the loss trains on (:func:`~distflow.rl.shaping.trained_samples`)."""
         cfg, dev, rl = self.cfg, self.device, inputs.response_lens
 
         def padded(name: str) -> torch.Tensor:
             return flat_to_padded(mb.tensors[name].to(dev), rl)[0]
 
         lp2, mask = flat_to_padded(lp, rl)
-        mask = mask & trained_samples(mb, cfg).to(dev)[:, None]  # overlong: mask: truncated samples add nothing
+        mask = mask & keep.to(dev)[:, None]  # overlong: mask: truncated samples add nothing
         has_old = "old_logprobs" in mb.tensors
         adv = padded("token_advantages") if "token_advantages" in mb.tensors else mb.tensors["advantage"].to(dev)
         return _call_loss(
