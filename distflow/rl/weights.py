@@ -56,6 +56,16 @@ SEND_WINDOW = 2  # bucket messages in flight per peer (the channel keeps them in
 log = logging.getLogger(__name__)
 
 
+def tied_names(model: torch.nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter, in ``named_parameters`` order: a tuple of several names is one
+    tensor under aliases (a tied LM head). The trainer publishes such a tensor under its first
+    name only; a rollout model accepts it under any of them."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [tuple(g) for g in groups.values()]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

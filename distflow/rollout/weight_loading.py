@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from distflow.rl.weights import tied_names
 from distflow.rollout.protocol import Weights, head
 
 __all__ = ["WeightTarget"]
@@ -24,10 +25,7 @@ class WeightTarget:
     def __init__(self, model: torch.nn.Module):
         # keep_vars: the live Parameter objects themselves, no copies.
         self.own: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-        groups: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            groups.setdefault(id(p), []).append(name)
-        self.aliases = {n: tuple(g) for g in groups.values() for n in g}
+        self.aliases = {n: names for names in tied_names(model) for n in names}
 
     def validate(self, version: int, weights: Weights, partial: bool = False) -> list[Mapping[str, torch.Tensor]]:
         """Check names, types, shapes, dtypes and finiteness of every bucket; return the

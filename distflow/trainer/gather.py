@@ -207,13 +207,9 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
     """Names of parameters that are another parameter under a second name (a tied LM head), all
     but the first name of each: publishing those would move the same matrix twice (for a 0.5B
     model with a 136M-parameter tied embedding, over a quarter of the bytes of every sync)."""
-    seen: set[int] = set()
-    out = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            out.append(name)
-        seen.add(id(p))
-    return out
+    from distflow.rl.weights import tied_names
+
+    return [name for names in tied_names(model) for name in names[1:]]
 
 
 def _plan(state: dict, bucket_bytes: int, dtype: torch.dtype | None) -> list[list[tuple[str, torch.dtype, int, int]]]:
