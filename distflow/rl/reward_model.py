@@ -11,6 +11,12 @@ response), so it must share the policy's tokenizer (checked when its directory h
 score of a sample is the head's output at the sample's last real token, computed here (right padding, positions from the
 attention mask) rather than by the model's own pooling, which needs a pad id that never
 occurs in real text.
+
+A reward model is fine-tuned on ``apply_chat_template`` output, and for many templates that
+ends one token past the end of the turn (Qwen's ``<|im_end|>\n``): its score was trained at the
+newline, not at the ``<|im_end|>`` a policy stops on. So a response that ends with the template's
+end-of-turn token gets the template's trailing ids appended before scoring (:func:`turn_suffix`,
+from the reward model's tokenizer or else the policy's); a truncated response is scored as it is.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch import Tensor
 
 from distflow.device import COMPUTE_DTYPES, on_device
 
-__all__ = ["RewardModel", "load_reward_model", "same_tokenizer", "score_batch"]
+__all__ = ["RewardModel", "load_reward_model", "same_tokenizer", "score_batch", "turn_suffix"]
 
 _CACHE: dict[tuple[str, str, str], "RewardModel"] = {}
 _CACHE_LOCK = threading.Lock()
@@ -35,7 +41,7 @@ class RewardModel:
     """Frozen, eval-mode sequence-classification model: ``score(prompts, responses) -> [n]``."""
 
     def __init__(self, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 micro_batch_size: int = 64):
+                 micro_batch_size: int = 64, suffix: tuple[int, tuple[int, ...]] | None = None):
         from transformers import AutoModelForSequenceClassification
 
         from distflow.hf import LOAD_LOCK, check_model_dir
@@ -56,6 +62,7 @@ class RewardModel:
         self.vocab = int(model.config.vocab_size)
         self.micro_batch_size = micro_batch_size
         self.path = str(p)
+        self.suffix = suffix  # (end-of-turn id, the ids its chat template writes after it): turn_suffix()
 
     @torch.no_grad()
     def score(self, prompts: Sequence[Tensor], responses: Sequence[Tensor],
@@ -72,6 +79,9 @@ class RewardModel:
         for s in range(0, len(prompts), mbs):
             seqs = [torch.cat([p.to(torch.int64), r.to(torch.int64)])
                     for p, r in zip(prompts[s:s + mbs], responses[s:s + mbs])]
+            if self.suffix is not None:
+                end, tail = self.suffix[0], torch.tensor(self.suffix[1], dtype=torch.int64)
+                seqs = [torch.cat([q, tail]) if q.numel() and int(q[-1]) == end else q for q in seqs]
             for i, q in enumerate(seqs):
                 if q.numel() == 0:
                     raise ValueError(f"reward model: sample {s + i} is empty")
@@ -109,7 +119,7 @@ def same_tokenizer(model_dir: str | Path, policy_dir: str | Path) -> None:
     key = (str(Path(model_dir).resolve()), str(Path(policy_dir).resolve()))
     if key in _SAME_TOKENIZER:
         return
-    if any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if has_tokenizer(model_dir):
         from distflow.hf import load_tokenizer
 
         ours, theirs = load_tokenizer(policy_dir).get_vocab(), load_tokenizer(model_dir).get_vocab()
@@ -121,12 +131,44 @@ def same_tokenizer(model_dir: str | Path, policy_dir: str | Path) -> None:
     _SAME_TOKENIZER.add(key)
 
 
-def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> RewardModel:
-    """One RewardModel per (path, device, dtype) per process, loaded on first use."""
+def has_tokenizer(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def turn_suffix(tokenizer: Any) -> tuple[int, tuple[int, ...]] | None:
+    """(end-of-turn id, the ids after it) where the tokenizer's chat template ends a conversation's
+    last assistant turn with a special token and then more (Qwen: ``<|im_end|>``, ``\n``); None when
+    it ends on the special token itself (Llama 3's ``<|eot_id|>``), has no template, or is unusual
+    (no special token at the end, or more than 4 ids after it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # a template that wants other roles (a system turn) or refuses this shape
+        return None
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    last = next((k for k in range(len(ids) - 1, -1, -1) if ids[k] in special), None)
+    if last is None or not 0 < len(ids) - 1 - last <= 4:
+        return None
+    return ids[last], tuple(ids[last + 1:])
+
+
+def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch.float32,
+                      tokenizer_dir: str | None = None) -> RewardModel:
+    """One RewardModel per (path, device, dtype) per process, loaded on first use; its
+    :func:`turn_suffix` comes from the tokenizer in ``path``, else the one in ``tokenizer_dir``."""
     key = (str(Path(path).resolve()), str(device), str(dtype))
     with _CACHE_LOCK:
         if key not in _CACHE:
-            _CACHE[key] = RewardModel(path, device, dtype)
+            source = path if has_tokenizer(path) else tokenizer_dir
+            suffix = None
+            if source is not None and has_tokenizer(source):
+                from distflow.hf import load_tokenizer
+
+                suffix = turn_suffix(load_tokenizer(source))
+            _CACHE[key] = RewardModel(path, device, dtype, suffix=suffix)
         return _CACHE[key]
 
 
@@ -152,7 +194,7 @@ def score_batch(node: Any, batch: Any, device: Any = "cpu", dtype: torch.dtype =
         weight = float(node.args.get("weight", 1.0))
         if policy_path is not None:
             same_tokenizer(path, policy_path)
-        rm = load_reward_model(path, device, COMPUTE_DTYPES[name] if name is not None else dtype)
+        rm = load_reward_model(path, device, COMPUTE_DTYPES[name] if name is not None else dtype, policy_path)
         scores = rm.score(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"), mbs) * weight
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ValueError(f"workflow node {node.id!r}: {e}") from None
