@@ -91,4 +91,4 @@ def test_finished_response_is_scored_at_the_end_of_the_template(tok_dir, rm_dir)
     if not with_tok.exists():
         reference.save_pretrained(str(with_tok))
         tok.save_pretrained(str(with_tok))
-    assert rmod.load_reward_model(str(with_tok)).suffix == rm.suffix != None  # noqa: E711
+    assert rm.suffix is not None and rmod.load_reward_model(str(with_tok)).suffix == rm.suffix
