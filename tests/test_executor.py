@@ -159,6 +159,16 @@ def test_dynamic_sampling_refills_with_fresh_prompts(engine, toy_model) -> None:
                          max_prompt_length=8), rs, 5, stats, refill=too_long)
     assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:2"]
     assert stats["skipped_prompts"] == stats["dropped_prompts"] == stats["resampled_prompts"] == 1
+    # every group constant and every replacement unusable: the step falls back to its first batch,
+    # whole, so nothing counts as dropped (the replacements count as resampled and skipped)
+    const = rows("12=", "345=")
+    for r in const:
+        r.data["const"] = True
+    stats = {}
+    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, make_cfg(toy_model, workflow=wf(),
+                         max_prompt_length=8), const, 5, stats, refill=too_long)
+    assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:1"] and len(batch) == 8
+    assert stats.get("dropped_prompts", 0) == 0 and stats["skipped_prompts"] == stats["resampled_prompts"] == 2
     asked.clear()
     cfg = make_cfg(toy_model, workflow=wf(refill="same"))
     batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rs, 5, {}, refill=refill)

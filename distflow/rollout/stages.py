@@ -230,7 +230,7 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
             raise StageError(f"workflow node {node.id!r}: dynamic_sampling needs a REWARD node among its deps")
         return nonconstant_groups(b.tensors["reward"].float(), group_index(b.prompt_ids)).tolist()
 
-    first = batch
+    first, lost_total = batch, 0
     for attempt in range(retries):
         keep = keep_mask(batch)
         bad = dict.fromkeys(p for p, k in zip(batch.prompt_ids, keep) if not k)
@@ -249,14 +249,17 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
         for key in ("skipped_prompts", "bad_prompts"):  # replacements too long or unusable: counted as well
             if sub_stats.get(key):
                 ctx.count(key, sub_stats[key])
-        lost = len(bad) - len(dict.fromkeys(sub.prompt_ids))  # constant groups no replacement took the place of
-        if lost > 0:
-            ctx.count("dropped_prompts", lost)
+        # constant groups no replacement took the place of (counted as dropped unless the step falls back)
+        lost_total += max(0, len(bad) - len(dict.fromkeys(sub.prompt_ids)))
         batch = SampleBatch.concat([batch.select([i for i, k in enumerate(keep) if k]), sub])
     keep = keep_mask(batch)
-    if not any(keep):
-        return batch if len(batch) else first
-    ctx.count("dropped_prompts", len(dict.fromkeys(p for p, k in zip(batch.prompt_ids, keep) if not k)))
+    if not len(batch):  # every group was constant and no replacement was usable: the first batch, whole
+        return first
+    if not any(keep):  # every group left is constant: kept whole (advantages 0), only the lost ones dropped
+        if lost_total:
+            ctx.count("dropped_prompts", lost_total)
+        return batch
+    ctx.count("dropped_prompts", lost_total + len(dict.fromkeys(p for p, k in zip(batch.prompt_ids, keep) if not k)))
     return batch.select([i for i, k in enumerate(keep) if k])
 
 
