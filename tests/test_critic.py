@@ -95,6 +95,24 @@ def test_values_train_and_resume(group, toy_model, tmp_path) -> None:
     assert torch.allclose(from_path.values(batch_of(5, seed=1)).tensors["values"], before, atol=1e-6)
 
 
+def test_activation_checkpointing_covers_the_critic(group, toy_model) -> None:
+    """activation_checkpointing checkpoints the critic's decoder layers too (it is as large as the
+    actor), and the update is the same step."""
+    out = []
+    for ac in (False, True):
+        critic = Critic(make_cfg(toy_model, activation_checkpointing=ac))
+        layers = critic.model.model.layers
+        assert all(getattr(layer, "gradient_checkpointing", False) == ac for layer in layers)
+        b = batch_of(5)
+        critic.values(b)
+        b.set_ragged("returns", torch.ones(int(b.tensors["response_lens"].sum())))
+        stats = critic.update(make_cfg(toy_model).plan().node("critic_update"), b)
+        out.append((stats["vf_loss"], critic.values(batch_of(5, seed=1)).tensors["values"]))
+    (la, va), (lb, vb) = out
+    assert lb == pytest.approx(la, rel=1e-6) and torch.allclose(va, vb, atol=1e-6)
+    assert not torch.all(va == 0)  # the step moved the values
+
+
 def test_packed_rows_match_padded(group, toy_model, tmp_path) -> None:
     """max_tokens_per_micro_batch: the critic packs samples into rows (varlen attention, no
     attention across samples); values and an update match the padded path."""

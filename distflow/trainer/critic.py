@@ -36,7 +36,8 @@ from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
 from distflow.trainer.actor import all_reduce, apply_optimizer_config, checkpoint_writer, step_micro_batches
 from distflow.trainer.attention import register_varlen_attention
-from distflow.trainer.model import DTYPES, disable_dropout, gather_full_state, shard_fp32
+from distflow.trainer.model import (DTYPES, disable_dropout, enable_activation_checkpointing, gather_full_state,
+                                    shard_fp32)
 from distflow.trainer.packing import ModelInputs, split_mini_batches
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class Critic:
         def prepare(vm: ValueModel) -> None:
             vm.model.set_attn_implementation(register_varlen_attention())  # packed rows: no cross-sample attention
             disable_dropout(vm)
+            if cfg.activation_checkpointing:  # the critic is as large as the actor: the same memory rule
+                enable_activation_checkpointing(vm.model)
 
         # only rank 0 reads the weights; every rank shards a meta model and gets its shards from rank 0
         self.model = shard_fp32(lambda: build_value_model(source), lambda: meta_value_model(source), mesh,
