@@ -169,6 +169,31 @@ def test_fused_pass_skips_reference_at_kl_zero_and_recomputes_old_logprobs(toy_m
     assert step_summary(actor, batch, step=2)[3] == 0.0
 
 
+def test_reference_is_frozen_in_compute_dtype_and_resharded_after_its_pass(toy_model, world1):
+    """The frozen reference keeps its shards in the compute dtype (no fp32 master copy: it never
+    steps), computes what a plain bf16 copy of the model computes, and its FSDP2 root is sharded
+    again after the pass (FSDP2 reshards a root only after backward, which a reference never runs)."""
+    from torch.distributed.tensor import DTensor
+
+    from distflow.hf import load_causal_lm
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.head import response_forward
+    from distflow.trainer.packing import pad_inputs
+
+    cfg = _cfg(toy_model, "kl_coef=0.01", "dtype=bfloat16")
+    actor = Actor(cfg, with_reference=True)
+    assert {p.dtype for p in actor.ref.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in actor.model.parameters()} == {torch.float32}  # the policy's master weights
+    root = [p for n, p in actor.ref.named_parameters() if not n.startswith("model.layers.")]
+    assert root and all(isinstance(p, DTensor) for p in root)
+    batch = actor.reference_logprobs(make_batch(8, seed=6))
+    assert all(isinstance(p, DTensor) for n, p in actor.ref.named_parameters() if not n.startswith("model.layers."))
+    plain = load_causal_lm(toy_model, torch.bfloat16)
+    with torch.no_grad():
+        expect, _ = response_forward(plain, pad_inputs(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")))
+    assert torch.allclose(batch.tensors["ref_logprobs"], expect.float(), atol=2e-2)
+
+
 def test_grad_sync_per_micro_batch_gives_the_same_step(toy_model, world1):
     from distflow.trainer.actor import Actor
 

@@ -62,8 +62,9 @@ def shard_mixed_precision(model: torch.nn.Module, mesh: Any, compute_dtype: torc
                           layers: Any = None) -> torch.nn.Module:
     """``fully_shard`` each of ``layers`` (default: the decoder layers, ``model.model.layers``)
     and then ``model``, with ``MixedPrecisionPolicy(param_dtype=compute_dtype,
-    reduce_dtype=float32)`` unless ``compute_dtype`` is fp32. The parameters must be fp32
-    (the master weights). Returns ``model``."""
+    reduce_dtype=float32)`` unless ``compute_dtype`` is fp32. The parameters are fp32 (the
+    master weights), or already ``compute_dtype`` for a frozen model (FSDP2 then casts
+    nothing). Returns ``model``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -92,8 +93,9 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
                       activation_checkpointing: bool = False, trainable: bool = True) -> Any:
     """Load ``path`` in fp32 on ``device``, shard it with FSDP2 on ``mesh`` with mixed
     precision ``compute_dtype`` and return it (train mode, dropout off; ``trainable=False``
-    freezes it: a reference model). ``model.response_forward(inputs, temperature, chunk)``
-    is its FSDP-aware logprob forward."""
+    freezes it: a reference model, whose shards are kept in ``compute_dtype`` since a model that
+    never steps needs no fp32 master copy: the same values reach its forward, in half the memory).
+    ``model.response_forward(inputs, temperature, chunk)`` is its FSDP-aware logprob forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     def prepare(model: Any) -> None:
@@ -105,7 +107,8 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
         if not trainable:
             model.requires_grad_(False)
 
-    model = shard_fp32(lambda: load_causal_lm(path, torch.float32, "cpu"), lambda: meta_causal_lm(path, torch.float32),
+    dtype = torch.float32 if trainable else compute_dtype
+    model = shard_fp32(lambda: load_causal_lm(path, dtype, "cpu"), lambda: meta_causal_lm(path, dtype),
                        mesh, device, compute_dtype, prepare)
     model.response_forward = types.MethodType(response_forward, model)
     register_fsdp_forward_method(model, "response_forward")
