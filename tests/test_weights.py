@@ -541,3 +541,23 @@ def test_ipc_export_of_an_empty_tensor_shares_nothing(monkeypatch) -> None:
     assert weight_transport.export_ipc({"bias": EmptyCuda()}) == [
         {"name": "bias", "dtype": "bfloat16", "size": [0, 8], "empty": True, "device": 1}]
     assert weight_transport.release_ipc(weight_transport.export_ipc({"bias": EmptyCuda()})) == 0
+
+
+def test_pinned_pool_reuses_the_smallest_fitting_buffer() -> None:
+    """The staging pool (CUDA buckets -> host) takes the smallest free buffer that fits, wherever it
+    sits in the free list, and hands it out once (it found it with list.remove, which compares
+    tensors elementwise and raised on a buffer of another size before it)."""
+    from distflow.rl.weight_transport import PinnedPool
+
+    pool = PinnedPool()
+    big = pool.stage({"w": torch.zeros(1024)})[1]
+    small = pool.stage({"w": torch.zeros(40)})[1]
+    mid = pool.stage({"w": torch.zeros(100)})[1]
+    for buf in (big, mid, small):
+        pool.give_back(buf)
+    views, got = pool.stage({"a": torch.arange(10.0), "b": torch.ones(3, dtype=torch.int64)})
+    assert got is small and torch.equal(views["a"], torch.arange(10.0)) and torch.equal(views["b"], torch.ones(3))
+    assert pool.stage({"w": torch.zeros(90)})[1] is mid  # smallest fit among big, mid
+    assert pool.stage({"w": torch.zeros(90)})[1] is big  # the last one free
+    fresh = pool.stage({"w": torch.zeros(90)})[1]
+    assert all(fresh is not b for b in (big, mid, small))  # none free: a new buffer

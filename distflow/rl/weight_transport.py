@@ -214,10 +214,10 @@ class PinnedPool:
     def stage(self, bucket: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         need = sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in bucket.values())
         with self._lock:
-            fit = [b for b in self._free if b.numel() >= need]
-            buf = min(fit, key=lambda b: b.numel()) if fit else None
-            if buf is not None:
-                self._free.remove(buf)
+            fit = [i for i, b in enumerate(self._free) if b.numel() >= need]
+            # by index: list.remove compares tensors with ==, elementwise (it raises on the first
+            # buffer of another size it meets)
+            buf = self._free.pop(min(fit, key=lambda i: self._free[i].numel())) if fit else None
         if buf is None:
             buf = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         out, off = {}, 0
