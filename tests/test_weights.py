@@ -561,3 +561,28 @@ def test_pinned_pool_reuses_the_smallest_fitting_buffer() -> None:
     assert pool.stage({"w": torch.zeros(90)})[1] is big  # the last one free
     fresh = pool.stage({"w": torch.zeros(90)})[1]
     assert all(fresh is not b for b in (big, mid, small))  # none free: a new buffer
+
+
+def test_a_send_that_starts_over_restarts_the_partial_version() -> None:
+    """A version whose send starts over (bucket 0 again, e.g. after an ack timeout) is assembled
+    from the new send alone: the stale buckets are dropped, and the commit's count matches."""
+    from distflow.core.channels import Envelope
+
+    async def main() -> None:
+        inbox = WeightInbox()
+
+        def msg(bucket: int | None, value: float, **extra) -> Envelope:
+            meta = {"version": 1, "base": None, **({} if bucket is None else {"bucket": bucket}), **extra}
+            tensors = {} if bucket is None else {f"w{bucket}": torch.full((2,), value)}
+            return Envelope("trainer", "weights", meta, tensors)
+
+        await inbox.receive(msg(0, 1.0))
+        await inbox.receive(msg(1, 1.0))  # ... and the send broke off here
+        await inbox.receive(msg(0, 2.0))
+        await inbox.receive(msg(1, 2.0))
+        await inbox.receive(msg(None, 0, commit=True, num_buckets=2))
+        upd = inbox.take_update()
+        assert upd is not None and upd.version == 1 and inbox.version == 1
+        assert [{k: v.tolist() for k, v in b.items()} for b in upd.buckets] == [{"w0": [2.0, 2.0]}, {"w1": [2.0, 2.0]}]
+
+    asyncio.run(main())

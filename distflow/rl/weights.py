@@ -127,7 +127,10 @@ class WeightInbox:
         tensors = import_ipc(meta["ipc"], self.device) if "ipc" in meta else dict(env.tensors)
         self.received_bytes += sum(_nbytes(t) for t in tensors.values())
         part = self._partial.get(v)
-        if part is None or part[0] != base:  # first bucket (or a restarted send of v)
+        # a send of v that starts over (bucket 0 again, after a timeout or a flap) restarts the partial
+        # version: appended to the stale one it could never match its commit's count
+        restart = part is not None and bool(part[1]) and meta.get("bucket") == 0
+        if part is None or part[0] != base or restart:  # first bucket (or a restarted send of v)
             if self.streaming is not None and self.streaming != v or (part is not None and self.streaming == v):
                 self.dirty = True  # the streamed version will never complete: the engine holds a mix
                 self.streaming = None
@@ -316,7 +319,8 @@ class WeightPublisher:
         self._wake.set()
         return ver
 
-    def _prepare(self, ver: _Version, bucket: dict[str, torch.Tensor]) -> tuple[dict, dict | None, torch.Tensor | None, dict]:
+    def _prepare(self, ver: _Version, bucket: dict[str, torch.Tensor]
+                 ) -> tuple[dict, dict | None, torch.Tensor | None, dict]:
         """Blocking part of ingesting one bucket (any thread): staging and change marks."""
         host, buf = None, None
         cuda = any(t.is_cuda for t in bucket.values())
