@@ -302,6 +302,11 @@ def test_resolve_transport_by_locality() -> None:
     assert resolve_transport("auto", same_host=False, trainer_cuda=True, rollout_cuda=True) == "nccl"
     assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=False) == "channel"
     assert resolve_transport("channel", same_host=True, trainer_cuda=True, rollout_cuda=True) == "channel"
+    # across hosts without the NCCL data channel (channel: shm / zmq, or no cupy): through host memory
+    assert resolve_transport("auto", same_host=False, trainer_cuda=True, rollout_cuda=True,
+                             nccl_channel=False) == "channel"
+    with pytest.raises(ValueError, match="nccl needs the NCCL data channel"):
+        resolve_transport("nccl", same_host=False, trainer_cuda=True, rollout_cuda=True, nccl_channel=False)
     with pytest.raises(ValueError, match="cuda_ipc needs CUDA"):
         resolve_transport("cuda_ipc", same_host=True, trainer_cuda=False, rollout_cuda=False)
     with pytest.raises(ValueError, match="one host"):

@@ -62,19 +62,25 @@ def serving_plan(trainers: list[tuple[str, str]], rollouts: list[tuple[str, str]
     return plan
 
 
-def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout_cuda: bool) -> str:
+def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout_cuda: bool,
+                      nccl_channel: bool = True) -> str:
     """The tier for one (serving trainer, rollout peer) pair: "channel" | "cuda_ipc" | "nccl".
 
-    ``auto``: cuda_ipc on one host when both are on CUDA, nccl across hosts between GPUs,
-    channel otherwise. An explicit GPU tier without CUDA on both ends is a clear error.
+    ``auto``: cuda_ipc on one host when both are on CUDA, nccl across hosts between GPUs when
+    the data plane is the NCCL channel (``nccl_channel``: ``channel: nccl``, or ``auto`` with
+    cupy), channel otherwise (GPU buckets then go through pinned host memory). An explicit GPU
+    tier that the two ends or the channel cannot carry is a clear error.
     """
     if setting not in TRANSPORTS:
         raise ValueError(f"weight_transport must be one of {TRANSPORTS}, got {setting!r}")
     both = trainer_cuda and rollout_cuda
     if setting == "auto":
-        return ("cuda_ipc" if same_host else "nccl") if both else "channel"
+        return ("cuda_ipc" if same_host else "nccl" if nccl_channel else "channel") if both else "channel"
     if setting in ("cuda_ipc", "nccl") and not both:
         raise ValueError(f"weight_transport: {setting} needs CUDA on the trainer and the rollout node")
+    if setting == "nccl" and not nccl_channel:
+        raise ValueError("weight_transport: nccl needs the NCCL data channel (channel: nccl or auto, with cupy "
+                         "installed); this node's channel is not one")
     if setting == "cuda_ipc" and not same_host:
         raise ValueError("weight_transport: cuda_ipc needs the trainer and the rollout node on one host")
     return setting

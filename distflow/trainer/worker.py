@@ -316,7 +316,8 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
         m, ep = rt.node.member(peer), rt.endpoint(peer)
         same_host = getattr(rt.channel, "is_local", lambda e: False)(ep)
         peer_cuda = (m.meta.get("device") if m else "cpu") == "cuda"
-        return resolve_transport(cfg.weight_transport, same_host, cfg.device == "cuda", peer_cuda)
+        return resolve_transport(cfg.weight_transport, same_host, cfg.device == "cuda", peer_cuda,
+                                 nccl_channel=rt.channel.stats()["transport"] == "nccl")
 
     publisher = WeightPublisher(rt.channel, peers, rt.endpoint, rt.node.is_alive,
                                 timeout=min(cfg.step_timeout_s, 60.0), sync=cfg.weight_sync,
