@@ -591,3 +591,26 @@ def test_a_send_that_starts_over_restarts_the_partial_version() -> None:
         assert [{k: v.tolist() for k, v in b.items()} for b in upd.buckets] == [{"w0": [2.0, 2.0]}, {"w1": [2.0, 2.0]}]
 
     asyncio.run(main())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_held_gpu_buckets_leave_a_gpu_short_of_memory() -> None:
+    """Buckets that arrive in device memory (the NCCL tier) and wait for the engine stay on the GPU
+    while it has the reserve free beside them, else they are held in host memory, values intact."""
+    from distflow.core.channels import Envelope
+
+    async def one(reserve: int) -> torch.Tensor:
+        inbox = WeightInbox(gpu_reserve=reserve)
+        w = torch.arange(8.0, device="cuda")
+        await inbox.receive(Envelope("trainer", "weights", {"version": 1, "bucket": 0, "base": None}, {"w": w}))
+        await inbox.receive(Envelope("trainer", "weights", {"version": 1, "base": None, "commit": True,
+                                                             "num_buckets": 1}, {}))
+        upd = inbox.take_update()
+        assert upd is not None
+        return upd.buckets[0]["w"]
+
+    kept = asyncio.run(one(0))
+    moved = asyncio.run(one(1 << 60))
+    assert kept.is_cuda and moved.device.type == "cpu"
+    assert torch.equal(moved, torch.arange(8.0)) and torch.equal(kept.cpu(), moved)

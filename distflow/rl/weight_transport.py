@@ -203,6 +203,26 @@ def import_ipc(descriptors: Any, device: torch.device | None = None) -> dict[str
     return out
 
 
+# ---------------------------------------------------------------------------- held buckets
+GPU_HOLD_RESERVE = 4 << 30  # device memory a rollout GPU keeps free beside buckets it holds (activations)
+
+
+def hold(bucket: dict[str, torch.Tensor], reserve: int = GPU_HOLD_RESERVE) -> dict[str, torch.Tensor]:
+    """A received bucket as the rollout node keeps it until its engine takes the version: CUDA
+    tensors (the NCCL tier delivers buckets in device memory) stay there while the device has
+    more than ``reserve`` bytes free beside them, else move to host memory. Why: a version held
+    whole on a GPU whose KV cache took most of it (15 GB for a 7B model in bf16) would run the
+    engine or the next receive out of memory; the engine loads host buckets just as well."""
+    cuda = [t for t in bucket.values() if t.is_cuda]
+    if not cuda:
+        return bucket
+    need = sum(t.numel() * t.element_size() for t in cuda)
+    free, _ = torch.cuda.mem_get_info(cuda[0].device)
+    if free - need >= reserve:
+        return bucket
+    return {k: t.to("cpu") if t.is_cuda else t for k, t in bucket.items()}
+
+
 # ---------------------------------------------------------------------------- pinned staging
 class PinnedPool:
     """Reusable host buffers for staging CUDA buckets (page-locked when CUDA is present).

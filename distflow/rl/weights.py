@@ -48,7 +48,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 import torch
 
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
-from distflow.rl.weight_transport import SYNC_MODES, PinnedPool, export_ipc, import_ipc, release_ipc
+from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ipc, hold, import_ipc,
+                                         release_ipc)
 
 BUCKET_BYTES = 64 << 20
 MAX_DELTA_LAG = 8
@@ -96,7 +97,8 @@ class WeightUpdate(NamedTuple):
 class WeightInbox:
     """Rollout side: collects bucket messages, keeps the newest complete version for the engine."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, gpu_reserve: int = GPU_HOLD_RESERVE) -> None:
+        self.gpu_reserve = gpu_reserve  # device memory kept free beside held buckets (weight_transport.hold)
         self.version = 0  # newest complete version received (0 = the initial weights)
         self.device = device  # where cuda_ipc buckets are opened (None: the exporter's device index)
         self.pending: WeightUpdate | None = None
@@ -147,8 +149,8 @@ class WeightInbox:
             if asyncio.iscoroutine(result):
                 await result
             part[1].append({})  # counted, not kept
-        else:
-            part[1].append(tensors)
+        else:  # kept until the engine takes it: NCCL buckets leave a GPU that is short of memory
+            part[1].append(tensors if "ipc" in meta else hold(tensors, self.gpu_reserve))
 
     async def _commit(self, sender: str, v: int, base: int | None, num_buckets: Any) -> None:
         got_base, got = self._partial.pop(v, (base, []))
