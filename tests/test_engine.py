@@ -259,6 +259,11 @@ def test_make_engine_and_protocol(model_dir: str) -> None:
     except ImportError:
         with pytest.raises(ImportError, match="vLLM"):
             make_engine("vllm", model_dir)
+    # checked before vLLM is imported: its worker processes take the first visible GPU
+    with pytest.raises(ValueError, match="first visible GPU, but this node's is cuda:1"):
+        make_engine("vllm", model_dir, device="cuda:1")
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        make_engine("vllm", model_dir, device="cpu")
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         parse_dtype("float8")

@@ -34,8 +34,16 @@ _FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 KV_CACHE_FRACTION = 0.9  # default share of a GPU's free memory the KV cache may take (the rest: activations, graphs)
 
 # One graph capture at a time in the process: generate runs in worker threads and
-# --in-process may hold several engines, and a capture must not overlap another one.
+# --in-process may hold several engines, and a capture must not overlap another one, nor a
+# device-wide call (torch.cuda.synchronize, empty_cache: the allocator asserts that no capture
+# is underway) from another thread. Engine code syncs streams, not devices, for that reason.
 _CAPTURE_LOCK = threading.Lock()
+
+
+def empty_cache() -> None:
+    """``torch.cuda.empty_cache()`` while no engine of this process captures a graph."""
+    with _CAPTURE_LOCK:
+        torch.cuda.empty_cache()
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -149,7 +157,7 @@ class LlamaRunner:
         self.k_cache = self.v_cache = None
         self.graphs.clear()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the old cache's memory counts as free below
+            empty_cache()  # the old cache's memory counts as free below
             free, _ = torch.cuda.mem_get_info(self.device)
             each = kv_slot_bytes(len(self.layers), self.n_kv, length, self.head_dim, self.dtype.itemsize)
             fit = plan_kv_slots(slots, each, free, self.kv_memory_fraction, length)
@@ -363,7 +371,7 @@ class LlamaRunner:
         # rewrites those same positions before reading them, so only the inputs need restoring.
         self.tok_in.copy_(saved_tok)
         self.pos.copy_(saved_pos)
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()  # not the device: another engine may be capturing
         self.capture_s += time.perf_counter() - t0
 
 

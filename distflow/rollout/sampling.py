@@ -4,8 +4,9 @@ Why it exists: the continuous batcher moves sequences between slots and admits t
 any order, so a shared ``torch.Generator`` would make a sequence's tokens depend on which
 other sequences shared its decode steps. Instead every draw is a pure function of
 ``(seed, sequence index, token index)`` (:func:`counter_uniform`, a 32-bit integer hash run
-on the device, CUDA-graph safe, no host sync; 53-bit draws, a float64 CDF), so a seed gives the same completions for
-any slot count or order. Sampling is by inverse CDF over the filtered distribution, with
+on the device, CUDA-graph safe, no host sync; 53-bit draws, a float64 CDF), so a seed gives the same draws for
+any slot count or order (the same completions wherever the logits do not depend on the batch shape: on a
+GPU, other shapes may pick other kernels and move bf16 logits in the last bits). Sampling is by inverse CDF over the filtered distribution, with
 top-k taken before the top-p sort. Every sampler reports the fp32 logprob of the chosen
 token under ``log_softmax(logits / T)`` *before* filtering (T = 1 when greedy): what the
 trainer recomputes.

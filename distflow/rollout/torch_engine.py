@@ -29,7 +29,7 @@ import torch
 
 from distflow.device import node_device, on_device
 from distflow.hf import load_causal_lm, load_tokenizer
-from distflow.rollout.llama_forward import KV_CACHE_FRACTION, LlamaRunner, unsupported_reason
+from distflow.rollout.llama_forward import KV_CACHE_FRACTION, LlamaRunner, empty_cache, unsupported_reason
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
 from distflow.rollout.sampling import sample_rows, seed_key
@@ -255,7 +255,7 @@ class TorchEngine:
             self._target = None
         if self.device.type == "cuda":
             gc.collect()  # parameters caught in reference cycles
-            torch.cuda.empty_cache()
+            empty_cache()
 
 
 class _Batcher:

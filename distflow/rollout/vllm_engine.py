@@ -46,6 +46,13 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, device: str = "cuda", dtype: torch.dtype | str = "bfloat16",
                  max_batch_size: int = 256, **llm_kwargs: Any):
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"engine 'vllm' runs on CUDA devices only, got device {device!r}")
+        if dev.index not in (None, 0):  # vLLM's worker processes take the first visible GPU, not the current one
+            raise ValueError(f"engine 'vllm' runs on the process's first visible GPU, but this node's is {device} "
+                             f"(--in-process with gpus: placing it elsewhere); run the cluster in process mode "
+                             f"(distflow run: each node sees only its own GPU) or use engine: torch")
         try:
             import vllm  # noqa: F401
         except ImportError as e:
@@ -54,8 +61,6 @@ class VLLMEngine:
         from vllm import LLM
 
         path = check_model_dir(model_path)
-        if torch.device(device).type != "cuda":
-            raise ValueError(f"engine 'vllm' runs on CUDA devices only, got device {device!r}")
         dt = parse_dtype(dtype)
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         self.llm = LLM(model=str(path), dtype=str(dt).removeprefix("torch."), max_num_seqs=max_batch_size,

@@ -87,8 +87,9 @@ class WeightTarget:
                 dst.copy_(v, non_blocking=async_ok)
                 if dst.device.type == "cuda":
                     cuda.add(dst.device)
-        for dev in cuda:  # the parameters' devices, whatever the calling thread's current one is
-            torch.cuda.synchronize(dev)  # the sources may be freed or reused as soon as we return
+        for dev in cuda:  # the copies ran on each parameter device's current stream: the sources may be
+            torch.cuda.current_stream(dev).synchronize()  # freed or reused once we return (a stream sync:
+            # a device-wide one would break another engine's graph capture in this process)
 
 
 def _non_finite(items: list[tuple[str, torch.Tensor]]) -> list[str]:
