@@ -4,9 +4,10 @@ Why it exists: the continuous batcher moves sequences between slots and admits t
 any order, so a shared ``torch.Generator`` would make a sequence's tokens depend on which
 other sequences shared its decode steps. Instead every draw is a pure function of
 ``(seed, sequence index, token index)`` (:func:`counter_uniform`, a 32-bit integer hash run
-on the device, CUDA-graph safe, no host sync; 53-bit draws, a float64 CDF), so a seed gives the same draws for
-any slot count or order (the same completions wherever the logits do not depend on the batch shape: on a
-GPU, other shapes may pick other kernels and move bf16 logits in the last bits). Sampling is by inverse CDF over the filtered distribution, with
+on the device, CUDA-graph safe, no host sync; 53-bit draws, a float64 CDF), so a seed gives
+the same draws for any slot count or order (the same completions wherever the logits do not
+depend on the batch shape: on a GPU, other shapes may pick other kernels and move bf16
+logits in the last bits). Sampling is by inverse CDF over the filtered distribution, with
 top-k taken before the top-p sort. Every sampler reports the fp32 logprob of the chosen
 token under ``log_softmax(logits / T)`` *before* filtering (T = 1 when greedy): what the
 trainer recomputes.
@@ -44,7 +45,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return out
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     logits: [B, V] fp32. Returns (tokens [B] int64, logprobs [B] fp32) where the logprob is
