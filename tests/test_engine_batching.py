@@ -432,3 +432,34 @@ def test_bench_engine_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(last) == out
     assert out["fixed_tokens"] <= 12 and out["variable_len_max"] <= 6 and out["variable_vs_hf_dynamic"] > 0
     assert out["hf_static_compile"] is False and out["threads"] == 1
+
+
+def test_max_length_sizes_the_cache_once(tmp_path: Path) -> None:
+    """max_length (the run's longest prompt plus max_new_tokens) sizes every KV slot at the first
+    call, so a later, longer call reuses the cache (a regrow frees it and drops every CUDA graph
+    mid-step) and generates what an engine without it generates; it never exceeds the model's
+    positions."""
+    model = build_toy_model(tmp_path / "m", seed=0, init_std=0.2, max_position_embeddings=512)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    eng = TorchEngine(model, max_slots=4, max_length=300)
+    tok = eng.tokenizer
+    short, long_ = [tok("1=")["input_ids"]], [tok("12345678=" * 20)["input_ids"]]
+    assert len(long_[0]) + 8 > 128  # past the first 128-position bucket a short call would reserve
+    eng.generate(short, params, seed=1)
+    cache, length = eng.runner.k_cache, eng.runner.length
+    assert length >= 300
+    out = eng.generate(long_, params, seed=2)
+    assert eng.runner.k_cache is cache and eng.runner.length == length  # no regrow
+    plain = TorchEngine(model, max_slots=4)
+    plain.generate(short, params, seed=1)
+    assert plain.runner.length < len(long_[0]) + 8  # without max_length the long call regrows...
+    ref = plain.generate(long_, params, seed=2)
+    assert plain.runner.length >= len(long_[0]) + 8
+    assert [c.tokens for c in out] == [c.tokens for c in ref]  # ... to the same completions
+    capped = TorchEngine(model, max_slots=4, max_length=10_000)
+    capped.generate(short, params, seed=1)
+    assert capped.runner.length == 512  # the model's positions, not 10,000
+    with pytest.raises(ValueError, match="max_length"):
+        TorchEngine(model, max_length=0)
+    for e in (eng, plain, capped):
+        e.close()

@@ -41,8 +41,9 @@ ENGINES = ("torch", "vllm")
 def make_engine(name: str, model_path: str, **kw: Any) -> RolloutEngine:
     """Build the engine called ``name`` ("torch" | "vllm") for the model in ``model_path``.
 
-    Keywords go to the engine (``device``, ``dtype``, ``max_batch_size``; ``compile`` and
-    ``max_slots`` for the torch engine, which vLLM ignores as it batches and compiles itself).
+    Keywords go to the engine (``device``, ``dtype``, ``max_batch_size``; ``compile``,
+    ``max_slots`` and ``max_length`` for the torch engine, which vLLM ignores as it batches,
+    sizes its cache and compiles itself).
     ``kv_cache_memory_fraction`` (the node's share of its GPU, smaller when nodes share it) sizes
     the torch engine's KV cache and becomes vLLM's ``gpu_memory_utilization``: without it vLLM
     takes 0.9 of the GPU, and a colocated trainer or a second engine would not fit.
@@ -50,7 +51,7 @@ def make_engine(name: str, model_path: str, **kw: Any) -> RolloutEngine:
     if name == "torch":
         return TorchEngine(model_path, **kw)
     if name == "vllm":
-        for torch_only in ("compile", "max_slots"):
+        for torch_only in ("compile", "max_slots", "max_length"):
             kw.pop(torch_only, None)
         share = kw.pop("kv_cache_memory_fraction", None)
         if share is not None:

@@ -60,9 +60,14 @@ class TorchEngine:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
                  max_batch_size: int = 256, max_slots: int = 256, compile: bool = True,
-                 max_prefill_tokens: int = 8192, kv_cache_memory_fraction: float = KV_CACHE_FRACTION):
+                 max_prefill_tokens: int = 8192, kv_cache_memory_fraction: float = KV_CACHE_FRACTION,
+                 max_length: int | None = None):
         path = check_model_dir(model_path)
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        # positions every KV-cache slot holds from the first call (the run's longest prompt plus
+        # max_new_tokens): a later, longer call then never regrows the cache, which frees it and
+        # recaptures every CUDA graph in the middle of a step; None: sized by the calls seen
+        self.max_length = None if max_length is None else _positive_int("max_length", max_length)
         self.max_slots = _positive_int("max_slots", max_slots)
         _positive_int("max_prefill_tokens", max_prefill_tokens)
         if isinstance(kv_cache_memory_fraction, bool) or not isinstance(kv_cache_memory_fraction, (int, float)) \
@@ -272,8 +277,10 @@ class _Batcher:
         self.key = seed_key(seed)
         dev, n_max = runner.device, params.max_new_tokens
         slots = min(engine.max_slots, len(prompts))
-        runner.reserve(slots if not runner.use_graphs else engine.max_slots,
-                       max(len(p) for p in prompts) + n_max)
+        length = max(len(p) for p in prompts) + n_max
+        if engine.max_length is not None:  # never beyond the model's positions (generate checked the call's)
+            length = max(length, min(engine.max_length, engine.max_positions or engine.max_length))
+        runner.reserve(slots if not runner.use_graphs else engine.max_slots, length)
         s = runner.slots
         slots = min(slots, s)  # on CUDA the cache may hold fewer (all that fit in memory)
         self.stop = torch.tensor(stop, dtype=torch.int64, device=dev)

@@ -30,6 +30,7 @@ from distflow.buffer.dataloader import PromptShard
 from distflow.device import call_on, chosen_device, gpu_sharers, node_device
 from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
+from distflow.core.config import Config
 from distflow.rollout.engine import make_engine
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION
 from distflow.rollout.stages import run_pipeline
@@ -46,6 +47,12 @@ def kv_cache_fraction(setting: float | None, sharers: int) -> float:
     or (null) the engine's default split among the ``sharers`` nodes placed on that GPU, so that a
     colocated trainer or another engine that allocates later still finds its part."""
     return setting if setting is not None else KV_CACHE_FRACTION / max(1, sharers)
+
+
+def engine_max_length(cfg: Config) -> int | None:
+    """Positions the engine's KV cache holds per sequence from the start: the longest prompt a
+    step may carry (``max_prompt_length``) plus ``max_new_tokens``; None without a prompt bound."""
+    return None if cfg.max_prompt_length is None else cfg.max_prompt_length + cfg.max_new_tokens
 
 
 def covered_shards(rt: Runtime, groups: Groups) -> list[int]:
@@ -210,6 +217,7 @@ class RolloutLoop:
         loading = asyncio.ensure_future(asyncio.to_thread(make_engine, cfg.engine, cfg.model_path,
                                                           device=cfg.device, dtype=cfg.dtype,
                                                           compile=cfg.engine_compile, max_slots=cfg.engine_max_slots,
+                                                          max_length=engine_max_length(cfg),
                                                           kv_cache_memory_fraction=kv_cache_fraction(
                                                               cfg.engine_kv_cache_memory_fraction, gpu_sharers())))
         try:
