@@ -334,6 +334,40 @@ def test_varlen_kwargs_follow_the_kernels_signature():
     assert varlen_kwargs({"scale", "window_size"}, 0.1, 64, None, True) is None  # cannot be told about GQA
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_per_sample_sdpa_with_kv_heads_repeated_equals_gqa(window):
+    """The CUDA form of the per-sample SDPA fallback (K/V repeated to the query heads, so an fp32 or
+    banded call can use the memory-efficient kernel) computes what the GQA form computes, values
+    and gradients, with query head h reading KV head h // 2 as transformers' repeat_kv does."""
+    from distflow.trainer.attention import _per_sample_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 7]
+    q = torch.randn(1, 4, 13, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 13, 8, generator=g, requires_grad=True) for _ in range(2))
+    outs, grads = [], []
+    for expand in (False, True):
+        out = _per_sample_sdpa(q, k, v, lens, window, 0.3, expand_kv=expand)
+        (out * torch.arange(out.numel()).reshape(out.shape).sin()).sum().backward()
+        outs.append(out.detach())
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    assert outs[0].shape == (1, 13, 4, 8)
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+    # head 3 of the output reads KV head 1: recompute sample 0 by hand
+    att = torch.softmax((q[0, 3, :5] @ k[0, 1, :5].T * 0.3).masked_fill(
+        ~_causal(5, window), float("-inf")), -1) @ v[0, 1, :5]
+    assert torch.allclose(outs[1][0, :5, 3], att.detach(), atol=1e-6)
+
+
+def _causal(n: int, window: int | None) -> torch.Tensor:
+    i = torch.arange(n)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < (window or n))
+
+
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_overlong_mask_trains_exactly_as_if_the_truncated_samples_were_not_there(toy_model, world1, loss_agg):
     """DAPO's overlong filtering: with ``overlong: mask`` a truncated sample adds no token to the

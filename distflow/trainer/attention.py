@@ -10,7 +10,9 @@ trainer's models use the attention implementation registered here, ``distflow_va
 * packed rows (the caller passes ``cu_seq_lens_q``, the int32 [n + 1] cumulative sample
   lengths, through the model's kwargs): on CUDA ``torch.nn.attention.varlen.varlen_attn``
   (FlashAttention varlen, causal) in bf16/fp16; elsewhere (CPU, fp32) one causal
-  ``scaled_dot_product_attention`` per sample. Attention work is sum(L_i^2), never row^2.
+  ``scaled_dot_product_attention`` per sample (on CUDA with K/V repeated to the query
+  heads, so the memory-efficient kernel, which takes no GQA, serves it rather than the math
+  kernel). Attention work is sum(L_i^2), never row^2.
   The sample lengths also come as host ints (``distflow_seq_lens``), so no layer reads
   them back from the GPU. A model's ``sliding_window`` is honoured on both (FlashAttention's
   ``window_size``, a banded mask for SDPA), as transformers' padded path does;
@@ -69,6 +71,21 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
         out = flash[0](q, k, v, cu, cu, longest, longest, **kw)
         return out.unsqueeze(0), None
+    return _per_sample_sdpa(query, key, value, lens, window, scaling, expand_kv=gqa and query.is_cuda), None
+
+
+def _per_sample_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int],
+                     window: int | None, scaling: float | None, expand_kv: bool) -> torch.Tensor:
+    """One causal (or banded) SDPA per sample of a packed row -> [1, S, Hq, D]. ``expand_kv``
+    repeats K/V to the query heads instead of ``enable_gqa`` (on CUDA only FlashAttention and the
+    math kernel take GQA, so an fp32 or masked call would fall to the math kernel and keep an
+    fp32 [Hq, n, n] score matrix per sample for backward; the memory-efficient kernel takes the
+    repeated heads), as transformers' SDPA path does."""
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and expand_kv:
+        rep = query.shape[1] // key.shape[1]  # query head h reads KV head h // rep (HF's repeat_kv)
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        gqa = False
     # split (not slicing): its backward is one concatenation, not a zero-filled full-size
     # gradient per sample
     qs, ks, vs = (t.split(lens, dim=2) for t in (query, key, value))
@@ -77,7 +94,7 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
               if window is not None and n > window else
               F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
               for q, k, v, n in zip(qs, ks, vs, lens) if n > 0]
-    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
 
 
 def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
