@@ -46,13 +46,19 @@ log = logging.getLogger(__name__)
 # Keys the rollout nodes put in their mesh metadata (rt.node.set_meta): seconds of their last
 # generation batch and of their last weight load.
 ROLLOUT_TIME_KEYS = ("time_generate_s", "time_load_weights_s")
+# Beyond step_timeout_s, how long a collective may wait: while rank 0 alone writes the Hugging
+# Face checkpoint (4 bytes a parameter: 28 GB for 7B) the other ranks wait in the next collective,
+# and the NCCL watchdog would kill the run at the timeout. A rank that dies is named by the mesh
+# within seconds (Runtime.watch_group), whatever this says.
+CHECKPOINT_WRITE_ALLOWANCE_S = 1800.0
 
 
 async def init_process_group(rt: Runtime, groups: Groups) -> None:
     """The trainer group's torch.distributed group. Rank 0 opens the rendezvous store on
     any free port and gossips it; the others read it from rank 0's metadata. On CUDA the
     group is bound to this node's GPU (``device_id``), so device-less collectives such as
-    ``barrier`` use it from any thread."""
+    ``barrier`` use it from any thread. Collectives may wait ``step_timeout_s`` plus
+    :data:`CHECKPOINT_WRITE_ALLOWANCE_S`."""
     head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
     if groups.rank == 0:
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, rt.cfg.rendezvous_port, world, is_master=True,
@@ -66,8 +72,9 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
                                                                 timeout=timeout))
     cuda = rt.cfg.device == "cuda"
     extra = {"device_id": node_device("cuda")} if cuda else {}
+    collective = timeout + timedelta(seconds=CHECKPOINT_WRITE_ALLOWANCE_S)
     await asyncio.to_thread(dist.init_process_group, "nccl" if cuda else "gloo", store=store, rank=groups.rank,
-                            world_size=world, timeout=timeout, **extra)
+                            world_size=world, timeout=collective, **extra)
 
 
 def step_summary(actor: Actor, batch: SampleBatch, step: int) -> list[float]:
