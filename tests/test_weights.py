@@ -295,6 +295,36 @@ def test_full_sync_lets_go_of_the_previous_version_when_the_next_begins() -> Non
     asyncio.run(main())
 
 
+def test_delta_marks_survive_a_sender_of_the_previous_version_finishing_mid_ingest() -> None:
+    """While v2 is ingested (delta sync) it compares against v1: a sender of v1 that finishes then
+    (releasing v1's staging buffers, as a CUDA trainer's pinned ones) must not empty v1's index,
+    or every later tensor of v2 counts as changed and the delta is a full version."""
+    async def main() -> None:
+        a, b = await _pair("shm")
+        try:
+            pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                                  lambda _: False, timeout=10, sync="delta")
+            try:
+                pub.offer(1, weights(1, {}))
+                v1 = pub._latest
+                v1.bufs = [torch.empty(8, dtype=torch.uint8)]  # as if staged in pinned buffers
+                v2 = pub.begin(2)
+                w2 = weights(2, {2: [1]})  # only layer1 changes in v2
+                pub._append(v2, pub._prepare(v2, {n: w2[n] for n in NAMES[:3]}))
+                pub._release(v1)  # v1's last sender finished: nothing reads v1 but v2's ingest
+                pub._append(v2, pub._prepare(v2, {n: w2[n] for n in NAMES[3:]}))
+                pub._finish(v2)
+                assert v2.changed == {n: (2 if n == NAMES[1] else 1) for n in NAMES}
+                assert v1.index == {} and v1.bufs == []  # released once v2 was complete
+            finally:
+                await pub.close()
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
 def test_resolve_transport_by_locality() -> None:
     from distflow.rl.weight_transport import resolve_transport
 

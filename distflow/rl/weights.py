@@ -407,6 +407,8 @@ class WeightPublisher:
         """Give a version's staging buffers back once nothing reads it (not newest, no sender)."""
         if ver is self._latest and not ver.aborted:
             return
+        if self._latest is not None and self._latest.prev is ver:
+            return  # the version being ingested compares against it: released by _finish
         if ver.readers == 0 and ver.bufs:
             for b in ver.bufs:
                 self._pool.give_back(b)
