@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-__all__ = ["COMPUTE_DTYPES", "call_on", "chosen_device", "collective_device", "gpu_sharers", "iterate_on",
-           "node_device", "on_device", "peak_flops"]
+__all__ = ["COMPUTE_DTYPES", "call_on", "chosen_device", "collective_device", "gpu_identity", "gpu_sharers",
+           "iterate_on", "node_device", "on_device", "peak_flops"]
 
 T = TypeVar("T")
 
@@ -56,6 +56,20 @@ def node_device(kind: str = "cpu") -> torch.device:
     _CHOSEN = torch.device("cuda", index)
     torch.cuda.set_device(_CHOSEN)  # the calling thread's only: see on_device for the others
     return _CHOSEN
+
+
+def gpu_identity() -> str:
+    """Which physical GPU :func:`node_device` opens, as the launcher named it (an entry of
+    ``CUDA_VISIBLE_DEVICES``, an index or a UUID; the index itself when that is unset), read
+    from the environment without touching CUDA. Two nodes on one host with the same identity
+    share a GPU: only they can hand each other CUDA IPC handles (a process cannot open memory
+    of a GPU it does not see)."""
+    index = int(os.environ.get("DISTFLOW_LOCAL_GPU", "0") or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    return names[index] if 0 <= index < len(names) else f"?{visible}#{index}"
 
 
 def chosen_device() -> torch.device | None:

@@ -74,9 +74,13 @@ class Runtime:
                               request_timeout_s=m.request_timeout_s, join_timeout_s=m.join_timeout_s,
                               max_frame_bytes=m.max_frame_bytes,
                               advertise_host=advertise_host or cfg.advertise_host)
-        node = Node(node_id, role, secret=secret, host=host, port=port, seeds=seeds, config=mesh_cfg,
-                    meta={"state": "starting", "policy_version": 0, "device": cfg.device,
-                          "boot": time.time_ns()})  # tells a restarted node (same id) from its previous life
+        meta = {"state": "starting", "policy_version": 0, "device": cfg.device,
+                "boot": time.time_ns()}  # boot tells a restarted node (same id) from its previous life
+        if cfg.device == "cuda":
+            from distflow.device import gpu_identity
+
+            meta["gpu"] = gpu_identity()  # who shares my GPU (CUDA IPC weights need the same one)
+        node = Node(node_id, role, secret=secret, host=host, port=port, seeds=seeds, config=mesh_cfg, meta=meta)
         return cls(cfg, node, channel, BufferShard(cfg.buffer_capacity), role)
 
     async def start(self) -> None:

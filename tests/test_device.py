@@ -113,3 +113,19 @@ def test_kv_cache_fraction_splits_the_default_among_the_gpus_nodes():
     assert kv_cache_fraction(None, 1) == pytest.approx(0.9)
     assert kv_cache_fraction(None, 3) == pytest.approx(0.3)  # colocated: trainer + two engines
     assert kv_cache_fraction(0.5, 3) == 0.5  # an explicit setting wins
+
+
+@pytest.mark.parametrize("visible, local, identity", [
+    (None, None, "0"), (None, "2", "2"), ("3", None, "3"), ("4,6", "1", "6"),
+    ("GPU-aa, GPU-bb", "1", "GPU-bb"), ("5", "3", "?5#3")])
+def test_gpu_identity_names_the_physical_gpu_from_the_environment(monkeypatch, visible, local, identity):
+    """What a node gossips as its GPU (weights go by CUDA IPC only between nodes of one GPU): the
+    launcher's name for it, read without touching CUDA; an out-of-range index never matches."""
+    from distflow.device import gpu_identity
+
+    for var, value in (("CUDA_VISIBLE_DEVICES", visible), ("DISTFLOW_LOCAL_GPU", local)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    assert gpu_identity() == identity

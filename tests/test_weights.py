@@ -332,6 +332,12 @@ def test_resolve_transport_by_locality() -> None:
     assert resolve_transport("auto", same_host=False, trainer_cuda=True, rollout_cuda=True) == "nccl"
     assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=False) == "channel"
     assert resolve_transport("channel", same_host=True, trainer_cuda=True, rollout_cuda=True) == "channel"
+    # two GPUs of one host: a node cannot open IPC handles of a GPU it does not see, so NCCL (or host memory)
+    assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=True, same_gpu=False) == "nccl"
+    assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=True, same_gpu=False,
+                             nccl_channel=False) == "channel"
+    with pytest.raises(ValueError, match="cuda_ipc needs the trainer and the rollout node on one GPU"):
+        resolve_transport("cuda_ipc", same_host=True, trainer_cuda=True, rollout_cuda=True, same_gpu=False)
     # across hosts without the NCCL data channel (channel: shm / zmq, or no cupy): through host memory
     assert resolve_transport("auto", same_host=False, trainer_cuda=True, rollout_cuda=True,
                              nccl_channel=False) == "channel"
@@ -364,6 +370,12 @@ def test_rollout_nodes_are_served_from_their_own_host_with_the_load_even() -> No
     # rollout-only hosts (the pdsh example: trainers on gpu-a, rollouts on gpu-b): balanced, lower rank first
     plan = serving_plan(two[:1] + [("trainer-a-1", "10.0.0.1")], [(f"r{i}", "10.0.0.9") for i in range(3)])
     assert plan == {"trainer-a-0": ["r0", "r2"], "trainer-a-1": ["r1"]}
+    # colocated on one host, each trainer sharing its GPU with a rollout node: served from its own GPU
+    # (CUDA IPC), not round-robin (which pairs them across GPUs here)
+    gpus = [("t0", "h", "0"), ("t1", "h", "1")]
+    assert serving_plan(gpus, [("r0", "h", "1"), ("r1", "h", "0")]) == {"t0": ["r1"], "t1": ["r0"]}
+    assert serving_plan(gpus, [("r0", "h", "1"), ("r1", "h", "1")]) == {"t0": ["r1"], "t1": ["r0"]}  # room first
+    assert serving_plan(gpus, [("r0", "h", None), ("r1", "h", None)]) == {"t0": ["r0"], "t1": ["r1"]}  # cpu
     # every rollout node is served exactly once, whatever the layout
     hosts = ["x", "y", "z"]
     for nt in range(1, 5):

@@ -76,8 +76,8 @@ class Config(BaseModel):
     channel: Literal["zmq", "shm", "auto"] = Field(
         "auto", description="data-plane transport; auto = shm to peers on this host, zmq to others")
     weight_transport: Literal["auto", "channel", "cuda_ipc", "nccl"] = Field(
-        "auto", description="how weights reach rollout nodes: auto = cuda_ipc when trainer and rollout share a host "
-                            "and both are on CUDA, nccl across hosts between GPUs, the data channel otherwise")
+        "auto", description="how weights reach rollout nodes: auto = cuda_ipc when trainer and rollout share a GPU, "
+                            "nccl between different GPUs (with the NCCL channel), the data channel otherwise")
     weight_sync: Literal["full", "delta"] = Field(
         "full", description="delta = send only tensors whose bytes changed since the version the peer holds "
                             "(full resend when it is too far behind or rejoined); the engine applies partial sets")

@@ -41,41 +41,51 @@ SYNC_MODES = ("full", "delta")
 log = logging.getLogger(__name__)
 
 
-def serving_plan(trainers: list[tuple[str, str]], rollouts: list[tuple[str, str]]) -> dict[str, list[str]]:
+def serving_plan(trainers: list[tuple[str, ...]], rollouts: list[tuple[str, ...]]) -> dict[str, list[str]]:
     """Which rollout nodes each trainer rank serves: ``{trainer id: [rollout ids]}``.
 
-    trainers, rollouts: ``(node id, host)`` in rank order. Every trainer rank computes this
-    alone from the same member lists, so it is a pure, deterministic rule: each rollout node
-    (in order) goes to the least-loaded trainer rank on its own host that serves fewer than
-    ``ceil(rollouts / trainers)``, else to the least-loaded trainer rank anywhere (ties: the
-    lower rank). On one host this is round-robin; across hosts a rollout node is never sent
-    to another host while a trainer on its own host has room.
+    trainers, rollouts: ``(node id, host)`` or ``(node id, host, gpu)`` (``device.gpu_identity``;
+    None on CPU) in rank order. Every trainer rank computes this alone from the same member
+    lists, so it is a pure, deterministic rule: each rollout node (in order) goes to the
+    least-loaded trainer rank that serves fewer than ``ceil(rollouts / trainers)`` on its own
+    GPU (CUDA IPC: no copy leaves the device), else on its own host, else anywhere (ties: the
+    lower rank). On one host without GPU ids this is round-robin; across hosts a rollout node
+    is never sent to another host while a trainer on its own host has room.
     """
     if not trainers:
         raise ValueError("serving_plan needs at least one trainer rank")
     cap = -(-len(rollouts) // len(trainers))
-    plan: dict[str, list[str]] = {t: [] for t, _ in trainers}
-    for rid, rhost in rollouts:
-        local = [t for t, h in trainers if h == rhost and len(plan[t]) < cap]
-        pool = local or [t for t, _ in trainers]
+    plan: dict[str, list[str]] = {t[0]: [] for t in trainers}
+
+    def gpu(node: tuple[str, ...]) -> str | None:
+        return node[2] if len(node) > 2 else None
+
+    for r in rollouts:
+        rid, rhost = r[0], r[1]
+        room = [t for t in trainers if len(plan[t[0]]) < cap]
+        one_gpu = [t[0] for t in room if t[1] == rhost and gpu(r) is not None and gpu(t) == gpu(r)]
+        pool = one_gpu or [t[0] for t in room if t[1] == rhost] or [t[0] for t in trainers]
         plan[min(pool, key=lambda t: len(plan[t]))].append(rid)  # min keeps the first (lowest rank) on ties
     return plan
 
 
 def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout_cuda: bool,
-                      nccl_channel: bool = True) -> str:
+                      nccl_channel: bool = True, same_gpu: bool = True) -> str:
     """The tier for one (serving trainer, rollout peer) pair: "channel" | "cuda_ipc" | "nccl".
 
-    ``auto``: cuda_ipc on one host when both are on CUDA, nccl across hosts between GPUs when
-    the data plane is the NCCL channel (``nccl_channel``: ``channel: nccl``, or ``auto`` with
-    cupy), channel otherwise (GPU buckets then go through pinned host memory). An explicit GPU
-    tier that the two ends or the channel cannot carry is a clear error.
+    ``auto``: cuda_ipc when both run on one GPU (``same_gpu``, on ``same_host``: a process
+    cannot open IPC handles of a GPU it does not see, and each node sees only its own), nccl
+    between different GPUs, on one host or across hosts, when the data plane is the NCCL channel
+    (``nccl_channel``: ``channel: nccl``, or ``auto`` with cupy), channel otherwise (GPU buckets
+    then go through pinned host memory). An explicit GPU tier that the two ends or the channel
+    cannot carry is a clear error.
     """
     if setting not in TRANSPORTS:
         raise ValueError(f"weight_transport must be one of {TRANSPORTS}, got {setting!r}")
     both = trainer_cuda and rollout_cuda
+    one_gpu = same_host and same_gpu
     if setting == "auto":
-        return ("cuda_ipc" if same_host else "nccl" if nccl_channel else "channel") if both else "channel"
+        return ("cuda_ipc" if one_gpu else "nccl" if nccl_channel else "channel") if both else "channel"
     if setting in ("cuda_ipc", "nccl") and not both:
         raise ValueError(f"weight_transport: {setting} needs CUDA on the trainer and the rollout node")
     if setting == "nccl" and not nccl_channel:
@@ -83,6 +93,9 @@ def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout
                          "installed); this node's channel is not one")
     if setting == "cuda_ipc" and not same_host:
         raise ValueError("weight_transport: cuda_ipc needs the trainer and the rollout node on one host")
+    if setting == "cuda_ipc" and not one_gpu:
+        raise ValueError("weight_transport: cuda_ipc needs the trainer and the rollout node on one GPU (each node "
+                         "sees only its own GPU, and IPC handles open only there); use nccl or auto")
     return setting
 
 

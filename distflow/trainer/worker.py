@@ -222,8 +222,8 @@ async def run_trainer(rt: Runtime) -> None:
     peak = trainer_peak_flops(cfg)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
     rollout_ids = [m.node_id for m in groups.rollout]
-    mine = serving_plan([(m.node_id, m.host) for m in groups.trainer],
-                        [(m.node_id, m.host) for m in groups.rollout])[groups.trainer[rank].node_id]
+    mine = serving_plan([(m.node_id, m.host, m.meta.get("gpu")) for m in groups.trainer],
+                        [(m.node_id, m.host, m.meta.get("gpu")) for m in groups.rollout])[groups.trainer[rank].node_id]
     publisher = make_publisher(rt, mine)
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
@@ -323,8 +323,11 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
         m, ep = rt.node.member(peer), rt.endpoint(peer)
         same_host = getattr(rt.channel, "is_local", lambda e: False)(ep)
         peer_cuda = (m.meta.get("device") if m else "cpu") == "cuda"
+        mine = rt.node.member(rt.node.node_id)
+        gpus = (mine.meta.get("gpu") if mine else None, m.meta.get("gpu") if m else None)
         return resolve_transport(cfg.weight_transport, same_host, cfg.device == "cuda", peer_cuda,
-                                 nccl_channel=rt.channel.stats()["transport"] == "nccl")
+                                 nccl_channel=rt.channel.stats()["transport"] == "nccl",
+                                 same_gpu=gpus[0] is not None and gpus[0] == gpus[1])
 
     publisher = WeightPublisher(rt.channel, peers, rt.endpoint, rt.node.is_alive,
                                 timeout=min(cfg.step_timeout_s, 60.0), sync=cfg.weight_sync,
