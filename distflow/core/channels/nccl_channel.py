@@ -376,7 +376,8 @@ class NcclChannel(ShmChannel):
                     t = torch.empty(h["shape"], dtype=codec.DTYPES[h["dtype"]], device=self.device)
                     # NCCL writes it on comm.stream: after a timeout or abort the allocator must not
                     # hand its memory out again before that stream's work is done
-                    t.record_stream(comm.stream)
+                    if t.is_cuda:
+                        t.record_stream(comm.stream)
                     out[h["name"]] = t
                     recv.append(t.reshape(-1).view(torch.uint8))
                 comm.stream.wait_stream(torch.cuda.current_stream(self.device))  # reused memory is free
