@@ -11,6 +11,7 @@ behind gets a full version; a rank serving nobody drains the bucket generator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 
 import pytest
@@ -121,6 +122,22 @@ async def _pair(kind: str = "zmq"):
     await a.start()
     await b.start()
     return a, b
+
+
+@contextlib.asynccontextmanager
+async def _idle_publisher(sync: str):
+    """A publisher on real shm channels whose one peer is down: nothing reads a version once
+    it is published, so what the publisher itself holds on to can be checked."""
+    a, b = await _pair("shm")
+    b.set_handler(WeightInbox().receive)
+    pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                          lambda _: False, timeout=10, sync=sync)
+    try:
+        yield pub
+    finally:
+        await pub.close()
+        await a.close()
+        await b.close()
 
 
 def test_full_sync_buckets_and_inbox_keeps_them_unmerged() -> None:
@@ -269,28 +286,18 @@ def test_full_sync_lets_go_of_the_previous_version_when_the_next_begins() -> Non
     import weakref
 
     async def main() -> None:
-        a, b = await _pair("shm")
-        b.set_handler(WeightInbox().receive)
-        try:
-            for sync, kept in (("full", False), ("delta", True)):
-                pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
-                                      lambda _: False, timeout=10, sync=sync)  # peer down: nothing reads v1
-                try:
-                    v1 = weights(1, {})
-                    refs = [weakref.ref(t) for t in v1.values()]
-                    pub.offer(1, v1)
-                    del v1
-                    ver = pub.begin(2)  # v2 is being ingested
-                    gc.collect()
-                    assert sum(r() is not None for r in refs) == (len(NAMES) if kept else 0), sync
-                    pub._finish(ver)
-                    gc.collect()
-                    assert all(r() is None for r in refs), sync  # complete: v1 is gone either way
-                finally:
-                    await pub.close()
-        finally:
-            await a.close()
-            await b.close()
+        for sync, kept in (("full", False), ("delta", True)):
+            async with _idle_publisher(sync) as pub:
+                v1 = weights(1, {})
+                refs = [weakref.ref(t) for t in v1.values()]
+                pub.offer(1, v1)
+                del v1
+                ver = pub.begin(2)  # v2 is being ingested
+                gc.collect()
+                assert sum(r() is not None for r in refs) == (len(NAMES) if kept else 0), sync
+                pub._finish(ver)
+                gc.collect()
+                assert all(r() is None for r in refs), sync  # complete: v1 is gone either way
 
     asyncio.run(main())
 
@@ -300,27 +307,18 @@ def test_delta_marks_survive_a_sender_of_the_previous_version_finishing_mid_inge
     (releasing v1's staging buffers, as a CUDA trainer's pinned ones) must not empty v1's index,
     or every later tensor of v2 counts as changed and the delta is a full version."""
     async def main() -> None:
-        a, b = await _pair("shm")
-        try:
-            pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
-                                  lambda _: False, timeout=10, sync="delta")
-            try:
-                pub.offer(1, weights(1, {}))
-                v1 = pub._latest
-                v1.bufs = [torch.empty(8, dtype=torch.uint8)]  # as if staged in pinned buffers
-                v2 = pub.begin(2)
-                w2 = weights(2, {2: [1]})  # only layer1 changes in v2
-                pub._append(v2, pub._prepare(v2, {n: w2[n] for n in NAMES[:3]}))
-                pub._release(v1)  # v1's last sender finished: nothing reads v1 but v2's ingest
-                pub._append(v2, pub._prepare(v2, {n: w2[n] for n in NAMES[3:]}))
-                pub._finish(v2)
-                assert v2.changed == {n: (2 if n == NAMES[1] else 1) for n in NAMES}
-                assert v1.index == {} and v1.bufs == []  # released once v2 was complete
-            finally:
-                await pub.close()
-        finally:
-            await a.close()
-            await b.close()
+        async with _idle_publisher("delta") as pub:
+            pub.offer(1, weights(1, {}))
+            v1 = pub._latest
+            v1.bufs = [torch.empty(8, dtype=torch.uint8)]  # as if staged in pinned buffers
+            v2 = pub.begin(2)
+            w2 = weights(2, {2: [1]})  # only layer1 changes in v2
+            pub._append(v2, pub._prepare(v2, {n: w2[n] for n in NAMES[:3]}))
+            pub._release(v1)  # v1's last sender finished: nothing reads v1 but v2's ingest
+            pub._append(v2, pub._prepare(v2, {n: w2[n] for n in NAMES[3:]}))
+            pub._finish(v2)
+            assert v2.changed == {n: (2 if n == NAMES[1] else 1) for n in NAMES}
+            assert v1.index == {} and v1.bufs == []  # released once v2 was complete
 
     asyncio.run(main())
 
@@ -613,8 +611,6 @@ def test_pinned_pool_reuses_the_smallest_fitting_buffer() -> None:
 def test_a_send_that_starts_over_restarts_the_partial_version() -> None:
     """A version whose send starts over (bucket 0 again, e.g. after an ack timeout) is assembled
     from the new send alone: the stale buckets are dropped, and the commit's count matches."""
-    from distflow.core.channels import Envelope
-
     async def main() -> None:
         inbox = WeightInbox()
 
@@ -640,8 +636,6 @@ def test_a_send_that_starts_over_restarts_the_partial_version() -> None:
 def test_held_gpu_buckets_leave_a_gpu_short_of_memory() -> None:
     """Buckets that arrive in device memory (the NCCL tier) and wait for the engine stay on the GPU
     while it has the reserve free beside them, else they are held in host memory, values intact."""
-    from distflow.core.channels import Envelope
-
     async def one(reserve: int) -> torch.Tensor:
         inbox = WeightInbox(gpu_reserve=reserve)
         w = torch.arange(8.0, device="cuda")
