@@ -162,9 +162,9 @@ def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch
     key = (str(Path(path).resolve()), str(device), str(dtype))
     with _CACHE_LOCK:
         if key not in _CACHE:
-            source = path if has_tokenizer(path) else tokenizer_dir
+            source = next((d for d in (path, tokenizer_dir) if d is not None and has_tokenizer(d)), None)
             suffix = None
-            if source is not None and has_tokenizer(source):
+            if source is not None:
                 from distflow.hf import load_tokenizer
 
                 suffix = turn_suffix(load_tokenizer(source))

@@ -93,6 +93,8 @@ class TorchEngine:
         cfg = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
+        if self.max_length is not None and self.max_positions is not None:
+            self.max_length = min(self.max_length, self.max_positions)  # never beyond the model's positions
         self.eos_token_ids: tuple[int, ...] = self._collect_eos()
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         pad = self.tokenizer.pad_token_id
@@ -278,8 +280,8 @@ class _Batcher:
         dev, n_max = runner.device, params.max_new_tokens
         slots = min(engine.max_slots, len(prompts))
         length = max(len(p) for p in prompts) + n_max
-        if engine.max_length is not None:  # never beyond the model's positions (generate checked the call's)
-            length = max(length, min(engine.max_length, engine.max_positions or engine.max_length))
+        if engine.max_length is not None:
+            length = max(length, engine.max_length)
         runner.reserve(slots if not runner.use_graphs else engine.max_slots, length)
         s = runner.slots
         slots = min(slots, s)  # on CUDA the cache may hold fewer (all that fit in memory)

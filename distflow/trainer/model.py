@@ -118,8 +118,9 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
 def shard_fp32(load: Callable[[], torch.nn.Module], meta: Callable[[], torch.nn.Module], mesh: Any,
                device: torch.device, compute_dtype: torch.dtype,
                prepare: Callable[[torch.nn.Module], Any] = lambda m: None) -> torch.nn.Module:
-    """An fp32 model sharded on ``mesh`` (:func:`shard_mixed_precision`), on ``device``.
-    ``load()`` gives the whole model in host memory, ``meta()`` its structure on the meta
+    """A model sharded on ``mesh`` (:func:`shard_mixed_precision`), on ``device``, in the dtype
+    ``load``/``meta`` build it in: fp32 master weights to train, the compute dtype for a frozen
+    model. ``load()`` gives the whole model in host memory, ``meta()`` its structure on the meta
     device; ``prepare(model)`` runs before sharding. One rank: the loaded model, moved. More:
     only mesh rank 0 loads, every rank shards ``meta()``, and the shards come from rank 0
     (:func:`load_from_rank0`), so no rank holds the whole model on its GPU."""
