@@ -4,7 +4,8 @@ Why it exists: the cheapest way to move a GiB of weights depends on where both e
 exactly as for the data channels. One function picks the tier per peer by locality, and the
 two GPU-only wire forms live here so ``weights.py`` stays about versions, not transports:
 
-* ``cuda_ipc`` (trainer and rollout on one host, both on CUDA): the message carries no bytes,
+* ``cuda_ipc`` (trainer and rollout on one GPU: each node sees only its own, and IPC handles
+  open only on the GPU that holds the memory): the message carries no bytes,
   only CUDA IPC handles of the serving rank's gathered GPU tensors (``storage._share_cuda_``,
   the handle format of ``torch.multiprocessing``, encoded as plain msgpack fields, never
   pickled) inside the signed channel header. The rollout opens them and its engine copies
@@ -14,7 +15,8 @@ two GPU-only wire forms live here so ``weights.py`` stays about versions, not tr
   node never reads memory that was reused. Each descriptor holds one count: the exporter
   exports right before the send, and the importer opens or releases every descriptor it
   gets, the ones it drops (an old version) or fails to open included, or the block leaks.
-* ``nccl`` (GPUs on different hosts): the buckets stay on the GPU and go through the NCCL
+* ``nccl`` (different GPUs, on one host or several, with the NCCL data channel): the buckets
+  stay on the GPU and go through the NCCL
   channel (``distflow/core/channels/nccl_channel.py``: one cupy communicator per direction,
   unique id over the authenticated channel, every wait under ``nccl_timeout``); per-peer
   point-to-point sends, not one broadcast communicator, because every rollout peer is served
@@ -24,8 +26,8 @@ two GPU-only wire forms live here so ``weights.py`` stays about versions, not tr
   into reusable pinned host buffers first (:class:`PinnedPool`).
 
 Which trainer rank serves which rollout node is chosen by locality too (:func:`serving_plan`):
-a rollout node is served from its own host when a trainer rank runs there (CUDA IPC instead
-of NCCL on GPUs, shared memory instead of TCP on CPUs), the load kept even.
+a rollout node is served from its own GPU when a trainer rank runs there (CUDA IPC), else
+from its own host (NVLink/PCIe NCCL or shared memory instead of the network), the load kept even.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Versioned, bucketed weight publication from trainers to rollout nodes (full or delta).
 
 Why it exists: after every update the rollout nodes need the new weights, and the trainer
-must never wait for them. Each rollout node is served by one trainer rank, on its own host
-where one has room (``weight_transport.serving_plan``), so no trainer sends to everyone, and
+must never wait for them. Each rollout node is served by one trainer rank, on its own GPU or
+host where one has room (``weight_transport.serving_plan``), so no trainer sends to everyone, and
 only serving ranks materialise full weights.
 
 Trainer side (:class:`WeightPublisher`): a version is ingested bucket by bucket, straight
