@@ -703,6 +703,45 @@ def test_shm_small_payloads_are_copied_out_so_handlers_may_keep_them():
     run(main())
 
 
+def test_shm_immediate_release_goes_to_its_sender_only():
+    """A freed view of 1 MiB or more goes back to its sender at once; the deferred releases of
+    smaller payloads from OTHER senders keep waiting for their next ack instead of being flushed
+    along in messages of their own (each of which wakes a process)."""
+
+    async def main():
+        small_from, big_from = chan("shm", "a", shm_copy_below=0), chan("shm", "c", shm_copy_below=0)
+        b = chan("shm", "b", shm_copy_below=0, shm_release_delay=30)  # no timer flush during the test
+        for ch in (small_from, big_from, b):
+            await ch.start()
+        kept: list[torch.Tensor] = []
+
+        async def handler(env):
+            if env.meta.get("keep"):
+                kept.append(env.tensors["x"])
+
+        b.set_handler(handler)
+        await small_from.send(ep(b), "k", {"keep": 1}, {"x": torch.arange(10_000)}, timeout=5)  # 80 KB: deferred
+        await big_from.send(ep(b), "k", {"keep": 1}, {"x": torch.arange(300_000)}, timeout=5)  # 2.4 MB: at once
+        assert small_from.stats()["shm_slots_busy"] == 1 and big_from.stats()["shm_slots_busy"] == 1
+        kept.clear()
+        gc.collect()
+        for _ in range(1000):  # the big one's release travels alone: poll for it (bounded)
+            if big_from.stats()["shm_slots_busy"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # room for a (wrong) flush of the deferred one
+        assert big_from.stats()["shm_slots_busy"] == 0
+        assert small_from.stats()["shm_slots_busy"] == 1  # still deferred: waiting for an ack to ride on
+        assert b.stats()["shm_release_msgs"] == 1
+        await small_from.send(ep(b), "k", {}, {"x": torch.arange(10)}, timeout=5)  # its ack carries the release
+        assert small_from.stats()["shm_slots_busy"] == 0
+        assert b.stats()["shm_release_msgs"] == 1 and b.stats()["shm_releases_sent"] == 3  # the last in its own ack
+        for ch in (small_from, big_from, b):
+            await ch.close()
+
+    run(main())
+
+
 def test_shm_copy_threshold_is_validated():
     with pytest.raises(ValueError, match="shm_copy_below must be a non-negative int"):
         make_channel("shm", "a", SECRET, shm_copy_below=-1)

@@ -30,8 +30,8 @@ view); the release then goes back to the sender, which may reuse the slot: insid
 ack when the handler kept nothing (the slot is free, and warm, as soon as ``send`` returns),
 else inside the *next* ack to that sender if one goes out within ``shm_release_delay``
 (5 s; payloads under 1 MiB: an all-to-all step's parts are kept until the step is assembled,
-and the next step's ack carries their releases; larger ones, e.g. weight buckets, go back at
-once), else in a signed ``release`` message of its own over the ZMQ connection (a message of its own wakes two processes: the cost this avoids). The ack still
+and the next step's ack carries their releases; larger ones, e.g. weight buckets, go back to
+their sender at once, without flushing other senders' deferred ones), else in a signed ``release`` message of its own over the ZMQ connection (a message of its own wakes two processes: the cost this avoids). The ack still
 comes when the handler returns (backpressure is unchanged). Slots a receiver keeps simply
 make the sender's pool grow (an all-to-all producer holds two slots per consumer). Payloads
 under ``shm_copy_below`` (default 0: off) are copied out of the segment on receipt instead,
@@ -180,8 +180,9 @@ class ShmChannel(ZmqChannel):
         self._maps: dict[tuple[str, str], _Mapping] = {}  # (sender, segment name) -> mapping
         self._local_hosts = _local_addresses(host)
         self._rel_pending: dict[bytes, tuple[str, bytes, list[list[Any]]]] = {}  # ident -> (sender, sess, slots)
-        self._rel_flush: asyncio.Handle | None = None
-        self._rel_flush_later = False  # _rel_flush is the deferred (shm_release_delay) timer
+        self._rel_timer: asyncio.TimerHandle | None = None  # flushes what is still deferred (shm_release_delay)
+        self._rel_now: set[bytes] = set()  # senders owed a release at once (a payload >= DEFER_RELEASE_BELOW)
+        self._rel_soon: asyncio.Handle | None = None  # flushes _rel_now's senders only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._rx_pool = CopyPool()
@@ -204,8 +205,9 @@ class ShmChannel(ZmqChannel):
 
     async def close(self) -> None:
         await super().close()
-        if self._rel_flush is not None:
-            self._rel_flush.cancel()
+        for h in (self._rel_timer, self._rel_soon):
+            if h is not None:
+                h.cancel()
         for pool in self._pools.values():
             for s in pool.slots:
                 s.close()
@@ -501,8 +503,8 @@ class ShmChannel(ZmqChannel):
                        flush: bool = True, defer: bool = False) -> None:
         entry = self._rel_pending.get(ident)
         if entry is None or entry[1] != sess:
-            if entry is not None:  # a new session on the same connection: flush the old one first
-                self._flush_releases()
+            if entry is not None:  # a new session on the same connection: the old one's releases go first
+                self._send_releases({ident: entry})
             entry = self._rel_pending[ident] = (sender, sess, [])
         entry[2].append([name, use])
         if not flush or self._closed or self._loop is None:
@@ -510,13 +512,12 @@ class ShmChannel(ZmqChannel):
         if defer and self._release_delay > 0:
             # the next ack to this sender carries it if one goes out within the delay (no message of
             # its own: a release message wakes two processes); else it goes alone
-            if self._rel_flush is None:
-                self._rel_flush = self._loop.call_later(self._release_delay, self._flush_releases)
-                self._rel_flush_later = True
-        elif self._rel_flush is None or self._rel_flush_later:  # now (deferred ones go along)
-            if self._rel_flush is not None:
-                self._rel_flush.cancel()
-            self._rel_flush, self._rel_flush_later = self._loop.call_soon(self._flush_releases), False
+            if self._rel_timer is None:
+                self._rel_timer = self._loop.call_later(self._release_delay, self._flush_releases)
+        else:  # now, to this sender only (its deferred ones go along; other senders' keep waiting for an ack)
+            self._rel_now.add(ident)
+            if self._rel_soon is None:
+                self._rel_soon = self._loop.call_soon(self._flush_now)
 
     def _ack_extra(self, ident: bytes, header: dict[str, Any]) -> dict[str, Any]:
         """Releases queued for this sender ride on the ack (one message fewer per send)."""
@@ -524,12 +525,27 @@ class ShmChannel(ZmqChannel):
         if entry is None or entry[1] != header["sess"]:
             return {}
         del self._rel_pending[ident]
+        self._rel_now.discard(ident)
         self._counters["shm_releases_sent"] += len(entry[2])
         return {"rel": entry[2]}
 
+    def _flush_now(self) -> None:
+        """The senders owed a release at once get theirs, each in a message of its own."""
+        self._rel_soon = None
+        idents, self._rel_now = self._rel_now, set()
+        self._send_releases({i: self._rel_pending.pop(i) for i in idents if i in self._rel_pending})
+        if not self._rel_pending and self._rel_timer is not None:
+            self._rel_timer.cancel()
+            self._rel_timer = None
+
     def _flush_releases(self) -> None:
-        self._rel_flush = None
+        """Every queued release goes now (the deferred ones whose ack did not come in time)."""
+        self._rel_timer = None
+        self._rel_now.clear()
         pending, self._rel_pending = self._rel_pending, {}
+        self._send_releases(pending)
+
+    def _send_releases(self, pending: dict[bytes, tuple[str, bytes, list[list[Any]]]]) -> None:
         if self._router is None or self._closed:
             return
         for ident, (sender, sess, slots) in pending.items():
