@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from distflow.core.config import load_config
 from distflow.trainer.schedule import lr_at
 from tests.conftest import ROOT
+from tests.host_reads import HostReads
 from tests.process_group import process_group, store_path
 from tests.test_packing import make_batch
 
@@ -411,3 +412,32 @@ def test_optional_loss_metrics_are_logged_when_the_loss_reports_them(toy_model, 
     # logprobs are what the TIS weights correct for
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and stats["approx_kl"] == pytest.approx(0, abs=1e-6)
     assert 0 < stats["tis_weight_mean"] < 1 and 0 <= stats["tis_clip_frac"] <= 1  # weights exp(old - behaviour)
+
+
+def test_update_reads_no_value_back_per_micro_batch(toy_model, world1):
+    """The update accumulates its metrics on the device and reads them back once per optimizer
+    step, and the logprob pass reads its results back once: the scalar reads actor.py makes do
+    not grow with the number of micro-batches (on a GPU each would wait for the GPU to drain).
+    The metrics are the same whatever the micro-batching."""
+    from distflow.trainer.actor import Actor
+
+    seen = []
+    for budget in (10_000, 12):  # 2 padded micro-batches vs >= 4 packed ones
+        cfg = _cfg(toy_model, "kl_coef=0.01", "lr=0.01", "recompute_old_logprobs=true",
+                   f"max_tokens_per_micro_batch={budget}")
+        actor = Actor(cfg, with_reference=True)
+        copies = []
+        cpu = torch.Tensor.cpu
+        torch.Tensor.cpu = lambda t, *a, **kw: (copies.append(1), cpu(t, *a, **kw))[1]
+        try:
+            with HostReads() as reads:
+                batch = actor.reference_logprobs(make_batch(8, seed=5))
+                stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
+        finally:
+            torch.Tensor.cpu = cpu
+        seen.append((len(list(actor._micro_batches(batch))), reads.by_file["actor.py"], len(copies), stats))
+    (n1, reads1, copies1, s1), (n2, reads2, copies2, s2) = seen
+    assert n2 >= 2 * n1
+    assert reads2 == reads1 and copies2 == copies1  # the logprob pass: one copy back per field (ref, old)
+    for k in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "grad_norm"):
+        assert s2[k] == pytest.approx(s1[k], rel=1e-5, abs=1e-7), k

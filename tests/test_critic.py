@@ -19,6 +19,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.core.config import config_from_dict
 from distflow.trainer.critic import CRITIC_DIR, WEIGHTS_FILE, Critic, split_mini_batches
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
+from tests.host_reads import HostReads
 from tests.process_group import process_group, store_path
 
 PPO_WF = [
@@ -140,6 +141,26 @@ def test_packed_rows_match_padded(group, toy_model, tmp_path) -> None:
     assert s_pack["vf_loss"] == pytest.approx(s_pad["vf_loss"], rel=1e-4)
     torch.testing.assert_close(packed.values(copy.deepcopy(b)).tensors["values"],
                                padded.values(copy.deepcopy(b)).tensors["values"], atol=1e-5, rtol=1e-4)
+
+
+def test_values_and_update_read_no_value_back_per_micro_batch(group, toy_model) -> None:
+    """The values pass reads its results back once and the update its metrics once (on a GPU
+    a read per micro-batch would wait for the GPU each time): critic.py's scalar reads do not
+    grow with the number of micro-batches, and the results do not depend on them."""
+    seen = []
+    for mbs in (4, 1):
+        critic = Critic(make_cfg(toy_model, micro_batch_size=mbs))
+        b = batch_of(8)
+        b.set_ragged("returns", torch.linspace(-1, 1, int(b.tensors["response_lens"].sum())))
+        with HostReads() as reads:
+            b = critic.values(b)
+            stats = critic.update(make_cfg(toy_model).plan().node("critic_update"), b)
+        seen.append((reads.by_file["critic.py"], b.tensors["values"], stats))
+    (r4, v4, s4), (r1, v1, s1) = seen
+    assert r1 == r4
+    torch.testing.assert_close(v1, v4, atol=1e-5, rtol=1e-4)
+    for k in ("vf_loss", "vf_clip_frac", "value_mean", "vf_grad_norm"):
+        assert s1[k] == pytest.approx(s4[k], rel=1e-4, abs=1e-7), k
 
 
 def test_update_without_returns_names_the_node(group, toy_model) -> None:

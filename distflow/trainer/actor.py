@@ -48,7 +48,8 @@ from distflow.trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Actor", "DTYPES", "all_reduce", "flat_to_padded", "grad_sync_mode", "step_micro_batches"]
+__all__ = ["Actor", "DTYPES", "DeviceSums", "all_reduce", "flat_to_padded", "grad_sync_mode", "ragged_in_batch_order",
+           "step_micro_batches"]
 
 STATE_FILE = "distflow_state.json"
 # Loss metrics some policy losses report (token means): logged per step when any micro-batch had them.
@@ -72,12 +73,53 @@ def grad_sync_mode(setting: str, world: int, num_params: int) -> tuple[str, int]
     return setting, extra
 
 
-def all_reduce(values: list[float], op=dist.ReduceOp.SUM, group=None) -> list[float]:
-    """All-reduce a few numbers over ``group``; the tensor lives on the group's device
-    (:func:`distflow.device.collective_device`)."""
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> list[float]:
+    """All-reduce a few numbers over ``group`` and read them back (the one host sync): floats,
+    or a tensor of them on any device (:class:`DeviceSums`). The tensor given to the collective
+    lives on the group's device (:func:`distflow.device.collective_device`)."""
+    dev = collective_device(group)
+    if torch.is_tensor(values):
+        t = values.detach().to(dev, torch.float64, copy=True)
+    else:
+        t = torch.tensor(values, dtype=torch.float64).to(dev)
     dist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+class DeviceSums:
+    """A step's weighted metric sums, accumulated where the values are (the GPU) and read back
+    once per step by :meth:`all_reduce`. Reading each micro-batch's loss back (``float(loss)``)
+    would make the CPU wait for the GPU after every micro-batch: it could not queue the next
+    one (nor FSDP2 its prefetching all-gathers) while the GPU finishes this one."""
+
+    def __init__(self, keys: list[str], device: torch.device):
+        self.keys = list(keys)
+        self._slot = {k: i for i, k in enumerate(self.keys)}
+        self._sums = torch.zeros(len(self.keys), dtype=torch.float64, device=device)
+
+    def add(self, key: str, value: torch.Tensor | float, weight: float = 1.0) -> None:
+        """sums[key] += value * weight (a 0-dim tensor or a number; no device read)."""
+        v = value.detach().to(torch.float64) if torch.is_tensor(value) else float(value)
+        self._sums[self._slot[key]] += v * weight
+
+    def all_reduce(self) -> dict[str, float]:
+        """The sums over every rank (a collective), read back once."""
+        return dict(zip(self.keys, all_reduce(self._sums)))
+
+
+def ragged_in_batch_order(parts: list[tuple[list[int], list[int], torch.Tensor]], n: int) -> torch.Tensor:
+    """Per-micro-batch results of an inference pass -> one flat CPU tensor in the batch's ragged
+    order. ``parts``: one ``(sample indices, their lengths, flat values [sum(lengths)])`` per
+    micro-batch, the values on any device; they come back in ONE device-to-host copy (a copy per
+    micro-batch would stall the GPU's queue once each). ``n``: the batch size (every sample in a part)."""
+    if not parts:
+        return torch.zeros(0)
+    flat = torch.cat([v for _, _, v in parts]).cpu()
+    pieces: list[torch.Tensor | None] = [None] * n
+    order = [i for idx, _, _ in parts for i in idx]
+    for i, piece in zip(order, torch.split(flat, [x for _, lens, _ in parts for x in lens])):
+        pieces[i] = piece
+    return torch.cat(pieces)  # type: ignore[arg-type]
 
 
 def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens: int | None,
@@ -99,7 +141,8 @@ def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens:
 def flat_to_padded(flat: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """flat [sum(lens)] -> (values [B, max(lens)] zero-padded, mask [B, max(lens)] bool)."""
     width = max(lens, default=0)
-    mask = torch.arange(width, device=flat.device)[None, :] < torch.tensor(lens, device=flat.device)[:, None]
+    lengths = torch.tensor(lens, dtype=torch.int64).to(flat.device, non_blocking=True)  # no stream sync
+    mask = torch.arange(width, device=flat.device)[None, :] < lengths[:, None]
     return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat), mask
 
 
@@ -195,16 +238,14 @@ class Actor:
         fields = [name for name, want in (("ref_logprobs", ref), ("old_logprobs", old)) if want]
         if not fields:
             return batch
-        per_sample: dict[str, list[torch.Tensor | None]] = {f: [None] * len(batch) for f in fields}
+        parts: dict[str, list[tuple[list[int], list[int], torch.Tensor]]] = {f: [] for f in fields}
         for idx, inputs in self._micro_batches(batch):
             for name in fields:
                 lp, _ = self._forward(self.ref if name == "ref_logprobs" else self.model, inputs, with_entropy=False)
                 if idx is not None:
-                    for i, piece in zip(idx, torch.split(lp.cpu(), inputs.response_lens)):
-                        per_sample[name][i] = piece
+                    parts[name].append((idx, inputs.response_lens, lp))
         for name in fields:
-            pieces = per_sample[name]
-            batch.set_ragged(name, torch.cat(pieces) if pieces else torch.zeros(0))
+            batch.set_ragged(name, ragged_in_batch_order(parts[name], len(batch)))
         if ref:
             # FSDP2 reshards the root (embeddings, final norm, LM head) after backward, never after
             # forward, and the reference never runs backward: without this its root would stay
@@ -248,8 +289,8 @@ class Actor:
         normalizer = max(global_tokens, 1.0) / self.world
         seq_normalizer = max(global_seqs, 1.0) / self.world
         self.optim.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0,
-                **{k: 0.0 for m in OPTIONAL_METRICS for k in (m, f"{m}/w")}}  # the same keys on every rank
+        sums = DeviceSums(["loss", "pg_loss", "kl", "clip_frac", "entropy",  # the same keys on every rank
+                           *(k for m in OPTIONAL_METRICS for k in (m, f"{m}/w"))], self.device)
         mbs = list(self._micro_batches(batch))
         once = self.grad_sync == "step"
         for i, (idx, inputs) in enumerate(mbs):
@@ -257,33 +298,33 @@ class Actor:
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter on the last only
             lp, ent = self._forward(self.model, inputs)
             if idx is None:  # a dummy micro-batch (this rank has fewer): no loss, no metrics
-                loss, metrics, kept, ent_sum = lp.sum() * 0.0, {}, 0.0, 0.0
+                loss, metrics, kept = lp.sum() * 0.0, {}, 0
             else:
                 mb = batch.select(idx)
                 keep = trained_samples(mb, cfg)
                 loss, metrics = self._loss(loss_fn, mb, keep, inputs, lp, ent, kl_coef, normalizer, seq_normalizer)
-                trained = torch.repeat_interleave(keep, mb.tensors["response_lens"])
-                kept = float(trained.sum())
-                ent_sum = float(ent.detach()[trained.to(ent.device)].sum())  # over the tokens the loss trains on
+                kept = sum(n for n, k in zip(inputs.response_lens, keep.tolist()) if k)  # host numbers
+                trained = torch.repeat_interleave(keep, mb.tensors["response_lens"]).to(ent.device, non_blocking=True)
+                # entropy over the tokens the loss trains on (a select, not a boolean index: no sync)
+                ent_sum = torch.where(trained, ent.detach().double(), 0.0).sum()
+                sums.add("entropy", ent_sum, 1.0 / max(global_tokens, 1.0))
             loss.backward()
             w = kept / max(global_tokens, 1.0)  # share of the global token mean
-            sums["loss"] += float(loss.detach()) / self.world
-            sums["entropy"] += ent_sum / max(global_tokens, 1.0)
+            sums.add("loss", loss, 1.0 / self.world)
             for k in ("pg_loss", "kl", "clip_frac"):
                 if k in metrics:
-                    sums[k] += float(metrics[k]) * w
+                    sums.add(k, metrics[k], w)
             for k in OPTIONAL_METRICS:  # not every loss reports these: a token weight per key, too
                 if k in metrics:
-                    sums[k] += float(metrics[k]) * w
-                    sums[f"{k}/w"] += w
+                    sums.add(k, metrics[k], w)
+                    sums.add(f"{k}/w", w)
         if once:
             self.model.set_requires_gradient_sync(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optim.step()
-        keys = list(sums)
-        out = dict(zip(keys, self._all_reduce([sums[k] for k in keys])))
+        out = sums.all_reduce()
         for k in OPTIONAL_METRICS:  # the token-weighted mean over the ranks that reported it, else left out
             weight = out.pop(f"{k}/w")
             value = out.pop(k)
@@ -298,13 +339,16 @@ class Actor:
         keep: [B] bool, the samples the loss trains on (:func:`~distflow.rl.shaping.trained_samples`)."""
         cfg, dev, rl = self.cfg, self.device, inputs.response_lens
 
+        def to_dev(t: torch.Tensor) -> torch.Tensor:  # without a stream sync (the forward is still queued)
+            return t.to(dev, non_blocking=True)
+
         def padded(name: str) -> torch.Tensor:
-            return flat_to_padded(mb.tensors[name].to(dev), rl)[0]
+            return flat_to_padded(to_dev(mb.tensors[name]), rl)[0]
 
         lp2, mask = flat_to_padded(lp, rl)
-        mask = mask & keep.to(dev)[:, None]  # overlong: mask: truncated samples add nothing
+        mask = mask & to_dev(keep)[:, None]  # overlong: mask: truncated samples add nothing
         has_old = "old_logprobs" in mb.tensors
-        adv = padded("token_advantages") if "token_advantages" in mb.tensors else mb.tensors["advantage"].to(dev)
+        adv = padded("token_advantages") if "token_advantages" in mb.tensors else to_dev(mb.tensors["advantage"])
         return _call_loss(
             loss_fn, lp2, padded("old_logprobs" if has_old else "logprobs"), adv, mask.float(),
             clip_low=cfg.clip_low, clip_high=cfg.clip_high,

@@ -34,7 +34,8 @@ from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
-from distflow.trainer.actor import all_reduce, apply_optimizer_config, checkpoint_writer, step_micro_batches
+from distflow.trainer.actor import (DeviceSums, all_reduce, apply_optimizer_config, checkpoint_writer,
+                                    ragged_in_batch_order, step_micro_batches)
 from distflow.trainer.attention import register_varlen_attention
 from distflow.trainer.model import (DTYPES, disable_dropout, enable_activation_checkpointing, gather_full_state,
                                     shard_fp32)
@@ -165,14 +166,13 @@ class Critic:
     @torch.no_grad()
     def values(self, batch: SampleBatch) -> SampleBatch:
         """CRITIC MODEL_INFERENCE: ``values`` (ragged, one per response token) of every sample."""
-        pieces: list[torch.Tensor | None] = [None] * len(batch)
+        parts = []
         for chunk, inputs in _micro_batches(batch, list(range(len(batch))), self.cfg.micro_batch_size,
                                               self.cfg.max_tokens_per_micro_batch):
-            v = self._forward(inputs).cpu()
+            v = self._forward(inputs)
             if chunk is not None:
-                for i, piece in zip(chunk, torch.split(v, inputs.response_lens)):
-                    pieces[i] = piece
-        batch.set_ragged("values", torch.cat(pieces) if pieces else torch.zeros(0))
+                parts.append((chunk, inputs.response_lens, v))
+        batch.set_ragged("values", ragged_in_batch_order(parts, len(batch)))
         return batch
 
     def update(self, node: WorkflowNode, batch: SampleBatch) -> dict[str, float]:
@@ -184,8 +184,8 @@ class Critic:
                                  f"CRITIC MODEL_INFERENCE node and GAE before it)")
         loss_fn = resolve(VALUE_LOSSES, node.fn, f"workflow node {node.id!r} value loss")
         cfg = self.cfg
-        sums = {"vf_loss": 0.0, "vf_clip_frac": 0.0, "value_mean": 0.0}
-        steps, grad_norm = 0, 0.0
+        sums = DeviceSums(["vf_loss", "vf_clip_frac", "value_mean"], self.device)  # read back once, at the end
+        steps, grad_norm = 0, torch.zeros(())
         lens = batch.tensors["response_lens"]
         for _ in range(cfg.ppo_epochs):
             for mini in split_mini_batches(len(batch), cfg.mini_batches_per_step):
@@ -199,23 +199,22 @@ class Critic:
                     else:
                         mb = batch.select(chunk)
                         mask = torch.ones(1, v.numel(), device=self.device)
-                        old = mb.tensors["values"].to(self.device)[None]
-                        ret = mb.tensors["returns"].to(self.device)[None]
+                        old = mb.tensors["values"].to(self.device, non_blocking=True)[None]  # no stream sync
+                        ret = mb.tensors["returns"].to(self.device, non_blocking=True)[None]
                         loss, metrics = loss_fn(v[None], old, ret, mask, clip=cfg.value_clip,
                                                 token_normalizer=normalizer)
                     loss.backward()
                     w = float(v.numel()) / max(tokens, 1.0) / (cfg.ppo_epochs * cfg.mini_batches_per_step)
-                    for k in sums:
+                    for k in sums.keys:
                         if k in metrics:
-                            sums[k] += float(metrics[k]) * w
+                            sums.add(k, metrics[k], w)
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+                grad_norm = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the last step's, read at the end
                 self.optim.step()
                 steps += 1
         self.steps += steps
-        keys = list(sums)
-        out = dict(zip(keys, all_reduce([sums[k] for k in keys])))
-        out.update(vf_grad_norm=grad_norm, critic_steps=float(steps))
+        out = sums.all_reduce()
+        out.update(vf_grad_norm=float(grad_norm), critic_steps=float(steps))
         return out
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,0 +1,32 @@
+"""Count the scalar reads (``float(t)``, ``t.item()``, ``bool(t)``: ``aten._local_scalar_dense``)
+that a block of trainer code makes, by the distflow file that makes them.
+
+Why: on a GPU each such read of a device tensor waits for the GPU to drain its queue. A
+trainer loop that reads a value back per micro-batch cannot queue the next micro-batch (nor
+FSDP2 its prefetching all-gathers) while the GPU finishes this one. CI has no GPU, so the
+tests count the reads on CPU instead: the count a file makes must not grow with the number
+of micro-batches.
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class HostReads(TorchDispatchMode):
+    """``with HostReads() as r: ...``; then ``r.by_file["actor.py"]`` is that file's count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_file: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frames = [f for f in traceback.extract_stack() if "/distflow/" in f.filename]
+            if frames:
+                self.by_file[frames[-1].filename.rsplit("/", 1)[-1]] += 1
+        return func(*args, **(kwargs or {}))
