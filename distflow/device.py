@@ -126,20 +126,38 @@ def iterate_on(device: torch.device | str | None, it: Iterator[T]) -> Iterator[T
         yield item
 
 
-# Dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s of one GPU, by a substring of
-# torch.cuda.get_device_name() (first match wins: the more specific names come first).
-# fp32 compute runs on TF32 tensor cores at half that. Vendor data-sheet figures.
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
-                   ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12))
+# Dense (no sparsity) peak FLOP/s of one GPU, by a substring of torch.cuda.get_device_name()
+# (first match wins: the more specific names come first): (bf16/fp16 tensor cores, fp32 without
+# tensor cores; None where not listed here). fp32 matmuls run on TF32 tensor cores, at half the
+# bf16 figure, only when torch is told to (off by default: :func:`tf32_matmuls`). Vendor data sheets.
+PEAK_FLOPS = (("H200", 989e12, 67e12), ("H100 PCIe", 756e12, 51e12), ("H100", 989e12, 67e12),
+              ("H800", 989e12, 67e12), ("B200", 2250e12, None), ("A100", 312e12, 19.5e12),
+              ("A800", 312e12, 19.5e12), ("L40S", 362e12, 91.6e12), ("L4", 121e12, 30.3e12))
 FALLBACK_PEAK_FLOPS = 1e14  # a placeholder: mfu is then only comparable between runs on one machine
 
 
-def peak_flops(device_name: str | None, dtype: str) -> float | None:
+def tf32_matmuls() -> bool:
+    """Whether torch runs fp32 CUDA matmuls on TF32 tensor cores (its default: no). Reads the
+    new setting and the legacy flag; torch refuses some reads once both APIs were used."""
+    for read in (lambda: torch.backends.cuda.matmul.fp32_precision == "tf32",
+                 lambda: bool(torch.backends.cuda.matmul.allow_tf32)):
+        try:
+            if read():
+                return True
+        except (AttributeError, RuntimeError):
+            pass
+    return False
+
+
+def peak_flops(device_name: str | None, dtype: str, tf32: bool | None = None) -> float | None:
     """Peak FLOP/s of one ``device_name`` GPU computing in ``dtype`` ("bfloat16", "float16",
-    "float32"), or None for a device not in :data:`PEAK_BF16_FLOPS` (or the CPU: None)."""
+    "float32"; fp32 on TF32 tensor cores when ``tf32``, default :func:`tf32_matmuls`), or None
+    for a device or figure not in :data:`PEAK_FLOPS` (or the CPU: None)."""
     if not device_name:
         return None
-    for key, flops in PEAK_BF16_FLOPS:
+    for key, half, fp32 in PEAK_FLOPS:
         if key in device_name:
-            return flops if dtype in ("bfloat16", "float16") else flops / 2
+            if dtype in ("bfloat16", "float16"):
+                return half
+            return half / 2 if (tf32_matmuls() if tf32 is None else tf32) else fp32
     return None

@@ -8,6 +8,8 @@ metadata, computes tokens/s and MFU of the update, writes it all to metrics.json
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -41,13 +43,22 @@ def test_throughput_and_mfu_hand_computed():
 def test_peak_flops_by_gpu_name_and_dtype_and_the_config_wins():
     from types import SimpleNamespace
 
-    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops
+    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops, tf32_matmuls
     from distflow.trainer.worker import trainer_peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
     assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12  # not the SXM figure
     assert peak_flops("NVIDIA H200", "float16") == 989e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 156e12  # TF32: half the bf16 peak
+    # fp32: CUDA cores (torch's default), or TF32 tensor cores at half the bf16 peak when torch is told to
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12 and not tf32_matmuls()
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "float32", tf32=True) == 156e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "float32", tf32=False) == 67e12
+    assert peak_flops("NVIDIA B200", "float32", tf32=False) is None  # not listed: the placeholder, logged
+    for setting in ("torch.backends.cuda.matmul.allow_tf32 = True",  # the legacy flag, and the new setting
+                    "torch.backends.cuda.matmul.fp32_precision = 'tf32'"):  # (a process of its own: global state)
+        code = (f"import torch; {setting}; from distflow.device import peak_flops, tf32_matmuls; "
+                "assert tf32_matmuls() and peak_flops('NVIDIA H100 80GB HBM3', 'float32') == 989e12 / 2")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12 and peak_flops("NVIDIA L4", "bfloat16") == 121e12
     assert peak_flops("Some Future GPU", "bfloat16") is None and peak_flops(None, "bfloat16") is None
     assert trainer_peak_flops(SimpleNamespace(peak_flops=2e15, device="cuda", dtype="bfloat16")) == 2e15

@@ -161,7 +161,7 @@ class Config(BaseModel):
         "constant", description="learning-rate schedule after warm-up (linear/cosine decay to 0 at the last step)")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in trainer steps")
     peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s of ONE trainer device, for the mfu "
-                                                             "metric; None: from the GPU's name (device.PEAK_BF16_FLOPS), "
+                                                             "metric; None: from the GPU's name (device.PEAK_FLOPS), "
                                                              "else a 1e14 placeholder")
     logprob_chunk_tokens: int = Field(1024, ge=1, description="response tokens per chunk of the LM head "
                                                               "(peak logits memory = chunk x vocab x 4 bytes)")

@@ -115,7 +115,7 @@ def throughput(stats: dict[str, float], num_params: int, world: int, peak_flops:
 def trainer_peak_flops(cfg: Any) -> float:
     """``peak_flops`` for the mfu metric: the config's, else this GPU's data-sheet figure for
     the compute dtype, else a placeholder (logged, so an mfu is never silently off by 10x)."""
-    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops
+    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops, tf32_matmuls
 
     if cfg.peak_flops is not None:
         return cfg.peak_flops
@@ -123,7 +123,8 @@ def trainer_peak_flops(cfg: Any) -> float:
         else None
     found = peak_flops(name, cfg.dtype)
     if found is not None:
-        log.info("mfu against %s's dense %s peak, %.3g FLOP/s (set peak_flops to override)", name, cfg.dtype, found)
+        kind = cfg.dtype if cfg.dtype != "float32" else "float32 (TF32)" if tf32_matmuls() else "float32 (no TF32)"
+        log.info("mfu against %s's dense %s peak, %.3g FLOP/s (set peak_flops to override)", name, kind, found)
         return found
     log.info("mfu against a placeholder peak of %.0e FLOP/s (%s): set peak_flops for a meaningful figure",
              FALLBACK_PEAK_FLOPS, name or "cpu")
