@@ -736,6 +736,7 @@ def test_shm_immediate_release_goes_to_its_sender_only():
         await small_from.send(ep(b), "k", {}, {"x": torch.arange(10)}, timeout=5)  # its ack carries the release
         assert small_from.stats()["shm_slots_busy"] == 0
         assert b.stats()["shm_release_msgs"] == 1 and b.stats()["shm_releases_sent"] == 3  # the last in its own ack
+        assert b._rel_timer is None  # nothing is deferred any more: no flush armed for a later one to inherit
         for ch in (small_from, big_from, b):
             await ch.close()
 

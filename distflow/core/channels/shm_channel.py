@@ -503,9 +503,10 @@ class ShmChannel(ZmqChannel):
                        flush: bool = True, defer: bool = False) -> None:
         entry = self._rel_pending.get(ident)
         if entry is None or entry[1] != sess:
-            if entry is not None:  # a new session on the same connection: the old one's releases go first
-                self._send_releases({ident: entry})
-            entry = self._rel_pending[ident] = (sender, sess, [])
+            old, entry = entry, (sender, sess, [])
+            self._rel_pending[ident] = entry  # before the send below: a release queued meanwhile lands here
+            if old is not None:  # a new session on the same connection: the old one's releases go first
+                self._send_releases({ident: old})
         entry[2].append([name, use])
         if not flush or self._closed or self._loop is None:
             return
@@ -526,6 +527,9 @@ class ShmChannel(ZmqChannel):
             return {}
         del self._rel_pending[ident]
         self._rel_now.discard(ident)
+        if not self._rel_pending and self._rel_timer is not None:  # nothing left for it: a later deferred
+            self._rel_timer.cancel()  # release gets its full delay to meet an ack, not this one's remainder
+            self._rel_timer = None
         self._counters["shm_releases_sent"] += len(entry[2])
         return {"rel": entry[2]}
 
