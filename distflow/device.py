@@ -130,15 +130,23 @@ def iterate_on(device: torch.device | str | None, it: Iterator[T]) -> Iterator[T
 # (first match wins: the more specific names come first): (bf16/fp16 tensor cores, fp32 without
 # tensor cores; None where not listed here). fp32 matmuls run on TF32 tensor cores, at half the
 # bf16 figure, only when torch is told to (off by default: :func:`tf32_matmuls`). Vendor data sheets.
-PEAK_FLOPS = (("H200", 989e12, 67e12), ("H100 PCIe", 756e12, 51e12), ("H100", 989e12, 67e12),
+PEAK_FLOPS = (("H200 NVL", 835e12, 60e12), ("H200", 989e12, 67e12), ("H100 PCIe", 756e12, 51e12),
+              ("H100 NVL", 835e12, 60e12), ("H100", 989e12, 67e12), ("H800 PCIe", 756e12, 51e12),
               ("H800", 989e12, 67e12), ("B200", 2250e12, None), ("A100", 312e12, 19.5e12),
-              ("A800", 312e12, 19.5e12), ("L40S", 362e12, 91.6e12), ("L4", 121e12, 30.3e12))
+              ("A800", 312e12, 19.5e12), ("L40S", 362e12, 91.6e12), ("L40", 181e12, 90.5e12),
+              ("L4", 121e12, 30.3e12))
 FALLBACK_PEAK_FLOPS = 1e14  # a placeholder: mfu is then only comparable between runs on one machine
 
 
 def tf32_matmuls() -> bool:
     """Whether torch runs fp32 CUDA matmuls on TF32 tensor cores (its default: no). Reads the
-    new setting and the legacy flag; torch refuses some reads once both APIs were used."""
+    new setting and the legacy flag (torch refuses some reads once both APIs were used), after
+    the environment overrides: ``NVIDIA_TF32_OVERRIDE=0`` (the driver's: never) and
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (torch's: always)."""
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return False
+    if os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1":
+        return True
     for read in (lambda: torch.backends.cuda.matmul.fp32_precision == "tf32",
                  lambda: bool(torch.backends.cuda.matmul.allow_tf32)):
         try:

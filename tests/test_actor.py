@@ -441,3 +441,18 @@ def test_update_reads_no_value_back_per_micro_batch(toy_model, world1):
     assert reads2 == reads1 and copies2 == copies1  # the logprob pass: one copy back per field (ref, old)
     for k in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "grad_norm"):
         assert s2[k] == pytest.approx(s1[k], rel=1e-5, abs=1e-7), k
+
+
+def test_device_sums_take_what_float_takes(world1):
+    """A loss's metrics may be 0-dim or one-element tensors of any float dtype, or numbers (a
+    user's loss); the sums are float64 and read back once, as the all-reduce over the group."""
+    from distflow.trainer.actor import DeviceSums
+
+    sums = DeviceSums(["a", "b", "c"], torch.device("cpu"))
+    sums.add("a", torch.tensor([2.0]), 0.5)  # shape [1], as float() takes
+    sums.add("a", torch.tensor(0.25, dtype=torch.bfloat16))
+    sums.add("b", 3)
+    sums.add("c", torch.tensor(1.0, requires_grad=True) * 2, 0.1)
+    assert sums.all_reduce() == pytest.approx({"a": 1.25, "b": 3.0, "c": 0.2})
+    with pytest.raises(RuntimeError):
+        sums.add("a", torch.tensor([1.0, 2.0]))  # not one number: refused, as float() refuses it

@@ -8,6 +8,7 @@ metadata, computes tokens/s and MFU of the update, writes it all to metrics.json
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -54,11 +55,18 @@ def test_peak_flops_by_gpu_name_and_dtype_and_the_config_wins():
     assert peak_flops("NVIDIA A100-SXM4-80GB", "float32", tf32=True) == 156e12
     assert peak_flops("NVIDIA H100 80GB HBM3", "float32", tf32=False) == 67e12
     assert peak_flops("NVIDIA B200", "float32", tf32=False) is None  # not listed: the placeholder, logged
+    # the more specific names first: an L40 is not an L4, an H100 NVL not an SXM H100
+    assert peak_flops("NVIDIA L40", "bfloat16") == 181e12 and peak_flops("NVIDIA L40S", "bfloat16") == 362e12
+    assert peak_flops("NVIDIA H100 NVL", "bfloat16") == 835e12 and peak_flops("NVIDIA H800 PCIe", "float32") == 51e12
     for setting in ("torch.backends.cuda.matmul.allow_tf32 = True",  # the legacy flag, and the new setting
                     "torch.backends.cuda.matmul.fp32_precision = 'tf32'"):  # (a process of its own: global state)
         code = (f"import torch; {setting}; from distflow.device import peak_flops, tf32_matmuls; "
                 "assert tf32_matmuls() and peak_flops('NVIDIA H100 80GB HBM3', 'float32') == 989e12 / 2")
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    for env, want in ((("NVIDIA_TF32_OVERRIDE", "0"), False), (("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1"), True)):
+        code = ("import torch; torch.backends.cuda.matmul.allow_tf32 = True; from distflow.device import tf32_matmuls; "
+                f"assert tf32_matmuls() is {want}")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env={**os.environ, env[0]: env[1]})
     assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12 and peak_flops("NVIDIA L4", "bfloat16") == 121e12
     assert peak_flops("Some Future GPU", "bfloat16") is None and peak_flops(None, "bfloat16") is None
     assert trainer_peak_flops(SimpleNamespace(peak_flops=2e15, device="cuda", dtype="bfloat16")) == 2e15

@@ -98,8 +98,10 @@ class DeviceSums:
         self._sums = torch.zeros(len(self.keys), dtype=torch.float64, device=device)
 
     def add(self, key: str, value: torch.Tensor | float, weight: float = 1.0) -> None:
-        """sums[key] += value * weight (a 0-dim tensor or a number; no device read)."""
-        v = value.detach().to(torch.float64) if torch.is_tensor(value) else float(value)
+        """sums[key] += value * weight (a one-element tensor, on any device, or a number: what
+        ``float()`` takes, as a user's loss may return; no device read)."""
+        v = (value.detach().reshape(()).to(self._sums.device, torch.float64, non_blocking=True)
+             if torch.is_tensor(value) else float(value))
         self._sums[self._slot[key]] += v * weight
 
     def all_reduce(self) -> dict[str, float]:
