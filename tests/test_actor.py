@@ -438,7 +438,7 @@ def test_update_reads_no_value_back_per_micro_batch(toy_model, world1):
         seen.append((len(list(actor._micro_batches(batch))), reads.by_file["actor.py"], len(copies), stats))
     (n1, reads1, copies1, s1), (n2, reads2, copies2, s2) = seen
     assert n2 >= 2 * n1
-    assert reads2 == reads1 and copies2 == copies1  # the logprob pass: one copy back per field (ref, old)
+    assert reads2 == reads1 and copies2 == copies1  # the logprob pass copies back once per field, not per micro-batch
     for k in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "grad_norm"):
         assert s2[k] == pytest.approx(s1[k], rel=1e-5, abs=1e-7), k
 

@@ -527,9 +527,7 @@ class ShmChannel(ZmqChannel):
             return {}
         del self._rel_pending[ident]
         self._rel_now.discard(ident)
-        if not self._rel_pending and self._rel_timer is not None:  # nothing left for it: a later deferred
-            self._rel_timer.cancel()  # release gets its full delay to meet an ack, not this one's remainder
-            self._rel_timer = None
+        self._disarm_if_idle()
         self._counters["shm_releases_sent"] += len(entry[2])
         return {"rel": entry[2]}
 
@@ -538,6 +536,11 @@ class ShmChannel(ZmqChannel):
         self._rel_soon = None
         idents, self._rel_now = self._rel_now, set()
         self._send_releases({i: self._rel_pending.pop(i) for i in idents if i in self._rel_pending})
+        self._disarm_if_idle()
+
+    def _disarm_if_idle(self) -> None:
+        """No release is queued any more: cancel the deferred flush, so a later deferred release
+        gets its full delay to meet an ack, not the remainder of this one's."""
         if not self._rel_pending and self._rel_timer is not None:
             self._rel_timer.cancel()
             self._rel_timer = None
