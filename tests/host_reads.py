@@ -18,15 +18,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class HostReads(TorchDispatchMode):
-    """``with HostReads() as r: ...``; then ``r.by_file["actor.py"]`` is that file's count."""
+    """``with HostReads() as r: ...``; then ``r.by_file["actor.py"]`` is that distflow file's count, and
+    ``r.by_caller["masking_utils.py"]`` the count of the innermost file outside torch (a library's too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_file: collections.Counter[str] = collections.Counter()
+        self.by_caller: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            frames = [f for f in traceback.extract_stack() if "/distflow/" in f.filename]
+            stack = traceback.extract_stack()[:-1]
+            frames = [f for f in stack if "/distflow/" in f.filename]
             if frames:
                 self.by_file[frames[-1].filename.rsplit("/", 1)[-1]] += 1
+            outside = [f for f in stack if "/torch/" not in f.filename]
+            if outside:
+                self.by_caller[outside[-1].filename.rsplit("/", 1)[-1]] += 1
         return func(*args, **(kwargs or {}))

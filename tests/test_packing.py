@@ -152,3 +152,26 @@ def test_packed_rows_do_not_attend_across_samples(toy_model):
     for i in (0, 2, 3):
         assert torch.equal(a[i], b[i]) or torch.allclose(a[i], b[i], atol=1e-6)
     assert not torch.allclose(a[1], b[1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_varlen_forward_reads_nothing_back(arch, toy_model):
+    """A packed row under ``distflow_varlen`` makes no scalar read (a host sync on a GPU) in the
+    forward or backward: its empty 4-D mask spares transformers' packed-sequence scan of the
+    position ids. Under transformers' SDPA that scan runs (the counter sees it), and both paths
+    give the same logprobs."""
+    from distflow.trainer.attention import register_varlen_attention
+    from tests.host_reads import HostReads
+
+    model = (_llama_toy(toy_model) if arch == "llama" else _qwen2_tiny()).train()
+    batch = make_batch(6, seed=5)
+    inputs = pack_inputs(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))
+    with HostReads() as sdpa_reads:
+        ref, _ = response_forward(model, inputs, temperature=0.9, chunk_tokens=7)
+    assert sdpa_reads.by_caller["masking_utils.py"] >= 1  # transformers' scan, seen by the counter
+    model.set_attn_implementation(register_varlen_attention())
+    with HostReads() as reads:
+        lp, ent = response_forward(model, inputs, temperature=0.9, chunk_tokens=7)
+        (lp.sum() + ent.sum()).backward()
+    assert sum(reads.by_caller.values()) == 0, dict(reads.by_caller)
+    assert torch.allclose(lp, ref, atol=1e-5)

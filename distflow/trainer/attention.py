@@ -19,21 +19,24 @@ trainer's models use the attention implementation registered here, ``distflow_va
 * everything else (padded batches with a 2-D attention mask): exactly transformers' SDPA.
 
 The mask builder registered under the same name returns no mask when there is no padding
-mask (packed rows: the cumulative lengths carry the structure), else SDPA's mask.
+mask (packed rows: the cumulative lengths carry the structure), else SDPA's mask. Callers
+give a packed row an empty 4-D mask (:func:`model_attention_mask`): transformers returns a
+4-D mask as it is, so it skips its scan of the position ids for packed sequences, whose
+``.all()`` would otherwise make the CPU wait for the GPU once per forward.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from distflow.trainer.packing import SEQ_LENS_KWARG
 
-__all__ = ["VARLEN", "register_varlen_attention", "varlen_attention"]
+__all__ = ["VARLEN", "model_attention_mask", "register_varlen_attention", "varlen_attention"]
 
 VARLEN = "distflow_varlen"
 
@@ -146,6 +149,23 @@ def _varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwarg
     if attention_mask is None:
         return None  # packed (cu_seq_lens) or unpadded: causal structure is handled by varlen_attention
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def model_attention_mask(config: Any, attention_mask: torch.Tensor | None, attention: Mapping[str, Any],
+                         device: torch.device) -> torch.Tensor | None:
+    """The ``attention_mask`` to give a decoder whose config is ``config``, for a micro-batch with
+    this padding mask (None: packed or unpadded) and these varlen kwargs (``attention``:
+    ``ModelInputs.attention_kwargs()``).
+
+    A packed row under ``distflow_varlen`` gets an empty 4-D bool mask (never read: the
+    cumulative lengths carry the structure). Transformers hands a 4-D mask through unchanged,
+    so its mask preparation skips ``find_packed_sequence_indices``, whose ``.all()`` is a host
+    sync per forward. Anything else (a padding mask; transformers' own attention, which builds
+    the block-diagonal mask from the position ids) gets ``attention_mask`` back unchanged."""
+    varlen = getattr(config, "_attn_implementation", None) == VARLEN
+    if attention_mask is None and "cu_seq_lens_q" in attention and varlen:
+        return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
+    return attention_mask
 
 
 def register_varlen_attention() -> str:

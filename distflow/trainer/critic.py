@@ -36,7 +36,7 @@ from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
 from distflow.trainer.actor import (DeviceSums, all_reduce, apply_optimizer_config, checkpoint_writer,
                                     ragged_in_batch_order, step_micro_batches)
-from distflow.trainer.attention import register_varlen_attention
+from distflow.trainer.attention import model_attention_mask, register_varlen_attention
 from distflow.trainer.model import (DTYPES, disable_dropout, enable_activation_checkpointing, gather_full_state,
                                     shard_fp32)
 from distflow.trainer.packing import ModelInputs, split_mini_batches
@@ -65,7 +65,8 @@ class ValueModel(torch.nn.Module):
         ``attention``: a packed row's varlen kwargs (``ModelInputs.attention_kwargs``). The
         value head runs in fp32 whatever the compute dtype (a bf16 value would put ~0.4%
         rounding into every GAE target); its gradient flows back to the compute-dtype weight."""
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        mask = model_attention_mask(self.model.config, attention_mask, attention, input_ids.device)
+        hidden = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                             use_cache=False, **attention).last_hidden_state  # [R, L, H]
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
         head = self.value_head

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distflow.trainer.attention import model_attention_mask
 from distflow.trainer.packing import ModelInputs
 
 log = logging.getLogger(__name__)
@@ -189,8 +190,9 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("response_forward: LM heads with a bias are not supported")
-    hidden = model.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                         position_ids=inputs.position_ids, use_cache=False,
-                         **inputs.attention_kwargs()).last_hidden_state  # [R, L, H]
+    attention = inputs.attention_kwargs()
+    mask = model_attention_mask(model.config, inputs.attention_mask, attention, inputs.input_ids.device)
+    hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
+                         use_cache=False, **attention).last_hidden_state  # [R, L, H]
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]
     return chunked_logprobs(picked, head.weight, inputs.targets, temperature, chunk_tokens, with_entropy)
