@@ -28,7 +28,7 @@ the raw transport. Everything is measured in one run, on this machine, with real
    * ``*_thread_cpu_ms``: the part of the total spent outside the processes' main threads (the
      zmq I/O threads), which tells Python work from transport work.
    ``--shm-copy-below`` / ``--shm-release-delay`` set those shm channel keywords for an A/B run.
-2. Channel bandwidth, one sender process and one receiver process, 16 MiB messages, each
+2. Channel bandwidth, one sender process and one receiver process, 16 MiB messages (``--bw-mib``), each
    acknowledged (``--window`` messages in flight, same for channel and baseline):
    * zmq channel (signed header; 16 MiB is streamed in 1 MiB chunks, each AES-GMAC'd; acked) vs a plain TCP socket
      (``sendall`` / ``recv_into`` a reused buffer, 1-byte ack per message);
@@ -504,6 +504,9 @@ def main() -> None:
                     help="channel for the handoff part (default auto: what a node on this host uses)")
     ap.add_argument("--sizes", default="2,4,8")
     ap.add_argument("--window", type=int, default=1, help="messages in flight in the bandwidth part")
+    ap.add_argument("--bw-mib", type=int, default=16,
+                    help="message size of the bandwidth part in MiB (64: a default weight bucket, above glibc's "
+                         "mmap threshold)")
     ap.add_argument("--parts", default="handoff,bandwidth", help="which parts to run (comma-separated)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="cProfile every worker process; <node>.prof files go to DIR (timings are then inflated)")
@@ -533,7 +536,7 @@ def main() -> None:
         figures.update(chan_kw)
         run_handoff(sizes, reps, cores, args.channel, per_sample, figures, chan_kw)
     if "bandwidth" in parts:
-        run_bandwidth(args.quick, args.window, figures)
+        run_bandwidth(args.quick, args.window, figures, args.bw_mib << 20)
     print(json.dumps(figures))
 
 
@@ -551,10 +554,10 @@ def run_handoff(sizes: list[int], reps: int, cores: int, channel: str, per_sampl
         cluster.stop()
 
 
-def run_bandwidth(quick: bool, window: int, figures: dict[str, Any]) -> None:
-    size, rounds = 16 << 20, (5 if quick else 11)
+def run_bandwidth(quick: bool, window: int, figures: dict[str, Any], size: int = 16 << 20) -> None:
+    rounds = 5 if quick else 11
     for kind, base_name, key, breps in (("zmq", "socket", "zmq_vs_socket", 24), ("shm", "memcpy", "shm_vs_memcpy", 64)):
-        r = bandwidth(kind, size, breps, rounds, window)
+        r = bandwidth(kind, size, max(4, breps * (16 << 20) // size), rounds, window)
         cpu = r["cpu"]
         ratios = r["ratios"]
         print(f"{kind} channel {statistics.median(r['chan']):.2f} GB/s vs {base_name} "
@@ -567,6 +570,7 @@ def run_bandwidth(quick: bool, window: int, figures: dict[str, Any]) -> None:
                         f"{key}_range": [round(min(r["ratios"]), 3), round(max(r["ratios"]), 3)],
                         **{f"{kind}_bw_cpu_ms_{k}": round(v, 3) for k, v in cpu.items()}})
     figures["bw_window"] = window
+    figures["bw_mib"] = size >> 20
 
 
 if __name__ == "__main__":

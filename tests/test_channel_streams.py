@@ -316,3 +316,57 @@ def test_loop_socket_receives_a_frame_into_a_buffer():
         ctx.term()
 
     run(main())
+
+
+def test_stream_buffers_are_reused_warm_once_the_handler_lets_go():
+    """A streamed payload is received into a pooled buffer: once the handler's tensors of one
+    message are gone, the next stream of that size class lands in the same memory (no page
+    faults, no zeroing), while a message the handler keeps is never overwritten."""
+    async def main():
+        b = make_channel("zmq", "b", SECRET, **STREAM)
+        seen: list[tuple[int, bool]] = []
+        kept: list[torch.Tensor] = []
+
+        async def handler(env):
+            x = env.tensors["x"]
+            seen.append((x.data_ptr(), bool(torch.equal(x, torch.full_like(x, len(seen))))))
+            if env.meta.get("keep"):
+                kept.append(x)
+
+        b.set_handler(handler)
+        await b.start()
+        a = make_channel("zmq", "a", SECRET, **STREAM)
+        await a.start()
+        peer = Endpoint("b", "127.0.0.1", b.port)
+        for i, keep in enumerate((False, False, True, False)):
+            x = torch.full((40_000,), i, dtype=torch.int64)  # 320,000 bytes: streamed, the 512 KiB class
+            await a.send(peer, "k", {"keep": keep}, {"x": x}, timeout=10)
+        assert all(ok for _, ok in seen), seen
+        ptrs = [p for p, _ in seen]
+        assert ptrs[1] == ptrs[0] and ptrs[2] == ptrs[0]  # reused once the previous message was let go
+        assert ptrs[3] != ptrs[2]  # the kept one is not reused ...
+        assert torch.equal(kept[0], torch.full((40_000,), 2))  # ... nor overwritten
+        assert b.stats()["streams_received"] == 4
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_copy_pool_bounds_its_idle_memory():
+    import gc
+
+    import numpy as np
+
+    from distflow.core.channels.copy_pool import CopyPool
+
+    pool = CopyPool(max_idle_bytes=3 << 20)
+    bufs = [pool.empty(1 << 20) for _ in range(5)]  # 1 MiB class each
+    bases = [b.base for b in bufs]
+    del bufs
+    gc.collect()
+    assert pool.idle_bytes == 3 << 20  # three kept warm, two handed back to the allocator
+    again = [pool.empty(700_000) for _ in range(4)]
+    assert sum(any(a.base is b for b in bases) for a in again) == 3 and pool.idle_bytes == 0
+    src = np.arange(1000, dtype=np.uint8)
+    assert bytes(pool.copy(src)) == bytes(src)

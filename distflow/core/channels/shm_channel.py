@@ -67,7 +67,6 @@ import zmq
 
 from distflow.core.channels import codec
 from distflow.core.channels.base import Endpoint, RemoteError, log
-from distflow.core.channels.copy_pool import CopyPool
 from distflow.core.channels.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
 from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
     _NAME_RE,
@@ -185,7 +184,6 @@ class ShmChannel(ZmqChannel):
         self._rel_soon: asyncio.Handle | None = None  # flushes _rel_now's senders only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._rx_pool = CopyPool()
         self._expired_at = 0.0
 
     async def start(self) -> None:

@@ -5,7 +5,7 @@ the bytes on the critical path. For payloads of ``stream_min_bytes`` and more th
 (:class:`~distflow.core.channels.zmq_channel.ZmqChannel`) sends a signed header with the frame
 and chunk sizes, then one ``[MAGIC_CHUNK, (seq, index), tag, data]`` message per chunk. This
 mixin keeps the state of those streams on the receiving side: buffers allocated when the
-header arrives, each chunk received into place by :meth:`_chunk_sink` and checked by
+header arrives (from a pool: a buffer whose tensors are gone is reused warm), each chunk received into place by :meth:`_chunk_sink` and checked by
 :meth:`_accept_chunk` while the next one is on the wire, the handler started by the last one.
 A stream is bound to the connection its header came on; anything wrong NACKs the message by
 name, and a stream that stops arriving is dropped after ``stream_timeout``.
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from distflow.core.channels.copy_pool import CopyPool
 from distflow.core.channels.payload_mac import ChunkMac, PayloadError
 
 MAGIC_CHUNK = b"DFC1"
@@ -43,6 +44,7 @@ class StreamReceiver:
     """Mixin for :class:`ZmqChannel`: the receive side of streamed payloads (see module docstring)."""
 
     _streams: dict[tuple[bytes, int], _StreamIn]
+    _rx_pool: CopyPool  # warm receive buffers, reused once the handler's tensors are gone
     _max_frames: int
     _max_message_bytes: int
     _stream_timeout: float
@@ -74,7 +76,7 @@ class StreamReceiver:
                                 f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit")
         try:
             mac = ChunkMac(str(pm.get("alg")), self._payload_key(header["sess"], pm["nonce"]))
-            bufs = [np.empty(n, dtype=np.uint8) for n in fs]
+            bufs = [self._rx_pool.empty(n) for n in fs]
         except PayloadError as e:
             return self._refuse(ident, header, e.code, str(e))
         except MemoryError:

@@ -72,6 +72,7 @@ from distflow.core.channels.base import (
     TensorChannel,
     log,
 )
+from distflow.core.channels.copy_pool import CopyPool
 from distflow.core.channels.loop_socket import LoopSocket
 from distflow.core.channels.payload_mac import ChunkMac, PayloadError, default_mac_alg, payload_tag
 from distflow.core.channels.message_receiver import (
@@ -161,6 +162,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         self._stream_chunk = stream_chunk
         self._stream_timeout = stream_timeout
         self._streams: dict[tuple[bytes, int], _StreamIn] = {}
+        self._rx_pool = CopyPool()
         self._session = os.urandom(16)
         self._start_ns = time.time_ns()
         self._handler: Handler | None = None
