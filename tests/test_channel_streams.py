@@ -362,11 +362,51 @@ def test_copy_pool_bounds_its_idle_memory():
 
     pool = CopyPool(max_idle_bytes=3 << 20)
     bufs = [pool.empty(1 << 20) for _ in range(5)]  # 1 MiB class each
-    bases = [b.base for b in bufs]
+    bases = [b.base.obj for b in bufs]  # the pooled buffers (each array views one through a memoryview)
     del bufs
     gc.collect()
     assert pool.idle_bytes == 3 << 20  # three kept warm, two handed back to the allocator
     again = [pool.empty(700_000) for _ in range(4)]
-    assert sum(any(a.base is b for b in bases) for a in again) == 3 and pool.idle_bytes == 0
+    assert sum(any(a.base.obj is b for b in bases) for a in again) == 3 and pool.idle_bytes == 0
     src = np.arange(1000, dtype=np.uint8)
     assert bytes(pool.copy(src)) == bytes(src)
+
+
+def test_copy_pool_returns_take_no_lock_and_views_of_views_keep_their_buffer():
+    """A buffer's return runs in a finalizer, which may fire inside the garbage collector in the
+    middle of the pool's own locked code: it must not take the pool's lock (a self-deadlock).
+    And a view of a pooled array (a slice of a slice) keeps its buffer out of the pool."""
+    import gc
+    import threading
+
+    import numpy as np
+
+    from distflow.core.channels.copy_pool import CopyPool
+
+    pool = CopyPool()
+    box = [pool.empty(5000)]
+
+    def drop_while_locked() -> None:
+        with pool._lock:  # as if the collector ran the finalizer inside empty()
+            box.clear()
+
+    t = threading.Thread(target=drop_while_locked, name="copy-pool-finalizer-under-lock", daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "returning a buffer while the pool's lock is held deadlocked"
+    assert pool.idle_bytes == 8192  # filed by the next call that takes the lock
+    a = pool.empty(5000)
+    assert pool.idle_bytes == 0
+    view = a[100:200].view(np.int32)  # a view of a view of the pooled array
+    view[:] = 7
+    del a
+    gc.collect()
+    b = pool.empty(5000)  # the buffer is still viewed: a fresh one
+    b[:] = 0
+    assert not np.shares_memory(view, b) and (view == 7).all()
+    pool.clear()
+    del view
+    gc.collect()
+    assert pool.idle_bytes == 8192  # returned after the clear: kept again, within the caps
+    pool.clear()
+    assert pool.idle_bytes == 0

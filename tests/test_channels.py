@@ -1009,11 +1009,11 @@ def test_small_payload_copies_reuse_warm_buffers_once_freed():
     src = np.arange(100_000, dtype=np.int64).view(np.uint8)  # 800,000 bytes -> the 1 MiB class
     a = pool.copy(src)
     t = torch.from_numpy(a).view(torch.int64)
-    assert torch.equal(t, torch.arange(100_000)) and a.base.nbytes == 1 << 20
-    base = a.base
+    assert torch.equal(t, torch.arange(100_000)) and a.base.obj.nbytes == 1 << 20  # a view of the pooled buffer
+    base = a.base.obj
     b = pool.copy(src[:1000])  # another class: its own buffer
-    assert b.base is not base
+    assert b.base.obj is not base
     del a, t
     gc.collect()
     c = pool.copy(src[: 600_000])
-    assert c.base is base and bytes(c[:16]) == bytes(src[:16])  # reused, rewritten
+    assert c.base.obj is base and bytes(c[:16]) == bytes(src[:16])  # reused, rewritten

@@ -191,7 +191,7 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     if getattr(head, "bias", None) is not None:
         raise ValueError("response_forward: LM heads with a bias are not supported")
     attention = inputs.attention_kwargs()
-    mask = model_attention_mask(model.config, inputs.attention_mask, attention, inputs.input_ids.device)
+    mask = model_attention_mask(model.model.config, inputs.attention_mask, attention, inputs.input_ids.device)
     hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
                          use_cache=False, **attention).last_hidden_state  # [R, L, H]
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]

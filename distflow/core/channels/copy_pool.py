@@ -4,13 +4,17 @@ and the buffers streamed payloads (weight buckets) are received into.
 Why it exists: a fresh buffer page-faults on every first write, and the kernel zeroes each
 page first: a fresh 0.5 MiB numpy array costs ~4x the copy into it, and a 64 MiB weight
 bucket (above glibc's mmap threshold, so mapped and unmapped for every message) is received
-at a quarter of the speed of a warm one. Buffers come back to the pool when the last tensor
-viewing them dies (a ``weakref.finalize``, any thread) and are reused by the next payload of
-their size class.
+at a fraction of the speed of a warm one. Buffers come back when the last array or tensor
+viewing them dies and are reused by the next payload of their size class.
+
+The return runs in a ``weakref.finalize`` callback, which may fire on any thread, or inside
+the cyclic garbage collector in the middle of this pool's own code: it therefore only appends
+to a deque (atomic) and takes no lock; :meth:`CopyPool.empty` files the returns under its lock.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 
@@ -20,32 +24,38 @@ import numpy as np
 class CopyPool:
     """Pooled uint8 buffers, reused once no array or tensor views them. Sizes are rounded up to
     powers of two (pages a smaller payload leaves untouched are never faulted in); at most
-    ``max_free`` idle buffers per size and ``max_idle_bytes`` idle in all (beyond that a freed
+    ``max_free`` idle buffers per size and ``max_idle_bytes`` idle in all (beyond that a returned
     buffer goes back to the allocator)."""
 
     def __init__(self, max_free: int = 32, max_idle_bytes: int = 256 << 20):
         self._free: dict[int, list[np.ndarray]] = {}
+        self._returned: collections.deque[np.ndarray] = collections.deque()  # filled by finalizers only
         self._max_free = max_free
         self._max_idle = max_idle_bytes
         self._idle = 0  # bytes in the free lists
-        self._lock = threading.Lock()  # finalizers may run on any thread
+        self._lock = threading.Lock()  # never taken by a finalizer
 
     @property
     def idle_bytes(self) -> int:
-        return self._idle
+        with self._lock:
+            self._file_returns()
+            return self._idle
 
     def empty(self, n: int) -> np.ndarray:
         """An uninitialised uint8 [n] array in a pooled buffer (the caller writes every byte)."""
         size = max(4096, 1 << (n - 1).bit_length()) if n > 0 else 4096
         with self._lock:
-            free = self._free.setdefault(size, [])
+            self._file_returns()
+            free = self._free.get(size)
             base = free.pop() if free else None
             if base is not None:
                 self._idle -= size
         if base is None:
             base = np.empty(size, dtype=np.uint8)
-        out = base[:n]
-        fin = weakref.finalize(out, self._give_back, free, base)
+        # a view of a plain slice would hold `base`, not `out`: a view of `out` (a slice, .view())
+        # could then outlive it and see the buffer reused. Over a memoryview, views hold `out`.
+        out = np.frombuffer(memoryview(base)[:n], dtype=np.uint8)
+        fin = weakref.finalize(out, self._returned.append, base)
         fin.atexit = False
         return out
 
@@ -55,8 +65,21 @@ class CopyPool:
         np.copyto(out, src)
         return out
 
-    def _give_back(self, free: list[np.ndarray], base: np.ndarray) -> None:
+    def clear(self) -> None:
+        """Hand every idle buffer back to the allocator (the channel is closing)."""
         with self._lock:
+            self._returned.clear()
+            self._free.clear()
+            self._idle = 0
+
+    def _file_returns(self) -> None:
+        """Put returned buffers in their free lists, within the caps (caller holds the lock)."""
+        while True:
+            try:
+                base = self._returned.popleft()
+            except IndexError:
+                return
+            free = self._free.setdefault(base.nbytes, [])
             if len(free) < self._max_free and self._idle + base.nbytes <= self._max_idle:
                 free.append(base)
                 self._idle += base.nbytes

@@ -67,6 +67,7 @@ import zmq
 
 from distflow.core.channels import codec
 from distflow.core.channels.base import Endpoint, RemoteError, log
+from distflow.core.channels.copy_pool import CopyPool
 from distflow.core.channels.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
 from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
     _NAME_RE,
@@ -184,6 +185,7 @@ class ShmChannel(ZmqChannel):
         self._rel_soon: asyncio.Handle | None = None  # flushes _rel_now's senders only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
+        self._rx_pool = CopyPool()  # private copies of payloads under shm_copy_below
         self._expired_at = 0.0
 
     async def start(self) -> None:
@@ -211,6 +213,7 @@ class ShmChannel(ZmqChannel):
                 s.close()
         self._pools.clear()
         self._maps.clear()  # a mapping still viewed by live tensors is unmapped when they die
+        self._rx_pool.clear()
 
     def _extra_stats(self) -> dict[str, Any]:
         slots = [s for p in self._pools.values() for s in p.slots]

@@ -44,7 +44,7 @@ class StreamReceiver:
     """Mixin for :class:`ZmqChannel`: the receive side of streamed payloads (see module docstring)."""
 
     _streams: dict[tuple[bytes, int], _StreamIn]
-    _rx_pool: CopyPool  # warm receive buffers, reused once the handler's tensors are gone
+    _stream_pool: CopyPool  # warm receive buffers, reused once the handler's tensors are gone
     _max_frames: int
     _max_message_bytes: int
     _stream_timeout: float
@@ -76,7 +76,7 @@ class StreamReceiver:
                                 f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit")
         try:
             mac = ChunkMac(str(pm.get("alg")), self._payload_key(header["sess"], pm["nonce"]))
-            bufs = [self._rx_pool.empty(n) for n in fs]
+            bufs = [self._stream_pool.empty(n) for n in fs]
         except PayloadError as e:
             return self._refuse(ident, header, e.code, str(e))
         except MemoryError:

@@ -162,7 +162,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         self._stream_chunk = stream_chunk
         self._stream_timeout = stream_timeout
         self._streams: dict[tuple[bytes, int], _StreamIn] = {}
-        self._rx_pool = CopyPool()
+        self._stream_pool = CopyPool()  # streamed payloads' buffers (weight buckets)
         self._session = os.urandom(16)
         self._start_ns = time.time_ns()
         self._handler: Handler | None = None
@@ -246,6 +246,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
                 log.warning("channel %s: zmq context did not terminate within %.1fs", self.node_id,
                             self._close_timeout)
         self._peers_out.clear()
+        self._stream_pool.clear()  # buffers still viewed by tensors go back to the allocator when those die
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
