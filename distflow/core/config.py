@@ -223,7 +223,8 @@ class Config(BaseModel):
                 n.type.value == "COMPUTE" and n.fn in TOKEN_ESTIMATOR_NAMES for n in self.workflow):
             raise ValueError("kl_in_reward: true puts the KL penalty into per-token rewards, which only a token-level "
                              f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the "
-                             "run would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae node")
+                             "run would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae "
+                             "node")
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer: overlong: penalty needs 0 < overlong_buffer <= max_new_tokens "
                              f"({self.max_new_tokens}), got {self.overlong_buffer}")

@@ -327,7 +327,7 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
         mine = rt.node.member(rt.node.node_id)
         gpus = (mine.meta.get("gpu") if mine else None, m.meta.get("gpu") if m else None)
         return resolve_transport(cfg.weight_transport, same_host, cfg.device == "cuda", peer_cuda,
-                                 nccl_channel=rt.channel.stats()["transport"] == "nccl",
+                                 nccl_channel=getattr(rt.channel, "transport", None) == "nccl",
                                  same_gpu=gpus[0] is not None and gpus[0] == gpus[1])
 
     publisher = WeightPublisher(rt.channel, peers, rt.endpoint, rt.node.is_alive,

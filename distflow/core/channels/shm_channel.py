@@ -31,7 +31,9 @@ ack when the handler kept nothing (the slot is free, and warm, as soon as ``send
 else inside the *next* ack to that sender if one goes out within ``shm_release_delay``
 (5 s; payloads under 1 MiB: an all-to-all step's parts are kept until the step is assembled,
 and the next step's ack carries their releases; larger ones, e.g. weight buckets, go back to
-their sender at once, without flushing other senders' deferred ones), else in a signed ``release`` message of its own over the ZMQ connection (a message of its own wakes two processes: the cost this avoids). The ack still
+their sender at once, without flushing other senders' deferred ones), else in a signed
+``release`` message of its own over the ZMQ connection (a message of its own wakes two
+processes: the cost this avoids). The ack still
 comes when the handler returns (backpressure is unchanged). Slots a receiver keeps simply
 make the sender's pool grow (an all-to-all producer holds two slots per consumer). Payloads
 under ``shm_copy_below`` (default 0: off) are copied out of the segment on receipt instead,

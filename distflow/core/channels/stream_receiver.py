@@ -4,9 +4,10 @@ Why it exists: a payload MAC checked only once the whole message is in puts a fu
 the bytes on the critical path. For payloads of ``stream_min_bytes`` and more the sender
 (:class:`~distflow.core.channels.zmq_channel.ZmqChannel`) sends a signed header with the frame
 and chunk sizes, then one ``[MAGIC_CHUNK, (seq, index), tag, data]`` message per chunk. This
-mixin keeps the state of those streams on the receiving side: buffers allocated when the
-header arrives (from a pool: a buffer whose tensors are gone is reused warm), each chunk received into place by :meth:`_chunk_sink` and checked by
-:meth:`_accept_chunk` while the next one is on the wire, the handler started by the last one.
+mixin keeps the state of those streams on the receiving side: buffers taken when the header
+arrives (from a pool: a buffer whose tensors are gone is reused warm), each chunk received
+into place by :meth:`_chunk_sink` and checked by :meth:`_accept_chunk` while the next one is
+on the wire, the handler started by the last one.
 A stream is bound to the connection its header came on; anything wrong NACKs the message by
 name, and a stream that stops arriving is dropped after ``stream_timeout``.
 """
