@@ -608,25 +608,96 @@ def test_pinned_pool_reuses_the_smallest_fitting_buffer() -> None:
     assert all(fresh is not b for b in (big, mid, small))  # none free: a new buffer
 
 
-def test_a_send_that_starts_over_restarts_the_partial_version() -> None:
-    """A version whose send starts over (bucket 0 again, e.g. after an ack timeout) is assembled
-    from the new send alone: the stale buckets are dropped, and the commit's count matches."""
+def _wmsg(bucket: int | None, value: float, send: int | None = 1, sender: str = "trainer", **extra) -> Envelope:
+    """A weights message of version 1 (a bucket ``w<k>`` filled with ``value``, or a commit)."""
+    meta = {"version": 1, "base": None, **({} if send is None else {"send": send}),
+            **({} if bucket is None else {"bucket": bucket}), **extra}
+    return Envelope(sender, "weights", meta, {} if bucket is None else {f"w{bucket}": torch.full((2,), value)})
+
+
+def _values(upd) -> list[dict]:
+    return [{k: v.tolist() for k, v in b.items()} for b in upd.buckets]
+
+
+def test_buckets_may_arrive_in_any_order() -> None:
+    """Bucket handlers finish in any order (a big first bucket is copied or streamed longer than the
+    small one after it): the version is assembled by index, and a commit needs every index."""
     async def main() -> None:
         inbox = WeightInbox()
-
-        def msg(bucket: int | None, value: float, **extra) -> Envelope:
-            meta = {"version": 1, "base": None, **({} if bucket is None else {"bucket": bucket}), **extra}
-            tensors = {} if bucket is None else {f"w{bucket}": torch.full((2,), value)}
-            return Envelope("trainer", "weights", meta, tensors)
-
-        await inbox.receive(msg(0, 1.0))
-        await inbox.receive(msg(1, 1.0))  # ... and the send broke off here
-        await inbox.receive(msg(0, 2.0))
-        await inbox.receive(msg(1, 2.0))
-        await inbox.receive(msg(None, 0, commit=True, num_buckets=2))
+        await inbox.receive(_wmsg(2, 3.0))
+        await inbox.receive(_wmsg(0, 1.0))
+        await inbox.receive(_wmsg(1, 2.0))
+        await inbox.receive(_wmsg(None, 0, commit=True, num_buckets=3))
         upd = inbox.take_update()
         assert upd is not None and upd.version == 1 and inbox.version == 1
-        assert [{k: v.tolist() for k, v in b.items()} for b in upd.buckets] == [{"w0": [2.0, 2.0]}, {"w1": [2.0, 2.0]}]
+        assert _values(upd) == [{"w0": [1.0, 1.0]}, {"w1": [2.0, 2.0]}, {"w2": [3.0, 3.0]}]
+        # a commit whose indices are not all in is refused, naming what arrived
+        inbox = WeightInbox()
+        await inbox.receive(_wmsg(1, 2.0))
+        await inbox.receive(_wmsg(2, 3.0))
+        with pytest.raises(ValueError, match=r"buckets \[1, 2\] of send 1 arrived"):
+            await inbox.receive(_wmsg(None, 0, commit=True, num_buckets=2))
+        assert inbox.version == 0 and inbox.take_update() is None
+
+    asyncio.run(main())
+
+
+def test_a_send_that_starts_over_replaces_the_partial_version() -> None:
+    """A version whose send starts over (a new attempt after an ack timeout) is assembled from the
+    new attempt alone; a late bucket or commit of the abandoned attempt changes nothing."""
+    async def main() -> None:
+        inbox = WeightInbox()
+        await inbox.receive(_wmsg(0, 1.0, send=1))
+        await inbox.receive(_wmsg(1, 1.0, send=1))  # ... and the send broke off here
+        await inbox.receive(_wmsg(1, 2.0, send=2))
+        await inbox.receive(_wmsg(0, 1.0, send=1))  # late, from the abandoned attempt: dropped
+        with pytest.raises(ValueError, match="superseded by send 2"):
+            await inbox.receive(_wmsg(None, 0, send=1, commit=True, num_buckets=2))
+        await inbox.receive(_wmsg(0, 2.0, send=2))
+        await inbox.receive(_wmsg(None, 0, send=2, commit=True, num_buckets=2))
+        upd = inbox.take_update()
+        assert upd is not None and upd.version == 1 and inbox.stale_dropped == 1
+        assert _values(upd) == [{"w0": [2.0, 2.0]}, {"w1": [2.0, 2.0]}]
+        # a sender that does not number its attempts: an index seen twice starts the version over
+        inbox = WeightInbox()
+        for bucket, value in ((0, 1.0), (1, 1.0), (0, 2.0), (1, 2.0)):
+            await inbox.receive(_wmsg(bucket, value, send=None))
+        await inbox.receive(_wmsg(None, 0, send=None, commit=True, num_buckets=2))
+        assert _values(inbox.take_update()) == [{"w0": [2.0, 2.0]}, {"w1": [2.0, 2.0]}]
+        with pytest.raises(ValueError, match="'bucket' must be an int"):
+            await inbox.receive(Envelope("trainer", "weights", {"version": 2, "base": None, "bucket": "0"},
+                                         {"w0": torch.ones(2)}))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["zmq", "shm"])
+def test_a_big_first_bucket_overtaken_by_a_small_one_still_makes_the_version(kind: str) -> None:
+    """Real channels: bucket 0 (an embedding bigger than the bucket size; streamed in chunks on zmq,
+    copied in a worker thread on shm) completes after the small bucket 1 sent behind it. The
+    version arrives (it used to be refused at its commit, then resent and refused forever)."""
+    async def main() -> None:
+        rx, tx = make_channel(kind, "rollout", SECRET), make_channel(kind, "trainer", SECRET)
+        inbox = WeightInbox()
+        rx.set_handler(inbox.receive)
+        await rx.start()
+        await tx.start()
+        ep = Endpoint("rollout", "127.0.0.1", rx.port)
+        pub = WeightPublisher(tx, ["rollout"], lambda _: ep, lambda _: True, timeout=30)
+        big, small = torch.arange(40 << 20 >> 2, dtype=torch.float32), torch.full((1024,), 7.0)
+        try:
+            pub.offer(1, [{"embed": big}, {"layer0": small}])
+            await inbox.wait_for(1, 20, lambda: None)
+            upd = inbox.take_update()
+            assert upd is not None and [list(b) for b in upd.buckets] == [["embed"], ["layer0"]]
+            assert torch.equal(upd.buckets[0]["embed"], big) and torch.equal(upd.buckets[1]["layer0"], small)
+            await pub.flush(10)
+            assert pub.sent["rollout"] == 1 and pub.stats["full_versions"] == 1  # the first attempt, no resend
+            assert pub.stats["messages"] == 3 and inbox.stale_dropped == 0
+        finally:
+            await pub.close()
+            await tx.close()
+            await rx.close()
 
     asyncio.run(main())
 

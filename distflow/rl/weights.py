@@ -26,11 +26,15 @@ tensors changed after h (``base: h`` in the messages). A peer gets a full versio
 has nothing yet, (re)joined, refused a delta, or is more than ``max_delta_lag`` versions
 behind.
 
-Wire (data-plane messages of kind ``weights``, in order on one connection): bucket messages
-``{"version", "bucket": k, "base"}`` with the tensors (or ``"ipc"`` descriptors), then one
-commit ``{"version", "commit": True, "num_buckets", "base"}``. Rollout side
-(:class:`WeightInbox`): buckets are kept as they arrive (never concatenated); a version is
-complete at its commit; a delta is accepted only on top of the version the inbox holds, and
+Wire (data-plane messages of kind ``weights``): bucket messages ``{"version", "bucket": k,
+"base", "send"}`` with the tensors (or ``"ipc"`` descriptors), then one commit ``{"version",
+"commit": True, "num_buckets", "base", "send"}``; ``send`` numbers the publisher's attempts at
+sending a version (a resend after a failure is a new attempt). Buckets may reach the handler
+in any order: several are in flight, each handler runs in its own task, and a big bucket (an
+embedding) is copied or streamed longer than the small one sent after it. Rollout side
+(:class:`WeightInbox`): buckets are kept by index as they arrive (never concatenated); a new
+attempt replaces the partial version, a late bucket of an older attempt is dropped; a version
+is complete at its commit, when every index below ``num_buckets`` of that attempt is in; a delta is accepted only on top of the version the inbox holds, and
 merged onto a pending, not yet applied update. The engine gets ``(version, buckets,
 is_delta)`` (:meth:`WeightInbox.take_update`) and must accept a partial set of tensors for a
 delta (it applies them in place over the weights it has).
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 from collections import Counter
@@ -53,7 +58,7 @@ from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPo
 
 BUCKET_BYTES = 64 << 20
 MAX_DELTA_LAG = 8
-SEND_WINDOW = 2  # bucket messages in flight per peer (the channel keeps them in order)
+SEND_WINDOW = 2  # bucket messages in flight per peer (their handlers may finish in any order)
 log = logging.getLogger(__name__)
 
 
@@ -85,6 +90,20 @@ def buckets(state: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) ->
     return out
 
 
+class _Partial:
+    """A version being received: its base, the sender's attempt (``(sender, send)``), and the
+    buckets that are in, by index (``{}`` for one already streamed into the engine)."""
+
+    def __init__(self, base: int | None, attempt: tuple[str, Any]):
+        self.base, self.attempt = base, attempt
+        self.buckets: dict[int, dict[str, torch.Tensor]] = {}
+
+    def older_than(self, attempt: tuple[str, Any]) -> bool:
+        """``attempt`` is an earlier attempt of this one's sender (a late message of an abandoned send)."""
+        (me, n), (them, m) = self.attempt, attempt
+        return me == them and isinstance(n, int) and isinstance(m, int) and m < n
+
+
 class WeightUpdate(NamedTuple):
     """What the rollout engine applies: buckets in order (later ones win on a repeated name)."""
 
@@ -108,7 +127,8 @@ class WeightInbox:
         self._streaming_apply: Callable[[int, dict[str, torch.Tensor]], Any] | None = None
         self.received_bytes = 0
         self.received = Counter()  # "full" / "delta" versions completed
-        self._partial: dict[int, tuple[int | None, list[dict[str, torch.Tensor]]]] = {}
+        self._partial: dict[int, _Partial] = {}
+        self.stale_dropped = 0  # bucket messages of an abandoned send that arrived after its successor began
         self._changed = asyncio.Condition()
 
     async def receive(self, env: Envelope) -> None:
@@ -123,20 +143,29 @@ class WeightInbox:
         if v <= self.version:  # an old version (e.g. resent after an ack timeout): newer weights are here
             release_ipc(meta.get("ipc"))  # never opened, so the exporter's IPC counts go back now
             return
+        attempt = (env.sender, meta.get("send"))
         if meta.get("commit"):
-            await self._commit(env.sender, v, base, meta.get("num_buckets"))
+            await self._commit(env.sender, v, base, meta.get("num_buckets"), attempt)
+            return
+        k = meta.get("bucket")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            release_ipc(meta.get("ipc"))
+            raise ValueError(f"weights v{v} from {env.sender}: 'bucket' must be an int >= 0, got {k!r}")
+        part = self._partial.get(v)
+        if part is not None and part.older_than(attempt):  # a late bucket of a send that was started over
+            release_ipc(meta.get("ipc"))
+            self.stale_dropped += 1
             return
         tensors = import_ipc(meta["ipc"], self.device) if "ipc" in meta else dict(env.tensors)
         self.received_bytes += sum(_nbytes(t) for t in tensors.values())
-        part = self._partial.get(v)
-        # a send of v that starts over (bucket 0 again, after a timeout or a flap) restarts the partial
-        # version: appended to the stale one it could never match its commit's count
-        restart = part is not None and bool(part[1]) and meta.get("bucket") == 0
-        if part is None or part[0] != base or restart:  # first bucket (or a restarted send of v)
+        # a new attempt at v (a resend after a timeout or a flap; another sender), or an index seen twice
+        # (a sender that does not number its attempts) replaces the partial version: its stale buckets
+        # could never match the commit
+        if part is None or part.base != base or part.attempt != attempt or k in part.buckets:
             if self.streaming is not None and self.streaming != v or (part is not None and self.streaming == v):
                 self.dirty = True  # the streamed version will never complete: the engine holds a mix
                 self.streaming = None
-            part = self._partial[v] = (base, [])
+            part = self._partial[v] = _Partial(base, attempt)
             if self._apply is not None and (base is None or (base == self.version and self.pending is None
                                                              and not self.dirty)):
                 self.streaming, self._streaming_apply = v, self._apply  # a started version streams to its end
@@ -148,15 +177,22 @@ class WeightInbox:
             result = apply(v, tensors)
             if asyncio.iscoroutine(result):
                 await result
-            part[1].append({})  # counted, not kept
+            part.buckets[k] = {}  # counted, not kept
         else:  # kept until the engine takes it: NCCL buckets leave a GPU that is short of memory
-            part[1].append(tensors if "ipc" in meta else hold(tensors, self.gpu_reserve))
+            part.buckets[k] = tensors if "ipc" in meta else hold(tensors, self.gpu_reserve)
 
-    async def _commit(self, sender: str, v: int, base: int | None, num_buckets: Any) -> None:
-        got_base, got = self._partial.pop(v, (base, []))
-        if not isinstance(num_buckets, int) or num_buckets != len(got) or got_base != base:
-            raise ValueError(f"weights v{v} from {sender}: commit for {num_buckets!r} buckets (base {base}) but "
-                             f"{len(got)} arrived (base {got_base})")
+    async def _commit(self, sender: str, v: int, base: int | None, num_buckets: Any, attempt: tuple[str, Any]) -> None:
+        part = self._partial.get(v)
+        if part is not None and part.older_than(attempt):  # a late commit of an abandoned send: keep the new one
+            raise ValueError(f"weights v{v} from {sender}: commit of send {attempt[1]}, superseded by send "
+                             f"{part.attempt[1]}")
+        part = self._partial.pop(v, None) or _Partial(base, attempt)
+        if (not isinstance(num_buckets, int) or set(part.buckets) != set(range(num_buckets)) or part.base != base
+                or part.attempt != attempt):
+            raise ValueError(f"weights v{v} from {sender}: commit of send {attempt[1]} for {num_buckets!r} buckets "
+                             f"(base {base}) but buckets {sorted(part.buckets)} of send {part.attempt[1]} arrived "
+                             f"(base {part.base})")
+        got = [part.buckets[i] for i in range(num_buckets)]
         if base is not None and (base != self.version or self.dirty):
             raise ValueError(f"weights v{v} from {sender} is a delta on v{base}, but this node holds "
                              f"v{self.version}: a full version is needed")
@@ -295,6 +331,7 @@ class WeightPublisher:
         self._full_next: set[str] = set()
         self._down = {p: asyncio.Event() for p in peers}
         self._wake = asyncio.Event()
+        self._sends = itertools.count(1)  # attempt numbers: the inbox tells a resend from a late message
         self._tasks = [asyncio.create_task(self._serve(p), name=f"publish-weights->{p}") for p in peers]
 
     @property
@@ -498,6 +535,7 @@ class WeightPublisher:
 
     async def _send_version(self, peer: str, ver: _Version, base: int | None) -> None:
         endpoint, tier, v = self.endpoint_of(peer), self.transport_of(peer), ver.version
+        send_id = next(self._sends)
         ver.readers += 1
         window: set[asyncio.Task] = set()  # SEND_WINDOW buckets in flight: copy-in of k+1 overlaps apply of k
         try:
@@ -509,7 +547,7 @@ class WeightPublisher:
                 if not names:
                     continue
                 part = src if len(names) == len(src) else {n: src[n] for n in names}
-                meta: dict[str, Any] = {"version": v, "bucket": sent, "base": base}
+                meta: dict[str, Any] = {"version": v, "bucket": sent, "base": base, "send": send_id}
                 if len(window) >= SEND_WINDOW:
                     done, window = await asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED)
                     for t in done:
@@ -522,7 +560,7 @@ class WeightPublisher:
                 await t
             window = set()
             await self.channel.send(endpoint, "weights", {"version": v, "commit": True, "num_buckets": sent,
-                                                          "base": base}, {}, timeout=self.timeout)
+                                                          "base": base, "send": send_id}, {}, timeout=self.timeout)
             self.stats["messages"] += sent + 1
             self.stats["delta_versions" if base is not None else "full_versions"] += 1
         finally:
