@@ -23,7 +23,7 @@ import torch
 
 from distflow.core.channels import ChannelError, Envelope
 from distflow.core.channels.base import Endpoint
-from distflow.core.channels.nccl_channel import INIT_KIND, NcclChannel, _Comm
+from distflow.core.channels.nccl_channel import INIT_KIND, NcclChannel, _Comm, communicator, uid_bytes
 from distflow.core.channels.zmq_channel import PayloadError
 
 SECRET = "nccl-test-secret-0123456789abcdef"
@@ -92,10 +92,37 @@ def test_init_frees_the_communicator_it_replaces() -> None:
         await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": [0] * 128, "comm": "new", "replaces": "old"}, {}))
         assert made == [(128, 1, "new")] and old.broken and old.comm.aborts == 1
         assert set(ch._in) == {("trainer", "new"), ("learner", "x")} and not other.broken
-        with pytest.raises(ValueError, match="malformed nccl init"):
-            await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": "zz", "comm": "n2"}, {}))
+        await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": bytes(128), "comm": "b"}, {}))  # cupy >= 14 peers
+        assert made[-1] == (128, 1, "b")
+        for bad in ("zz", b"short", [300] * 128):
+            with pytest.raises(ValueError, match="malformed nccl init"):
+                await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": bad, "comm": "n2"}, {}))
 
     asyncio.run(main())
+
+
+def test_the_unique_id_crosses_cupy_versions() -> None:
+    """cupy 14 gives and takes the NCCL unique id as bytes, cupy 13 as a tuple of signed chars: the
+    id travels as its raw bytes and each end builds its communicator in its own cupy's form."""
+    raw = bytes(range(128))
+    signed = tuple(b - 256 if b > 127 else b for b in raw)
+    assert uid_bytes(signed) == raw and uid_bytes(raw) == raw and uid_bytes(list(raw)) == raw
+
+    class Cupy14:
+        def __init__(self, ndev: int, comm_id: bytes, rank: int) -> None:
+            if not isinstance(comm_id, bytes):
+                raise TypeError("Argument 'commId' has incorrect type (expected bytes)")
+            self.uid, self.rank = comm_id, rank
+
+    class Cupy13:
+        def __init__(self, ndev: int, comm_id: tuple, rank: int) -> None:
+            if not isinstance(comm_id, tuple):
+                raise TypeError("Argument 'commId' has incorrect type (expected tuple)")
+            assert all(-128 <= x <= 127 for x in comm_id)  # stored into a C char array
+            self.uid, self.rank = comm_id, rank
+
+    assert communicator(types.SimpleNamespace(NcclCommunicator=Cupy14), raw, 1).uid == raw
+    assert communicator(types.SimpleNamespace(NcclCommunicator=Cupy13), raw, 0).uid == signed
 
 
 class FakeNcclModule:
@@ -199,13 +226,15 @@ class OnGpu(torch.Tensor):
         pass
 
 
-def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_refusal_does_not(monkeypatch):
+@pytest.mark.parametrize("cupy_uid", ["tuple", "bytes"])  # get_unique_id of cupy 13 / cupy >= 14
+def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_refusal_does_not(monkeypatch, cupy_uid):
     from distflow.core.channels import RemoteError, make_channel
     from distflow.core.channels import nccl_channel
 
     pipes: dict[tuple, collections.deque] = {}
     module = FakeNcclModule()
-    module.get_unique_id = lambda: tuple(os.urandom(128))
+    module.get_unique_id = lambda: (tuple(b - 256 if b > 127 else b for b in os.urandom(128)) if cupy_uid == "tuple"
+                                    else os.urandom(128))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
         cuda=types.SimpleNamespace(Device=lambda _i: contextlib.nullcontext())))
     monkeypatch.setattr(nccl_channel, "_import_nccl", lambda: module)

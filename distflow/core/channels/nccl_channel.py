@@ -8,8 +8,9 @@ the same message travel as inline frames (or shared memory, via :class:`ShmChann
 
 Communicators are created on demand, one per *direction* between two peers (the sender
 is rank 0, the receiver rank 1), so A->B and B->A traffic can never interleave their
-NCCL calls in different orders. The sender makes the NCCL unique id and sends it in an
-internal ``__nccl_init__`` message; both sides then run ``NcclCommunicator(2, uid, r)``
+NCCL calls in different orders. The sender makes the NCCL unique id and sends it, as 128 raw
+bytes, in an internal ``__nccl_init__`` message (cupy 14 gives and takes the id as ``bytes``,
+cupy 13 as a tuple of signed chars: each end converts for its own cupy); both sides then run ``NcclCommunicator(2, uid, r)``
 concurrently (each in a worker thread, under a deadline) and, still there, move one
 warm-up byte from rank 0 to rank 1. The warm-up matters: NCCL connects a send/recv pair
 lazily, inside the first ``groupEnd`` that moves data, and that call blocks its thread
@@ -46,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +60,8 @@ from distflow.core.channels.shm_channel import ShmChannel
 from distflow.core.channels.zmq_channel import PayloadError
 
 INIT_KIND = "__nccl_init__"
+UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+NO_NCCL_RETRY_S = 60.0  # a peer that refused a communicator gets host-memory sends this long, then NCCL again
 CONSUMED_CODES = frozenset({"handler_error", "no_handler"})  # refusals after the receive completed
 
 
@@ -141,7 +145,8 @@ class NcclChannel(ShmChannel):
         self._in: dict[tuple[str, str], _Comm] = {}  # (sender, comm id) -> comm, I am rank 1
         self._out_init: dict[Endpoint, asyncio.Lock] = {}
         self._replaced: dict[Endpoint, str] = {}  # peer -> id of the dropped comm the next init replaces
-        self._no_nccl: set[Endpoint] = set()  # peers that refused a communicator
+        self._no_nccl: dict[Endpoint, float] = {}  # peer -> until when it gets host-memory sends (it refused
+        # a communicator: no NCCL channel there, or its init failed; NCCL is tried again after NO_NCCL_RETRY_S)
         self._user_handler: Handler | None = None
         super().set_handler(self._dispatch)
 
@@ -174,14 +179,15 @@ class NcclChannel(ShmChannel):
 
     async def _accept_comm(self, env: Envelope) -> None:
         uid, comm_id, replaces = env.meta.get("uid"), env.meta.get("comm"), env.meta.get("replaces")
-        if not isinstance(uid, list) or not isinstance(comm_id, str):
+        if not isinstance(comm_id, str):
             raise ValueError("malformed nccl init message")
+        uid = uid_bytes(uid)  # bytes; a list of ints from an older peer
         old = self._in.get((env.sender, replaces)) if isinstance(replaces, str) else None
         if old is not None:  # the sender dropped it: its receives can never complete
             self._discard_comm(old)
-        self._in[(env.sender, comm_id)] = await self._new_comm(tuple(uid), 1, comm_id)
+        self._in[(env.sender, comm_id)] = await self._new_comm(uid, 1, comm_id)
 
-    async def _new_comm(self, uid: tuple, rank: int, comm_id: str) -> _Comm:
+    async def _new_comm(self, uid: bytes, rank: int, comm_id: str) -> _Comm:
         made: list[Any] = []
         try:
             comm, stream, owner = await asyncio.wait_for(asyncio.to_thread(self._make_comm, uid, rank, made),
@@ -192,7 +198,7 @@ class NcclChannel(ShmChannel):
             raise
         return _Comm(comm, comm_id, stream, owner)
 
-    def _make_comm(self, uid: tuple, rank: int, made: list[Any]) -> tuple[Any, Any, Any]:
+    def _make_comm(self, uid: bytes, rank: int, made: list[Any]) -> tuple[Any, Any, Any]:
         """Worker thread: the communicator, its stream, and the warm-up byte (rank 0 -> rank 1)
         that makes NCCL connect the pair now rather than inside a message's groupEnd.
 
@@ -202,7 +208,7 @@ class NcclChannel(ShmChannel):
         import cupy  # noqa: PLC0415
 
         with cupy.cuda.Device(self.device):
-            comm = self._nccl.NcclCommunicator(2, uid, rank)
+            comm = communicator(self._nccl, uid, rank)
             made.append(comm)
             owner = cupy.cuda.Stream(non_blocking=True)
             stream = torch.cuda.ExternalStream(owner.ptr, device=torch.device("cuda", self.device))
@@ -276,9 +282,9 @@ class NcclChannel(ShmChannel):
             c = self._out.get(peer)
             if c is not None and not c.broken:
                 return c
-            uid = self._nccl.get_unique_id()
+            uid = uid_bytes(self._nccl.get_unique_id())
             comm_id = os.urandom(8).hex()
-            init: dict[str, Any] = {"uid": list(uid), "comm": comm_id}
+            init: dict[str, Any] = {"uid": uid, "comm": comm_id}
             if peer in self._replaced:
                 init["replaces"] = self._replaced[peer]
             mine = asyncio.create_task(self._new_comm(uid, 0, comm_id),
@@ -297,7 +303,7 @@ class NcclChannel(ShmChannel):
     # ------------------------------------------------------------------ send
     async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         cuda = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_cuda}
-        if not cuda or peer in self._no_nccl:
+        if not cuda or self._no_nccl.get(peer, 0.0) > time.monotonic():
             await super()._send(peer, kind, meta, tensors)  # CUDA tensors, if any, go through host memory
             return
         self._check_send_args(peer, kind, meta, tensors)
@@ -309,9 +315,9 @@ class NcclChannel(ShmChannel):
         try:
             comm = await self._comm_to(peer)
         except RemoteError as e:  # the peer has no NCCL channel (CPU node, other backend)
-            log.warning("channel %s: no NCCL to %s (%s); CUDA tensors go through host memory",
-                        self.node_id, peer.node_id, e.message)
-            self._no_nccl.add(peer)
+            log.warning("channel %s: no NCCL to %s (%s); CUDA tensors go through host memory for %.0f s",
+                        self.node_id, peer.node_id, e.message, NO_NCCL_RETRY_S)
+            self._no_nccl[peer] = time.monotonic() + NO_NCCL_RETRY_S
             await super()._send(peer, kind, meta, tensors)
             return
         headers = [codec.tensor_header(k, t) for k, t in cuda.items()]
@@ -400,3 +406,26 @@ class NcclChannel(ShmChannel):
         self._counters["nccl_recvs"] += 1
         out.update(await self._decode_inline(header, payload))
         return out
+
+
+def uid_bytes(uid: Any) -> bytes:
+    """An NCCL unique id as its 128 raw bytes, from what cupy's ``get_unique_id`` returns (``bytes``
+    since cupy 14, a tuple of signed chars before) or what a peer sent (bytes; a list of ints)."""
+    if isinstance(uid, (bytes, bytearray)):
+        raw = bytes(uid)
+    elif isinstance(uid, (list, tuple)) and all(isinstance(x, int) and -128 <= x <= 255 for x in uid):
+        raw = bytes(x & 0xFF for x in uid)
+    else:
+        raise ValueError("malformed nccl init message: the unique id must be bytes or a list of byte values")
+    if len(raw) != UID_BYTES:
+        raise ValueError(f"malformed nccl init message: the unique id has {len(raw)} bytes, not {UID_BYTES}")
+    return raw
+
+
+def communicator(nccl: Any, uid: bytes, rank: int) -> Any:
+    """``NcclCommunicator(2, uid, rank)`` with the id in the form this cupy takes: bytes (cupy >= 14),
+    else a tuple of signed chars (cupy 13 refuses bytes with a TypeError, before NCCL is called)."""
+    try:
+        return nccl.NcclCommunicator(2, uid, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in uid), rank)
