@@ -177,7 +177,8 @@ def token_rewards(outcome: Tensor, mask: Tensor, kl: Tensor | None = None, kl_co
     valid = mask != 0
     b, t = valid.shape
     pos = torch.arange(t, device=valid.device).expand(b, t)
-    last = torch.where(valid, pos, torch.full_like(pos, -1)).max(dim=1).values  # [B], -1 if empty
+    last = (torch.where(valid, pos, torch.full_like(pos, -1)).max(dim=1).values if t  # [B], -1 if empty
+            else torch.full((b,), -1, dtype=torch.long, device=valid.device))
     out = torch.zeros((b, t), dtype=torch.float32, device=valid.device)
     if kl is not None and kl_coef > 0:
         _check_bt("kl", kl, out)

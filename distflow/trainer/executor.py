@@ -136,8 +136,9 @@ def gae(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str
     lens = batch.tensors["response_lens"]
     values, mask = padded(batch.tensors["values"].float(), lens)
     kl = None
-    if cfg.kl_in_reward and cfg.kl_coef > 0 and "ref_logprobs" in batch.tensors:
-        old = batch.tensors.get("old_logprobs", batch.tensors["logprobs"])
+    if cfg.kl_in_reward and cfg.kl_coef > 0 and "ref_logprobs" in batch.tensors and len(batch):
+        old = batch.tensors.get("old_logprobs")
+        old = batch.tensors["logprobs"] if old is None else old
         kl = kl_estimate(padded(old.float(), lens)[0], padded(batch.tensors["ref_logprobs"].float(), lens)[0],
                          cfg.kl_reward_estimator)
     outcome = outcome_rewards(batch, cfg) if len(batch) else torch.zeros(0)
