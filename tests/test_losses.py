@@ -45,6 +45,31 @@ def test_loss_aggregation(agg, kwargs, expected) -> None:
     close(aggregate_loss(PER_TOKEN, MASK, agg, **kwargs), expected)
 
 
+@pytest.mark.parametrize("agg,kwargs", [("token-mean", {"token_normalizer": 5.0}),
+                                         ("seq-mean-token-sum", {"seq_normalizer": 4.0}),
+                                         ("seq-mean-token-mean", {"seq_normalizer": 4.0})])
+def test_python_normalizers_make_no_tensor_from_host_data(agg, kwargs) -> None:
+    """The trainer passes its global token / sequence counts as Python numbers every micro-batch.
+    They must become device scalars by a fill, not from host data (``aten.lift_fresh``: what
+    ``torch.tensor``/``new_tensor`` build, a blocking upload on a GPU that waits for its queue)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, m = PER_TOKEN.clone(), MASK.clone()
+    with Ops() as ops:
+        out = aggregate_loss(x, m, agg, **kwargs)
+    assert not [op for op in ops.seen if "lift_fresh" in op], sorted(ops.seen)
+    assert torch.isfinite(out)
+
+
 def test_loss_aggregation_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="loss_agg: unknown aggregation 'seq-sum'"):
         aggregate_loss(PER_TOKEN, MASK, "seq-sum")

@@ -68,7 +68,7 @@ def _normalizer(token_normalizer: float | Tensor | None, mask: Tensor, like: Ten
         return n
     _require(isinstance(token_normalizer, (int, float)) and token_normalizer > 0,
              f"token_normalizer must be a positive number or scalar tensor, got {token_normalizer!r}")
-    return like.new_tensor(float(token_normalizer))
+    return like.new_full((), float(token_normalizer))  # a fill kernel: new_tensor would upload and wait
 
 
 # ----------------------------------------------------------------------------- masked reductions
