@@ -122,6 +122,33 @@ def test_causal_prefill_matches_length_mask_with_gqa() -> None:
         assert torch.allclose(rc.v_cache[:, slot, :, :n], rm.v_cache[:, slot, :, :n], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_prefill_keeps_sdpa_on_a_fused_kernel(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouped keys reach SDPA only in half precision (CUDA's flash takes them); in fp32 they are
+    repeated to the query heads, which CUDA's memory-efficient kernel takes, instead of SDPA
+    falling back to its math kernel and a B x Hq x L x L fp32 score matrix. The logits agree."""
+    from distflow.rollout import llama_forward
+
+    model = _tiny("qwen2").to(dtype)
+    calls: list[tuple[int, int, bool]] = []
+    sdpa = llama_forward.F.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        calls.append((q.shape[1], k.shape[1], bool(kw.get("enable_gqa"))))
+        return sdpa(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(llama_forward.F, "scaled_dot_product_attention", spy)
+    runner = LlamaRunner(model, use_graphs=False)
+    runner.reserve(2, 16)
+    seqs = [[1, 5, 9, 2, 7, 3, 3], [3, 4, 6]]
+    last = runner.prefill([0, 1], seqs)
+    assert calls and all(c == ((4, 4, False) if dtype == torch.float32 else (4, 2, True)) for c in calls), calls
+    with torch.no_grad():
+        ref = [model(input_ids=torch.tensor([s])).logits[0, -1].float() for s in seqs]
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert all(torch.allclose(last[i].float(), ref[i], atol=tol, rtol=0) for i in range(2))
+
+
 def test_kv_cache_sizing(model_dir: str) -> None:
     from distflow.rollout.llama_forward import kv_slot_bytes, plan_kv_slots
 

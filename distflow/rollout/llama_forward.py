@@ -229,9 +229,20 @@ class LlamaRunner:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Prefill attention; ``mask`` None = causal (queries and keys both start at position 0)."""
+        """Prefill attention; ``mask`` None = causal (queries and keys both start at position 0).
+
+        Grouped keys (GQA) go to SDPA as they are in fp16/bf16 (flash takes them). Outside those
+        dtypes no fused CUDA kernel accepts them (flash is half precision only, memory-efficient
+        needs as many key heads as query heads), and SDPA's math fallback materialises the whole
+        ``B x Hq x L x L`` fp32 score matrix (about 7.5 GB for one 8k-token row of a 14-head model):
+        the keys are repeated instead (``B x L x D`` per extra head), which the memory-efficient
+        kernel takes."""
+        gqa = self.n_kv != self.n_heads
+        if gqa and q.dtype not in (torch.float16, torch.bfloat16):
+            group = self.n_heads // self.n_kv
+            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
-                                              enable_gqa=self.n_kv != self.n_heads)
+                                              enable_gqa=gqa)
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
