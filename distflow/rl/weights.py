@@ -34,8 +34,9 @@ in any order: several are in flight, each handler runs in its own task, and a bi
 embedding) is copied or streamed longer than the small one sent after it. Rollout side
 (:class:`WeightInbox`): buckets are kept by index as they arrive (never concatenated); a new
 attempt replaces the partial version, a late bucket of an older attempt is dropped; a version
-is complete at its commit, when every index below ``num_buckets`` of that attempt is in; a delta is accepted only on top of the version the inbox holds, and
-merged onto a pending, not yet applied update. The engine gets ``(version, buckets,
+is complete at its commit, when every index below ``num_buckets`` of that attempt is in; a
+delta is accepted only on top of the version the inbox holds, and merged onto a pending, not
+yet applied update. The engine gets ``(version, buckets,
 is_delta)`` (:meth:`WeightInbox.take_update`) and must accept a partial set of tensors for a
 delta (it applies them in place over the weights it has).
 """

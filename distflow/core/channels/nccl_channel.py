@@ -10,11 +10,11 @@ Communicators are created on demand, one per *direction* between two peers (the 
 is rank 0, the receiver rank 1), so A->B and B->A traffic can never interleave their
 NCCL calls in different orders. The sender makes the NCCL unique id and sends it, as 128 raw
 bytes, in an internal ``__nccl_init__`` message (cupy 14 gives and takes the id as ``bytes``,
-cupy 13 as a tuple of signed chars: each end converts for its own cupy); both sides then run ``NcclCommunicator(2, uid, r)``
-concurrently (each in a worker thread, under a deadline) and, still there, move one
-warm-up byte from rank 0 to rank 1. The warm-up matters: NCCL connects a send/recv pair
-lazily, inside the first ``groupEnd`` that moves data, and that call blocks its thread
-until the peer posts the matching call; the receiver only posts once the header arrives,
+cupy 13 as a tuple of signed chars: each end converts for its own cupy); both sides then run
+``NcclCommunicator(2, uid, r)`` concurrently (each in a worker thread, under a deadline) and,
+still there, move one warm-up byte from rank 0 to rank 1. The warm-up matters: NCCL connects
+a send/recv pair lazily, inside the first ``groupEnd`` that moves data, and that call blocks
+its thread until the peer posts the matching call; the receiver only posts once the header arrives,
 and the header leaves after the sender's ``groupEnd``, so an unwarmed first send would
 deadlock. Posting still runs in a worker thread under ``nccl_timeout``, so no NCCL call
 can freeze the event loop.
