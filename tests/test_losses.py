@@ -18,6 +18,7 @@ from distflow.rl.advantages import (discounted_returns, nonconstant_groups, over
 from distflow.rl.kl import kl_estimate, kl_k1, kl_k2, kl_k3, kl_low_var
 from distflow.rl.losses import aggregate_loss, cispo_loss, entropy_from_logits, gspo_loss, policy_loss, tis_weights
 from distflow.rl.registry import COMPUTE_FUNCTIONS, GROUP_ESTIMATORS, POLICY_LOSSES
+from tests.host_reads import HostReads
 
 LN2 = math.log(2.0)
 
@@ -52,21 +53,10 @@ def test_python_normalizers_make_no_tensor_from_host_data(agg, kwargs) -> None:
     """The trainer passes its global token / sequence counts as Python numbers every micro-batch.
     They must become device scalars by a fill, not from host data (``aten.lift_fresh``: what
     ``torch.tensor``/``new_tensor`` build, a blocking upload on a GPU that waits for its queue)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(str(func))
-            return func(*args, **(kwargs or {}))
-
     x, m = PER_TOKEN.clone(), MASK.clone()
-    with Ops() as ops:
+    with HostReads() as reads:
         out = aggregate_loss(x, m, agg, **kwargs)
-    assert not [op for op in ops.seen if "lift_fresh" in op], sorted(ops.seen)
+    assert reads.uploads == 0 and not reads.by_file
     assert torch.isfinite(out)
 
 
