@@ -461,6 +461,22 @@ def test_cuda_ipc_tier_between_processes(tmp_path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_exports_a_bucket_as_one_block() -> None:
+    """A bucket gathered into one flat CUDA buffer is exported with one IPC handle (one event, one
+    reference count), its tensors described as views; the count goes back with release_ipc."""
+    from distflow.rl.weight_transport import export_ipc, release_ipc
+
+    flat = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    bucket = {"w": flat[:1024].view(torch.bfloat16).view(16, 32), "b": flat[1024:1088].view(torch.float32),
+              "e": torch.zeros(0, device="cuda")}
+    ipc = export_ipc(bucket)
+    assert len(ipc["blocks"]) == 1 and ipc["blocks"][0]["size_bytes"] == 4096
+    assert [e["name"] for e in ipc["blocks"][0]["tensors"]] == ["w", "b"] and ipc["empty"][0]["name"] == "e"
+    assert release_ipc(ipc) == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA GPUs (NCCL ranks may not share a GPU)")
 def test_nccl_tier_keeps_buckets_on_gpu(tmp_path) -> None:
@@ -514,17 +530,23 @@ def test_streamed_versions_apply_buckets_as_they_arrive() -> None:
 
 
 # ----------------------------------------------------------------------------- CUDA IPC counts (CPU)
-def _desc(name: str, ref_offset: int, **kw) -> dict:
-    d = {"name": name, "dtype": "float32", "size": [4], "stride": [1], "offset": 0, "device": 0,
-         "handle": b"h-" + name.encode(), "size_bytes": 16, "offset_bytes": 0, "ref_handle": b"/torch_ref",
-         "ref_offset": ref_offset, "event_handle": None, "event_sync": False}
-    d.update(kw)
-    return d
+def _block(handle: bytes, ref_offset: int, *names: str, size_bytes: int = 64, **kw) -> dict:
+    """An exported storage holding float32 [4] views ``names`` at 16-byte steps."""
+    b = {"device": 0, "handle": handle, "size_bytes": size_bytes, "offset_bytes": 0, "ref_handle": b"/torch_ref",
+         "ref_offset": ref_offset, "event_handle": None, "event_sync": False,
+         "tensors": [{"name": n, "dtype": "float32", "size": [4], "stride": [1], "offset": 16 * i}
+                     for i, n in enumerate(names)]}
+    b.update(kw)
+    return b
 
 
-def test_ipc_descriptors_never_opened_are_released(monkeypatch) -> None:
-    """Every descriptor holds one count of the exporter's IPC counter: the inbox gives back the
-    ones of an old version it drops; a failed import gives back the ones it did not open."""
+def _ipc(*blocks: dict, empty: list | None = None) -> dict:
+    return {"blocks": list(blocks), "empty": empty or []}
+
+
+def test_ipc_blocks_never_opened_are_released(monkeypatch) -> None:
+    """Every exported block holds one count of the exporter's IPC counter: the inbox gives back
+    the ones of an old version it drops; a failed import gives back the ones it did not open."""
     from distflow.rl import weight_transport
 
     released: list[tuple[bytes, int]] = []
@@ -533,26 +555,34 @@ def test_ipc_descriptors_never_opened_are_released(monkeypatch) -> None:
     async def main() -> None:
         inbox = WeightInbox()
         inbox.version = 3
-        old = {"version": 2, "bucket": 0, "base": None, "ipc": [_desc("a", 7), _desc("b", 8)]}
+        ipc = _ipc(_block(b"h-a", 7, "a", "b"), _block(b"h-c", 8, "c"))
+        old = {"version": 2, "bucket": 0, "base": None, "ipc": ipc}
         await inbox.receive(Envelope("trainer", "weights", old, {}))
         assert released == [(b"/torch_ref", 7), (b"/torch_ref", 8)] and inbox.pending is None
         released.clear()
         with pytest.raises(ValueError, match="bad meta"):
-            await inbox.receive(Envelope("trainer", "weights", {"version": "x", "ipc": [_desc("a", 9)]}, {}))
+            await inbox.receive(Envelope("trainer", "weights", {"version": "x", "ipc": _ipc(_block(b"h", 9, "a"))}, {}))
         assert released == [(b"/torch_ref", 9)]
 
     asyncio.run(main())
 
-    # a malformed descriptor: nothing is opened, every well-formed count goes back (the empty one holds none)
+    # a malformed export: nothing is opened, every well-formed count goes back (an empty tensor holds none)
     released.clear()
-    empty = {"name": "e", "dtype": "float32", "size": [0], "empty": True, "device": 0}
+    empty = {"name": "e", "dtype": "float32", "size": [0], "device": 0}
+    bad = _block(b"h-b", 2, "b")
+    bad["tensors"][0]["stride"] = None
     with pytest.raises(ValueError, match="'b' lacks 'stride'"):
-        weight_transport.import_ipc([_desc("a", 1), _desc("b", 2, stride=None), empty])
+        weight_transport.import_ipc(_ipc(_block(b"h-a", 1, "a"), bad, empty=[empty]))
     assert released == [(b"/torch_ref", 1), (b"/torch_ref", 2)]
-    with pytest.raises(ValueError, match="reaches outside its storage"):
-        weight_transport.import_ipc([_desc("a", 1, size=[5])])
+    for block, why in ((_block(b"h", 1, "a", "b", size_bytes=24), "'b' reaches outside its storage"),
+                       (_block(b"h", 1, "a", "a"), "malformed or repeated"),
+                       (_block(b"h", 1, "a", ref_handle=None), "block #0 lacks 'ref_handle'")):
+        with pytest.raises(ValueError, match=why):
+            weight_transport.import_ipc(_ipc(block))
+    with pytest.raises(ValueError, match="expected"):
+        weight_transport.import_ipc([_block(b"h", 1, "a")])  # the per-tensor list of older exports
 
-    # opening #1 fails: #0 was opened (freed with it), #1 and #2 go back
+    # opening block #1 fails: #0 was opened (freed with it), #1 and #2 go back
     released.clear()
     opened: list[bytes] = []
 
@@ -561,12 +591,45 @@ def test_ipc_descriptors_never_opened_are_released(monkeypatch) -> None:
         if handle == b"h-b":
             raise RuntimeError("cudaIpcOpenMemHandle failed")
         opened.append(handle)
-        return torch.zeros(4)
+        assert args[1] == torch.Size([64]) and args[5] == torch.uint8  # the whole storage, as bytes
+        return torch.zeros(64, dtype=torch.uint8)
 
     monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", rebuild)
     with pytest.raises(RuntimeError, match="cudaIpcOpenMemHandle"):
-        weight_transport.import_ipc([_desc("a", 1), _desc("b", 2), _desc("c", 3)])
+        weight_transport.import_ipc(_ipc(_block(b"h-a", 1, "a"), _block(b"h-b", 2, "b"), _block(b"h-c", 3, "c")))
     assert opened == [b"h-a"] and released == [(b"/torch_ref", 2), (b"/torch_ref", 3)]
+
+    # a good export: one open per block, its tensors are views of it
+    opened.clear()
+    got = weight_transport.import_ipc(_ipc(_block(b"h-a", 1, "a", "b", "c")))
+    assert opened == [b"h-a"] and list(got) == ["a", "b", "c"] and all(t.shape == (4,) for t in got.values())
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
+
+
+def test_ipc_export_is_one_block_per_storage() -> None:
+    """A bucket (views of one flat buffer, as the gather makes it) is described as the storage it
+    views: one block per storage, whatever the tensors' dtypes, offsets and strides; the views
+    rebuilt from the flat bytes equal the originals. An empty tensor has no storage to share."""
+    from distflow.rl.weight_transport import open_views, storage_views
+
+    flat = torch.zeros(1024, dtype=torch.uint8)
+    w = flat[0:96].view(torch.float32).view(4, 6)
+    w.copy_(torch.arange(24, dtype=torch.float32).view(4, 6))
+    b = flat[128:128 + 40].view(torch.bfloat16)
+    b.copy_(torch.linspace(-1, 1, 20, dtype=torch.bfloat16))
+    t = flat[192:192 + 96].view(torch.float32).view(6, 4).t()  # a transposed (non-contiguous) view
+    t.copy_(torch.rand(4, 6))
+    other = torch.arange(5, dtype=torch.int64)  # a storage of its own
+    bucket = {"w": w, "b": b, "t": t, "other": other, "e": torch.zeros(0, 8)}
+    blocks, empty = storage_views(bucket)
+    assert [len(entries) for _, entries in blocks] == [3, 1]
+    assert [x.numel() for x, _ in blocks] == [1024, 40]
+    assert empty == [{"name": "e", "dtype": "float32", "size": [0, 8], "device": 0}]
+    assert blocks[0][1][2] == {"name": "t", "dtype": "float32", "size": [4, 6], "stride": [1, 4], "offset": 192}
+    got = {k: v for x, entries in blocks for k, v in open_views(x.clone(), entries).items()}
+    for name in ("w", "b", "t", "other"):
+        assert got[name].dtype == bucket[name].dtype and got[name].stride() == bucket[name].stride()
+        assert torch.equal(got[name], bucket[name]), name
 
 
 def test_ipc_export_of_an_empty_tensor_shares_nothing(monkeypatch) -> None:
@@ -583,8 +646,8 @@ def test_ipc_export_of_an_empty_tensor_shares_nothing(monkeypatch) -> None:
         raise AssertionError("reduce_tensor must not be called on an empty tensor")
 
     monkeypatch.setattr("torch.multiprocessing.reductions.reduce_tensor", no_share)
-    assert weight_transport.export_ipc({"bias": EmptyCuda()}) == [
-        {"name": "bias", "dtype": "bfloat16", "size": [0, 8], "empty": True, "device": 1}]
+    assert weight_transport.export_ipc({"bias": EmptyCuda()}) == {
+        "blocks": [], "empty": [{"name": "bias", "dtype": "bfloat16", "size": [0, 8], "device": 1}]}
     assert weight_transport.release_ipc(weight_transport.export_ipc({"bias": EmptyCuda()})) == 0
 
 

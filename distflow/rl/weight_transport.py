@@ -6,14 +6,15 @@ two GPU-only wire forms live here so ``weights.py`` stays about versions, not tr
 
 * ``cuda_ipc`` (trainer and rollout on one GPU: each node sees only its own, and IPC handles
   open only on the GPU that holds the memory): the message carries no bytes,
-  only CUDA IPC handles of the serving rank's gathered GPU tensors (``storage._share_cuda_``,
+  only CUDA IPC handles of the serving rank's gathered GPU buckets, one per storage (a bucket is
+  views of one flat buffer: one handle, its tensors described as views; ``storage._share_cuda_``,
   the handle format of ``torch.multiprocessing``, encoded as plain msgpack fields, never
   pickled) inside the signed channel header. The rollout opens them and its engine copies
   device-to-device. Lifetime: torch's CUDA IPC reference counter (a shared counter per
   exported block) keeps an exported block alive on the exporter, even after the publisher
   drops the version (superseded), until every importer has freed its views, so a rollout
-  node never reads memory that was reused. Each descriptor holds one count: the exporter
-  exports right before the send, and the importer opens or releases every descriptor it
+  node never reads memory that was reused. Each exported block holds one count: the exporter
+  exports right before the send, and the importer opens or releases every block it
   gets, the ones it drops (an old version) or fails to open included, or the block leaks.
 * ``nccl`` (different GPUs, on one host or several, with the NCCL data channel): the buckets
   stay on the GPU and go through the NCCL
@@ -102,43 +103,84 @@ def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout
 
 
 # ---------------------------------------------------------------------------- CUDA IPC
-# Every exported descriptor holds one count of torch's CUDA IPC reference counter: the
-# exporter keeps the block (in "limbo" once it freed it) until an importer releases that
-# count, by freeing the tensor it opened or, for one it never opens, by ``release_ipc``.
-# So the exporter exports right before the send, and the importer opens or releases every
-# descriptor it receives, even the ones it drops.
+# A bucket's tensors are views of one flat buffer (``trainer/gather.py``), so a bucket is exported
+# as its *storages*, each shared once: one IPC handle, one event and one count of torch's CUDA IPC
+# reference counter per storage (a whole bucket: one), with the tensors described as views of it.
+# Exporting each tensor instead made a counter slot and an event per tensor, all for one block:
+# hundreds per version, and past 1000 blocks in limbo torch syncs the device on every export.
+# A count keeps the exporter's block (in "limbo" once it freed it) until the importer releases
+# it, by freeing every view it opened or, for a block it never opens, by ``release_ipc``. So
+# the exporter exports right before the send, and the importer opens or releases every block
+# it receives, even the ones it drops.
 _IPC_FIELDS = (("handle", bytes), ("ref_handle", bytes), ("ref_offset", int), ("size_bytes", int),
-               ("offset_bytes", int), ("offset", int), ("device", int))
+               ("offset_bytes", int), ("device", int))
 
 
-def export_ipc(bucket: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """msgpack-able IPC descriptors of a bucket of CUDA tensors (no bytes are copied).
-
-    Each holds a count of the exporter's IPC reference counter until the importer opens and
-    frees it, or releases it (:func:`release_ipc`). An empty tensor is described without a
-    handle (an empty storage has none) and re-created empty on import."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
+def storage_views(bucket: dict[str, torch.Tensor]) -> tuple[list[tuple[torch.Tensor, list[dict[str, Any]]]],
+                                                           list[dict[str, Any]]]:
+    """A bucket as the storages it views: ([(flat uint8 tensor over one whole storage, [view
+    entries])], [empty tensors]). An entry is ``{"name", "dtype", "size", "stride", "offset"}``
+    (``offset`` in bytes from the storage's start); :func:`open_views` rebuilds the tensors.
+    Pure layout: runs on any device (the CPU tests), :func:`export_ipc` shares the flat ones."""
     from distflow.core.channels.codec import DTYPE_NAMES
 
-    out = []
+    blocks: dict[tuple[str, int], tuple[torch.Tensor, list[dict[str, Any]]]] = {}
+    empty: list[dict[str, Any]] = []
+    for name, t in bucket.items():
+        if t.numel() == 0:  # an empty storage has no IPC handle: described, re-created on import
+            empty.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "size": list(t.shape),
+                          "device": int(t.device.index or 0)})
+            continue
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        if key not in blocks:
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+            blocks[key] = (flat, [])
+        blocks[key][1].append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "size": list(t.shape),
+                               "stride": list(t.stride()), "offset": t.storage_offset() * t.element_size()})
+    return list(blocks.values()), empty
+
+
+def open_views(flat: torch.Tensor, entries: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The tensors ``entries`` describe, as views of ``flat`` (checked by :func:`_check_ipc`)."""
+    from distflow.core.channels.codec import DTYPES
+
+    out = {}
+    for e in entries:
+        dtype = DTYPES[e["dtype"]]
+        n = _extent(e["size"], e["stride"]) * dtype.itemsize
+        out[e["name"]] = flat[e["offset"]:e["offset"] + n].view(dtype).as_strided(e["size"], e["stride"])
+    return out
+
+
+def _extent(size: list[int], stride: list[int]) -> int:
+    """Elements a strided view of ``size``/``stride`` spans (0 for an empty one)."""
+    return 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
+
+
+def export_ipc(bucket: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """msgpack-able IPC descriptors of a bucket of CUDA tensors (no bytes are copied):
+    ``{"blocks": [one per storage: its handle fields and "tensors", its view entries], "empty": [...]}``.
+
+    Each block holds a count of the exporter's IPC reference counter until the importer opens
+    it and frees every view, or releases it (:func:`release_ipc`)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
     for name, t in bucket.items():
         if not t.is_cuda:
             raise ValueError(f"cuda_ipc export: tensor {name!r} is on {t.device}, not CUDA")
-        if t.numel() == 0:
-            out.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "size": list(t.shape), "empty": True,
-                        "device": int(t.device.index or 0)})
-            continue
-        _, a = reduce_tensor(t.detach())
-        (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
+    flats, empty = storage_views(bucket)
+    blocks = []
+    for flat, entries in flats:
+        _, a = reduce_tensor(flat)
+        (_, _, _, _, _, _, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
          event_handle, event_sync) = a
-        out.append({"name": name, "dtype": DTYPE_NAMES[dtype], "size": list(size), "stride": list(stride),
-                    "offset": int(offset), "device": int(device), "handle": bytes(handle),
-                    "size_bytes": int(size_bytes), "offset_bytes": int(offset_bytes),
-                    "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
-                    "event_handle": bytes(event_handle) if event_handle is not None else None,
-                    "event_sync": bool(event_sync)})
-    return out
+        blocks.append({"device": int(device), "handle": bytes(handle), "size_bytes": int(size_bytes),
+                       "offset_bytes": int(offset_bytes), "ref_handle": bytes(ref_handle),
+                       "ref_offset": int(ref_offset),
+                       "event_handle": bytes(event_handle) if event_handle is not None else None,
+                       "event_sync": bool(event_sync), "tensors": entries})
+    return {"blocks": blocks, "empty": empty}
 
 
 def _release_counter(ref_handle: bytes, ref_offset: int) -> None:
@@ -147,73 +189,93 @@ def _release_counter(ref_handle: bytes, ref_offset: int) -> None:
     torch.UntypedStorage._release_ipc_counter_cuda(ref_handle, ref_offset)
 
 
-def release_ipc(descriptors: Any) -> int:
-    """Release the exporter's reference count of descriptors that will not be opened (best
-    effort: malformed ones are skipped, as is a counter whose exporter is gone). Returns how
-    many were released."""
+def _blocks(ipc: Any) -> list[Any]:
+    blocks = ipc.get("blocks") if isinstance(ipc, dict) else None
+    return blocks if isinstance(blocks, list) else []
+
+
+def release_ipc(ipc: Any, start: int = 0) -> int:
+    """Release the exporter's reference count of the blocks (from #``start``) that will not be
+    opened (best effort: malformed ones are skipped, as is a counter whose exporter is gone).
+    Returns how many were released."""
     n = 0
-    for d in descriptors if isinstance(descriptors, list) else []:
-        if (not isinstance(d, dict) or d.get("empty") or not isinstance(d.get("ref_handle"), bytes)
-                or not isinstance(d.get("ref_offset"), int)):
+    for b in _blocks(ipc)[start:]:
+        if not isinstance(b, dict) or not isinstance(b.get("ref_handle"), bytes) \
+                or not isinstance(b.get("ref_offset"), int):
             continue
         try:
-            _release_counter(d["ref_handle"], d["ref_offset"])
+            _release_counter(b["ref_handle"], b["ref_offset"])
             n += 1
         except Exception as e:  # noqa: BLE001 - the exporter may have exited; nothing is held then
-            log.warning("cuda_ipc: could not release descriptor %r: %s", d.get("name"), e)
+            log.warning("cuda_ipc: could not release block %r: %s", b.get("handle"), e)
     return n
 
 
-def _check_descriptor(i: int, d: Any) -> None:
+def _check_ipc(ipc: Any) -> None:
+    """Every field of an (untrusted) export, every view inside its storage, every name once."""
     from distflow.core.channels.codec import DTYPES
 
-    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or d.get("dtype") not in DTYPES:
-        raise ValueError(f"cuda_ipc bucket: descriptor #{i} is malformed")
+    if not isinstance(ipc, dict) or not isinstance(ipc.get("blocks"), list) or not isinstance(ipc.get("empty"), list):
+        raise ValueError("cuda_ipc bucket: expected {'blocks': [...], 'empty': [...]}")
     ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and x >= 0 for x in v)  # noqa: E731
-    fields = (("size", list), ("device", int)) if d.get("empty") else (*_IPC_FIELDS, ("size", list), ("stride", list))
-    for key, typ in fields:
-        if not isinstance(d.get(key), typ) or (typ is list and not ints(d[key])):
-            raise ValueError(f"cuda_ipc bucket: descriptor {d['name']!r} lacks {key!r} (or it is malformed)")
-    if not d.get("empty"):  # the view must lie inside the shared storage (checked before opening anything)
-        itemsize = DTYPES[d["dtype"]].itemsize
-        extent = 0 if 0 in d["size"] else 1 + sum((n - 1) * s for n, s in zip(d["size"], d["stride"]))
-        if len(d["size"]) != len(d["stride"]) or (d["offset"] + extent) * itemsize > d["size_bytes"]:
-            raise ValueError(f"cuda_ipc bucket: descriptor {d['name']!r} reaches outside its storage")
+    names: set[str] = set()
+
+    def entry(e: Any, keys: tuple[str, ...]) -> None:
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or e.get("dtype") not in DTYPES \
+                or e["name"] in names:
+            raise ValueError(f"cuda_ipc bucket: tensor entry {e!r} is malformed or repeated")
+        names.add(e["name"])
+        for key in keys:
+            ok = isinstance(e.get(key), int) and e[key] >= 0 if key in ("offset", "device") else ints(e.get(key))
+            if not ok:
+                raise ValueError(f"cuda_ipc bucket: tensor {e['name']!r} lacks {key!r} (or it is malformed)")
+
+    for i, b in enumerate(ipc["blocks"]):
+        if not isinstance(b, dict) or not isinstance(b.get("tensors"), list) or not b["tensors"]:
+            raise ValueError(f"cuda_ipc bucket: block #{i} is malformed")
+        for key, typ in _IPC_FIELDS:
+            if not isinstance(b.get(key), typ) or (typ is int and b[key] < 0):
+                raise ValueError(f"cuda_ipc bucket: block #{i} lacks {key!r} (or it is malformed)")
+        for e in b["tensors"]:
+            entry(e, ("size", "stride", "offset"))
+            itemsize = DTYPES[e["dtype"]].itemsize
+            if len(e["size"]) != len(e["stride"]) or 0 in e["size"] or e["offset"] % itemsize \
+                    or e["offset"] + _extent(e["size"], e["stride"]) * itemsize > b["size_bytes"]:
+                raise ValueError(f"cuda_ipc bucket: tensor {e['name']!r} reaches outside its storage")
+    for e in ipc["empty"]:
+        entry(e, ("size", "device"))
 
 
-def import_ipc(descriptors: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Open IPC descriptors (from an authenticated header) as CUDA tensors viewing the exporter's memory.
+def import_ipc(ipc: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Open an export (from an authenticated header) as CUDA tensors viewing the exporter's memory.
 
     The views keep the exporter's blocks alive until they are freed; copy out of them (the
-    engine's device-to-device load) and drop them. On any error, the descriptors not opened
-    are released (:func:`release_ipc`) before it is raised; the ones opened are freed.
+    engine's device-to-device load) and drop them. On any error, the blocks not opened are
+    released (:func:`release_ipc`) before it is raised; the ones opened are freed.
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     from distflow.core.channels.codec import DTYPES
 
-    if not isinstance(descriptors, list):
-        raise ValueError(f"cuda_ipc bucket: descriptors must be a list, got {type(descriptors).__name__}")
     opened = 0
     try:
-        for i, d in enumerate(descriptors):
-            _check_descriptor(i, d)
+        _check_ipc(ipc)
         out: dict[str, torch.Tensor] = {}
-        for d in descriptors:
-            dev = int(d["device"]) if device is None else (device.index or 0)
-            if d.get("empty"):
-                out[d["name"]] = torch.empty(d["size"], dtype=DTYPES[d["dtype"]], device=torch.device("cuda", dev))
-            else:
-                out[d["name"]] = rebuild_cuda_tensor(
-                    torch.Tensor, torch.Size(d["size"]), tuple(d["stride"]), int(d["offset"]),
-                    torch.storage.TypedStorage, DTYPES[d["dtype"]], dev, d["handle"], int(d["size_bytes"]),
-                    int(d["offset_bytes"]), False, d["ref_handle"], int(d["ref_offset"]), d.get("event_handle"),
-                    bool(d.get("event_sync")))
+        for b in ipc["blocks"]:
+            dev = int(b["device"]) if device is None else (device.index or 0)
+            flat = rebuild_cuda_tensor(
+                torch.Tensor, torch.Size([b["size_bytes"]]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
+                dev, b["handle"], b["size_bytes"], b["offset_bytes"], False, b["ref_handle"], b["ref_offset"],
+                b.get("event_handle"), bool(b.get("event_sync")))
             opened += 1
+            out.update(open_views(flat, b["tensors"]))
+        for e in ipc["empty"]:
+            dev = int(e["device"]) if device is None else (device.index or 0)
+            out[e["name"]] = torch.empty(e["size"], dtype=DTYPES[e["dtype"]], device=torch.device("cuda", dev))
     except BaseException:
         # The ones opened are freed with ``out``; the rest (all, when a check failed) are released.
-        # A failure inside rebuild comes before it takes the count over (the view was checked to fit).
-        release_ipc(descriptors[opened:])
+        # A failure inside rebuild comes before it takes the count over (the views were checked to fit).
+        release_ipc(ipc, opened)
         raise
     return out
 
