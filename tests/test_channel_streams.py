@@ -339,7 +339,7 @@ def test_stream_buffers_are_reused_warm_once_the_handler_lets_go():
         await a.start()
         peer = Endpoint("b", "127.0.0.1", b.port)
         for i, keep in enumerate((False, False, True, False)):
-            x = torch.full((40_000,), i, dtype=torch.int64)  # 320,000 bytes: streamed, the 512 KiB class
+            x = torch.full((40_000,), i, dtype=torch.int64)  # 320,000 bytes: streamed, the 320 KiB class
             await a.send(peer, "k", {"keep": keep}, {"x": x}, timeout=10)
         assert all(ok for _, ok in seen), seen
         ptrs = [p for p, _ in seen]

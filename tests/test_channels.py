@@ -1006,10 +1006,10 @@ def test_small_payload_copies_reuse_warm_buffers_once_freed():
     from distflow.core.channels.copy_pool import CopyPool
 
     pool = CopyPool(max_free=1)
-    src = np.arange(100_000, dtype=np.int64).view(np.uint8)  # 800,000 bytes -> the 1 MiB class
+    src = np.arange(100_000, dtype=np.int64).view(np.uint8)  # 800,000 bytes -> the 896 KiB class
     a = pool.copy(src)
     t = torch.from_numpy(a).view(torch.int64)
-    assert torch.equal(t, torch.arange(100_000)) and a.base.obj.nbytes == 1 << 20  # a view of the pooled buffer
+    assert torch.equal(t, torch.arange(100_000)) and a.base.obj.nbytes == 7 << 17  # a view of the pooled buffer
     base = a.base.obj
     b = pool.copy(src[:1000])  # another class: its own buffer
     assert b.base.obj is not base
@@ -1017,3 +1017,32 @@ def test_small_payload_copies_reuse_warm_buffers_once_freed():
     gc.collect()
     c = pool.copy(src[: 600_000])
     assert c.base.obj is base and bytes(c[:16]) == bytes(src[:16])  # reused, rewritten
+
+
+def test_size_classes_keep_at_most_a_quarter_more_than_the_payload():
+    """Buffers and shared-memory segments come in four classes per doubling (not powers of two):
+    an embedding bucket of 272 MB is kept in 320 MiB, not 512; a bucket just over 64 MiB in 80."""
+    from distflow.core.channels.copy_pool import size_class
+
+    assert size_class(0) == size_class(4096) == 4096 and size_class(4097) == 8192
+    assert size_class(800_000) == 7 << 17 and size_class(1 << 20) == 1 << 20  # 896 KiB; a power of two stays
+    assert size_class((64 << 20) + 1) == 80 << 20 and size_class(272_000_000) == 320 << 20
+    assert size_class(3000, 1 << 20) == 1 << 20 and size_class((5 << 20) + 1, 1 << 20) == 6 << 20
+    for n in (5000, 123_456, (3 << 20) + 7, 999_999_999):
+        assert n <= size_class(n) <= 1.25 * n + 4096
+
+    async def main():
+        a, b = await pair("shm")
+
+        async def sink(env):
+            return None
+
+        b.set_handler(sink)
+        try:
+            await a.send(ep(b), "k", {}, {"x": torch.ones((5 << 20) + 1, dtype=torch.uint8)}, timeout=10)
+            assert [s.size for p in a._pools.values() for s in p.slots] == [6 << 20]  # was 8 MiB
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())

@@ -21,9 +21,28 @@ import weakref
 import numpy as np
 
 
+CLASSES_PER_OCTAVE = 4
+
+
+def size_class(n: int, minimum: int = 4096) -> int:
+    """The buffer size ``n`` bytes are kept in: at least ``minimum`` (a power of two), else ``n``
+    rounded up to a multiple of an eighth of the next power of two, so four classes per doubling.
+
+    Why not powers of two: a buffer holds its class's bytes (a shared-memory segment reserves them
+    in /dev/shm), and weight buckets are often just over a power of two, or far above the bucket
+    size (an embedding is a bucket of its own: 272 MB for Qwen2.5-0.5B, 1.1 GB for a 7B model).
+    Powers of two kept up to 2x their bytes (512 MiB for that embedding); this keeps at most 1.25x
+    (320 MiB), while payloads of one size, as every version's buckets are, still share a class.
+    Pages a smaller payload leaves untouched are never faulted in either way."""
+    if n <= minimum:
+        return minimum
+    step = max(minimum, (1 << (n - 1).bit_length()) // (2 * CLASSES_PER_OCTAVE))
+    return -(-n // step) * step
+
+
 class CopyPool:
     """Pooled uint8 buffers, reused once no array or tensor views them. Sizes are rounded up to
-    powers of two (pages a smaller payload leaves untouched are never faulted in); at most
+    their :func:`size_class`; at most
     ``max_free`` idle buffers per size and ``max_idle_bytes`` idle in all (beyond that a returned
     buffer goes back to the allocator)."""
 
@@ -43,13 +62,14 @@ class CopyPool:
 
     def empty(self, n: int) -> np.ndarray:
         """An uninitialised uint8 [n] array in a pooled buffer (the caller writes every byte)."""
-        size = max(4096, 1 << (n - 1).bit_length()) if n > 0 else 4096
+        size = size_class(n)
         with self._lock:
             self._file_returns()
-            free = self._free.get(size)
-            base = free.pop() if free else None
+            # the smallest idle buffer that fits, up to twice the class (sizes vary from step to step)
+            fits = [k for k, free in self._free.items() if free and size <= k <= 2 * size]
+            base = self._free[min(fits)].pop() if fits else None
             if base is not None:
-                self._idle -= size
+                self._idle -= base.nbytes
         if base is None:
             base = np.empty(size, dtype=np.uint8)
         # a view of a plain slice would hold `base`, not `out`: a view of `out` (a slice, .view())

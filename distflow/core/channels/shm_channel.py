@@ -69,7 +69,7 @@ import zmq
 
 from distflow.core.channels import codec
 from distflow.core.channels.base import Endpoint, RemoteError, log
-from distflow.core.channels.copy_pool import CopyPool
+from distflow.core.channels.copy_pool import CopyPool, size_class
 from distflow.core.channels.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
 from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
     _NAME_RE,
@@ -371,7 +371,7 @@ class ShmChannel(ZmqChannel):
             return slot
         if len(free) >= self._max_free_slots:
             self._retire(pool, min(free, key=lambda s: s.size))
-        size = max(MIN_SEGMENT, 1 << (nbytes - 1).bit_length())
+        size = size_class(nbytes, MIN_SEGMENT)
         name, mm = create_segment(size)
         slot = _Slot(name, size, mm, np.frombuffer(mm, dtype=np.uint8), busy=True)
         pool.slots.append(slot)
