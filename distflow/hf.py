@@ -89,3 +89,23 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"chat message {i} must be a mapping with string 'role' and 'content', got {m!r:.80}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def logit_transform(config: Any) -> tuple[float, float | None]:
+    """(multiplier, soft cap) a Hugging Face causal LM applies to ``hidden @ lm_head.T`` before its
+    logits come out: Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale`` (and
+    some models by ``output_multiplier``), Gemma 2/3 soft-cap at ``final_logit_softcapping``
+    (``cap * tanh(x / cap)``). The trainer's logprobs must be of the distribution the engine sampled
+    from (``model(...).logits``), or the importance ratio is not 1 on-policy."""
+    mult = 1.0
+    for key, invert in (("logits_scaling", True), ("logit_scale", False), ("output_multiplier", False)):
+        v = getattr(config, key, None)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"model config {key}={v!r}: expected a positive number")
+        mult = mult / v if invert else mult * v
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise ValueError(f"model config final_logit_softcapping={cap!r}: expected a positive number or null")
+    return float(mult), (None if cap is None else float(cap))

@@ -116,3 +116,81 @@ def test_chunked_head_without_entropy_gives_the_same_logprobs():
     assert torch.equal(lp, lp2) and torch.equal(ent2, torch.zeros(10)) and not ent2.requires_grad
     g1 = torch.autograd.grad(lp.sum(), h)[0]
     assert torch.equal(g1, torch.autograd.grad(lp2.sum(), h)[0])
+
+
+@pytest.mark.parametrize("mult,cap,temperature", [(0.125, None, 0.7), (1.0, 2.0, 1.0), (3.0, 1.5, 0.6)])
+def test_chunked_head_applies_the_models_logit_multiplier_and_soft_cap(mult, cap, temperature):
+    """Values and gradients of ``log_softmax(cap * tanh(mult * h @ W.T / cap) / T)`` against autograd in fp64."""
+    g = torch.Generator().manual_seed(3)
+    n, hdim, vocab = 23, 8, 40
+    h = torch.randn(n, hdim, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (3 * torch.randn(vocab, hdim, generator=g, dtype=torch.float64)).requires_grad_()  # logits well past the cap
+    t = torch.randint(0, vocab, (n,), generator=g)
+    a, b = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    lp, ent = chunked_logprobs(h, w, t, temperature, chunk_tokens=6, transform=(mult, cap))
+    (lp * a + ent * b).sum().backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    x = (h @ w.t()) * mult
+    if cap is not None:
+        x = cap * torch.tanh(x / cap)
+    ls = (x / temperature).log_softmax(-1)
+    lp_ref, ent_ref = ls.gather(-1, t[:, None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    (lp_ref * a + ent_ref * b).sum().backward()
+    assert torch.allclose(lp.double(), lp_ref, atol=1e-5)
+    assert torch.allclose(ent.double(), ent_ref, atol=1e-4)
+    assert torch.allclose(gh, h.grad, atol=1e-4) and torch.allclose(gw, w.grad, atol=1e-4)
+    # the transform matters here: without it the logprobs are different numbers
+    plain, _ = chunked_logprobs(h.detach(), w.detach(), t, temperature, chunk_tokens=6)
+    assert (plain.double() - lp_ref.detach()).abs().max() > 1e-2
+
+
+def _tiny(kind: str):
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig, \
+        GraniteForCausalLM
+
+    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=4)
+    torch.manual_seed(0)
+    if kind == "granite":
+        return GraniteForCausalLM(GraniteConfig(**common, logits_scaling=8.0))
+    if kind == "cohere":
+        return CohereForCausalLM(CohereConfig(**common, logit_scale=0.25))
+    model = Gemma2ForCausalLM(Gemma2Config(**common, head_dim=8, final_logit_softcapping=1.0))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # logits well past the soft cap
+    return model
+
+
+@pytest.mark.parametrize("kind", ["granite", "cohere", "gemma2"])
+def test_response_forward_matches_the_models_own_logits(kind):
+    """The trainer's logprobs are of the distribution the model's forward (and so the engine's HF
+    path) samples from: Granite's logits_scaling, Cohere's logit_scale, Gemma 2's soft cap."""
+    from distflow.hf import logit_transform
+    from distflow.trainer.head import response_forward
+    from distflow.trainer.logprobs import gather_response, pad_batch, token_logprobs
+    from distflow.trainer.packing import pad_inputs
+
+    model = _tiny(kind).eval()
+    assert logit_transform(model.config) != (1.0, None)
+    prompts, responses = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], [torch.tensor([6, 7, 8]), torch.tensor([9])]
+    with torch.no_grad():
+        for temperature in (1.0, 0.7):
+            lp, _ = response_forward(model, pad_inputs(prompts, responses), temperature)
+            ids, attn, resp = pad_batch(prompts, responses, 0)
+            ref = gather_response(token_logprobs(model, ids, attn, temperature), resp)
+            torch.testing.assert_close(lp, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_logit_transform_reads_and_checks_the_config():
+    from types import SimpleNamespace
+
+    from distflow.hf import logit_transform
+
+    assert logit_transform(SimpleNamespace()) == (1.0, None)
+    assert logit_transform(SimpleNamespace(logits_scaling=4, final_logit_softcapping=30.0)) == (0.25, 30.0)
+    assert logit_transform(SimpleNamespace(logit_scale=0.0625, final_logit_softcapping=None)) == (0.0625, None)
+    with pytest.raises(ValueError, match="logits_scaling=0"):
+        logit_transform(SimpleNamespace(logits_scaling=0))
+    with pytest.raises(ValueError, match="final_logit_softcapping=-1"):
+        logit_transform(SimpleNamespace(final_logit_softcapping=-1))

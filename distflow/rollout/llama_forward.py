@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from distflow.hf import logit_transform
+
 __all__ = ["KV_CACHE_FRACTION", "LlamaRunner", "kv_slot_bytes", "plan_kv_slots", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ def unsupported_reason(model: Any) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in _FAMILY:
         return f"model_type {kind!r} is not one of {list(_FAMILY)}"
+    if logit_transform(cfg) != (1.0, None):
+        return "the model scales or soft-caps its logits (logit_transform)"
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "the model does not have the Llama module layout (model.embed_tokens/layers/norm/rotary_emb)"

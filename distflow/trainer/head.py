@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distflow.hf import logit_transform
 from distflow.trainer.attention import model_attention_mask
 from distflow.trainer.packing import ModelInputs
 
@@ -92,15 +93,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: float, chunk: int,
-                with_entropy: bool):
+                with_entropy: bool, mult: float = 1.0, cap: float | None = None):
         n = hidden.shape[0]
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = (torch.empty if with_entropy else torch.zeros)(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
-            logits = (hidden[s:s + chunk] @ weight.t()).float()  # [c, V] fp32, one chunk only
-            if inv_temp != 1.0:
-                logits.mul_(inv_temp)
+            logits = _logits(hidden[s:s + chunk], weight, inv_temp, mult, cap)[0]  # [c, V] fp32, one chunk only
             z = torch.logsumexp(logits, dim=-1)
             lse[s:s + chunk] = z
             logp = logits.sub_(z[:, None])  # in place: log-softmax
@@ -110,14 +109,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.inv_temp, ctx.chunk = inv_temp, chunk
+        ctx.inv_temp, ctx.chunk, ctx.mult, ctx.cap = inv_temp, chunk, mult, cap
         ctx.set_materialize_grads(False)  # an unused output (usually entropy) gets None, not zeros
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        inv_temp, chunk = ctx.inv_temp, ctx.chunk
+        inv_temp, chunk, mult, cap = ctx.inv_temp, ctx.chunk, ctx.mult, ctx.cap
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w: Tensor | None = None  # fp32 [V, H], summed over the chunks
@@ -125,9 +124,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_lp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            logits = (h @ weight.t()).float()
-            if inv_temp != 1.0:
-                logits.mul_(inv_temp)
+            logits, squash = _logits(h, weight, inv_temp, mult, cap)
             g = grad_lp[s:s + chunk].float()[:, None]
             logp = logits.sub_(lse[s:s + chunk, None])  # in place: log-softmax
             if grad_ent is not None:  # dH/dlogit_j = -p_j (log p_j + H), folded in before logp is consumed
@@ -137,8 +134,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             else:
                 dlogits = logp.exp_().mul_(-g)  # d lp / d logits = onehot(target) - softmax
             dlogits.scatter_add_(-1, targets[s:s + chunk, None], g)
-            if inv_temp != 1.0:
-                dlogits.mul_(inv_temp)  # the chain factor 1/T
+            if inv_temp * mult != 1.0:
+                dlogits.mul_(inv_temp * mult)  # the chain factors 1/T and the model's multiplier
+            if squash is not None:  # d cap*tanh(x/cap) / dx = 1 - tanh(x/cap)^2
+                dlogits.mul_(squash.square_().neg_().add_(1.0))
             dl = dlogits.to(weight.dtype)  # the matmuls run in the weight's dtype (a no-op in fp32)
             if need_h:
                 grad_h[s:s + chunk] = (dl @ weight).to(hidden.dtype)
@@ -147,12 +146,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w = _add_mm_fp32(grad_w, (dl if fast else dlogits).t(), h)
         if need_w and grad_w is None:  # no tokens
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
+
+
+def _logits(h: Tensor, weight: Tensor, inv_temp: float, mult: float, cap: float | None) -> tuple[Tensor, Tensor | None]:
+    """One chunk's fp32 logits as the model defines them, then tempered: ``cap * tanh(mult * h @ W.T / cap) / T``
+    (no tanh without ``cap``), and ``tanh(...)`` itself when capped (its derivative, for backward), else None."""
+    logits = (h @ weight.t()).float()
+    if mult != 1.0:
+        logits.mul_(mult)
+    squash = None
+    if cap is not None:
+        squash = logits.div_(cap).tanh_()
+        logits = squash.mul(cap)
+    if inv_temp != 1.0:
+        logits.mul_(inv_temp)
+    return logits, squash
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = True,
+                     transform: tuple[float, float | None] = (1.0, None)) -> tuple[Tensor, Tensor]:
     """``log_softmax(hidden @ weight.T / T)[targets]`` and the entropy of that distribution.
+    ``transform``: the model's (multiplier, soft cap) of its logits (:func:`distflow.hf.logit_transform`), applied
+    before the temperature.
 
     hidden [N, H] (any float dtype), weight [V, H] (the LM head, no bias), targets [N] int64.
     Returns (logprobs [N] fp32, entropy [N] fp32), both differentiable w.r.t. hidden and
@@ -172,8 +189,9 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatur
     inv_temp = 1.0 / float(temperature) if temperature > 0 else 1.0
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
+    mult, cap = transform
     return _ChunkedLogprobs.apply(hidden, weight, targets.to(torch.int64), inv_temp, int(chunk_tokens),
-                                  bool(with_entropy))
+                                  bool(with_entropy), float(mult), cap)
 
 
 def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
@@ -181,7 +199,8 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     """Logprobs and entropy of the response tokens of ``inputs`` under a causal LM.
 
     ``model`` is a Hugging Face ``*ForCausalLM`` (``.model`` the decoder, ``.lm_head`` a
-    bias-free Linear). Returns (logprobs [N], entropy [N]) fp32, N = sum(response lens), in
+    bias-free Linear; its config's logit scaling and soft cap are applied, as its own forward
+    does). Returns (logprobs [N], entropy [N]) fp32, N = sum(response lens), in
     the batch's flat ragged order. The decoder runs without KV cache. Packed inputs pass
     their cumulative sample lengths to the attention (``distflow_varlen`` attends per
     sample); with transformers' own implementations the block-diagonal mask comes from the
@@ -195,4 +214,5 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
                          use_cache=False, **attention).last_hidden_state  # [R, L, H]
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]
-    return chunked_logprobs(picked, head.weight, inputs.targets, temperature, chunk_tokens, with_entropy)
+    return chunked_logprobs(picked, head.weight, inputs.targets, temperature, chunk_tokens, with_entropy,
+                            logit_transform(model.config))
