@@ -142,6 +142,17 @@ def test_bad_row_error_names_file_and_line(tmp_path, row):
         s.batch(0, 0, row + 1)
 
 
+@pytest.mark.parametrize("text", ['{"prompt": "x", "n": ' + "1" * 5000 + "}",  # past int's digit limit
+                                  '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"],  # past the parser's depth
+                         ids=["long-int", "deep-nesting"])
+def test_rows_the_json_parser_refuses_otherwise_are_bad_rows_too(tmp_path, text):
+    path = write_jsonl(tmp_path / "odd.jsonl", 6, {2: text})
+    with pytest.raises(DatasetError, match=r"odd\.jsonl:3: invalid JSON"):
+        PromptShard(str(path), 0, 1, shuffle=False).batch(0, 0, 6)
+    skip = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip")
+    assert len(skip.batch(0, 0, 6)) == 5 and skip.bad_rows_skipped == 1
+
+
 def test_line_numbers_count_blank_lines_and_crlf(tmp_path):
     path = tmp_path / "blank.jsonl"
     path.write_bytes(b'{"prompt": "a"}\r\n\r\n\n{"prompt": "b"}\n   \n{"prompt": "c"}')  # no final newline

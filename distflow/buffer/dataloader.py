@@ -87,8 +87,8 @@ class _JsonlSource:
                 raw = f.read(int(self.lengths[r]))
                 try:
                     value = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    value = DatasetError(f"{where}: invalid JSON ({e})")
+                except (ValueError, RecursionError) as e:  # also: over-long ints, nesting past the parser's depth
+                    value = DatasetError(f"{where}: invalid JSON ({type(e).__name__}: {str(e)[:200]})")
                 out.append((r, where, value))
         return out
 
