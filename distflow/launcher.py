@@ -260,8 +260,13 @@ def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
     _wait_all(children, grace_s)
     for c in children:
         if c.proc.poll() is None:
-            os.killpg(c.proc.pid, signal.SIGKILL)
-            c.proc.wait(timeout=5)
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(timeout=5)
+            except ProcessLookupError:  # it exited meanwhile
+                pass
+            except subprocess.TimeoutExpired:  # e.g. stuck in the GPU driver: go on with the others
+                print(f"distflow: {c.node_id} (pid {c.proc.pid}) did not exit 5 s after SIGKILL", file=sys.stderr)
 
 
 def stop_for_checkpoint(children: list[Child], grace_s: float) -> None:
@@ -365,6 +370,10 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
             stop_children(children, grace_s=5.0)
         print(f"distflow: stopped. {resume_hint(cfg.output_dir)}", file=sys.stderr)
         return 130
+    except BaseException:  # the launcher itself failed: never leave the nodes running detached
+        print("distflow: the launcher failed; stopping every node", file=sys.stderr)
+        stop_children(children, grace_s=5.0)
+        raise
     finally:
         bar.close()
     if code:

@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
@@ -201,3 +203,38 @@ def test_a_healing_node_does_not_take_a_peer_back_before_the_trainer_for_its_dea
     assert not_cut_off_witness([member("r", "left", 104.0)], dead_at, 104.5, settle) == "r"
     assert not_cut_off_witness([member("r", "suspect", 90.0)], dead_at, 200.0, settle) is None  # unreachable
     assert not_cut_off_witness([member("r", "dead", 90.0), back], dead_at, 106.0, settle) is None
+
+
+def test_a_failing_launcher_stops_its_children_instead_of_leaving_them_detached(tmp_path, monkeypatch):
+    """Children run in their own sessions, so a launcher that raises (not Ctrl-C) must stop them itself."""
+    import distflow.launcher as launcher
+    import distflow.placement as placement
+    from distflow.core.config import config_from_dict
+    from distflow.core.dag import GRPO_WORKFLOW
+
+    cfg = config_from_dict(dict(model_path="m", dataset="d.jsonl", prompts_per_step=2, workflow=GRPO_WORKFLOW,
+                                output_dir=str(tmp_path)))
+    kids: list[launcher.Child] = []
+
+    def start(*_):
+        for i in range(2):
+            p = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            kids.append(launcher.Child(f"rollout-{i}", "rollout", 1, p, tmp_path / f"{i}.log"))
+        return kids
+
+    def supervise(*_):
+        raise OSError("EMFILE while restarting a node")
+
+    monkeypatch.setattr(launcher, "prepare", lambda cfg: tmp_path / "config.yaml")
+    monkeypatch.setattr(launcher, "plan_placement", lambda cfg: [])
+    monkeypatch.setattr(launcher, "start_children", start)
+    monkeypatch.setattr(launcher, "supervise", supervise)
+    monkeypatch.setattr(placement, "describe", lambda p: "test placement")
+    try:
+        with pytest.raises(OSError, match="EMFILE"):
+            launcher.launch(cfg, progress=False)
+        assert len(kids) == 2 and [k.proc.poll() for k in kids] == [-signal.SIGTERM] * 2
+    finally:
+        for k in kids:
+            if k.proc.poll() is None:
+                k.proc.kill()
