@@ -81,6 +81,10 @@ def test_overrides_typed_nested_and_indexed(tmp_path):
     ({"dtype": "float16", "device": "cuda"}, "dtype float16", "loss scaling"),
     ({"seed": -1}, "seed", "greater than or equal"),
     ({"gpus": 1}, "gpus", "device is cpu"),
+    ({"adam_betas": [1.5, 0.999]}, "adam_betas", "[0, 1)"),
+    ({"adam_betas": [0.9, float("nan")]}, "adam_betas", "[0, 1)"),
+    ({"weight_transport": "nccl"}, "weight_transport: nccl", "device is cpu"),
+    ({"weight_transport": "cuda_ipc"}, "weight_transport: cuda_ipc", "device is cpu"),
 ])
 def test_errors_name_the_key(tmp_path, change, key, needle):
     raw = base()

@@ -176,6 +176,13 @@ class Config(BaseModel):
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):  # also refuses NaN (AdamW would, only once the model is loaded)
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
     grad_clip: float = Field(1.0, gt=0)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
@@ -266,6 +273,9 @@ class Config(BaseModel):
                              "cannot be combined with worker groups (use controller: distributed)")
         if self.device == "cpu" and self.gpus is not None:  # here, not only in placement: --check sees it too
             raise ValueError(f"gpus: {self.gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
+        if self.device == "cpu" and self.weight_transport in ("cuda_ipc", "nccl"):
+            raise ValueError(f"weight_transport: {self.weight_transport} moves weights between GPUs, but device is "
+                             "cpu; use weight_transport: auto or channel (or device: cuda)")
         if self.dtype == "float16":  # bf16 has fp32's exponent range; fp16 needs a loss scaler to train
             raise ValueError("dtype float16: training in float16 needs loss scaling, which DistFlow does not do "
                              "(per-token gradients of ~1e-5 underflow in the half-precision matmuls); use bfloat16 "
