@@ -88,6 +88,17 @@ def test_max_prompt_length_skips_and_counts(engine, toy_model) -> None:
     assert len(empty) == 0 and stats == {"skipped_prompts": 1}
 
 
+def test_prompt_too_long_for_the_model_is_a_counted_skip_not_a_failed_step(engine, toy_model) -> None:
+    """No max_prompt_length: the bound is the model's 64 positions less max_new_tokens (3), so a
+    64-token prompt is skipped and counted while the rest of the step is generated."""
+    assert engine.max_positions == 64
+    cfg = make_cfg(toy_model)
+    stats: dict[str, int] = {}
+    batch = rollout(cfg, engine, ["12=", "1" * 62 + "=", "1" * 59 + "="], stats=stats)  # 4, 64 and 61 tokens
+    assert stats == {"skipped_prompts": 1}
+    assert set(batch.prompt_ids) == {"e0:0", "e0:2"} and len(batch) == 8
+
+
 _COUNTER = itertools.count()
 
 

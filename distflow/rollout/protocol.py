@@ -69,7 +69,9 @@ class Completion:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What a rollout node needs from a generation backend."""
+    """What a rollout node needs from a generation backend. An engine may also have ``max_positions``
+    (positions per sequence, prompt + response; None: unknown): longer prompts are then skipped and
+    counted before ``generate`` (:func:`distflow.rollout.stages.prompt_limit`)."""
 
     version: int
     tokenizer: Any

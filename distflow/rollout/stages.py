@@ -118,6 +118,17 @@ def _need(node: WorkflowNode, batch: SampleBatch | None) -> SampleBatch:
 
 
 # ----------------------------------------------------------------------------- stages
+def prompt_limit(engine: RolloutEngine, cfg: Config) -> int | None:
+    """The longest prompt (tokens) a step generates from: ``max_prompt_length``, and at most the engine's
+    ``max_positions`` (when it has one) less ``max_new_tokens``, so a prompt too long for the model's
+    context is a counted skip, not an error that fails the whole step. None: no bound."""
+    limits = [] if cfg.max_prompt_length is None else [cfg.max_prompt_length]
+    positions = getattr(engine, "max_positions", None)
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        limits.append(positions - cfg.max_new_tokens)
+    return min(limits) if limits else None
+
+
 def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], seed: int,
                   stats: dict[str, float] | None = None, weights_update: Callable[[], Any] | None = None) -> SampleBatch:
     """Sample ``group_size`` responses per prompt. Each sample carries ``policy_version`` (the
@@ -129,9 +140,14 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
         if stats is not None:
             stats["bad_prompts"] = stats.get("bad_prompts", 0) + len(bad)
     keep = [i for i, p in enumerate(encoded) if not isinstance(p, str)]
-    if cfg.max_prompt_length is not None:
-        short = [i for i in keep if len(encoded[i]) <= cfg.max_prompt_length]
-        if stats is not None:
+    limit = prompt_limit(engine, cfg)
+    if limit is not None:
+        short = [i for i in keep if len(encoded[i]) <= limit]
+        if len(short) < len(keep):
+            log.warning("skipping %d prompt(s) longer than %d tokens (max_prompt_length %s; the model's %s "
+                        "positions less max_new_tokens %d)", len(keep) - len(short), limit, cfg.max_prompt_length,
+                        getattr(engine, "max_positions", None), cfg.max_new_tokens)
+        if stats is not None and (len(short) < len(keep) or cfg.max_prompt_length is not None):
             stats["skipped_prompts"] = stats.get("skipped_prompts", 0) + len(keep) - len(short)
         keep = short
     rows, prompts = [rows[i] for i in keep], [encoded[i] for i in keep]

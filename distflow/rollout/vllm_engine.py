@@ -66,6 +66,8 @@ class VLLMEngine:
         self.llm = LLM(model=str(path), dtype=str(dt).removeprefix("torch."), max_num_seqs=max_batch_size,
                        **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        # positions per sequence (prompt + response): longer prompts are skipped and counted (rollout.stages)
+        self.max_positions: int | None = getattr(self.llm.llm_engine.model_config, "max_model_len", None)
         self.version = 0
         self._warned_filters = False
 
