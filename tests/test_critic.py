@@ -96,6 +96,26 @@ def test_values_train_and_resume(group, toy_model, tmp_path) -> None:
     assert torch.allclose(from_path.values(batch_of(5, seed=1)).tensors["values"], before, atol=1e-6)
 
 
+def test_value_head_computes_in_fp32_under_bf16_and_values_leave_the_model_sharded(group, toy_model) -> None:
+    """dtype bfloat16: the decoder computes in bf16, but the value head is an fp32 unit of its own, so a
+    bias bf16 cannot hold comes out exact (through the root's policy it came out bf16-rounded); and the
+    no-grad values pass reshards the root (FSDP2 keeps a root gathered until the next backward)."""
+    from torch.distributed.tensor import DTensor
+
+    critic = Critic(make_cfg(toy_model, dtype="bfloat16"))
+    with torch.no_grad():
+        critic.model.value_head.bias.fill_(0.7001)  # bf16 rounds it to 0.69921875
+    b = critic.values(batch_of(3))
+    assert b.tensors["values"].dtype == torch.float32
+    assert torch.allclose(b.tensors["values"], torch.full_like(b.tensors["values"], 0.7001), atol=1e-6, rtol=0)
+    gathered = [n for n, p in critic.model.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered, gathered[:5]
+    # the head still trains: its gradient reaches the fp32 master
+    b.set_ragged("returns", torch.ones_like(b.tensors["values"]))
+    critic.update(make_cfg(toy_model).plan().node("critic_update"), b)
+    assert critic.model.value_head.bias.full_tensor().item() != pytest.approx(0.7001, abs=1e-6)
+
+
 def test_activation_checkpointing_covers_the_critic(group, toy_model) -> None:
     """activation_checkpointing checkpoints the critic's decoder layers too (it is as large as the
     actor), and the update is the same step."""

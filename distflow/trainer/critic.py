@@ -69,10 +69,9 @@ class ValueModel(torch.nn.Module):
         hidden = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                             use_cache=False, **attention).last_hidden_state  # [R, L, H]
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-        head = self.value_head
-        bias = None if head.bias is None else head.bias.float()
-        # clone: an FSDP2 root must not return a view (an in-place op on it would skip its hooks)
-        return torch.nn.functional.linear(picked.float(), head.weight.float(), bias).squeeze(-1).clone()
+        # the head is an fp32 FSDP unit of its own (Critic: shard_fp32's fp32_modules), called as a module so its
+        # hooks gather fp32 weights; clone: an FSDP2 root must not return a view (an in-place op would skip its hooks)
+        return self.value_head(picked.float()).squeeze(-1).clone()
 
 
 def build_value_model(path: str) -> ValueModel:
@@ -151,7 +150,7 @@ class Critic:
 
         # only rank 0 reads the weights; every rank shards a meta model and gets its shards from rank 0
         self.model = shard_fp32(lambda: build_value_model(source), lambda: meta_value_model(source), mesh,
-                                self.device, DTYPES[cfg.dtype], prepare).train()
+                                self.device, DTYPES[cfg.dtype], prepare, lambda vm: [vm.value_head]).train()
         self.config = self.model.config
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic_lr or cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
@@ -173,6 +172,9 @@ class Critic:
             v = self._forward(inputs)
             if chunk is not None:
                 parts.append((chunk, inputs.response_lens, v))
+        # no backward follows, so FSDP2 would keep the root's gathered parameters (embeddings, norm, head) until
+        # the next forward, through the actor's update: free them now (as the actor does for the reference)
+        self.model.reshard()
         batch.set_ragged("values", ragged_in_batch_order(parts, len(batch)))
         return batch
 

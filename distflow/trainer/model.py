@@ -59,17 +59,22 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def shard_mixed_precision(model: torch.nn.Module, mesh: Any, compute_dtype: torch.dtype,
-                          layers: Any = None) -> torch.nn.Module:
+                          layers: Any = None, fp32_modules: Any = ()) -> torch.nn.Module:
     """``fully_shard`` each of ``layers`` (default: the decoder layers, ``model.model.layers``)
     and then ``model``, with ``MixedPrecisionPolicy(param_dtype=compute_dtype,
     reduce_dtype=float32)`` unless ``compute_dtype`` is fp32. The parameters are fp32 (the
     master weights), or already ``compute_dtype`` for a frozen model (FSDP2 then casts
-    nothing). Returns ``model``."""
+    nothing). ``fp32_modules`` (e.g. the critic's value head) are units of their own that
+    compute in fp32 (the root's policy would hand them bf16-rounded weights); they must be
+    called as modules, so their hooks run. Returns ``model``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh}
     if compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for m in fp32_modules:
+            fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                     reduce_dtype=torch.float32))
     if layers is None:
         layers = getattr(getattr(model, "model", model), "layers", None) or []
     for layer in layers:
@@ -117,11 +122,13 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
 
 def shard_fp32(load: Callable[[], torch.nn.Module], meta: Callable[[], torch.nn.Module], mesh: Any,
                device: torch.device, compute_dtype: torch.dtype,
-               prepare: Callable[[torch.nn.Module], Any] = lambda m: None) -> torch.nn.Module:
+               prepare: Callable[[torch.nn.Module], Any] = lambda m: None,
+               fp32_modules: Callable[[torch.nn.Module], list[torch.nn.Module]] = lambda m: []) -> torch.nn.Module:
     """A model sharded on ``mesh`` (:func:`shard_mixed_precision`), on ``device``, in the dtype
     ``load``/``meta`` build it in: fp32 master weights to train, the compute dtype for a frozen
     model. ``load()`` gives the whole model in host memory, ``meta()`` its structure on the meta
-    device; ``prepare(model)`` runs before sharding. One rank: the loaded model, moved. More:
+    device; ``prepare(model)`` runs before sharding, ``fp32_modules(model)`` names the submodules that
+    compute in fp32 (:func:`shard_mixed_precision`). One rank: the loaded model, moved. More:
     only mesh rank 0 loads, every rank shards ``meta()``, and the shards come from rank 0
     (:func:`load_from_rank0`), so no rank holds the whole model on its GPU."""
     full = None
@@ -131,7 +138,7 @@ def shard_fp32(load: Callable[[], torch.nn.Module], meta: Callable[[], torch.nn.
         full = load() if mesh.get_local_rank() == 0 else None
         model = meta()
     prepare(model)
-    shard_mixed_precision(model, mesh, compute_dtype)
+    shard_mixed_precision(model, mesh, compute_dtype, fp32_modules=fp32_modules(model))
     if mesh.size() > 1:
         model.to_empty(device=device)
         load_from_rank0(model, full, mesh)
