@@ -365,3 +365,38 @@ def test_vllm_request_seeds_of_consecutive_steps_do_not_overlap() -> None:
     step1 = [request_seed(1001, i) for i in range(256)]
     assert len(set(step0)) == 256 and not set(step0) & set(step1)
     assert all(0 <= s < 2 ** 31 for s in step0 + step1) and request_seed(1000, 3) == step0[3]  # deterministic
+
+
+def test_hf_loop_reads_stop_flags_every_sync_every_steps(model_dir: str, prompts: list[list[int]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HF generate loop (architectures the static-cache runner does not drive) reads the stop flags
+    back to the host only every ``sync_every`` steps (8 on a GPU; a read waits for the GPU to drain),
+    not once per token; finished rows meanwhile emit pads, so the completions are the same. Reads are
+    counted as ``bool(tensor)`` calls made by torch_engine.py (generate runs in inference mode, which a
+    dispatch mode does not see)."""
+    import traceback
+
+    eng = TorchEngine(model_dir)
+    try:
+        eng.runner = None  # the HF loop, as for an unsupported architecture
+        every_step = eng.generate(prompts * 2, SamplingParams(max_new_tokens=24, temperature=1.0), seed=5)
+        reads = {"n": 0}
+        plain_bool = torch.Tensor.__bool__
+
+        def counting_bool(t: torch.Tensor) -> bool:
+            if traceback.extract_stack(limit=2)[0].filename.endswith("torch_engine.py"):
+                reads["n"] += 1
+            return plain_bool(t)
+
+        monkeypatch.setattr(torch.Tensor, "__bool__", counting_bool)
+        eng.sync_every = 8
+        counts = {}
+        for n in (8, 24):
+            reads["n"] = 0
+            out = eng.generate(prompts * 2, SamplingParams(max_new_tokens=n, temperature=1.0), seed=5)
+            counts[n] = reads["n"]
+        assert [(c.tokens, c.finish_reason) for c in out] == [(c.tokens, c.finish_reason) for c in every_step]
+        assert [c.logprobs for c in out] == [c.logprobs for c in every_step]
+        assert counts[24] - counts[8] <= 2, counts  # one read per 8 steps; it was one per step (16 more)
+    finally:
+        eng.close()

@@ -215,7 +215,9 @@ class TorchEngine:
             hit = torch.isin(tok, stop) & ~stopped
             lengths = torch.where(hit, step + 1, lengths)
             stopped |= hit
-            if step == n - 1 or bool(stopped.all()):
+            # the host looks at the stop flags every sync_every steps (a read of a device tensor waits for
+            # the GPU to drain; finished rows meanwhile emit pad tokens that are cut off below)
+            if step == n - 1 or ((step + 1) % self.sync_every == 0 and bool(stopped.all())):
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
             next_pos = next_pos + 1
