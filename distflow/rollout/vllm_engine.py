@@ -67,7 +67,8 @@ class VLLMEngine:
                        **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         # positions per sequence (prompt + response): longer prompts are skipped and counted (rollout.stages)
-        self.max_positions: int | None = getattr(self.llm.llm_engine.model_config, "max_model_len", None)
+        model_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)  # moves between versions
+        self.max_positions: int | None = getattr(model_config, "max_model_len", None)
         self.version = 0
         self._warned_filters = False
 
