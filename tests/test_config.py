@@ -85,6 +85,7 @@ def test_overrides_typed_nested_and_indexed(tmp_path):
     ({"adam_betas": [0.9, float("nan")]}, "adam_betas", "[0, 1)"),
     ({"weight_transport": "nccl"}, "weight_transport: nccl", "device is cpu"),
     ({"weight_transport": "cuda_ipc"}, "weight_transport: cuda_ipc", "device is cpu"),
+    ({"tis_cap": 2.0}, "tis_cap", "recompute_old_logprobs: true"),  # else every weight is 1: TIS silently off
 ])
 def test_errors_name_the_key(tmp_path, change, key, needle):
     raw = base()
@@ -107,6 +108,36 @@ def test_kl_in_reward_needs_a_token_level_estimator():
     assert load_config(QUICKSTART, ["kl_in_reward=true", "kl_coef=0"]).kl_in_reward  # no KL: nothing is lost
     ppo = load_config(ROOT / "examples" / "ppo_quickstart.yaml")
     assert ppo.kl_in_reward and ppo.kl_coef > 0 and ppo.kl_reward_estimator == "k1"
+
+
+def test_gspo_gets_its_own_clip_range_unless_set():
+    """GSPO's sequence ratio stays within ~1e-3 of 1: PPO's 0.2 would never clip it. An unset
+    clip range takes the loss's own (the table equals gspo_loss's keyword defaults); a set one
+    is kept, and other losses keep 0.2."""
+    import inspect
+
+    from distflow.rl.losses import gspo_loss
+    from distflow.rl.names import LOSS_CLIP_DEFAULTS
+
+    sig = inspect.signature(gspo_loss).parameters
+    assert LOSS_CLIP_DEFAULTS["gspo"] == (sig["clip_low"].default, sig["clip_high"].default)
+    raw = base()
+    for k in ("clip_low", "clip_high"):
+        raw.pop(k, None)
+    update = next(n for n in raw["workflow"] if n["type"] == "MODEL_TRAIN")
+    assert (load_config_dict(raw).clip_low, load_config_dict(raw).clip_high) == (0.2, 0.2)
+    update["fn"] = "gspo"
+    cfg = load_config_dict(raw)
+    assert (cfg.clip_low, cfg.clip_high) == (3e-4, 4e-4)
+    raw["clip_high"] = 1e-3
+    cfg = load_config_dict(raw)
+    assert (cfg.clip_low, cfg.clip_high) == (3e-4, 1e-3)
+
+
+def load_config_dict(raw: dict):
+    from distflow.core.config import Config
+
+    return Config.model_validate(raw)
 
 
 def test_workflow_errors_name_the_node(tmp_path):

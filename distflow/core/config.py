@@ -21,15 +21,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, load_workflow, plan
+from distflow.rl.names import LOSS_CLIP_DEFAULTS, TOKEN_ESTIMATOR_NAMES  # torch-free name tables
 
 
 RESERVED_GROUPS = ("rollout", "trainer", "controller")
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
-
-
-# The token-level advantage estimators (distflow.rl.registry.TOKEN_ESTIMATORS; a test keeps them equal):
-# the only ones that read per-token rewards, and so the KL penalty of kl_in_reward.
-TOKEN_ESTIMATOR_NAMES = ("gae",)
 
 
 class ConfigError(ValueError):
@@ -184,8 +180,8 @@ class Config(BaseModel):
             raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
         return v
     grad_clip: float = Field(1.0, gt=0)
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
+    clip_low: float = Field(0.2, ge=0, description="ratio clip below 1; default 0.2 (gspo: 3e-4)")
+    clip_high: float = Field(0.2, ge=0, description="ratio clip above 1; default 0.2 (gspo: 4e-4)")
     kl_coef: float = Field(0.0, ge=0)
     # -- algorithm (docs/algorithms.md) -------------------------------------------
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
@@ -232,6 +228,18 @@ class Config(BaseModel):
                              f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the "
                              "run would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae "
                              "node")
+        for n in self.workflow:  # a loss's own clip range where the config leaves it unset
+            if n.role.value == "ACTOR" and n.type.value == "MODEL_TRAIN" and n.fn in LOSS_CLIP_DEFAULTS:
+                low, high = LOSS_CLIP_DEFAULTS[n.fn]
+                if "clip_low" not in self.model_fields_set:
+                    self.clip_low = low
+                if "clip_high" not in self.model_fields_set:
+                    self.clip_high = high
+        if self.tis_cap is not None and not self.recompute_old_logprobs:
+            raise ValueError("tis_cap: truncated importance sampling weighs the proximal policy (the trainer's "
+                             "recomputed old logprobs) against the engine's; without recompute_old_logprobs: true "
+                             "both are the engine's, every weight is 1 and tis_cap does nothing. Set "
+                             "recompute_old_logprobs: true, or remove tis_cap")
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer: overlong: penalty needs 0 < overlong_buffer <= max_new_tokens "
                              f"({self.max_new_tokens}), got {self.overlong_buffer}")

@@ -10,3 +10,8 @@ ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_base
 TOKEN_ESTIMATOR_NAMES = ("gae",)
 COMPUTE_NAMES = ADVANTAGE_NAMES + TOKEN_ESTIMATOR_NAMES + ("dynamic_sampling",)
 POLICY_LOSS_NAMES = ("grpo", "ppo", "dapo", "reinforce_pp", "gspo", "cispo")
+
+# A policy loss whose ratio lives on another scale than PPO's token ratio has its own clip range:
+# the config applies it when clip_low / clip_high are not set (a test keeps it equal to the
+# losses' keyword defaults). GSPO's sequence ratio stays within ~1e-3 of 1 (its paper's 3e-4 / 4e-4).
+LOSS_CLIP_DEFAULTS = {"gspo": (3e-4, 4e-4)}
