@@ -96,11 +96,12 @@ def node_main(argv: Sequence[str] | None = None) -> int:
               f"({', '.join(cfg.worker_groups) or 'none configured'})", file=sys.stderr)
         return 2
     role = args.group if args.role == "worker" else args.role  # a worker's mesh role is its group's name
-    node_id = args.node_id or f"{role}-{host}-{args.port}"
-    if args.check:
-        from distflow.launcher import check_functions
+    # With --port 0 the port is not known yet: the pid keeps two such nodes of one host apart.
+    node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
+    from distflow.launcher import check_functions
 
-        check_functions(cfg)
+    check_functions(cfg)  # every start, not only --check: a typo in a fn is named now, not at step 1
+    if args.check:
         print(f"ok: {node_id} role={role} host={host} seeds={seeds or '(first node)'} "
               f"pipeline={[n.id for n in cfg.plan().pipelines.get(role, [])]}")
         return 0

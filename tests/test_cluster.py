@@ -203,6 +203,21 @@ def test_node_check_validates_without_joining(tmp_path):
                                "--advertise-host", "10.1.2.3", "--check"],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
+    # --port 0 (the default): two nodes of one host still get distinct default ids
+    ids = [subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, "--check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60).stdout.split()[1] for _ in range(2)]
+    assert ids[0] != ids[1] and all(i.startswith("rollout-127.0.0.1-pid") for i in ids), ids
+
+
+def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
+    """Every start resolves the workflow's functions (not only --check): a typo is named before the
+    node joins anything, instead of failing its pipeline at step 1 (here: it would wait for peers)."""
+    env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
+    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+    r = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, f"output_dir={tmp_path}",
+                              "workflow.1.fn=exact_matchh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "workflow node 'reward'" in r.stderr and "exact_match" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.gpu
