@@ -110,6 +110,19 @@ def test_kl_in_reward_needs_a_token_level_estimator():
     assert ppo.kl_in_reward and ppo.kl_coef > 0 and ppo.kl_reward_estimator == "k1"
 
 
+def test_kl_coef_needs_a_reference_node():
+    """Without a reference node there are no reference logprobs, and the trainer applied no KL at all."""
+    raw = base()
+    assert raw["kl_coef"] > 0
+    raw["workflow"] = [n for n in raw["workflow"] if n["role"] != "REFERENCE"]
+    for n in raw["workflow"]:
+        n["deps"] = [d for d in n.get("deps", []) if d != "reference"]
+    with pytest.raises(ValueError, match=r"kl_coef: .* no REFERENCE MODEL_INFERENCE node"):
+        load_config_dict(raw)
+    raw["kl_coef"] = 0.0
+    assert load_config_dict(raw).kl_coef == 0
+
+
 def test_gspo_gets_its_own_clip_range_unless_set():
     """GSPO's sequence ratio stays within ~1e-3 of 1: PPO's 0.2 would never clip it. An unset
     clip range takes the loss's own (the table equals gspo_loss's keyword defaults); a set one

@@ -249,6 +249,54 @@ def test_needs_a_model_train_node() -> None:
     assert msg.startswith("workflow has no MODEL_TRAIN node (nodes: 'generate', 'reward', 'advantage', 'reference')")
 
 
+def _edit(base: list[dict[str, Any]], drop: tuple[str, ...] = (), **deps: list[str]) -> list[dict[str, Any]]:
+    """A copy of ``base`` without the nodes ``drop``, with the deps of the nodes named in ``deps`` replaced."""
+    out = [copy.deepcopy(n) for n in base if n["id"] not in drop]
+    for n in out:
+        if n["id"] in deps:
+            n["deps"] = deps[n["id"]]
+    return out
+
+
+@pytest.mark.parametrize("nodes, expected", [
+    # no generate node: nothing produces samples (the reference model reads none)
+    ([node("reference", role="REFERENCE", type="MODEL_INFERENCE", fn="ref_logprob"),
+      node("advantage", fn="f", deps=["reference"]), node("update", type="MODEL_TRAIN", deps=["advantage"])],
+     "workflow has no ACTOR MODEL_INFERENCE (generate) node (nodes: 'reference', 'advantage', 'update'): "
+     "nothing would produce samples"),
+    # GRPO's estimator fed straight from generate: no rewards to normalise
+    (_edit(GRPO_WORKFLOW, ("reward",), advantage=["generate"]),
+     "node 'advantage' (role ACTOR): grpo reads rewards, but no node upstream of it (key 'deps', directly or "
+     "through its deps) is a REWARD node"),
+    # the update fed by the reference only: no advantages
+    (_edit(GRPO_WORKFLOW, update=["reference"]),
+     "node 'update' (role ACTOR): grpo reads advantages, but no node upstream of it (key 'deps', directly or "
+     "through its deps) is an advantage estimator"),
+    # a filter is not an estimator
+    (_edit(GRPO_WORKFLOW, ("advantage",), update=["ds", "reference"])
+     + [node("ds", fn="dynamic_sampling", deps=["reward"])],
+     "node 'update' (role ACTOR): grpo reads advantages"),
+    # gae without the critic's values; the critic update without gae's returns
+    (_edit(PPO_WORKFLOW, gae=["reward"]),
+     "node 'gae' (role ACTOR): gae reads values, but no node upstream of it (key 'deps', directly or through its "
+     "deps) is a CRITIC MODEL_INFERENCE (values) node"),
+    (_edit(PPO_WORKFLOW, critic_update=["values", "reward"]),
+     "node 'critic_update' (role CRITIC): value_loss reads returns, but no node upstream of it (key 'deps', "
+     "directly or through its deps) is a gae node (the value targets)"),
+])
+def test_each_stage_input_is_made_upstream(nodes, expected) -> None:
+    """Shapes that plan but would fail at step 1 (after every model has loaded) are named here."""
+    assert plan_error(nodes).startswith(expected)
+
+
+def test_inputs_may_come_through_deps_and_custom_estimators_count() -> None:
+    # rewards reach the estimator through a filter; a custom ACTOR COMPUTE fn feeds the update
+    p = plan(_edit(GRPO_WORKFLOW, advantage=["ds"]) + [node("ds", fn="dynamic_sampling", deps=["reward"])], SIZES)
+    assert p.group_of["ds"] == "rollout"
+    plan(_edit(GRPO_WORKFLOW, ("advantage",), update=["mine", "reference"]) + [node("mine", fn="pkg.m:adv",
+                                                                                   deps=["generate"])], SIZES)
+
+
 def test_at_most_one_generate_node_without_deps() -> None:
     msg = plan_error(wf(node("generate2", type="MODEL_INFERENCE")))
     assert msg == "at most one ACTOR MODEL_INFERENCE (generate) node is allowed, got 'generate', 'generate2'"

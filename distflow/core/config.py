@@ -235,6 +235,10 @@ class Config(BaseModel):
                     self.clip_low = low
                 if "clip_high" not in self.model_fields_set:
                     self.clip_high = high
+        if self.kl_coef > 0 and not any(n.role.value == "REFERENCE" for n in self.workflow):
+            raise ValueError(f"kl_coef: {self.kl_coef} penalises the KL to the reference model, but the workflow has "
+                             "no REFERENCE MODEL_INFERENCE node, so no KL would be applied. Add one (fn: ref_logprob, "
+                             "deps: [generate], a dep of the update) or set kl_coef: 0")
         if self.tis_cap is not None and not self.recompute_old_logprobs:
             raise ValueError("tis_cap: truncated importance sampling weighs the proximal policy (the trainer's "
                              "recomputed old logprobs) against the engine's; without recompute_old_logprobs: true "

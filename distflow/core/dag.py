@@ -24,6 +24,11 @@ Planning rules
 * every node's group must have workers (a positive size in ``group_sizes``).
 * at least one MODEL_TRAIN node; at most one ACTOR MODEL_INFERENCE (generate) node, and
   it has no deps (it reads prompts from the dataloader).
+* what a stage reads is made upstream of it (a dep, or a dep's dep): a generate node exists;
+  a built-in estimator or filter (``grpo``, ``gae``, ``dynamic_sampling``, ...) has a REWARD
+  node upstream, and ``gae`` a CRITIC MODEL_INFERENCE (values) one; ACTOR MODEL_TRAIN has an
+  advantage estimator (an ACTOR COMPUTE node other than ``dynamic_sampling``), and CRITIC
+  MODEL_TRAIN a ``gae`` node (its returns). Else the run would fail at step 1, after loading.
 * every (role, type) must have an executor stage on its group (:data:`STAGE_GROUPS`): e.g.
   generation only on ``rollout``, training and the reference/critic models only on
   ``trainer``; REFERENCE COMPUTE or a REWARD MODEL_TRAIN node has no stage anywhere. The
@@ -38,6 +43,8 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Sequence
+
+from distflow.rl.names import COMPUTE_NAMES, TOKEN_ESTIMATOR_NAMES  # torch-free name tables
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -325,6 +332,39 @@ def _depths(nodes: list[WorkflowNode], by_id: dict[str, WorkflowNode]) -> dict[s
     return depth
 
 
+def _check_inputs(order: list[WorkflowNode], by_id: dict[str, WorkflowNode]) -> None:
+    """Each node's inputs are made upstream of it (module docstring); ``order`` is topological."""
+    if not any(n.role is Role.ACTOR and n.type is NodeType.MODEL_INFERENCE for n in order):
+        raise WorkflowError(f"workflow has no ACTOR MODEL_INFERENCE (generate) node (nodes: "
+                            f"{', '.join(repr(n.id) for n in order)}): nothing would produce samples")
+
+    def made(n: WorkflowNode) -> set[str]:  # what a node adds to the samples it passes on
+        if n.role is Role.REWARD:
+            return {"rewards"}
+        if n.role is Role.CRITIC and n.type is NodeType.MODEL_INFERENCE:
+            return {"values"}
+        if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn != "dynamic_sampling":
+            return {"advantages", "returns"} if n.fn in TOKEN_ESTIMATOR_NAMES else {"advantages"}
+        return set()
+
+    upstream: dict[str, set[str]] = {}
+    for n in order:
+        up = upstream[n.id] = set().union(*(upstream[d] | made(by_id[d]) for d in n.deps))
+        needs: list[tuple[str, str]] = []
+        if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn in COMPUTE_NAMES:
+            needs.append(("rewards", "a REWARD node"))
+            if n.fn in TOKEN_ESTIMATOR_NAMES:
+                needs.append(("values", "a CRITIC MODEL_INFERENCE (values) node"))
+        elif n.role is Role.ACTOR and n.type is NodeType.MODEL_TRAIN:
+            needs.append(("advantages", "an advantage estimator (an ACTOR COMPUTE node such as grpo or gae)"))
+        elif n.role is Role.CRITIC and n.type is NodeType.MODEL_TRAIN:
+            needs.append(("returns", f"a {' or '.join(TOKEN_ESTIMATOR_NAMES)} node (the value targets)"))
+        for what, maker in needs:
+            if what not in up:
+                raise WorkflowError(f"{n.label}: {n.fn} reads {what}, but no node upstream of it (key 'deps', "
+                                    f"directly or through its deps) is {maker}")
+
+
 def _flow_order(sizes: dict[str, int]) -> list[str]:
     return [ROLLOUT] + [g for g in sizes if g not in (ROLLOUT, TRAINER)] + [TRAINER]
 
@@ -372,6 +412,7 @@ def plan(nodes: Sequence[WorkflowNode] | Sequence[Mapping[str, Any]], group_size
     depth = _depths(wf, by_id)
     decl = {n.id: i for i, n in enumerate(wf)}
     order = sorted(wf, key=lambda n: (depth[n.id], decl[n.id]))
+    _check_inputs(order, by_id)
     flow = _flow_order(sizes)
     rank = {g: i for i, g in enumerate(flow)}
 
