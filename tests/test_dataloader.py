@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from distflow.buffer.dataloader import DatasetError, PromptRow, PromptShard
+from distflow.buffer.dataloader import BadRowPolicy, DatasetError, PromptRow, PromptShard, keep_row
 
 
 def write_jsonl(path: Path, n: int, extra_lines: dict[int, str] | None = None) -> Path:
@@ -224,3 +224,40 @@ def test_bad_arguments_and_files(tmp_path, data):
     empty.write_text("")
     with pytest.raises(DatasetError, match="empty.jsonl: the prompt file has no rows"):
         PromptShard(str(empty), 0, 1)  # else the run would start, send nothing, and time out waiting for step 0
+
+
+def test_a_later_check_rejects_a_row_through_its_loaders_policy(tmp_path, caplog):
+    """A key the loader is not told of (a reward's) is checked after reading: the row names its
+    file and line, and is raised or skipped and counted by the same policy, in the same counter,
+    for the step's rows and the refill rows (reserve) alike."""
+    lines = {2: json.dumps({"prompt": "q2"}), 7: json.dumps({"prompt": "q7", "answer": None})}
+    path = write_jsonl(tmp_path / "p.jsonl", 10, lines)
+    needed = {"answer": "reward 'gsm8k' (workflow node 'reward')"}
+    unused = BadRowPolicy("error")  # rows a loader read never fall back to it
+
+    skip = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip")
+    rows = skip.batch(0, 0, 5)
+    assert [r.where for r in rows] == [f"{path}:{i}" for i in range(1, 6)] and len(rows) == 5
+    with caplog.at_level("WARNING", logger="distflow.buffer.dataloader"):
+        kept = [r.row_index for r in rows if keep_row(r, needed, unused)]
+    assert kept == [0, 1, 3, 4] and skip.bad_rows_skipped == 1 and unused.skipped == 0
+    assert (f"skipping bad row #1 (bad_rows: skip): {path}:3: missing key 'answer', which reward 'gsm8k' "
+            f"(workflow node 'reward') reads (prompt e0:2; the row has ['prompt'])") in caplog.text
+    refill = skip.reserve(0, 0, 0, 5, local_batch=5)  # rows 5..9: a null counts as missing too
+    with caplog.at_level("WARNING", logger="distflow.buffer.dataloader"):
+        assert sorted(r.row_index for r in refill if keep_row(r, needed, unused)) == [5, 6, 8, 9]
+    assert skip.bad_rows_skipped == 2 and f"{path}:8: key 'answer' is null, which reward 'gsm8k'" in caplog.text
+
+    strict = PromptShard(str(path), 0, 1, shuffle=False)
+    with pytest.raises(DatasetError, match=rf"p\.jsonl:3: missing key 'answer', which reward 'gsm8k' \(workflow "
+                                           rf"node 'reward'\) reads \(prompt e0:2; the row has \['prompt'\]\)"):
+        [keep_row(r, needed, BadRowPolicy("skip")) for r in strict.batch(0, 0, 5)]
+
+    # a row no loader read (no location, no policy): the fallback policy decides, named by prompt id
+    fallback = BadRowPolicy("skip")
+    assert not keep_row(PromptRow("x:1", 1, {"prompt": "q"}), needed, fallback) and fallback.skipped == 1
+    assert keep_row(PromptRow("x:2", 2, {"prompt": "q", "answer": 0}), needed, fallback)
+    with pytest.raises(DatasetError, match=r"^prompt x:3: missing key 'answer'.*the row has list"):
+        keep_row(PromptRow("x:3", 3, [1]), needed, BadRowPolicy("error"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bad_rows must be 'error' or 'skip'"):
+        BadRowPolicy("ignore")

@@ -12,6 +12,7 @@ from distflow.rollout.rewards import (
     register_reward,
     registered_rewards,
     resolve_reward,
+    reward_keys,
 )
 
 
@@ -67,6 +68,9 @@ def test_successor(response: str, expected: float) -> None:
         ("The answer is 5 + 3 = 8.", "8", 1.0),  # the result after '=', not the first operand
         ("Answer: 3 boxes * $4 = $12", "12", 1.0),
         ("The answer is 3.5 hours. Then 2 = 2.", "3.5", 1.0),  # the '=' of another sentence is not it
+        # a box with braces inside: matched, not skipped for the last number of the text
+        ("Half of it: \\boxed{\\frac{1}{2}} of 4 pies", "0.5", 1.0),
+        ("So \\boxed{1{,}000} dollars, 2 weeks", "1000", 1.0),
     ],
 )
 def test_gsm8k(response: str, answer: object, expected: float) -> None:
@@ -87,6 +91,70 @@ def test_extract_final_number() -> None:
     assert extract_final_number("3 then 4.25.") == 4.25
     assert extract_final_number("#### -7") == -7.0
     assert extract_final_number("no digits") is None
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("\\boxed{\\frac{1}{2}}", 0.5),
+        ("\\boxed{\\dfrac{3}{4}} hours", 0.75),  # \dfrac, \tfrac: the same fraction
+        ("\\boxed{-\\tfrac{3}{8}}", -0.375),
+        ("\\boxed{\\frac{-3}{8}}", -0.375),
+        ("\\boxed{\\frac72}", 3.5),  # LaTeX's shorthand for \frac{7}{2}
+        ("\\boxed{2\\frac{1}{4}}", 2.25),  # a mixed number: 2 + 1/4
+        ("\\boxed{x = \\frac{3}{8}}", 0.375),
+        ("\\boxed{1{,}000}", 1000.0),  # LaTeX's thousands comma
+        ("\\boxed{1{,}234{,}567}", 1234567.0),
+        ("\\boxed{1\\,234}", 1234.0),  # a thin space as thousands separator
+        ("\\boxed{3/4}", 0.75),  # a box that is only a ratio
+        ("\\boxed{\\text{72 apples}}", 72.0),
+        ("\\boxed{\\{3\\}}", 3.0),  # escaped braces are literal, not grouping
+        ("\\boxed{12} first, finally \\boxed{\\frac{7}{2}}", 3.5),  # the LAST box
+        ("\\boxed{\\frac{7}{2}} then cut off: \\boxed{\\frac{9}{", 3.5),  # a box left open is none
+        ("\\boxed{\\boxed{5}}", 5.0),
+        ("\\boxed {6}", 6.0),
+        ("\\boxed{\\frac{1}{0}} #### 7", 7.0),  # no number in the box: the next rule
+        ("\\boxed{\\text{none}} #### 7", 7.0),
+        ("}} stray \\boxed{4} {{", 4.0),
+    ],
+)
+def test_boxed_answers_with_braces_inside(text: str, expected: float) -> None:
+    assert extract_final_number(text) == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_boxed_parse_is_linear_on_hostile_text() -> None:
+    import time
+
+    t0 = time.perf_counter()
+    assert extract_final_number("\\boxed{" * 100_000 + "1") == 1.0  # no box closes: the last number
+    assert extract_final_number("{" * 100_000 + "}" * 100_000 + "\\boxed{2}") == 2.0
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_rewards_declare_the_row_keys_they_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("successor", "gsm8k", "exact_match"):
+        assert reward_keys(resolve_reward(name)) == ("answer",)
+
+    @register_reward("test_reads_label", required_keys="label")  # one key, not its letters
+    def reads_label(response: str, row: dict) -> float:
+        return float(response == row["label"])
+
+    assert reads_label.required_keys == ("label",) and reward_keys(reads_label) == ("label",)
+    with pytest.raises(ValueError, match="required_keys must be a sequence of non-empty strings"):
+        register_reward("test_bad_keys", required_keys=("answer", ""))
+    # a package.module:function declares them as an attribute; one that declares none still works
+    mod = types.ModuleType("distflow_test_keyed_rewards")
+    mod.undeclared = lambda response, row: 1.0  # type: ignore[attr-defined]
+    mod.declared = lambda response, row: float(response == row["gold"])  # type: ignore[attr-defined]
+    mod.declared.required_keys = ("gold", "prompt")  # type: ignore[attr-defined]
+    mod.broken = lambda response, row: 0.0  # type: ignore[attr-defined]
+    mod.broken.required_keys = 5  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "distflow_test_keyed_rewards", mod)
+    assert reward_keys(resolve_reward("distflow_test_keyed_rewards:undeclared")) == ()
+    assert resolve_reward("distflow_test_keyed_rewards:undeclared")("x", {}) == 1.0
+    assert reward_keys(resolve_reward("distflow_test_keyed_rewards:declared")) == ("gold", "prompt")
+    with pytest.raises(ValueError, match=r"reward 'x:broken': required_keys must be .*got 5"):
+        reward_keys(resolve_reward("distflow_test_keyed_rewards:broken"), "x:broken")
 
 
 @pytest.mark.parametrize("name", ["successor", "gsm8k", "exact_match"])

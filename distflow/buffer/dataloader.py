@@ -11,7 +11,11 @@ JSONL: a scan of newline offsets (no parsing) gives ``num_rows``; only this rank
 are ever parsed. Blank lines are not rows. Parquet: the footer gives the row count and
 row-group sizes; a batch reads only the row groups holding its rows. A bad row raises
 :class:`DatasetError` naming the file, the line (or Parquet row) and the problem, or is
-skipped and counted with ``bad_rows="skip"``.
+skipped and counted with ``bad_rows="skip"``: :class:`BadRowPolicy`, the one implementation
+of that rule. A row may also be bad for a reason the loader is not told of (it lacks a key
+the workflow's reward function reads): every row keeps its location and its loader's policy,
+so the stage that finds out (:func:`keep_row`) raises or skips and counts it the same way,
+in the same ``bad_rows_skipped``.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import logging
 import math
 import mmap
 import os
+import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -38,11 +43,55 @@ class DatasetError(ValueError):
     """A prompt file or row that cannot be used; the message names file, line/row and problem."""
 
 
+class BadRowPolicy:
+    """What happens to a row that cannot be used (``bad_rows``): ``error`` raises its
+    :class:`DatasetError`, ``skip`` logs it (the first five, then every 1000th) and counts it."""
+
+    def __init__(self, mode: str = "error"):
+        if mode not in ("error", "skip"):
+            raise ValueError(f"bad_rows must be 'error' or 'skip', got {mode!r}")
+        self.mode = mode
+        self.skipped = 0
+        self._lock = threading.Lock()  # a dynamic-sampling refill reads rows in a worker thread
+
+    def reject(self, problem: DatasetError) -> None:
+        if self.mode == "error":
+            raise problem
+        with self._lock:
+            self.skipped += 1
+            n = self.skipped
+        if n <= 5 or n % 1000 == 0:
+            log.warning("skipping bad row #%d (bad_rows: skip): %s", n, problem)
+
+
 @dataclass
 class PromptRow:
     prompt_id: str  # f"e{epoch}:{row_index}"
     row_index: int
     data: dict[str, Any]
+    where: str = ""  # "file:line" (or "file: row N"), for messages about the row; "" for rows made elsewhere
+    policy: BadRowPolicy | None = field(default=None, repr=False, compare=False)  # the loader's, when it read it
+
+
+def _absent(data: Mapping[str, Any], key: str) -> bool:
+    return key not in data or data[key] is None
+
+
+def keep_row(row: PromptRow, keys: Mapping[str, str], fallback: BadRowPolicy) -> bool:
+    """True when the row has every key of ``keys`` (key -> what reads it, e.g. "reward 'gsm8k'").
+    Else the row is rejected, as a missing required key is when the loader reads it, through the
+    policy of the loader that read it (``fallback`` for a row made elsewhere): raised, or skipped
+    and counted, and False."""
+    data = row.data if isinstance(row.data, Mapping) else {}
+    missing = next((k for k in keys if _absent(data, k)), None)
+    if missing is None:
+        return True
+    has = sorted(data) if isinstance(row.data, Mapping) else type(row.data).__name__
+    problem = f"key {missing!r} is null" if missing in data else f"missing key {missing!r}"
+    (row.policy or fallback).reject(DatasetError(
+        f"{row.where or 'prompt ' + row.prompt_id}: {problem}, which {keys[missing]} reads "
+        f"(prompt {row.prompt_id}; the row has {has})"))
+    return False
 
 
 class _JsonlSource:
@@ -156,8 +205,7 @@ class PromptShard:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-        if bad_rows not in ("error", "skip"):
-            raise ValueError(f"bad_rows must be 'error' or 'skip', got {bad_rows!r}")
+        self._policy = BadRowPolicy(bad_rows)  # refuses an unknown mode
         if not os.path.isfile(path):
             raise DatasetError(f"{path}: prompt file not found")
         self.path = path
@@ -178,10 +226,14 @@ class PromptShard:
         self.num_rows: int = self._src.num_rows
         if self.num_rows == 0:  # else every node would finish at once and the trainers wait for step 0
             raise DatasetError(f"{path}: the prompt file has no rows")
-        self.bad_rows_skipped = 0
         self._epoch = 0
         self._step = 0
         self._rows_cache: tuple[int, np.ndarray] | None = None
+
+    @property
+    def bad_rows_skipped(self) -> int:
+        """Rows skipped (``bad_rows: skip``): by this loader, and by stages that checked its rows later."""
+        return self._policy.skipped
 
     # ------------------------------------------------------------------ order
     def steps_per_epoch(self, global_batch: int) -> int:
@@ -240,20 +292,16 @@ class PromptShard:
         for r, where, value in self._src.read(rows):
             problem = value if isinstance(value, DatasetError) else self._row_problem(value, where)
             if problem is not None:
-                if self.bad_rows == "error":
-                    raise problem
-                self.bad_rows_skipped += 1
-                if self.bad_rows_skipped <= 5 or self.bad_rows_skipped % 1000 == 0:
-                    log.warning("skipping bad row #%d (bad_rows: skip): %s", self.bad_rows_skipped, problem)
+                self._policy.reject(problem)  # raises with bad_rows: error
                 continue
-            out.append(PromptRow(prompt_id(r), r, value))
+            out.append(PromptRow(prompt_id(r), r, value, where, self._policy))
         return out
 
     def _row_problem(self, value: Any, where: str) -> DatasetError | None:
         if not isinstance(value, dict):
             return DatasetError(f"{where}: row must be a JSON object, got {type(value).__name__}")
         for key in self.required_keys:
-            if key not in value or value[key] is None:
+            if _absent(value, key):
                 return DatasetError(f"{where}: missing required key {key!r}")
             types = self.key_types.get(key)
             if types and not isinstance(value[key], types):

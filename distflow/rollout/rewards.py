@@ -4,9 +4,16 @@ Why it exists: a workflow's REWARD node names its function (``fn: gsm8k``); this
 is the registry that turns the name into a callable ``fn(response, row) -> float`` in
 [0, 1]. ``response`` is the decoded completion (special tokens skipped); ``row`` is the
 dataset row the prompt came from. Reward functions never raise on odd model output
-(they score it 0.0); a row that lacks the field a reward needs is a configuration error
-and raises a ValueError naming the field. Users add their own with ``@register_reward``
-or by pointing the config at ``package.module:function``.
+(they score it 0.0). Users add their own with ``@register_reward`` or by pointing the
+config at ``package.module:function``.
+
+A reward declares the row keys it reads (``register_reward(name, required_keys=...)``, or a
+``required_keys`` attribute on a ``package.module:function``): the rollout stages check every
+row for them before generating, so a row without one is a bad row like any other (``bad_rows``:
+an error naming file, line, key and reward, or skipped and counted, its whole prompt group
+with it) instead of a failed reward stage that takes the rollout node down. A function that
+declares nothing is called on every row; one that still meets a row without its field raises
+a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 __all__ = [
     "RewardFn",
@@ -22,6 +29,7 @@ __all__ = [
     "register_reward",
     "registered_rewards",
     "resolve_reward",
+    "reward_keys",
 ]
 
 RewardFn = Callable[[str, dict], float]
@@ -30,24 +38,53 @@ _REGISTRY: dict[str, RewardFn] = {}
 # An optionally signed number with optional thousands separators and decimals: -1,234.50.
 # A minus sign right after a digit or ')' is subtraction, not a sign: "8-5" -> 8, 5.
 _NUMBER = re.compile(r"(?:(?<![\d)])-)?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_BOX_OPEN = re.compile(r"\\boxed\s*\{")
+_BRACE = re.compile(r"\\\\|\\[{}]|[{}]")  # an escaped backslash or brace (not grouping), or a brace
+_THIN_SPACE = re.compile(r"\\[,!;]")  # LaTeX spacing, also a thousands separator: 1\,000
+_NUM_GROUP = r"\{\s*(" + _NUMBER.pattern + r")\s*\}|(\d)"  # {12} or, LaTeX's shorthand, a single digit
+# [-][whole]\frac{a}{b} (also \dfrac, \tfrac, \frac12): a mixed number when a whole part comes first
+_FRAC = re.compile(r"(-\s*)?(?:(\d+)\s*)?\\[dt]?frac\s*(?:" + _NUM_GROUP + r")\s*(?:" + _NUM_GROUP + ")")
+_RATIO = re.compile(r"\s*(" + _NUMBER.pattern + r")\s*/\s*(" + _NUMBER.pattern + r")\s*")
 _HASHES = re.compile(r"####[ \t]*(" + _NUMBER.pattern + r")")
 _SENTENCE_END = re.compile(r"\n|\.(?!\d)")  # a newline, or a full stop that is no decimal point
 _ANSWER = re.compile(r"answer(?:\s+is)?[\s:*]*(" + _NUMBER.pattern + r")", re.IGNORECASE)
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available to workflow configs as ``name``."""
+def _key_tuple(keys: Any, owner: str) -> tuple[str, ...]:
+    if isinstance(keys, str):  # one key, not its letters
+        keys = (keys,)
+    if not isinstance(keys, Sequence) or not all(isinstance(k, str) and k for k in keys):
+        raise ValueError(f"reward {owner!r}: required_keys must be a sequence of non-empty strings (the row keys "
+                         f"it reads), got {keys!r}")
+    return tuple(keys)
+
+
+def register_reward(name: str, *, required_keys: Sequence[str] = ()) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available to workflow configs as ``name``. ``required_keys``: the row
+    keys it reads, set as ``fn.required_keys`` (a row without one is a bad row, see the module doc)."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
+    keys = _key_tuple(required_keys, name)
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
+        if keys:
+            try:
+                fn.required_keys = keys  # type: ignore[attr-defined]
+            except AttributeError:
+                raise ValueError(f"reward {name!r}: cannot set required_keys on {type(fn).__name__} {fn!r}; "
+                                 f"register a plain function") from None
         _REGISTRY[name] = fn
         return fn
 
     return deco
+
+
+def reward_keys(fn: Callable[..., float], name: str = "") -> tuple[str, ...]:
+    """The row keys reward ``fn`` declares it reads (its ``required_keys``); () when it declares none."""
+    keys = getattr(fn, "required_keys", ())
+    return _key_tuple(keys, name or getattr(fn, "__name__", repr(fn))) if keys else ()
 
 
 def registered_rewards() -> list[str]:
@@ -95,11 +132,55 @@ def _to_float(text: str) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _last_boxed(text: str) -> str | None:
+    r"""The content of the last ``\boxed{...}`` that closes (braces matched, so ``\boxed{\frac{1}{2}}``
+    is whole; a box left open, as in a response cut at max_new_tokens, is none), None if there is none.
+    ``\{`` and ``\}`` are literal braces; of nested boxes the outer one (it closes last)."""
+    opens = {m.end() - 1 for m in _BOX_OPEN.finditer(text)}
+    if not opens:
+        return None
+    stack: list[int] = []  # positions of the open braces
+    last = None
+    for m in _BRACE.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif m.group() == "}" and stack:
+            start = stack.pop()
+            if start in opens:
+                last = text[start + 1:m.start()]
+    return last
+
+
+def _ratio(a: str, b: str) -> float | None:
+    num, den = _to_float(a), _to_float(b)
+    return None if num is None or not den else num / den
+
+
+def _boxed_number(box: str) -> float | None:
+    r"""The number a box holds, None if none: a box that is only ``a/b`` is a/b; else the first number
+    or ``\frac{a}{b}`` (a/b; also ``\dfrac``, ``\tfrac``, ``\frac12``, a sign before it, and a mixed
+    number ``2\frac{1}{2}`` = 2.5), after ``{,}`` and ``\,`` are read as LaTeX's thousands separators
+    (``1{,}000`` = 1000)."""
+    s = _THIN_SPACE.sub("", box.replace("{,}", ","))
+    whole = _RATIO.fullmatch(s)
+    if whole:
+        return _ratio(whole.group(1), whole.group(2))
+    frac, num = _FRAC.search(s), _NUMBER.search(s)
+    if frac and (num is None or frac.start() <= num.start()):
+        sign, units, a1, a2, b1, b2 = frac.groups()
+        v = _ratio(a1 or a2, b1 or b2)
+        if v is None:
+            return None
+        v = int(units) + v if units else v
+        return -v if sign else v
+    return _to_float(num.group()) if num else None
+
+
 def extract_final_number(text: str) -> float | None:
     r"""The final answer of a GSM8K-style solution, None if there is none. In order:
 
-    1. the first number inside the last ``\boxed{...}`` (how instruction-tuned models such as
-       Qwen2.5 end a solution);
+    1. the number in the last ``\boxed{...}`` (how instruction-tuned models such as Qwen2.5 end a
+       solution; braces matched, ``\frac{1}{2}`` is 0.5 and ``1{,}000`` is 1000: :func:`_boxed_number`);
     2. the number right after the last ``####`` (the dataset's own format; only a number that
        directly follows it: ``#### Step 2: ...`` is a markdown heading, not an answer);
     3. the number right after the last "answer" / "answer is" / "answer:" (``**Final Answer:** 72``),
@@ -107,11 +188,10 @@ def extract_final_number(text: str) -> float | None:
     4. the last number in the text.
     """
     text = text.replace("\\$", "").replace("$", "")
-    boxed = _BOXED.findall(text)
-    if boxed:
-        m = _NUMBER.search(boxed[-1])
-        if m:
-            return _to_float(m.group())
+    boxed = _last_boxed(text)
+    value = _boxed_number(boxed) if boxed is not None else None
+    if value is not None:
+        return value
     found = _HASHES.findall(text)
     if found:
         return _to_float(found[-1])
@@ -126,7 +206,7 @@ def extract_final_number(text: str) -> float | None:
     return _to_float(found[-1]) if found else None
 
 
-@register_reward("successor")
+@register_reward("successor", required_keys=("answer",))
 def successor(response: str, row: dict) -> float:
     """Toy task: 1.0 if the response starts with the answer digit (``row["answer"]``)."""
     answer = str(_field(row, "answer", "successor")).strip()
@@ -137,7 +217,7 @@ def successor(response: str, row: dict) -> float:
     return 1.0 if response.strip().startswith(answer) else 0.0
 
 
-@register_reward("gsm8k")
+@register_reward("gsm8k", required_keys=("answer",))
 def gsm8k(response: str, row: dict) -> float:
     """1.0 if the response's final number equals the row's answer numerically.
 
@@ -158,7 +238,7 @@ def gsm8k(response: str, row: dict) -> float:
     return 1.0 if math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9) else 0.0
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", required_keys=("answer",))
 def exact_match(response: str, row: dict) -> float:
     """1.0 if the stripped response equals the stripped ``str(row["answer"])``."""
     answer = _field(row, "answer", "exact_match")

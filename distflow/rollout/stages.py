@@ -15,7 +15,11 @@ Stages: ``stage(node, ctx, batch) -> batch``; they never touch the network.
 * ACTOR MODEL_INFERENCE: generate ``group_size`` samples per prompt, tagged with the
   versions that made them; prompts longer than ``max_prompt_length`` are skipped and
   counted (``ctx.stats["skipped_prompts"]``); ``truncated`` marks ``finish_reason ==
-  "length"``.
+  "length"``. It is where rows become prompts (the step's and a refill's alike), so it
+  also checks each row for the keys the workflow's rewards declare they read
+  (:func:`row_keys`): a row without one is a bad row (``bad_rows``), raised or skipped
+  and counted by the policy of the loader that read it, before it costs a generation and
+  with its whole group, never in the reward stage, where it would fail the step.
 * REWARD COMPUTE: a rule-based reward ``fn(response_text, row) -> float``.
 * REWARD MODEL_INFERENCE: a learned reward model (``args.path``), see
   :mod:`distflow.rl.reward_model`.
@@ -33,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from distflow.buffer.batch import SampleBatch
-from distflow.buffer.dataloader import PromptRow
+from distflow.buffer.dataloader import BadRowPolicy, PromptRow, keep_row
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.core.executor import StageRegistry
@@ -43,12 +47,12 @@ from distflow.rl.reward_model import score_batch
 from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards
 from distflow.rollout.engine import RolloutEngine, SamplingParams
-from distflow.rollout.rewards import resolve_reward
+from distflow.rollout.rewards import resolve_reward, reward_keys
 
 log = logging.getLogger(__name__)
 
 __all__ = ["StageError", "RolloutContext", "STAGES", "register_stage", "run_pipeline", "sampling_params",
-           "encode_prompts", "run_stages", "generate", "reward", "reward_model", "advantage"]
+           "encode_prompts", "row_keys", "run_stages", "generate", "reward", "reward_model", "advantage"]
 
 
 class StageError(RuntimeError):
@@ -111,6 +115,28 @@ def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) 
     return out
 
 
+def row_keys(workflow: list[WorkflowNode]) -> dict[str, str]:
+    """The row keys the workflow's rule-based rewards declare they read, each with who reads it
+    (``"reward 'gsm8k' (workflow node 'reward')"``). The whole workflow: a reward that runs on a
+    worker group of its own is checked here, where the rows are read. A reward that cannot be
+    resolved here is left to the stage that runs it, which names the problem."""
+    keys: dict[str, list[str]] = {}
+    for n in workflow:
+        if n.role.value != "REWARD" or n.type.value != "COMPUTE":
+            continue
+        try:
+            fn = resolve_reward(n.fn)
+        except ValueError:
+            continue
+        try:
+            declared = reward_keys(fn, n.fn)
+        except ValueError as e:
+            raise StageError(f"workflow node {n.id!r}: {e}") from None
+        for k in declared:
+            keys.setdefault(k, []).append(f"reward {n.fn!r} (workflow node {n.id!r})")
+    return {k: " and ".join(v) for k, v in keys.items()}
+
+
 def _need(node: WorkflowNode, batch: SampleBatch | None) -> SampleBatch:
     if batch is None:
         raise StageError(f"workflow node {node.id!r} runs before any generate node on the rollout group")
@@ -132,7 +158,10 @@ def prompt_limit(engine: RolloutEngine, cfg: Config) -> int | None:
 def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], seed: int,
                   stats: dict[str, float] | None = None, weights_update: Callable[[], Any] | None = None) -> SampleBatch:
     """Sample ``group_size`` responses per prompt. Each sample carries ``policy_version`` (the
-    weights it started with), ``last_version`` (the weights it ended with) and ``truncated``."""
+    weights it started with), ``last_version`` (the weights it ended with) and ``truncated``.
+    Rows whose prompt is unusable are skipped (``bad_prompts``); of the others, rows without a
+    key a reward reads are bad rows (:func:`row_keys`; counted in their loader's
+    ``bad_rows_skipped``, or as ``bad_rows`` in ``stats`` for rows no loader read)."""
     encoded = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
     bad = [e for e in encoded if isinstance(e, str)]
     if bad:  # counted and named, never a crash: the rest of the step goes on
@@ -140,6 +169,12 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
         if stats is not None:
             stats["bad_prompts"] = stats.get("bad_prompts", 0) + len(bad)
     keep = [i for i, p in enumerate(encoded) if not isinstance(p, str)]
+    needed = row_keys(cfg.workflow)
+    if needed:
+        fallback = BadRowPolicy(cfg.bad_rows)
+        keep = [i for i in keep if keep_row(rows[i], needed, fallback)]  # raises with bad_rows: error
+        if fallback.skipped and stats is not None:
+            stats["bad_rows"] = stats.get("bad_rows", 0) + fallback.skipped
     limit = prompt_limit(engine, cfg)
     if limit is not None:
         short = [i for i in keep if len(encoded[i]) <= limit]
@@ -262,7 +297,7 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
         sub_stats: dict[str, float] = {}
         sub_ctx = RolloutContext(ctx.engine, ctx.cfg, rows, ctx.seed + 7919 * (attempt + 1), ctx.pipeline, sub_stats)
         sub = _run(prefix, sub_ctx)
-        for key in ("skipped_prompts", "bad_prompts"):  # replacements too long or unusable: counted as well
+        for key in ("skipped_prompts", "bad_prompts", "bad_rows"):  # unusable replacements: counted as well
             if sub_stats.get(key):
                 ctx.count(key, sub_stats[key])
         # constant groups no replacement took the place of (counted as dropped unless the step falls back)
