@@ -207,6 +207,23 @@ def test_parquet_bad_rows_name_the_row(tmp_path):
     assert [r.data["prompt"] for r in skip.batch(0, 0, 3)] == ["a", "c"] and skip.bad_rows_skipped == 1
 
 
+def test_parquet_corrupt_row_group_is_bad_rows_not_a_crash(tmp_path):
+    """A row group whose pages cannot be decoded (footer intact: the file opens) fails only its
+    own rows: named by file, group and rows with bad_rows: error, skipped and counted with skip."""
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(8)]}), path, row_group_size=4)
+    col = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    start = col.dictionary_page_offset or col.data_page_offset
+    raw = bytearray(path.read_bytes())
+    raw[start:start + col.total_compressed_size] = b"\xff" * col.total_compressed_size  # its page headers
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DatasetError, match=r"c\.parquet: row group 1 \(rows 5-8\) cannot be read"):
+        PromptShard(str(path), 0, 1, shuffle=False).batch(0, 0, 8)
+    skip = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip")
+    assert [r.data["prompt"] for r in skip.batch(0, 0, 8)] == ["p0", "p1", "p2", "p3"]
+    assert skip.bad_rows_skipped == 4
+
+
 def test_bad_arguments_and_files(tmp_path, data):
     with pytest.raises(DatasetError, match="not found"):
         PromptShard(str(tmp_path / "missing.jsonl"), 0, 1)

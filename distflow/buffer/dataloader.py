@@ -180,7 +180,15 @@ class _ParquetSource:
         for r in rows:
             by_group.setdefault(bisect.bisect_right(self._bounds, r) - 1, []).append(r)
         for g in sorted(by_group):
-            data = self._group(g)
+            try:
+                data = self._group(g)
+            except Exception as e:  # a corrupt row group: each of its rows is a bad row (bad_rows decides)
+                lo, hi = self._bounds[g] + 1, self._bounds[g + 1]
+                bad = DatasetError(f"{self.path}: row group {g} (rows {lo}-{hi}) cannot be read "
+                                   f"({type(e).__name__}: {str(e).strip()[:200]})")
+                for r in by_group[g]:
+                    out[r] = (r, f"{self.path}: row {r + 1}", bad)
+                continue
             for r in by_group[g]:
                 out[r] = (r, f"{self.path}: row {r + 1}", data[r - self._bounds[g]])
         return [out[r] for r in rows]
