@@ -112,8 +112,9 @@ async def run_stage_worker(rt: Runtime) -> None:
         if failed.done():
             failed.result()  # raises the pipeline's error
         members = [rt.node.member(t.node_id) for t in groups.trainer]
-        if all(m is None or m.state in ("left", "dead") or m.meta.get("state") == "done" for m in members):
+        if all(m is None or m.state == "left" or m.meta.get("state") == "done" for m in members):
             break
+        rt.trainers_gone()  # a dead trainer ends the run with an error naming it (not "done": exit 0)
         await asyncio.sleep(0.2)
     rt.node.set_meta(state="done")
     log.info("%s: done, forwarded %d parts / %d samples", group, forwarded["parts"], forwarded["samples"])

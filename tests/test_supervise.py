@@ -140,10 +140,13 @@ def test_killed_trainer_stops_every_node_naming_it_and_the_checkpoint(toy_model,
     assert "trainer rank trainer-1 died" in log0, log0[-3000:]
 
 
-def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_cluster(toy_model, tmp_path):
+@pytest.mark.parametrize("controller", ["distributed", "single"])
+def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_cluster(toy_model, tmp_path, controller):
     """No launcher to stop them: the rollout nodes see the trainer dead in the mesh (while they
     still reach each other, so they are not the ones cut off) and stop within seconds, not
-    after step_timeout_s (600 s here), naming the dead trainer."""
+    after step_timeout_s (600 s here), naming the dead trainer. So does a stage worker (here
+    the single controller): exit 1 naming the trainer, not "done" (exit 0) at its first sight
+    of a dead trainer."""
     import os
 
     import yaml
@@ -155,31 +158,34 @@ def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_clu
     raw = yaml.safe_load((ROOT / QUICKSTART).read_text())
     raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False,
                dataset=str(make_data(tmp_path, 800)), rollout_nodes=2, trainer_nodes=1, prompts_per_step=4,
-               group_size=2, max_new_tokens=2, step_timeout_s=600)
+               group_size=2, max_new_tokens=2, step_timeout_s=600, controller=controller)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     logs = tmp_path / "logs"
     logs.mkdir()
     env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
-    ports = _free_ports("127.0.0.1", 3)
+    ports = _free_ports("127.0.0.1", 4)
     seed = f"127.0.0.1:{ports[0]}"
     procs = {"trainer-0": start("trainer-0", "trainer", cfg, ports[0], "", env, logs)}
     for i in range(2):
         procs[f"rollout-{i}"] = start(f"rollout-{i}", "rollout", cfg, ports[1 + i], seed, env, logs)
+    if controller == "single":
+        procs["controller-0"] = start("controller-0", "controller", cfg, ports[3], seed, env, logs)
+    feeders = [i for i in procs if i != "trainer-0"]
     try:
         deadline = time.monotonic() + 120
         while len(read_metrics(tmp_path / "out" / "metrics.jsonl")) < 2:
             assert procs["trainer-0"].poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         procs["trainer-0"].send_signal(signal.SIGKILL)
-        codes = {i: procs[i].wait(timeout=60) for i in ("rollout-0", "rollout-1")}  # not step_timeout_s
+        codes = {i: procs[i].wait(timeout=60) for i in feeders}  # not step_timeout_s
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-    assert codes == {"rollout-0": 1, "rollout-1": 1}
-    for i in ("rollout-0", "rollout-1"):
-        assert "trainer trainer-0 died" in (logs / f"{i}.log").read_text()
+    assert codes == dict.fromkeys(feeders, 1)
+    for i in feeders:
+        assert "trainer trainer-0 died" in (logs / f"{i}.log").read_text(), (logs / f"{i}.log").read_text()[-2000:]
 
 
 def test_a_healing_node_does_not_take_a_peer_back_before_the_trainer_for_its_death():
@@ -188,7 +194,7 @@ def test_a_healing_node_does_not_take_a_peer_back_before_the_trainer_for_its_dea
     died while it stayed reachable: it counts only after settling. A peer alive all along, or
     one that announced its leave, is evidence at once."""
     from distflow.core.mesh import Member
-    from distflow.rollout.worker import not_cut_off_witness
+    from distflow.runtime import not_cut_off_witness
 
     def member(node_id: str, state: str, since: float) -> Member:
         return Member(node_id, "rollout", "127.0.0.1", 1, state, 1, {}, since, 0.0, since)

@@ -150,22 +150,6 @@ def sent_summary(batch: SampleBatch) -> dict:
             "response_lens": [int(x) for x in t["response_lens"].tolist()]}
 
 
-def not_cut_off_witness(others: list, dead_at: float, now: float, settle_s: float) -> str | None:
-    """A member whose state shows this node is not the one cut off, or None.
-
-    ``others``: mesh members (``.node_id``, ``.state``, ``.since``: ``time.time()`` of their
-    last state change here); ``dead_at``: when the trainer was declared dead. A member counts
-    when its leave announcement reached this node, or it is alive (not merely suspect) and has been
-    since before the trainer died. One that came back *after* (this node was cut off and is
-    healing: its peers reappear one by one) counts only once it has been back ``settle_s``, by
-    when a trainer that is alive has refuted its death too.
-    """
-    for m in others:
-        if m.state == "left" or (m.state == "alive" and (m.since <= dead_at or now - m.since >= settle_s)):
-            return m.node_id
-    return None
-
-
 class RolloutLoop:
     """One rollout node's state: its shard loaders, engine, weight inbox and trace."""
 
@@ -182,34 +166,8 @@ class RolloutLoop:
                            required_keys=(c.prompt_key,))
 
     def trainers_gone(self) -> None:
-        """Raise when the trainers are gone for good: every one left (ClusterStopped), or one
-        died (PeerLostError naming it). A trainer this node merely cannot reach (this node is
-        cut off: it sees no other member alive) may come back, so that is waited for."""
-        node, now = self.rt.node, time.time()
-        trainers = [m for t in self.groups.trainer if (m := node.member(t.node_id)) is not None]
-        states = {m.node_id: m.state for m in trainers}
-        if len(states) == len(self.groups.trainer) and all(s == "left" for s in states.values()):
-            raise ClusterStopped("every trainer left the mesh")
-        dead = {m.node_id: m.since for m in trainers if m.state == "dead"}
-        if not dead:
-            return
-        if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
-            raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
-        cluster = self.groups.node_ids()  # a `distflow status` client in the mesh is no witness
-        spread = self.rt.refute_window_s()  # a death believed only once it stands this long
-        lasting = [i for i, at in dead.items() if now - at >= spread]
-        if not lasting:
-            return
-        others = [m for m in node.members(include_dead=True)
-                  if m.node_id != node.node_id and m.node_id in cluster and m.node_id not in dead]
-        # A cut-off node that heals hears from its peers one by one: settle long enough for a
-        # live trainer to refute its death too (one anti-entropy round plus the spreads).
-        settle = node.config.push_pull_interval_s + spread
-        witness = not_cut_off_witness(others, min(dead[i] for i in lasting), now, settle)
-        if witness is not None:
-            raise PeerLostError(f"trainer {', '.join(lasting)} died (the mesh declared it dead; "
-                                f"{witness} is still reachable, so this node is not cut "
-                                f"off): the trainer group cannot go on without it")
+        """Raise when the trainers are gone for good (:meth:`Runtime.trainers_gone`)."""
+        self.rt.trainers_gone()
 
     async def run(self) -> None:
         rt, cfg = self.rt, self.cfg
