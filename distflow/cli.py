@@ -163,8 +163,9 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
             from distflow.launcher import resume_hint
             from distflow.runtime import GroupMemberLost
 
-            log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead), resume_hint(cfg.output_dir),
-                      type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead),
+                      resume_hint(cfg.output_dir, cfg.resume_from), type(e).__name__,
+                      str(e).splitlines()[0][:200] if str(e) else "")
         else:
             log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=True)
     finally:

@@ -141,5 +141,5 @@ def run_in_process(cfg: Config) -> int:
     if code == 130:
         from distflow.launcher import resume_hint  # noqa: PLC0415
 
-        print(f"distflow: stopped. {resume_hint(cfg.output_dir)}", file=sys.stderr)
+        print(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}", file=sys.stderr)
     return code

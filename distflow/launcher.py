@@ -95,8 +95,12 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     return best[2] if best else None
 
 
-def resume_hint(output_dir: str | Path) -> str:
+def resume_hint(output_dir: str | Path, resume_from: str | None = None) -> str:
+    """What to resume from after a stop: the newest checkpoint of ``output_dir``, else the one
+    this run resumed from (``resume_from``), else none."""
     ckpt = newest_checkpoint(output_dir)
+    if ckpt is None and resume_from:
+        return f"no newer checkpoint was saved; continue with resume_from={resume_from}"
     if ckpt is None:
         return "no checkpoint was saved yet (save_every: N saves one every N steps); restart from scratch"
     return f"newest checkpoint {ckpt}: continue with resume_from={ckpt}"
@@ -368,7 +372,7 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         except KeyboardInterrupt:  # a second Ctrl-C: do not wait for the checkpoint
             print("distflow: interrupted again; stopping every node now", file=sys.stderr)
             stop_children(children, grace_s=5.0)
-        print(f"distflow: stopped. {resume_hint(cfg.output_dir)}", file=sys.stderr)
+        print(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}", file=sys.stderr)
         return 130
     except BaseException:  # the launcher itself failed: never leave the nodes running detached
         print("distflow: the launcher failed; stopping every node", file=sys.stderr)
@@ -388,7 +392,8 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
 def _report(failed: list[Child], cfg: Config, why: str) -> None:
     lines = [f"distflow: {c.node_id} failed (exit {c.proc.returncode}): {_error_line(c.log_path)}" for c in failed]
     first = failed[0]
-    print("\n".join(lines) + f"\ndistflow: {why}; stopping the other nodes. {resume_hint(cfg.output_dir)}\n"
+    hint = resume_hint(cfg.output_dir, cfg.resume_from)
+    print("\n".join(lines) + f"\ndistflow: {why}; stopping the other nodes. {hint}\n"
           f"--- last lines of {first.log_path} ---\n{_tail(first.log_path)}", file=sys.stderr)
 
 

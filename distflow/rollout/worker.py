@@ -77,6 +77,14 @@ def trainer_step(rt: Runtime, groups: Groups) -> int:
     return min(versions) if versions else 0
 
 
+def trainers_start_step(rt: Runtime, groups: Groups) -> int | None:
+    """The step the trainers start at (their checkpoint's with ``resume_from``, else 0), which
+    they gossip as ``start_step`` once their model is loaded; None until one has."""
+    steps = [m.meta["start_step"] for t in groups.trainer
+             if (m := rt.node.member(t.node_id)) is not None and type(m.meta.get("start_step")) is int]
+    return max(steps) if steps else None
+
+
 async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict,
                      check: Callable[[], None] | None = None, source_group: str = "rollout") -> None:
     """Each trainer gets the samples it owns, through the data plane's one routing function
@@ -213,7 +221,8 @@ class RolloutLoop:
             self.trainers_gone()
             # Weights of version v are what v trained steps made: steps below it need no samples (the
             # gossiped step may lag behind them, e.g. right after a resume or on a node that was cut off).
-            done = max(trainer_step(rt, groups), inbox.version)
+            start = trainers_start_step(rt, groups)
+            done = max(trainer_step(rt, groups), inbox.version, start or 0)
             if (inbox.version, done) != progress:
                 progress, stalled_since = (inbox.version, done), time.monotonic()
             shards = covered_shards(rt, groups)
@@ -223,7 +232,9 @@ class RolloutLoop:
                     loaders.setdefault(s, self.shard_loader(s))
             next_step = {s: max(next_step.get(s, 0), done) for s in shards}  # catch up; hand back returned shards
             todo = [(k, s) for s, k in next_step.items() if k < total]
-            resuming = bool(cfg.resume_from) and done == 0  # the trainers' checkpoint step is not known yet
+            # A resumed run's trainers say their checkpoint's step (0 too) as start_step: until then (or a
+            # version past 0) the step to generate is not known.
+            resuming = bool(cfg.resume_from) and start is None and done == 0
             if not todo or resuming or inbox.version < min(todo)[0] - cfg.max_staleness:
                 # Nothing to do, (staleness bound) weights too old, or a resumed run's step unknown: wait.
                 if time.monotonic() - stalled_since > cfg.step_timeout_s:
@@ -256,9 +267,9 @@ class RolloutLoop:
             if not self._first_batch:
                 self._first_batch = True
                 self.report_startup()
-            await send_parts(rt, groups, batch, step=step, shard=shard, extra={"total_steps": total, "epoch": epoch,
-                                                                           "stage_stats": stage_stats},
-                             check=self.trainers_gone)
+            extra = {"total_steps": total, "epoch": epoch, "num_rows": loaders[shard].num_rows,
+                     "stage_stats": stage_stats}
+            await send_parts(rt, groups, batch, step=step, shard=shard, extra=extra, check=self.trainers_gone)
             if self.trace.path is not None:
                 self.trace.write(step=step, rank=rank, shard=shard, epoch=epoch,
                                  prompt_ids=[r.prompt_id for r in rows], policy_version=engine.version,

@@ -48,10 +48,14 @@ from distflow.trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Actor", "DTYPES", "DeviceSums", "all_reduce", "flat_to_padded", "grad_sync_mode", "ragged_in_batch_order",
-           "step_micro_batches"]
+__all__ = ["Actor", "DTYPES", "DeviceSums", "all_reduce", "check_data_order", "data_order", "flat_to_padded",
+           "grad_sync_mode", "ragged_in_batch_order", "read_run_state", "step_micro_batches"]
 
 STATE_FILE = "distflow_state.json"
+# What decides which prompt rows step k reads (distflow.buffer.dataloader: the permutation seeded by (seed,
+# epoch), identity without shuffle, of the prompt set's rows, cut into prompts_per_step slices; rollout_nodes
+# only splits a step's rows among the nodes). Recorded as the checkpoint's ``data_order``, compared on resume.
+DATA_ORDER_KEYS = ("seed", "shuffle", "prompts_per_step")
 # Loss metrics some policy losses report (token means): logged per step when any micro-batch had them.
 OPTIONAL_METRICS = ("ratio_mean", "approx_kl", "tis_weight_mean", "tis_clip_frac")
 OPTIM_DIR = "optimizer"
@@ -168,6 +172,8 @@ class Actor:
         self.device = node_device(cfg.device)
         self.compute_dtype = DTYPES[cfg.dtype]
         mesh = init_device_mesh(self.device.type, (self.world,))
+        # The checkpoint's run state, checked against this config before anything is loaded.
+        self.resumed = read_run_state(Path(cfg.resume_from), cfg) if cfg.resume_from else None
         torch.manual_seed(cfg.seed)
         # A resumed run continues from its checkpoint; the reference stays the original model.
         self.model = load_for_training(cfg.resume_from or cfg.model_path, mesh, self.device, self.compute_dtype,
@@ -189,19 +195,13 @@ class Actor:
         self.pad_id = 0
         self.version = 0
         self.total_steps: int | None = cfg.max_steps  # the worker sets the run's length when it learns it
-        if cfg.resume_from:
-            self._resume(Path(cfg.resume_from))
+        if self.resumed is not None:
+            self._resume(Path(cfg.resume_from), self.resumed)
 
-    def _resume(self, ckpt: Path) -> None:
-        import json
-
+    def _resume(self, ckpt: Path, state: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        state_file = ckpt / STATE_FILE
-        if not state_file.is_file():
-            raise FileNotFoundError(f"resume_from {str(ckpt)!r}: no {STATE_FILE} (not a DistFlow checkpoint)")
-        state = json.loads(state_file.read_text())
         self.version = int(state["policy_version"])
         optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
         dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
@@ -422,6 +422,60 @@ def checkpoint_writer(path: Path) -> Any:
     if "overwrite" in inspect.signature(FileSystemWriter.__init__).parameters:
         return FileSystemWriter(str(path), overwrite=True)
     return FileSystemWriter(str(path))  # pragma: no cover - a torch that always overwrites
+
+
+def read_run_state(ckpt: Path, cfg: Config) -> dict[str, Any]:
+    """``resume_from``'s run state (``distflow_state.json``), refused (ValueError naming the keys)
+    when ``cfg`` would read other prompts at its step than the run that wrote it
+    (:func:`check_data_order`; the row count is checked once the rollout nodes report it). A
+    checkpoint of an older DistFlow records no ``data_order``: its ``seed`` is checked, with a warning."""
+    import json
+
+    state_file = ckpt / STATE_FILE
+    if not state_file.is_file():
+        raise FileNotFoundError(f"resume_from {str(ckpt)!r}: no {STATE_FILE} (not a DistFlow checkpoint)")
+    state = json.loads(state_file.read_text())
+    saved = state.get("data_order")
+    if not isinstance(saved, dict):
+        saved = {k: state[k] for k in ("seed", "dataset") if k in state}
+        log.warning("resume_from %s: the checkpoint records no data order (an older DistFlow wrote it): make sure "
+                    "shuffle, prompts_per_step and the dataset are those it was trained with, or its step %s reads "
+                    "other prompts", ckpt, state.get("policy_version"))
+    if saved.get("dataset") not in (None, cfg.dataset):
+        log.warning("resume_from %s: dataset %r, the checkpoint's was %r (taken for the same prompt set, moved; "
+                    "its row count is checked)", ckpt, cfg.dataset, saved["dataset"])
+    check_data_order(ckpt, int(state["policy_version"]), saved, data_order(cfg, None))
+    return state
+
+
+def data_order(cfg: Config, num_rows: int | None) -> dict[str, Any]:
+    """A checkpoint's ``data_order``: the config keys that decide which rows a step reads, the
+    prompt set and its row count (None while no rollout node has reported it)."""
+    return {**{k: getattr(cfg, k) for k in DATA_ORDER_KEYS}, "dataset": cfg.dataset, "num_rows": num_rows}
+
+
+def check_data_order(ckpt: Path, step: int, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Refuse (ValueError) to resume ``ckpt`` at ``step`` when ``now`` (part of a :func:`data_order`)
+    differs from the checkpoint's ``saved`` one in a key both know: step k would read other rows
+    than in the run that wrote it (re-reading or skipping prompts). The message names each key,
+    both values, and what to set back. Another ``dataset`` path alone is no difference (the file
+    may have moved; :func:`read_run_state` warns): its row count is compared."""
+    import json
+
+    known = [k for k in now if k in saved and now[k] is not None and saved[k] is not None]
+    diff = [k for k in known if k != "dataset" and now[k] != saved[k]]
+    if not diff:
+        return
+    if "num_rows" in diff and "dataset" in known and now["dataset"] != saved["dataset"]:
+        diff.append("dataset")
+    fixes = [f"{k}: {json.dumps(saved[k])}" for k in diff if k in DATA_ORDER_KEYS]
+    if "num_rows" in diff:
+        fixes.append(f"dataset: {saved.get('dataset', '(the one it was trained on)')} (its {saved['num_rows']} rows)")
+    was = ", ".join(f"{k} {now[k]!r} (checkpoint: {saved[k]!r})" for k in diff)
+    raise ValueError(f"resume_from {str(ckpt)!r}: the data order differs from the run that wrote this checkpoint: "
+                     f"{was}; its step {step} would read other prompts than that run's (re-reading or skipping "
+                     f"some). Set {', '.join(fixes)} back, or start a new run from these weights "
+                     f"(model_path: {ckpt}, without resume_from)")
 
 
 def unmark_checkpoint(out_dir: Path) -> None:

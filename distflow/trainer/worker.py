@@ -34,7 +34,7 @@ from distflow.core.channels import Envelope
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime
 from distflow.rl.weight_transport import resolve_transport, serving_plan
-from distflow.trainer.actor import Actor, all_reduce
+from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings, with_generated_mean
@@ -135,11 +135,13 @@ class SampleInbox:
     """Stores each received part in the BufferShard under ``(step, "shard-<s>")``. A re-issued
     shard (its node was down) can arrive twice, or after its step was trained: the first part
     wins, repeats are acknowledged and dropped (counted). The rollout stages' counters
-    (skipped / resampled / dropped prompts) ride on each shard's part 0 and are summed per step."""
+    (skipped / resampled / dropped prompts) ride on each shard's part 0 and are summed per step.
+    ``num_rows``: the prompt set's row count, as the rollout nodes read it (a resume compares it)."""
 
     def __init__(self, rt: Runtime):
         self.rt, self.cfg = rt, rt.cfg
         self.total: int | None = None
+        self.num_rows: int | None = None
         self.consumed = 0  # steps already taken out of the buffer
         self.dropped = {"late": 0, "duplicate": 0}
         self.stage_stats: dict[int, dict[str, float]] = {}
@@ -154,6 +156,8 @@ class SampleInbox:
                              f"{cfg.rollout_nodes} rollout nodes")
         if self.total is None:
             self.total = int(env.meta["total_steps"])
+        if self.num_rows is None and type(env.meta.get("num_rows")) is int:
+            self.num_rows = env.meta["num_rows"]
         if step < self.consumed:
             self.dropped["late"] += 1
             return
@@ -237,13 +241,22 @@ async def run_trainer(rt: Runtime) -> None:
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     if step:
         inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
-        rt.node.set_meta(policy_version=step)
+    # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
+    # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
+    rt.node.set_meta(policy_version=step, start_step=step)
+    if step:
         await publish(step)
     alive = rollout_liveness(rt, rollout_ids)
     startup: dict[str, float] | None = None
+    # A resume's data order (actor.read_run_state checked the config): the rollout nodes' row count
+    # is compared with the checkpoint's at the first step, before it is trained.
+    saved_order = (actor.resumed or {}).get("data_order") or {}
+    unchecked_rows = bool(cfg.resume_from)
 
     def run_state() -> dict:
-        return {"step": step, "total_steps": inbox.total, "seed": cfg.seed, "dataset": cfg.dataset}
+        rows = inbox.num_rows if inbox.num_rows is not None else saved_order.get("num_rows")
+        return {"step": step, "total_steps": inbox.total, "seed": cfg.seed, "dataset": cfg.dataset,
+                "data_order": data_order(cfg, rows)}
 
     while inbox.total is None or step < inbox.total:
         t_wait = time.perf_counter()
@@ -252,6 +265,10 @@ async def run_trainer(rt: Runtime) -> None:
         try:
             batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
                                              min_version=step - cfg.max_staleness, alive=alive)
+            if unchecked_rows and batch is not None and inbox.num_rows is not None:
+                unchecked_rows = False  # (every rank got a part from each rollout node: they all agree)
+                check_data_order(Path(cfg.resume_from), step, saved_order,
+                                 {"num_rows": inbox.num_rows, "dataset": cfg.dataset})
         except SourceLostError as e:
             if not all((m := rt.node.member(i)) is not None and m.state == "left" for i in rollout_ids):
                 error = e
