@@ -103,6 +103,8 @@ def test_extract_final_number() -> None:
         ("\\boxed{\\frac72}", 3.5),  # LaTeX's shorthand for \frac{7}{2}
         ("\\boxed{2\\frac{1}{4}}", 2.25),  # a mixed number: 2 + 1/4
         ("\\boxed{x = \\frac{3}{8}}", 0.375),
+        ("So \\boxed{2 \\times 21 = 42 \\text{ eggs}}", 42.0),  # an equation: its right-hand side
+        ("\\boxed{16 - 3 - 4 = 9}", 9.0),
         ("\\boxed{1{,}000}", 1000.0),  # LaTeX's thousands comma
         ("\\boxed{1{,}234{,}567}", 1234567.0),
         ("\\boxed{1\\,234}", 1234.0),  # a thin space as thousands separator

@@ -157,11 +157,12 @@ def _ratio(a: str, b: str) -> float | None:
 
 
 def _boxed_number(box: str) -> float | None:
-    r"""The number a box holds, None if none: a box that is only ``a/b`` is a/b; else the first number
+    r"""The number a box holds, None if none: of an equation (``2 \times 21 = 42``) its right-hand side;
+    a box that is only ``a/b`` is a/b; else the first number
     or ``\frac{a}{b}`` (a/b; also ``\dfrac``, ``\tfrac``, ``\frac12``, a sign before it, and a mixed
     number ``2\frac{1}{2}`` = 2.5), after ``{,}`` and ``\,`` are read as LaTeX's thousands separators
     (``1{,}000`` = 1000)."""
-    s = _THIN_SPACE.sub("", box.replace("{,}", ","))
+    s = _THIN_SPACE.sub("", box.replace("{,}", ",")).rsplit("=", 1)[-1]  # an equation's result: after its last =
     whole = _RATIO.fullmatch(s)
     if whole:
         return _ratio(whole.group(1), whole.group(2))
