@@ -60,7 +60,9 @@ def node_parser() -> argparse.ArgumentParser:
                    help="address peers use to reach this node (required with --host 0.0.0.0, e.g. in containers)")
     p.add_argument("--port", type=int, default=0, help="control port (0 = any free port)")
     p.add_argument("--data-port", type=int, default=0, help="data-plane port (0 = any free port)")
-    p.add_argument("--node-id", default=None, help="unique node id (default ROLE-HOST-PORT)")
+    p.add_argument("--node-id", default=None, help="unique node id (default ROLE-HOST-PORT; with --port 0 "
+                                                      "ROLE-HOST-pidPID, which a restart changes: give --node-id "
+                                                      "for a node that must rejoin as itself)")
     p.add_argument("--check", action="store_true", help="validate config, role and seeds, then exit without joining")
     p.add_argument("--log-level", default="INFO")
     p.epilog = "Any KEY=VALUE argument overrides that config key (e.g. lr=1e-4 mesh.protocol_period_s=0.5)."
@@ -100,7 +102,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
     from distflow.launcher import check_functions
 
-    check_functions(cfg)  # every start, not only --check: a typo in a fn is named now, not at step 1
+    # every start, not only --check: a typo in one of this node's functions is named now, not at step 1
+    check_functions(cfg, cfg.plan().pipelines.get(role, []))
     if args.check:
         print(f"ok: {node_id} role={role} host={host} seeds={seeds or '(first node)'} "
               f"pipeline={[n.id for n in cfg.plan().pipelines.get(role, [])]}")

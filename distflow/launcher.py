@@ -28,11 +28,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config
+from distflow.core.dag import WorkflowNode
 
 STOP_GRACE_S = 15.0
 RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
@@ -133,11 +135,12 @@ def _node_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
 
 
-def check_functions(cfg: Config) -> None:
-    """Resolve every workflow function (rewards, estimators, losses) now, before any node starts.
-    Built-in names are checked against torch-free name tables (start-up); a dotted
-    ``package.module:function`` is imported, and an unknown name gets the resolver's error
-    (with a did-you-mean)."""
+def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) -> None:
+    """Resolve the workflow functions (rewards, estimators, losses) of ``nodes`` (default: every
+    node) now, before any node starts. Built-in names are checked against torch-free name tables
+    (start-up); a dotted ``package.module:function`` is imported, and an unknown name gets the
+    resolver's error (with a did-you-mean). A node process checks its own pipeline's: a host
+    need not have the packages of the stages other hosts run."""
     from distflow.rl.names import COMPUTE_NAMES, POLICY_LOSS_NAMES
     from distflow.rollout.rewards import resolve_reward
 
@@ -147,7 +150,7 @@ def check_functions(cfg: Config) -> None:
 
             resolve(dict.fromkeys(names), fn, what)
 
-    for node in cfg.workflow:
+    for node in cfg.workflow if nodes is None else nodes:
         kind = (node.role.value, node.type.value)
         try:
             if kind == ("REWARD", "COMPUTE"):

@@ -218,6 +218,14 @@ def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
                               "workflow.1.fn=exact_matchh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and "workflow node 'reward'" in r.stderr and "exact_match" in r.stderr, r.stderr[-2000:]
+    # A node imports only its own pipeline's functions: a trainer host need not have the reward's package.
+    custom = ["--config", QUICKSTART, f"output_dir={tmp_path}", "workflow.1.fn=absent_pkg.rewards:score", "--check"]
+    trainer = subprocess.run(cmd + ["--role", "trainer", *custom], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert trainer.returncode == 0, trainer.stderr[-2000:]
+    rollout = subprocess.run(cmd + ["--role", "rollout", *custom], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert rollout.returncode == 1 and "absent_pkg" in rollout.stderr, rollout.stderr[-2000:]
 
 
 @pytest.mark.gpu
