@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from distflow.buffer.redistribute import RESERVED_META, parse_part, scatter
 from distflow.core.channels import Envelope
-from distflow.runtime import Runtime
+from distflow.runtime import PeerLostError, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,20 @@ async def run_stage_worker(rt: Runtime) -> None:
     else:
         log.info("%s rank %d of %d: pipeline %s", group, groups.rank, len(groups.members(group)),
                  [n.id for n in pipeline])
+    down_since: float | None = None  # since when some trainer is dead (or forgotten by the mesh)
     while True:  # until every trainer has finished (done, or left the mesh)
         if failed.done():
             failed.result()  # raises the pipeline's error
-        members = [rt.node.member(t.node_id) for t in groups.trainer]
-        if all(m is None or m.state == "left" or m.meta.get("state") == "done" for m in members):
+        members = {t.node_id: rt.node.member(t.node_id) for t in groups.trainer}
+        if all(m is not None and (m.state == "left" or m.meta.get("state") == "done") for m in members.values()):
             break
         rt.trainers_gone()  # a dead trainer ends the run with an error naming it (not "done": exit 0)
+        down = sorted(i for i, m in members.items() if m is None or m.state == "dead")
+        now = time.monotonic()
+        down_since = (down_since or now) if down else None
+        if down and now - down_since > cfg.step_timeout_s:  # this node may be the one cut off: bounded anyway
+            raise PeerLostError(f"trainer {', '.join(down)} down for {cfg.step_timeout_s:.0f}s (step_timeout_s) "
+                                f"and no live peer seen to confirm it: giving up")
         await asyncio.sleep(0.2)
     rt.node.set_meta(state="done")
     log.info("%s: done, forwarded %d parts / %d samples", group, forwarded["parts"], forwarded["samples"])
