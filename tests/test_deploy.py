@@ -497,6 +497,7 @@ def test_pdsh_worker_group_node_trains_and_stops(pdsh_run):
          "group": "reward"},
         {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["score"]},
         {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage"]}]
+    raw["kl_coef"] = 0.0  # no reference node: no KL (the config refuses kl_coef > 0 without one)
     c["cfg"].write_text(yaml.safe_dump(raw))
     p1, p2 = c["ports"]
     c["hostfile"].write_text(f"127.0.0.1 trainer=1 rollout=1 port={p1}\n127.0.0.2 rollout=1 group.reward=1 port={p2}\n")

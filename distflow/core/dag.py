@@ -22,7 +22,7 @@ Planning rules
   ``group_sizes`` in between in the mapping's order. Data edges only go forward (or stay
   within a group): weights flow back from trainer to rollout outside the DAG.
 * every node's group must have workers (a positive size in ``group_sizes``).
-* at least one MODEL_TRAIN node; at most one ACTOR MODEL_INFERENCE (generate) node, and
+* at least one MODEL_TRAIN node; exactly one ACTOR MODEL_INFERENCE (generate) node, and
   it has no deps (it reads prompts from the dataloader).
 * what a stage reads is made upstream of it (a dep, or a dep's dep): a generate node exists;
   a built-in estimator or filter (``grpo``, ``gae``, ``dynamic_sampling``, ...) has a REWARD
