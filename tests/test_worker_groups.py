@@ -64,9 +64,10 @@ def test_idle_group_single_controller_and_dynamic_sampling_are_refused():
     with pytest.raises(ConfigError, match=r"controller: single.*cannot be combined with worker groups"):
         config_from_dict(example_raw(controller="single"))
     raw = example_raw()
-    raw["workflow"][3] = {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "dynamic_sampling",
-                          "deps": ["rm"]}
-    with pytest.raises(ConfigError, match=r"'advantage': dynamic_sampling .* not on worker group 'reward'"):
+    raw["workflow"].insert(3, {"id": "filter", "role": "ACTOR", "type": "COMPUTE", "fn": "dynamic_sampling",
+                               "deps": ["rm"]})
+    raw["workflow"][4]["deps"] = ["filter"]  # the estimator after the filter, as in DAPO
+    with pytest.raises(ConfigError, match=r"'filter': dynamic_sampling .* not on worker group 'reward'"):
         config_from_dict(raw)
 
 
