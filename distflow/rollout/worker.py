@@ -173,10 +173,6 @@ class RolloutLoop:
         return PromptShard(c.dataset, s, c.rollout_nodes, seed=c.seed, shuffle=c.shuffle, bad_rows=c.bad_rows,
                            required_keys=(c.prompt_key,))
 
-    def trainers_gone(self) -> None:
-        """Raise when the trainers are gone for good (:meth:`Runtime.trainers_gone`)."""
-        self.rt.trainers_gone()
-
     async def run(self) -> None:
         rt, cfg = self.rt, self.cfg
         # The engine needs no group: load the model while the other nodes are still joining.
@@ -218,7 +214,7 @@ class RolloutLoop:
         stalled_since = time.monotonic()
         progress = (-1, -1)  # (weights version, trainers' step) last seen: either moving is progress
         while inbox.version < total:  # until the trainers have published the final version
-            self.trainers_gone()
+            rt.trainers_gone()  # raises when they are gone for good
             # Weights of version v are what v trained steps made: steps below it need no samples (the
             # gossiped step may lag behind them, e.g. right after a resume or on a node that was cut off).
             start = trainers_start_step(rt, groups)
@@ -241,7 +237,7 @@ class RolloutLoop:
                     raise TimeoutError(f"no progress for {cfg.step_timeout_s:.0f}s (weights v{inbox.version}, "
                                        f"trainers at step {done}, my shards {next_step})")
                 try:
-                    await inbox.wait_for(inbox.version + 1, 0.5, self.trainers_gone)
+                    await inbox.wait_for(inbox.version + 1, 0.5, rt.trainers_gone)
                 except TimeoutError:
                     pass
                 continue
@@ -269,7 +265,7 @@ class RolloutLoop:
                 self.report_startup()
             extra = {"total_steps": total, "epoch": epoch, "num_rows": loaders[shard].num_rows,
                      "stage_stats": stage_stats}
-            await send_parts(rt, groups, batch, step=step, shard=shard, extra=extra, check=self.trainers_gone)
+            await send_parts(rt, groups, batch, step=step, shard=shard, extra=extra, check=rt.trainers_gone)
             if self.trace.path is not None:
                 self.trace.write(step=step, rank=rank, shard=shard, epoch=epoch,
                                  prompt_ids=[r.prompt_id for r in rows], policy_version=engine.version,
