@@ -34,6 +34,22 @@ def _cfg(toy_model, *overrides):
                                     "grad_clip=1000", *overrides])
 
 
+def _counted_update(actor, cfg, batch) -> tuple[dict, list[bool], int]:
+    """``actor.update`` of ``batch``, with the flags given to ``set_requires_gradient_sync`` and
+    the number of FSDP2 parameter all-gathers (one per FSDP unit and gather) it made."""
+    calls: list[bool] = []
+    sync = actor.model.set_requires_gradient_sync
+    actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
+    gathers = []
+    real_gather = dist.all_gather_single
+    dist.all_gather_single = lambda *a, **kw: (gathers.append(1), real_gather(*a, **kw))[1]
+    try:
+        stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
+    finally:
+        dist.all_gather_single = real_gather
+    return stats, calls, len(gathers)
+
+
 def _one_step(world: int, rank: int, toy_model, overrides) -> dict:
     from distflow.trainer.actor import Actor
 
@@ -44,14 +60,12 @@ def _one_step(world: int, rank: int, toy_model, overrides) -> dict:
         batch = batch.select(range(7) if rank == 0 else [7])
     batch = actor.reference_logprobs(batch)
     n_mb = len(list(actor._micro_batches(batch)))
-    calls = []
-    sync = actor.model.set_requires_gradient_sync
-    actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
-    stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
+    stats, calls, gathers = _counted_update(actor, cfg, batch)
+    units = 1 + len(actor.model.model.layers)  # the root and each decoder layer
     state = actor.full_state_dict()
     assert (state == {}) == (rank != 0)  # a collective, but only rank 0 keeps a host copy
     return {"stats": stats, "state": state, "n_mb": n_mb, "ref": actor.ref is not None, "mode": actor.grad_sync,
-            "sync_calls": calls}
+            "sync_calls": calls, "gathers": gathers, "units": units}
 
 
 def _step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
@@ -95,6 +109,12 @@ def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
     assert a["train_tokens"] == b["train_tokens"] == float(make_batch(8, seed=5).num_tokens().sum())
     assert two["mode"] == "step" and False in two["sync_calls"]  # auto: a toy model reduces once per step
     assert per_mb["mode"] == "micro_batch" and False not in per_mb["sync_calls"]
+    # Parameter all-gathers, per micro-batch: every unit before its forward, every layer again for
+    # its backward (resharded after forward; the root is not). grad_sync step keeps the weights
+    # unsharded after each backward but the last: later forwards gather nothing.
+    n, units = two["n_mb"], two["units"]
+    assert per_mb["n_mb"] == n and per_mb["gathers"] == n * (2 * units - 1)
+    assert two["gathers"] == (2 * units - 1) + (n - 1) * (units - 1)
     for other in (two, per_mb):
         b = other["stats"]
         for key in ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"):
@@ -108,10 +128,13 @@ def test_grad_sync_mode():
 
     assert grad_sync_mode("auto", 1, 7_000_000_000) == ("step", 0)  # one rank: nothing is sharded anyway
     mode, extra = grad_sync_mode("auto", 8, 7_000_000_000)
-    assert mode == "micro_batch" and extra == 4 * 7_000_000_000 * 7 // 8  # ~24.4 GiB per GPU
-    small = GRAD_SYNC_AUTO_BYTES // 2  # 4 bytes x params x 1/2 = exactly the limit on 2 ranks
-    assert grad_sync_mode("auto", 2, small) == ("step", GRAD_SYNC_AUTO_BYTES)
-    assert grad_sync_mode("auto", 2, small + 1)[0] == "micro_batch"
+    # fp32 gradients + bf16 weights, unsharded: 6 bytes x params x 7/8 (~34 GiB per GPU)
+    assert mode == "micro_batch" and extra == 6 * 7_000_000_000 * 7 // 8
+    small = GRAD_SYNC_AUTO_BYTES // 4  # fp32 weights: 8 bytes x params x 1/2 = exactly the limit on 2 ranks
+    assert grad_sync_mode("auto", 2, small, param_bytes=4) == ("step", GRAD_SYNC_AUTO_BYTES)
+    assert grad_sync_mode("auto", 2, small + 1, param_bytes=4)[0] == "micro_batch"
+    assert grad_sync_mode("auto", 2, small)[0] == "step"  # bf16 weights: 6 bytes x params x 1/2 < the limit
+    assert grad_sync_mode("auto", 2, 500_000_000) == ("step", 1_500_000_000)  # a 0.5B model on 2 GPUs
     assert grad_sync_mode("step", 8, 7_000_000_000)[0] == "step"
     assert grad_sync_mode("micro_batch", 1, 10)[0] == "micro_batch"
     with pytest.raises(ValueError, match="grad_sync"):
@@ -148,10 +171,7 @@ def test_fused_pass_skips_reference_at_kl_zero_and_recomputes_old_logprobs(toy_m
     with torch.no_grad():
         expect, _ = response_forward(plain, pad_inputs(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")))
     assert torch.allclose(batch.tensors["old_logprobs"], expect, atol=1e-5)
-    calls = []
-    sync = actor.model.set_requires_gradient_sync
-    actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
-    stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
+    stats, calls, _ = _counted_update(actor, cfg, batch)
     n_mb = len(list(actor._micro_batches(batch)))
     assert n_mb >= 2 and calls == [False] * (n_mb - 1) + [True, True]  # reduce-scatter on the last micro-batch only
     # proximal = current policy: every ratio is 1, nothing is clipped (the engine's made-up logprobs would clip)

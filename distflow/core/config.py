@@ -149,10 +149,10 @@ class Config(BaseModel):
     activation_checkpointing: bool = Field(False, description="checkpoint every decoder layer of the policy")
     grad_sync: Literal["auto", "step", "micro_batch"] = Field(
         "auto", description="when the policy's gradients are reduce-scattered: step = once per optimizer step "
-                            "(every rank holds the full unsharded fp32 gradients, 4 bytes x params, between "
-                            "micro-batches); micro_batch = after every micro-batch's backward (overlapped with "
-                            "it; gradient memory stays sharded); auto = step on one trainer or when that costs "
-                            "at most 2 GiB more per GPU, else micro_batch")
+                            "(every rank holds the full unsharded fp32 gradients and compute-dtype weights, 6 "
+                            "bytes x params in bf16, between micro-batches); micro_batch = after every "
+                            "micro-batch's backward (overlapped with it; memory stays sharded); auto = step on "
+                            "one trainer or when that costs at most 2 GiB more per GPU, else micro_batch")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="learning-rate schedule after warm-up (linear/cosine decay to 0 at the last step)")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in trainer steps")

@@ -12,9 +12,11 @@ fewer run dummy micro-batches with no response token. Loss normalisation uses th
 token (and sequence) count so the DP-averaged gradient is the token mean over the whole
 step, however samples fall into ranks and micro-batches. Gradients are reduce-scattered
 once per step on the last micro-batch, or after every micro-batch (``grad_sync``,
-:func:`grad_sync_mode`): once per step moves the fewest bytes, but FSDP2 then keeps every
-parameter's UNSHARDED fp32 gradient on every rank until that reduce-scatter (4 bytes x
-params per GPU, ~28 GB for a 7B model), which undoes gradient sharding.
+:func:`grad_sync_mode`): once per step moves the fewest bytes (one reduce-scatter, and the
+weights gathered by the first micro-batch stay unsharded after each backward, so later
+forwards gather nothing), but FSDP2 then keeps every parameter's UNSHARDED fp32 gradient
+and compute-dtype weight on every rank until the last micro-batch (6 bytes x params per GPU
+in bf16, ~42 GB for a 7B model), which undoes sharding.
 
 Micro-batches are padded (``micro_batch_size`` samples) or, with
 ``max_tokens_per_micro_batch``, packed (:mod:`distflow.trainer.packing`); logprobs come from
@@ -60,18 +62,20 @@ DATA_ORDER_KEYS = ("seed", "shuffle", "prompts_per_step")
 OPTIONAL_METRICS = ("ratio_mean", "approx_kl", "tis_weight_mean", "tis_clip_frac")
 OPTIM_DIR = "optimizer"
 # grad_sync auto: reduce-scatter once per step only while that holds at most this many bytes
-# per GPU beyond sharded gradients.
+# per GPU beyond sharded gradients and weights.
 GRAD_SYNC_AUTO_BYTES = 2 << 30
 
 
-def grad_sync_mode(setting: str, world: int, num_params: int) -> tuple[str, int]:
+def grad_sync_mode(setting: str, world: int, num_params: int, param_bytes: int = 2) -> tuple[str, int]:
     """The effective ``grad_sync`` ("step" | "micro_batch") for ``setting`` ("auto" too) and
-    the bytes per GPU that "step" holds beyond sharded gradients: with gradient sync off,
+    the bytes per GPU that "step" holds beyond sharded training: with gradient sync off,
     FSDP2 keeps each parameter's unsharded gradient, in fp32 (the reduce dtype), until the
-    step's reduce-scatter: 4 x params instead of 4 x params / world."""
+    step's reduce-scatter (4 x params instead of 4 x params / world), and "step" keeps the
+    unsharded compute-dtype weights (``param_bytes`` each) between micro-batches, so that no
+    forward gathers them again."""
     if setting not in ("auto", "step", "micro_batch"):
         raise ValueError(f"grad_sync must be auto, step or micro_batch, got {setting!r}")
-    extra = 4 * num_params * (world - 1) // max(world, 1)
+    extra = (4 + param_bytes) * num_params * (world - 1) // max(world, 1)
     if setting == "auto":
         setting = "step" if world == 1 or extra <= GRAD_SYNC_AUTO_BYTES else "micro_batch"
     return setting, extra
@@ -184,13 +188,14 @@ class Actor:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel = full size
-        self.grad_sync, extra = grad_sync_mode(cfg.grad_sync, self.world, self.num_params)
+        self.grad_sync, extra = grad_sync_mode(cfg.grad_sync, self.world, self.num_params,
+                                               torch.empty(0, dtype=self.compute_dtype).element_size())
         if self.rank == 0:
             log.info("grad_sync: %s (%s; reducing once per step holds %.1f GiB more per GPU)", self.grad_sync,
                      cfg.grad_sync, extra / 2**30)
             if self.grad_sync == "step" and extra > GRAD_SYNC_AUTO_BYTES:
-                log.warning("grad_sync: step holds the full unsharded fp32 gradients on every rank between "
-                            "micro-batches, %.1f GiB more per GPU; grad_sync: micro_batch keeps them sharded",
+                log.warning("grad_sync: step holds the full unsharded fp32 gradients and weights on every rank "
+                            "between micro-batches, %.1f GiB more per GPU; grad_sync: micro_batch keeps them sharded",
                             extra / 2**30)
         self.pad_id = 0
         self.version = 0
@@ -296,8 +301,10 @@ class Actor:
         mbs = list(self._micro_batches(batch))
         once = self.grad_sync == "step"
         for i, (idx, inputs) in enumerate(mbs):
-            if once:
-                self.model.set_requires_gradient_sync(i == len(mbs) - 1)  # reduce-scatter on the last only
+            if once:  # reduce-scatter on the last only; until then the parameters stay unsharded after
+                last = i == len(mbs) - 1  # backward, so the next micro-batch's forward gathers nothing
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
             lp, ent = self._forward(self.model, inputs)
             if idx is None:  # a dummy micro-batch (this rank has fewer): no loss, no metrics
                 loss, metrics, kept = lp.sum() * 0.0, {}, 0
@@ -322,6 +329,7 @@ class Actor:
                     sums.add(f"{k}/w", w)
         if once:
             self.model.set_requires_gradient_sync(True)
+            self.model.set_reshard_after_backward(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
