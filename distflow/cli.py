@@ -139,7 +139,12 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await rt.start()
+    try:
+        await rt.start()
+    except OSError as e:  # a port taken, an address not on this host: one line, and what did start closes
+        log.error("%s: cannot start: %s", node_id, e)
+        await rt.stop(graceful=False)
+        return 1
     log.info("%s up: control %s, data port %d", node_id, rt.node.address, rt.channel.port)
     work = asyncio.create_task(loop_fn(rt), name=f"{role}-loop")
     stopper = asyncio.create_task(stop.wait(), name="signal-wait")

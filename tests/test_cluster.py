@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -207,6 +208,23 @@ def test_node_check_validates_without_joining(tmp_path):
     ids = [subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, "--check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60).stdout.split()[1] for _ in range(2)]
     assert ids[0] != ids[1] and all(i.startswith("rollout-127.0.0.1-pid") for i in ids), ids
+
+
+def test_node_on_a_taken_port_exits_with_one_line(tmp_path):
+    """A port another process holds (control or data) is a one-line error naming it and exit 1,
+    not a traceback."""
+    env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
+    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag, what in (("--port", "control socket"), ("--data-port", "data port")):
+            r = subprocess.run(cmd + ["--role", "trainer", "--config", QUICKSTART, flag, str(port)], cwd=ROOT,
+                               env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1, r.stderr
+            assert "cannot start: " in r.stderr and what in r.stderr and f":{port}" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr, r.stderr
 
 
 def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
