@@ -103,6 +103,8 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
     while pending:
         live = {i for i in pending if rt.node.is_alive(targets[i])}
         if live:
+            for i in live:  # where the mesh says it is now: a consumer back from a restart may have moved
+                consumers[i] = rt.endpoint(targets[i])
             send = asyncio.create_task(
                 scatter(rt.channel, batch, consumers, step=step, source_rank=shard, timeout=cfg.step_timeout_s,
                         balance=cfg.route_by, num_sources=len(groups.rollout), extra_meta=extra, only=live),

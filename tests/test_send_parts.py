@@ -1,0 +1,82 @@
+"""The rollout's send path (``rollout.worker.send_parts``) on real nodes: real meshes, real
+shared-memory channels, in this process.
+
+A trainer that is down when a rollout node sends its step is retried until it is back; when it
+comes back on other ports (``distflow-node --data-port 0``, a container restarted), the retry
+must go to where the mesh says it is now, not to the endpoint it had when the send began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from distflow.core.config import load_config
+from tests.conftest import ROOT
+from tests.test_packing import make_batch
+
+QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
+SECRET = "send-parts-test-secret-0123456789"
+
+
+def _cfg():
+    return load_config(QUICKSTART, ["rollout_nodes=1", "trainer_nodes=1", "step_timeout_s=60",
+                                    "mesh.protocol_period_s=0.1", "mesh.suspicion_timeout_s=0.5"])
+
+
+async def _until(cond, what: str, timeout: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _trainer(cfg, seeds: list[str], got: list):
+    from distflow.buffer.redistribute import parse_part
+    from distflow.runtime import Runtime
+
+    rt = Runtime.create(cfg, "trainer", "trainer-0", SECRET, host="127.0.0.1", port=0, data_port=0, seeds=seeds)
+
+    async def handler(env) -> None:
+        step, batch = parse_part(env)
+        got.append((rt.channel.port, step, env.sender, list(batch.sample_ids)))
+
+    rt.on_data("samples", handler)
+    await rt.start()
+    return rt
+
+
+def test_a_trainer_back_on_new_ports_gets_the_pending_step():
+    from distflow.rollout.worker import send_parts
+    from distflow.runtime import Runtime
+
+    async def main() -> None:
+        cfg = _cfg()
+        first: list = []
+        t1 = await _trainer(cfg, [], first)
+        r = Runtime.create(cfg, "rollout", "rollout-0", SECRET, host="127.0.0.1", port=0, data_port=0,
+                           seeds=[t1.node.address])
+        await r.start()
+        t2 = None
+        try:
+            groups = await r.form_groups()
+            batch = make_batch(6, seed=3)
+            await asyncio.wait_for(send_parts(r, groups, batch, step=0, shard=0, extra={}), 20)
+            assert [(s, who, ids) for _, s, who, ids in first] == [(0, "rollout-0", batch.sample_ids)]
+            old_port = t1.channel.port
+            await t1.stop(graceful=False)  # the trainer dies ...
+            await _until(lambda: not r.node.is_alive("trainer-0"), "the trainer declared dead")
+            send = asyncio.create_task(send_parts(r, groups, batch, step=1, shard=0, extra={}), name="send-step1")
+            await asyncio.sleep(0.6)  # the send is waiting for the trainer to come back
+            assert not send.done()
+            second: list = []  # ... and comes back with the same id on other ports
+            t2 = await _trainer(cfg, [r.node.address], second)
+            assert t2.channel.port != old_port
+            await asyncio.wait_for(send, 20)
+            assert [(p, s, who, ids) for p, s, who, ids in second] == [(t2.channel.port, 1, "rollout-0",
+                                                                         batch.sample_ids)]
+        finally:
+            for rt in (r, t2):
+                if rt is not None:
+                    await rt.stop(graceful=False)
+
+    asyncio.run(main())
