@@ -23,7 +23,7 @@ import pytest
 from distflow.buffer.dataloader import DatasetError, PromptShard
 from distflow.core.config import config_from_dict
 from distflow.rollout.engine import make_engine
-from distflow.rollout.stages import row_keys, run_pipeline
+from distflow.rollout.stages import row_requirements, run_pipeline
 
 GEN = {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"}
 REWARD = {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "successor", "deps": ["generate"]}
@@ -89,6 +89,26 @@ def test_strict_mode_names_file_line_key_and_reward(engine, toy_model, tmp_path)
         rollout_step(cfg, engine, loader)
 
 
+def test_a_row_the_reward_cannot_score_is_a_bad_row(engine, toy_model, tmp_path, caplog):
+    """gsm8k's ``check_row``: an answer that is no number skips the row (with its group) under
+    ``bad_rows: skip``, and names file, line, problem and reward under ``error``; it used to
+    reach the reward stage and fail the step there."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "12=", "answer": "3"}, {"prompt": "34=", "answer": "five"}, {"prompt": "56=", "answer": "#### 7"}]))
+    cfg = make_cfg(toy_model, [GEN, {**REWARD, "fn": "gsm8k"}, ADV, UPDATE], prompts_per_step=3, bad_rows="skip")
+    with caplog.at_level("WARNING", logger="distflow.buffer.dataloader"):
+        batch, stats, bad_rows = rollout_step(cfg, engine, PromptShard(str(path), 0, 1, shuffle=False,
+                                                                       bad_rows="skip"))
+    assert Counter(batch.prompt_ids) == {"e0:0": 4, "e0:2": 4} and len(batch.tensors["reward"]) == 8
+    assert bad_rows == 1 and "bad_rows" not in stats
+    assert (f"{path}:2: 'answer' 'five' is not a number, so reward 'gsm8k' (workflow node 'reward') cannot "
+            f"score it (prompt e0:1)") in caplog.text
+    strict = make_cfg(toy_model, [GEN, {**REWARD, "fn": "gsm8k"}, ADV, UPDATE], prompts_per_step=3)
+    with pytest.raises(DatasetError, match=r"p\.jsonl:2: 'answer' 'five' is not a number, so reward 'gsm8k'"):
+        rollout_step(strict, engine, PromptShard(str(path), 0, 1, shuffle=False))
+
+
 _COUNTER = itertools.count()
 
 
@@ -138,7 +158,9 @@ def test_a_reward_on_a_worker_group_is_checked_where_the_rows_are_read(engine, t
     wf = [GEN, {**REWARD, "fn": "gsm8k", "group": "scorer"}, ADV, UPDATE]
     cfg = make_cfg(toy_model, wf, worker_groups={"scorer": 1}, bad_rows="skip")
     assert [n.id for n in cfg.plan().pipeline("rollout")] == ["generate"]  # the reward runs elsewhere
-    assert row_keys(cfg.workflow) == {"answer": "reward 'gsm8k' (workflow node 'reward')"}
+    keys, checks = row_requirements(cfg.workflow)
+    assert keys == {"answer": "reward 'gsm8k' (workflow node 'reward')"}
+    assert [who for _, who in checks] == ["reward 'gsm8k' (workflow node 'reward')"]
     path = write_rows(tmp_path / "p.jsonl", ["12=", "34="], without_answer={0})
     batch, _, bad_rows = rollout_step(cfg, engine, PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip"))
     assert Counter(batch.prompt_ids) == {"e0:1": 4} and bad_rows == 1

@@ -13,6 +13,7 @@ from distflow.rollout.rewards import (
     registered_rewards,
     resolve_reward,
     reward_keys,
+    reward_row_check,
 )
 
 
@@ -168,6 +169,26 @@ def test_row_without_answer_names_the_key(name: str) -> None:
 def test_gsm8k_non_numeric_answer_is_a_row_error() -> None:
     with pytest.raises(ValueError, match="not a number"):
         resolve_reward("gsm8k")("#### 3", {"answer": "three"})
+
+
+def test_rewards_check_the_rows_they_can_score() -> None:
+    """``check_row``: the rollout stages refuse such a row as a bad row before it is generated."""
+    gsm8k, successor = resolve_reward("gsm8k"), resolve_reward("successor")
+    assert reward_row_check(gsm8k)({"answer": "three"}) == "'answer' 'three' is not a number"
+    assert reward_row_check(gsm8k)({"answer": [7]}) == "'answer' [7] is not a number"
+    for ok in ("1,234", "$5", 72, 2.5, "Natalia sold ... #### 72"):
+        assert reward_row_check(gsm8k)({"answer": ok}) is None, ok
+    assert reward_row_check(successor)({"answer": "  "}) == "'answer' is empty"
+    assert reward_row_check(successor)({"answer": "4"}) is None
+    assert reward_row_check(resolve_reward("exact_match")) is None  # any answer is fine to compare
+
+    @register_reward("test_checked", check_row=lambda row: None if row.get("label") in ("a", "b") else "bad label")
+    def checked(response: str, row: dict) -> float:
+        return float(response == row["label"])
+
+    assert reward_row_check(checked)({"label": "c"}) == "bad label"
+    with pytest.raises(ValueError, match="check_row must be callable"):
+        register_reward("test_bad_check", check_row="yes")  # type: ignore[arg-type]
 
 
 def test_non_string_response_scores_zero() -> None:

@@ -77,21 +77,32 @@ def _absent(data: Mapping[str, Any], key: str) -> bool:
     return key not in data or data[key] is None
 
 
-def keep_row(row: PromptRow, keys: Mapping[str, str], fallback: BadRowPolicy) -> bool:
-    """True when the row has every key of ``keys`` (key -> what reads it, e.g. "reward 'gsm8k'").
-    Else the row is rejected, as a missing required key is when the loader reads it, through the
-    policy of the loader that read it (``fallback`` for a row made elsewhere): raised, or skipped
-    and counted, and False."""
+def keep_row(row: PromptRow, keys: Mapping[str, str], fallback: BadRowPolicy,
+             checks: Sequence[tuple[Callable[[dict], str | None], str]] = ()) -> bool:
+    """True when the row has every key of ``keys`` (key -> what reads it, e.g. "reward 'gsm8k'")
+    and no ``checks`` entry (check(row) -> problem or None, who checks) finds a problem. Else the
+    row is rejected, as a missing required key is when the loader reads it, through the policy
+    of the loader that read it (``fallback`` for a row made elsewhere): raised, or skipped and
+    counted, and False."""
     data = row.data if isinstance(row.data, Mapping) else {}
+    where = row.where or "prompt " + row.prompt_id
     missing = next((k for k in keys if _absent(data, k)), None)
-    if missing is None:
-        return True
-    has = sorted(data) if isinstance(row.data, Mapping) else type(row.data).__name__
-    problem = f"key {missing!r} is null" if missing in data else f"missing key {missing!r}"
-    (row.policy or fallback).reject(DatasetError(
-        f"{row.where or 'prompt ' + row.prompt_id}: {problem}, which {keys[missing]} reads "
-        f"(prompt {row.prompt_id}; the row has {has})"))
-    return False
+    if missing is not None:
+        has = sorted(data) if isinstance(row.data, Mapping) else type(row.data).__name__
+        problem = f"key {missing!r} is null" if missing in data else f"missing key {missing!r}"
+        (row.policy or fallback).reject(DatasetError(
+            f"{where}: {problem}, which {keys[missing]} reads (prompt {row.prompt_id}; the row has {has})"))
+        return False
+    for check, who in checks:
+        try:
+            problem = check(data) if isinstance(row.data, Mapping) else f"the row is a {type(row.data).__name__}"
+        except Exception as e:  # noqa: BLE001 - a failing check is the row's problem, named, not a dead node
+            problem = f"its check failed ({type(e).__name__}: {e})"
+        if problem:
+            (row.policy or fallback).reject(DatasetError(
+                f"{where}: {problem}, so {who} cannot score it (prompt {row.prompt_id})"))
+            return False
+    return True
 
 
 class _JsonlSource:

@@ -11,7 +11,9 @@ A reward declares the row keys it reads (``register_reward(name, required_keys=.
 ``required_keys`` attribute on a ``package.module:function``): the rollout stages check every
 row for them before generating, so a row without one is a bad row like any other (``bad_rows``:
 an error naming file, line, key and reward, or skipped and counted, its whole prompt group
-with it) instead of a failed reward stage that takes the rollout node down. A function that
+with it) instead of a failed reward stage that takes the rollout node down. A reward may also
+declare ``check_row(row) -> problem or None`` for a row it cannot score though the key is there
+(gsm8k: an answer that is not a number): such a row is a bad row the same way. A function that
 declares nothing is called on every row; one that still meets a row without its field raises
 a ValueError naming the field.
 """
@@ -30,9 +32,11 @@ __all__ = [
     "registered_rewards",
     "resolve_reward",
     "reward_keys",
+    "reward_row_check",
 ]
 
 RewardFn = Callable[[str, dict], float]
+RowCheck = Callable[[dict], "str | None"]  # row -> why the reward cannot score it, or None
 _REGISTRY: dict[str, RewardFn] = {}
 
 # An optionally signed number with optional thousands separators and decimals: -1,234.50.
@@ -59,21 +63,28 @@ def _key_tuple(keys: Any, owner: str) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def register_reward(name: str, *, required_keys: Sequence[str] = ()) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, required_keys: Sequence[str] = (),
+                    check_row: RowCheck | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: make ``fn`` available to workflow configs as ``name``. ``required_keys``: the row
-    keys it reads, set as ``fn.required_keys`` (a row without one is a bad row, see the module doc)."""
+    keys it reads, set as ``fn.required_keys``; ``check_row(row) -> problem or None``: whether it
+    can score a row at all (e.g. its answer is a number), set as ``fn.check_row``. A row without
+    a key, or with a problem, is a bad row (see the module doc)."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
     keys = _key_tuple(required_keys, name)
+    if check_row is not None and not callable(check_row):
+        raise ValueError(f"reward {name!r}: check_row must be callable(row) -> str | None, got {check_row!r}")
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
-        if keys:
+        for attr, value in (("required_keys", keys), ("check_row", check_row)):
+            if not value:
+                continue
             try:
-                fn.required_keys = keys  # type: ignore[attr-defined]
+                setattr(fn, attr, value)
             except AttributeError:
-                raise ValueError(f"reward {name!r}: cannot set required_keys on {type(fn).__name__} {fn!r}; "
+                raise ValueError(f"reward {name!r}: cannot set {attr} on {type(fn).__name__} {fn!r}; "
                                  f"register a plain function") from None
         _REGISTRY[name] = fn
         return fn
@@ -85,6 +96,15 @@ def reward_keys(fn: Callable[..., float], name: str = "") -> tuple[str, ...]:
     """The row keys reward ``fn`` declares it reads (its ``required_keys``); () when it declares none."""
     keys = getattr(fn, "required_keys", ())
     return _key_tuple(keys, name or getattr(fn, "__name__", repr(fn))) if keys else ()
+
+
+def reward_row_check(fn: Callable[..., float], name: str = "") -> RowCheck | None:
+    """Reward ``fn``'s ``check_row`` (row -> what makes it unscorable, or None); None when it has none."""
+    check = getattr(fn, "check_row", None)
+    if check is not None and not callable(check):
+        raise ValueError(f"reward {name or getattr(fn, '__name__', repr(fn))!r}: check_row must be "
+                         f"callable(row) -> str | None, got {check!r}")
+    return check
 
 
 def registered_rewards() -> list[str]:
@@ -207,7 +227,11 @@ def extract_final_number(text: str) -> float | None:
     return _to_float(found[-1]) if found else None
 
 
-@register_reward("successor", required_keys=("answer",))
+def _successor_problem(row: dict) -> str | None:
+    return "'answer' is empty" if not str(row.get("answer", "")).strip() else None
+
+
+@register_reward("successor", required_keys=("answer",), check_row=_successor_problem)
 def successor(response: str, row: dict) -> float:
     """Toy task: 1.0 if the response starts with the answer digit (``row["answer"]``)."""
     answer = str(_field(row, "answer", "successor")).strip()
@@ -218,7 +242,23 @@ def successor(response: str, row: dict) -> float:
     return 1.0 if response.strip().startswith(answer) else 0.0
 
 
-@register_reward("gsm8k", required_keys=("answer",))
+def _expected_number(raw: Any) -> float | None:
+    """A gsm8k row's answer as a number: a bare number (``"1,234"``, ``"$5"``, 72) or a full
+    solution ending in ``#### 72``; None when it is none of these."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        return None
+    expected = _to_float(str(raw))
+    if expected is None and isinstance(raw, str):
+        expected = extract_final_number(raw)
+    return expected
+
+
+def _gsm8k_problem(row: dict) -> str | None:
+    raw = row.get("answer")
+    return None if _expected_number(raw) is not None else f"'answer' {raw!r:.60} is not a number"
+
+
+@register_reward("gsm8k", required_keys=("answer",), check_row=_gsm8k_problem)
 def gsm8k(response: str, row: dict) -> float:
     """1.0 if the response's final number equals the row's answer numerically.
 
@@ -226,9 +266,7 @@ def gsm8k(response: str, row: dict) -> float:
     ending in ``#### 72``.
     """
     raw = _field(row, "answer", "gsm8k")
-    expected = _to_float(str(raw)) if isinstance(raw, (int, float, str)) and not isinstance(raw, bool) else None
-    if expected is None and isinstance(raw, str):
-        expected = extract_final_number(raw)
+    expected = _expected_number(raw)
     if expected is None:
         raise ValueError(f"reward 'gsm8k': the row's 'answer' {raw!r:.60} is not a number")
     if not isinstance(response, str):

@@ -16,8 +16,9 @@ Stages: ``stage(node, ctx, batch) -> batch``; they never touch the network.
   versions that made them; prompts longer than ``max_prompt_length`` are skipped and
   counted (``ctx.stats["skipped_prompts"]``); ``truncated`` marks ``finish_reason ==
   "length"``. It is where rows become prompts (the step's and a refill's alike), so it
-  also checks each row for the keys the workflow's rewards declare they read
-  (:func:`row_keys`): a row without one is a bad row (``bad_rows``), raised or skipped
+  also checks each row for the keys the workflow's rewards declare they read, and with
+  their ``check_row`` (:func:`row_requirements`): a row without a key, or one a reward
+  cannot score (a gsm8k answer that is no number), is a bad row (``bad_rows``), raised or skipped
   and counted by the policy of the loader that read it, before it costs a generation and
   with its whole group, never in the reward stage, where it would fail the step.
 * REWARD COMPUTE: a rule-based reward ``fn(response_text, row) -> float``.
@@ -47,12 +48,12 @@ from distflow.rl.reward_model import score_batch
 from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards
 from distflow.rollout.engine import RolloutEngine, SamplingParams
-from distflow.rollout.rewards import resolve_reward, reward_keys
+from distflow.rollout.rewards import RowCheck, resolve_reward, reward_keys, reward_row_check
 
 log = logging.getLogger(__name__)
 
 __all__ = ["StageError", "RolloutContext", "STAGES", "register_stage", "run_pipeline", "sampling_params",
-           "encode_prompts", "row_keys", "run_stages", "generate", "reward", "reward_model", "advantage"]
+           "encode_prompts", "row_requirements", "run_stages", "generate", "reward", "reward_model", "advantage"]
 
 
 class StageError(RuntimeError):
@@ -115,12 +116,14 @@ def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) 
     return out
 
 
-def row_keys(workflow: list[WorkflowNode]) -> dict[str, str]:
-    """The row keys the workflow's rule-based rewards declare they read, each with who reads it
-    (``"reward 'gsm8k' (workflow node 'reward')"``). The whole workflow: a reward that runs on a
-    worker group of its own is checked here, where the rows are read. A reward that cannot be
-    resolved here is left to the stage that runs it, which names the problem."""
+def row_requirements(workflow: list[WorkflowNode]) -> tuple[dict[str, str], list[tuple[RowCheck, str]]]:
+    """What the workflow's rule-based rewards need of a row: the keys they declare they read, each
+    with who reads it (``"reward 'gsm8k' (workflow node 'reward')"``), and their ``check_row``
+    functions, each with who it is. The whole workflow: a reward that runs on a worker group of
+    its own is checked here, where the rows are read. A reward that cannot be resolved here is
+    left to the stage that runs it, which names the problem."""
     keys: dict[str, list[str]] = {}
+    checks: list[tuple[RowCheck, str]] = []
     for n in workflow:
         if n.role.value != "REWARD" or n.type.value != "COMPUTE":
             continue
@@ -128,13 +131,16 @@ def row_keys(workflow: list[WorkflowNode]) -> dict[str, str]:
             fn = resolve_reward(n.fn)
         except ValueError:
             continue
+        who = f"reward {n.fn!r} (workflow node {n.id!r})"
         try:
-            declared = reward_keys(fn, n.fn)
+            declared, check = reward_keys(fn, n.fn), reward_row_check(fn, n.fn)
         except ValueError as e:
             raise StageError(f"workflow node {n.id!r}: {e}") from None
         for k in declared:
-            keys.setdefault(k, []).append(f"reward {n.fn!r} (workflow node {n.id!r})")
-    return {k: " and ".join(v) for k, v in keys.items()}
+            keys.setdefault(k, []).append(who)
+        if check is not None:
+            checks.append((check, who))
+    return {k: " and ".join(v) for k, v in keys.items()}, checks
 
 
 def _need(node: WorkflowNode, batch: SampleBatch | None) -> SampleBatch:
@@ -160,7 +166,8 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     """Sample ``group_size`` responses per prompt. Each sample carries ``policy_version`` (the
     weights it started with), ``last_version`` (the weights it ended with) and ``truncated``.
     Rows whose prompt is unusable are skipped (``bad_prompts``); of the others, rows without a
-    key a reward reads are bad rows (:func:`row_keys`; counted in their loader's
+    key a reward reads, or that a reward's ``check_row`` refuses, are bad rows
+    (:func:`row_requirements`; counted in their loader's
     ``bad_rows_skipped``, or as ``bad_rows`` in ``stats`` for rows no loader read)."""
     encoded = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
     bad = [e for e in encoded if isinstance(e, str)]
@@ -169,10 +176,10 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
         if stats is not None:
             stats["bad_prompts"] = stats.get("bad_prompts", 0) + len(bad)
     keep = [i for i, p in enumerate(encoded) if not isinstance(p, str)]
-    needed = row_keys(cfg.workflow)
-    if needed:
+    needed, checks = row_requirements(cfg.workflow)
+    if needed or checks:
         fallback = BadRowPolicy(cfg.bad_rows)
-        keep = [i for i in keep if keep_row(rows[i], needed, fallback)]  # raises with bad_rows: error
+        keep = [i for i in keep if keep_row(rows[i], needed, fallback, checks)]  # raises with bad_rows: error
         if fallback.skipped and stats is not None:
             stats["bad_rows"] = stats.get("bad_rows", 0) + fallback.skipped
     limit = prompt_limit(engine, cfg)
