@@ -1,9 +1,13 @@
-"""The rollout's send path (``rollout.worker.send_parts``) on real nodes: real meshes, real
-shared-memory channels, in this process.
+"""How the nodes that feed the trainers behave when a trainer goes down, on real nodes: real
+meshes and shared-memory channels, in this process.
 
-A trainer that is down when a rollout node sends its step is retried until it is back; when it
-comes back on other ports (``distflow-node --data-port 0``, a container restarted), the retry
-must go to where the mesh says it is now, not to the endpoint it had when the send began.
+* The rollout's send path (``rollout.worker.send_parts``): a trainer that is down when a rollout
+  node sends its step is retried until it is back; when it comes back on other ports
+  (``distflow-node --data-port 0``, a container restarted), the retry must go to where the
+  mesh says it is now, not to the endpoint it had when the send began.
+* A stage worker (here the ``controller: single`` one) whose trainer is down with no live peer
+  to show that this node is not the one cut off waits, but only ``step_timeout_s``: then it
+  fails naming the trainer, instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
 SECRET = "send-parts-test-secret-0123456789"
 
 
-def _cfg():
+def _cfg(*overrides: str):
     return load_config(QUICKSTART, ["rollout_nodes=1", "trainer_nodes=1", "step_timeout_s=60",
-                                    "mesh.protocol_period_s=0.1", "mesh.suspicion_timeout_s=0.5"])
+                                    "mesh.protocol_period_s=0.1", "mesh.suspicion_timeout_s=0.5", *overrides])
 
 
 async def _until(cond, what: str, timeout: float = 15.0) -> None:
@@ -78,5 +82,42 @@ def test_a_trainer_back_on_new_ports_gets_the_pending_step():
             for rt in (r, t2):
                 if rt is not None:
                     await rt.stop(graceful=False)
+
+    asyncio.run(main())
+
+
+def test_a_stage_worker_gives_up_on_a_trainer_down_without_a_witness_after_step_timeout():
+    from distflow.runtime import PeerLostError, Runtime
+    from distflow.stage_worker import run_stage_worker
+
+    async def main() -> None:
+        cfg = _cfg("controller=single", "step_timeout_s=2")
+        trainer = await _trainer(cfg, [], [])
+        seeds = [trainer.node.address]
+        rollout, ctl = (Runtime.create(cfg, role, f"{role}-0", SECRET, host="127.0.0.1", port=0, data_port=0,
+                                       seeds=seeds) for role in ("rollout", "controller"))
+        await rollout.start()
+        await ctl.start()
+        loop = asyncio.get_running_loop()
+        work = asyncio.create_task(run_stage_worker(ctl), name="controller-loop")
+        try:
+            await _until(lambda: ctl.groups is not None, "the controller's groups")
+            # the trainer and the only other peer die: nothing shows this node is not the one cut off
+            await rollout.stop(graceful=False)
+            await trainer.stop(graceful=False)
+            t0 = loop.time()
+            await _until(lambda: not ctl.node.is_alive("trainer-0"), "the trainer declared dead")
+            await asyncio.sleep(1.0)
+            assert not work.done()  # waiting: the trainer may still come back
+            try:
+                await asyncio.wait_for(work, 10)
+            except PeerLostError as e:
+                assert "trainer trainer-0 down for 2s (step_timeout_s)" in str(e) and "no live peer" in str(e)
+            else:
+                raise AssertionError("the controller finished, with its trainer dead")
+            assert loop.time() - t0 >= 2.0
+        finally:
+            work.cancel()
+            await ctl.stop(graceful=False)
 
     asyncio.run(main())
