@@ -40,13 +40,15 @@ def _counted_update(actor, cfg, batch) -> tuple[dict, list[bool], int]:
     calls: list[bool] = []
     sync = actor.model.set_requires_gradient_sync
     actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
-    gathers = []
-    real_gather = dist.all_gather_single
-    dist.all_gather_single = lambda *a, **kw: (gathers.append(1), real_gather(*a, **kw))[1]
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    gathers = []  # one foreach_all_gather per FSDP unit and gather (the name the param group calls)
+    real_gather = group.foreach_all_gather
+    group.foreach_all_gather = lambda *a, **kw: (gathers.append(1), real_gather(*a, **kw))[1]
     try:
         stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
     finally:
-        dist.all_gather_single = real_gather
+        group.foreach_all_gather = real_gather
     return stats, calls, len(gathers)
 
 
@@ -128,13 +130,13 @@ def test_grad_sync_mode():
 
     assert grad_sync_mode("auto", 1, 7_000_000_000) == ("step", 0)  # one rank: nothing is sharded anyway
     mode, extra = grad_sync_mode("auto", 8, 7_000_000_000)
-    # fp32 gradients + bf16 weights, unsharded: 6 bytes x params x 7/8 (~34 GiB per GPU)
-    assert mode == "micro_batch" and extra == 6 * 7_000_000_000 * 7 // 8
-    small = GRAD_SYNC_AUTO_BYTES // 4  # fp32 weights: 8 bytes x params x 1/2 = exactly the limit on 2 ranks
-    assert grad_sync_mode("auto", 2, small, param_bytes=4) == ("step", GRAD_SYNC_AUTO_BYTES)
-    assert grad_sync_mode("auto", 2, small + 1, param_bytes=4)[0] == "micro_batch"
-    assert grad_sync_mode("auto", 2, small)[0] == "step"  # bf16 weights: 6 bytes x params x 1/2 < the limit
-    assert grad_sync_mode("auto", 2, 500_000_000) == ("step", 1_500_000_000)  # a 0.5B model on 2 GPUs
+    # fp32 gradients unsharded (4 bytes x params x 7/8) + the gathered bf16 weights (2 bytes x params)
+    assert mode == "micro_batch" and extra == 4 * 7_000_000_000 * 7 // 8 + 2 * 7_000_000_000  # ~35.8 GiB
+    small = GRAD_SYNC_AUTO_BYTES // 4  # 4 x params x 1/2 + 2 x params = exactly the limit on 2 ranks
+    assert grad_sync_mode("auto", 2, small) == ("step", GRAD_SYNC_AUTO_BYTES)
+    assert grad_sync_mode("auto", 2, small + 1)[0] == "micro_batch"
+    assert grad_sync_mode("auto", 2, small // 2 * 2, param_bytes=4)[0] == "micro_batch"  # fp32 weights: 6 x params
+    assert grad_sync_mode("auto", 2, 500_000_000) == ("step", 2_000_000_000)  # a 0.5B model on 2 GPUs
     assert grad_sync_mode("step", 8, 7_000_000_000)[0] == "step"
     assert grad_sync_mode("micro_batch", 1, 10)[0] == "micro_batch"
     with pytest.raises(ValueError, match="grad_sync"):

@@ -149,8 +149,8 @@ class Config(BaseModel):
     activation_checkpointing: bool = Field(False, description="checkpoint every decoder layer of the policy")
     grad_sync: Literal["auto", "step", "micro_batch"] = Field(
         "auto", description="when the policy's gradients are reduce-scattered: step = once per optimizer step "
-                            "(every rank holds the full unsharded fp32 gradients and compute-dtype weights, 6 "
-                            "bytes x params in bf16, between micro-batches); micro_batch = after every "
+                            "(every rank holds the full unsharded fp32 gradients, and between micro-batches the "
+                            "weights, up to 6 bytes x params in bf16); micro_batch = after every "
                             "micro-batch's backward (overlapped with it; memory stays sharded); auto = step on "
                             "one trainer or when that costs at most 2 GiB more per GPU, else micro_batch")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(

@@ -13,10 +13,10 @@ token (and sequence) count so the DP-averaged gradient is the token mean over th
 step, however samples fall into ranks and micro-batches. Gradients are reduce-scattered
 once per step on the last micro-batch, or after every micro-batch (``grad_sync``,
 :func:`grad_sync_mode`): once per step moves the fewest bytes (one reduce-scatter, and the
-weights gathered by the first micro-batch stay unsharded after each backward, so later
-forwards gather nothing), but FSDP2 then keeps every parameter's UNSHARDED fp32 gradient
-and compute-dtype weight on every rank until the last micro-batch (6 bytes x params per GPU
-in bf16, ~42 GB for a 7B model), which undoes sharding.
+weights each backward gathered stay unsharded for the next micro-batch's forward, which then
+gathers nothing; every backward still gathers), but FSDP2 then keeps every parameter's
+UNSHARDED fp32 gradient, and between micro-batches its compute-dtype weight, on every rank
+(up to 6 bytes x params per GPU in bf16, ~42 GB for a 7B model), which undoes sharding.
 
 Micro-batches are padded (``micro_batch_size`` samples) or, with
 ``max_tokens_per_micro_batch``, packed (:mod:`distflow.trainer.packing`); logprobs come from
@@ -70,12 +70,13 @@ def grad_sync_mode(setting: str, world: int, num_params: int, param_bytes: int =
     """The effective ``grad_sync`` ("step" | "micro_batch") for ``setting`` ("auto" too) and
     the bytes per GPU that "step" holds beyond sharded training: with gradient sync off,
     FSDP2 keeps each parameter's unsharded gradient, in fp32 (the reduce dtype), until the
-    step's reduce-scatter (4 x params instead of 4 x params / world), and "step" keeps the
-    unsharded compute-dtype weights (``param_bytes`` each) between micro-batches, so that no
-    forward gathers them again."""
+    step's reduce-scatter (4 x params instead of 4 x params / world), and with more than one
+    rank "step" keeps the weights each backward gathered, unsharded in the compute dtype
+    (``param_bytes`` x params on top of the fp32 shard), until the next micro-batch's forward
+    has used them."""
     if setting not in ("auto", "step", "micro_batch"):
         raise ValueError(f"grad_sync must be auto, step or micro_batch, got {setting!r}")
-    extra = (4 + param_bytes) * num_params * (world - 1) // max(world, 1)
+    extra = 4 * num_params * (world - 1) // max(world, 1) + (param_bytes * num_params if world > 1 else 0)
     if setting == "auto":
         setting = "step" if world == 1 or extra <= GRAD_SYNC_AUTO_BYTES else "micro_batch"
     return setting, extra
@@ -300,36 +301,43 @@ class Actor:
                            *(k for m in OPTIONAL_METRICS for k in (m, f"{m}/w"))], self.device)
         mbs = list(self._micro_batches(batch))
         once = self.grad_sync == "step"
-        for i, (idx, inputs) in enumerate(mbs):
-            if once:  # reduce-scatter on the last only; until then the parameters stay unsharded after
-                last = i == len(mbs) - 1  # backward, so the next micro-batch's forward gathers nothing
-                self.model.set_requires_gradient_sync(last)
-                self.model.set_reshard_after_backward(last)
-            lp, ent = self._forward(self.model, inputs)
-            if idx is None:  # a dummy micro-batch (this rank has fewer): no loss, no metrics
-                loss, metrics, kept = lp.sum() * 0.0, {}, 0
-            else:
-                mb = batch.select(idx)
-                keep = trained_samples(mb, cfg)
-                loss, metrics = self._loss(loss_fn, mb, keep, inputs, lp, ent, kl_coef, normalizer, seq_normalizer)
-                kept = sum(n for n, k in zip(inputs.response_lens, keep.tolist()) if k)  # host numbers
-                trained = torch.repeat_interleave(keep, mb.tensors["response_lens"]).to(ent.device, non_blocking=True)
-                # entropy over the tokens the loss trains on (a select, not a boolean index: no sync)
-                ent_sum = torch.where(trained, ent.detach().double(), 0.0).sum()
-                sums.add("entropy", ent_sum, 1.0 / max(global_tokens, 1.0))
-            loss.backward()
-            w = kept / max(global_tokens, 1.0)  # share of the global token mean
-            sums.add("loss", loss, 1.0 / self.world)
-            for k in ("pg_loss", "kl", "clip_frac"):
-                if k in metrics:
-                    sums.add(k, metrics[k], w)
-            for k in OPTIONAL_METRICS:  # not every loss reports these: a token weight per key, too
-                if k in metrics:
-                    sums.add(k, metrics[k], w)
-                    sums.add(f"{k}/w", w)
-        if once:
-            self.model.set_requires_gradient_sync(True)
-            self.model.set_reshard_after_backward(True)
+        keep_gathered = once and self.world > 1  # one rank gathers nothing: nothing to keep
+        try:
+            for i, (idx, inputs) in enumerate(mbs):
+                if once:  # reduce-scatter on the last only; until then each backward leaves the weights
+                    last = i == len(mbs) - 1  # unsharded, so the next micro-batch's forward gathers nothing
+                    self.model.set_requires_gradient_sync(last)
+                    if keep_gathered:
+                        self.model.set_reshard_after_backward(last)
+                lp, ent = self._forward(self.model, inputs)
+                if idx is None:  # a dummy micro-batch (this rank has fewer): no loss, no metrics
+                    loss, metrics, kept = lp.sum() * 0.0, {}, 0
+                else:
+                    mb = batch.select(idx)
+                    keep = trained_samples(mb, cfg)
+                    loss, metrics = self._loss(loss_fn, mb, keep, inputs, lp, ent, kl_coef, normalizer,
+                                               seq_normalizer)
+                    kept = sum(n for n, k in zip(inputs.response_lens, keep.tolist()) if k)  # host numbers
+                    trained = torch.repeat_interleave(keep, mb.tensors["response_lens"]).to(ent.device,
+                                                                                             non_blocking=True)
+                    # entropy over the tokens the loss trains on (a select, not a boolean index: no sync)
+                    ent_sum = torch.where(trained, ent.detach().double(), 0.0).sum()
+                    sums.add("entropy", ent_sum, 1.0 / max(global_tokens, 1.0))
+                loss.backward()
+                w = kept / max(global_tokens, 1.0)  # share of the global token mean
+                sums.add("loss", loss, 1.0 / self.world)
+                for k in ("pg_loss", "kl", "clip_frac"):
+                    if k in metrics:
+                        sums.add(k, metrics[k], w)
+                for k in OPTIONAL_METRICS:  # not every loss reports these: a token weight per key, too
+                    if k in metrics:
+                        sums.add(k, metrics[k], w)
+                        sums.add(f"{k}/w", w)
+        finally:  # also after a failed micro-batch: no flag stays off
+            if once:
+                self.model.set_requires_gradient_sync(True)
+            if keep_gathered:
+                self.model.set_reshard_after_backward(True)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
