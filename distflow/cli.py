@@ -141,7 +141,7 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         loop.add_signal_handler(sig, stop.set)
     try:
         await rt.start()
-    except OSError as e:  # a port taken, an address not on this host: one line, and what did start closes
+    except OSError as e:  # a port taken, no seed answering the join (both OSErrors): one line; what started closes
         log.error("%s: cannot start: %s", node_id, e)
         await rt.stop(graceful=False)
         return 1

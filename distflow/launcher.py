@@ -142,7 +142,7 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
     resolver's error (with a did-you-mean). A node process checks its own pipeline's: a host
     need not have the packages of the stages other hosts run."""
     from distflow.rl.names import COMPUTE_NAMES, POLICY_LOSS_NAMES
-    from distflow.rollout.rewards import resolve_reward
+    from distflow.rollout.rewards import resolve_reward, reward_keys, reward_row_check
 
     def check(names: tuple[str, ...], fn: str, what: str) -> None:
         if fn not in names:
@@ -153,8 +153,10 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
     for node in cfg.workflow if nodes is None else nodes:
         kind = (node.role.value, node.type.value)
         try:
-            if kind == ("REWARD", "COMPUTE"):
-                resolve_reward(node.fn)
+            if kind == ("REWARD", "COMPUTE"):  # and what it declares of the rows (required_keys, check_row)
+                fn = resolve_reward(node.fn)
+                reward_keys(fn, node.fn)
+                reward_row_check(fn, node.fn)
             elif kind == ("ACTOR", "COMPUTE"):
                 check(COMPUTE_NAMES, node.fn, "advantage estimator")
             elif kind == ("ACTOR", "MODEL_TRAIN"):

@@ -278,3 +278,22 @@ def test_a_later_check_rejects_a_row_through_its_loaders_policy(tmp_path, caplog
         keep_row(PromptRow("x:3", 3, [1]), needed, BadRowPolicy("error"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bad_rows must be 'error' or 'skip'"):
         BadRowPolicy("ignore")
+
+
+def test_keep_row_applies_the_rewards_checks():
+    """check_row: a problem is a bad row; a check that raises, or answers with no str, is a bug in
+    the check, raised even under ``skip`` (else every row would be skipped quietly)."""
+    who = "reward 'r' (workflow node 'reward')"
+    checks = [(lambda row: None if str(row["answer"]).isdigit() else "not digits", who)]
+    skip = BadRowPolicy("skip")
+    assert keep_row(PromptRow("x:1", 1, {"answer": "12"}), {}, skip, checks)
+    assert not keep_row(PromptRow("x:2", 2, {"answer": "a"}), {}, skip, checks) and skip.skipped == 1
+    assert not keep_row(PromptRow("x:3", 3, ["a"]), {}, skip, checks) and skip.skipped == 2  # type: ignore[arg-type]
+    with pytest.raises(DatasetError, match=r"^f\.jsonl:4: not digits, so reward 'r' \(workflow node 'reward'\) "
+                                           r"cannot score it \(prompt x:4\)$"):
+        keep_row(PromptRow("x:4", 4, {"answer": "a"}, where="f.jsonl:4"), {}, BadRowPolicy("error"), checks)
+    with pytest.raises(RuntimeError, match=r"the check_row of reward 'r' .* raised on prompt x:5 .*KeyError"):
+        keep_row(PromptRow("x:5", 5, {}), {}, BadRowPolicy("skip"), checks)
+    backwards = [(lambda row: row["answer"].isdigit(), who)]  # a bool, not a problem: refused, not guessed
+    with pytest.raises(TypeError, match=r"must return None .* or a str .*got True"):
+        keep_row(PromptRow("x:6", 6, {"answer": "1"}), {}, BadRowPolicy("skip"), backwards)

@@ -79,7 +79,7 @@ def test_a_trainer_back_on_new_ports_gets_the_pending_step():
             assert [(p, s, who, ids) for p, s, who, ids in second] == [(t2.channel.port, 1, "rollout-0",
                                                                          batch.sample_ids)]
         finally:
-            for rt in (r, t2):
+            for rt in (r, t1, t2):  # stop is idempotent: also after an early failed assert
                 if rt is not None:
                     await rt.stop(graceful=False)
 
@@ -91,7 +91,7 @@ def test_a_stage_worker_gives_up_on_a_trainer_down_without_a_witness_after_step_
     from distflow.stage_worker import run_stage_worker
 
     async def main() -> None:
-        cfg = _cfg("controller=single", "step_timeout_s=2")
+        cfg = _cfg("controller=single", "step_timeout_s=3")
         trainer = await _trainer(cfg, [], [])
         seeds = [trainer.node.address]
         rollout, ctl = (Runtime.create(cfg, role, f"{role}-0", SECRET, host="127.0.0.1", port=0, data_port=0,
@@ -103,21 +103,22 @@ def test_a_stage_worker_gives_up_on_a_trainer_down_without_a_witness_after_step_
         try:
             await _until(lambda: ctl.groups is not None, "the controller's groups")
             # the trainer and the only other peer die: nothing shows this node is not the one cut off
+            t0 = loop.time()
             await rollout.stop(graceful=False)
             await trainer.stop(graceful=False)
-            t0 = loop.time()
             await _until(lambda: not ctl.node.is_alive("trainer-0"), "the trainer declared dead")
             await asyncio.sleep(1.0)
             assert not work.done()  # waiting: the trainer may still come back
             try:
                 await asyncio.wait_for(work, 10)
             except PeerLostError as e:
-                assert "trainer trainer-0 down for 2s (step_timeout_s)" in str(e) and "no live peer" in str(e)
+                assert "trainer trainer-0 down for 3s (step_timeout_s)" in str(e) and "no live peer" in str(e)
             else:
                 raise AssertionError("the controller finished, with its trainer dead")
-            assert loop.time() - t0 >= 2.0
+            assert loop.time() - t0 >= 3.0
         finally:
             work.cancel()
-            await ctl.stop(graceful=False)
+            for rt in (ctl, rollout, trainer):  # stop is idempotent: also after an early failed assert
+                await rt.stop(graceful=False)
 
     asyncio.run(main())

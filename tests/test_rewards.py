@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+from distflow.rollout import rewards
 from distflow.rollout.rewards import (
     extract_final_number,
     register_reward,
@@ -171,7 +172,7 @@ def test_gsm8k_non_numeric_answer_is_a_row_error() -> None:
         resolve_reward("gsm8k")("#### 3", {"answer": "three"})
 
 
-def test_rewards_check_the_rows_they_can_score() -> None:
+def test_rewards_check_the_rows_they_can_score(monkeypatch: pytest.MonkeyPatch) -> None:
     """``check_row``: the rollout stages refuse such a row as a bad row before it is generated."""
     gsm8k, successor = resolve_reward("gsm8k"), resolve_reward("successor")
     assert reward_row_check(gsm8k)({"answer": "three"}) == "'answer' 'three' is not a number"
@@ -182,6 +183,8 @@ def test_rewards_check_the_rows_they_can_score() -> None:
     assert reward_row_check(successor)({"answer": "4"}) is None
     assert reward_row_check(resolve_reward("exact_match")) is None  # any answer is fine to compare
 
+    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))  # this test's registrations end with it
+
     @register_reward("test_checked", check_row=lambda row: None if row.get("label") in ("a", "b") else "bad label")
     def checked(response: str, row: dict) -> float:
         return float(response == row["label"])
@@ -189,6 +192,26 @@ def test_rewards_check_the_rows_they_can_score() -> None:
     assert reward_row_check(checked)({"label": "c"}) == "bad label"
     with pytest.raises(ValueError, match="check_row must be callable"):
         register_reward("test_bad_check", check_row="yes")  # type: ignore[arg-type]
+    # a package.module:function declares it as an attribute; a malformed one is named at start-up
+    mod = types.ModuleType("distflow_test_checked_rewards")
+    mod.checked = lambda response, row: 1.0  # type: ignore[attr-defined]
+    mod.checked.check_row = lambda row: None if row.get("gold") else "no gold"  # type: ignore[attr-defined]
+    mod.broken = lambda response, row: 0.0  # type: ignore[attr-defined]
+    mod.broken.check_row = "yes"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "distflow_test_checked_rewards", mod)
+    assert reward_row_check(resolve_reward("distflow_test_checked_rewards:checked"))({}) == "no gold"
+    from distflow.core.config import config_from_dict
+    from distflow.launcher import check_functions
+
+    wf = [{"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"},
+          {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "distflow_test_checked_rewards:broken",
+           "deps": ["generate"]},
+          {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["reward"]},
+          {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage"]}]
+    cfg = config_from_dict({"model_path": "unused", "dataset": "unused.jsonl", "prompts_per_step": 2, "workflow": wf})
+    with pytest.raises(SystemExit, match=r"workflow node 'reward': reward 'distflow_test_checked_rewards:broken': "
+                                         r"check_row must be callable"):
+        check_functions(cfg)
 
 
 def test_non_string_response_scores_zero() -> None:

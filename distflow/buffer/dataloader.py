@@ -83,7 +83,8 @@ def keep_row(row: PromptRow, keys: Mapping[str, str], fallback: BadRowPolicy,
     and no ``checks`` entry (check(row) -> problem or None, who checks) finds a problem. Else the
     row is rejected, as a missing required key is when the loader reads it, through the policy
     of the loader that read it (``fallback`` for a row made elsewhere): raised, or skipped and
-    counted, and False."""
+    counted, and False. A check that raises, or returns neither None nor a str, is a bug in the
+    check: raised whatever the policy (under ``skip`` it would drop every row quietly)."""
     data = row.data if isinstance(row.data, Mapping) else {}
     where = row.where or "prompt " + row.prompt_id
     missing = next((k for k in keys if _absent(data, k)), None)
@@ -94,10 +95,17 @@ def keep_row(row: PromptRow, keys: Mapping[str, str], fallback: BadRowPolicy,
             f"{where}: {problem}, which {keys[missing]} reads (prompt {row.prompt_id}; the row has {has})"))
         return False
     for check, who in checks:
-        try:
-            problem = check(data) if isinstance(row.data, Mapping) else f"the row is a {type(row.data).__name__}"
-        except Exception as e:  # noqa: BLE001 - a failing check is the row's problem, named, not a dead node
-            problem = f"its check failed ({type(e).__name__}: {e})"
+        if not isinstance(row.data, Mapping):
+            problem = f"the row is a {type(row.data).__name__}"
+        else:
+            try:
+                problem = check(data)
+            except Exception as e:  # a bug in the check, not a bad row: skipping would drop every row quietly
+                raise RuntimeError(f"the check_row of {who} raised on {where} (prompt {row.prompt_id}): "
+                                   f"{type(e).__name__}: {e}") from e
+            if problem is not None and not isinstance(problem, str):
+                raise TypeError(f"the check_row of {who} must return None (the row is fine) or a str (what is "
+                                f"wrong with it), got {problem!r} on {where}")
         if problem:
             (row.policy or fallback).reject(DatasetError(
                 f"{where}: {problem}, so {who} cannot score it (prompt {row.prompt_id})"))

@@ -78,8 +78,8 @@ def register_reward(name: str, *, required_keys: Sequence[str] = (),
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
-        for attr, value in (("required_keys", keys), ("check_row", check_row)):
-            if not value:
+        for attr, value in (("required_keys", keys or None), ("check_row", check_row)):
+            if value is None:
                 continue
             try:
                 setattr(fn, attr, value)
