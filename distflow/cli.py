@@ -102,11 +102,11 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
     from distflow.launcher import check_functions
 
-    # every start, not only --check: a typo in one of this node's functions is named now, not at step 1
-    check_functions(cfg, cfg.plan().pipelines.get(role, []))
+    pipeline = cfg.plan().pipelines.get(role, [])
+    check_functions(cfg, pipeline)  # every start, not only --check: a typo is named now, not at step 1
     if args.check:
         print(f"ok: {node_id} role={role} host={host} seeds={seeds or '(first node)'} "
-              f"pipeline={[n.id for n in cfg.plan().pipelines.get(role, [])]}")
+              f"pipeline={[n.id for n in pipeline]}")
         return 0
     _setup_logging(node_id, args.log_level)
     from distflow.core.aio import run_loop

@@ -85,17 +85,18 @@ def keep_row(row: PromptRow, keys: Mapping[str, str], fallback: BadRowPolicy,
     of the loader that read it (``fallback`` for a row made elsewhere): raised, or skipped and
     counted, and False. A check that raises, or returns neither None nor a str, is a bug in the
     check: raised whatever the policy (under ``skip`` it would drop every row quietly)."""
-    data = row.data if isinstance(row.data, Mapping) else {}
+    mapping = isinstance(row.data, Mapping)
+    data = row.data if mapping else {}
     where = row.where or "prompt " + row.prompt_id
     missing = next((k for k in keys if _absent(data, k)), None)
     if missing is not None:
-        has = sorted(data) if isinstance(row.data, Mapping) else type(row.data).__name__
+        has = sorted(data) if mapping else type(row.data).__name__
         problem = f"key {missing!r} is null" if missing in data else f"missing key {missing!r}"
         (row.policy or fallback).reject(DatasetError(
             f"{where}: {problem}, which {keys[missing]} reads (prompt {row.prompt_id}; the row has {has})"))
         return False
     for check, who in checks:
-        if not isinstance(row.data, Mapping):
+        if not mapping:
             problem = f"the row is a {type(row.data).__name__}"
         else:
             try:

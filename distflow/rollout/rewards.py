@@ -63,6 +63,12 @@ def _key_tuple(keys: Any, owner: str) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def _row_check(check: Any, owner: str) -> RowCheck | None:
+    if check is not None and not callable(check):
+        raise ValueError(f"reward {owner!r}: check_row must be callable(row) -> str | None, got {check!r}")
+    return check
+
+
 def register_reward(name: str, *, required_keys: Sequence[str] = (),
                     check_row: RowCheck | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: make ``fn`` available to workflow configs as ``name``. ``required_keys``: the row
@@ -71,9 +77,7 @@ def register_reward(name: str, *, required_keys: Sequence[str] = (),
     a key, or with a problem, is a bad row (see the module doc)."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
-    keys = _key_tuple(required_keys, name)
-    if check_row is not None and not callable(check_row):
-        raise ValueError(f"reward {name!r}: check_row must be callable(row) -> str | None, got {check_row!r}")
+    keys, check_row = _key_tuple(required_keys, name), _row_check(check_row, name)
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
@@ -100,11 +104,7 @@ def reward_keys(fn: Callable[..., float], name: str = "") -> tuple[str, ...]:
 
 def reward_row_check(fn: Callable[..., float], name: str = "") -> RowCheck | None:
     """Reward ``fn``'s ``check_row`` (row -> what makes it unscorable, or None); None when it has none."""
-    check = getattr(fn, "check_row", None)
-    if check is not None and not callable(check):
-        raise ValueError(f"reward {name or getattr(fn, '__name__', repr(fn))!r}: check_row must be "
-                         f"callable(row) -> str | None, got {check!r}")
-    return check
+    return _row_check(getattr(fn, "check_row", None), name or getattr(fn, "__name__", repr(fn)))
 
 
 def registered_rewards() -> list[str]:

@@ -189,8 +189,7 @@ class Actor:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel = full size
-        self.grad_sync, extra = grad_sync_mode(cfg.grad_sync, self.world, self.num_params,
-                                               torch.empty(0, dtype=self.compute_dtype).element_size())
+        self.grad_sync, extra = grad_sync_mode(cfg.grad_sync, self.world, self.num_params, self.compute_dtype.itemsize)
         if self.rank == 0:
             log.info("grad_sync: %s (%s; reducing once per step holds %.1f GiB more per GPU)", self.grad_sync,
                      cfg.grad_sync, extra / 2**30)

@@ -239,12 +239,11 @@ async def run_trainer(rt: Runtime) -> None:
 
     step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
-    if step:
-        inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
     rt.node.set_meta(policy_version=step, start_step=step)
     if step:
+        inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         await publish(step)
     alive = rollout_liveness(rt, rollout_ids)
     startup: dict[str, float] | None = None
