@@ -1,17 +1,139 @@
-"""Event-loop plumbing shared by every entry point: uvloop when available."""
+"""Event-loop plumbing shared by every entry point: uvloop, and worker threads that cannot hold a process.
+
+Why the executor: ``asyncio.to_thread`` runs a call in the loop's default executor, whose threads
+the interpreter (and ``asyncio.run``'s shutdown) joins at exit. A call abandoned at its deadline (an
+NCCL init whose peer never came, a collective with a dead rank, a generation interrupted by
+SIGTERM) would then keep the process alive after its role loop had ended: for as long as the call
+blocks, which for a hung collective is for ever. :func:`run_loop` installs a
+:class:`DaemonThreadPool` instead: its threads are daemon threads, and its shutdown waits at most
+``thread_grace_s`` for the calls still running, names them in the log, and returns.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, TypeVar
+import contextvars
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("distflow.aio")
+THREAD_GRACE_S = 5.0  # how long the loop's shutdown waits for worker threads still running a call
 
 
-def run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to completion on uvloop (falls back to the stdlib loop)."""
+class DaemonThreadPool(ThreadPoolExecutor):
+    """A thread pool whose threads never keep the process alive; ``shutdown(wait=True)`` is bounded.
+
+    Same contract as :class:`ThreadPoolExecutor` (a subclass only because the event loop accepts
+    nothing else as its default executor; none of the base class's machinery is used): up to
+    ``max_workers`` threads, started on demand and reused; queued calls still run after
+    ``shutdown`` unless ``cancel_futures``. Only ``shutdown(wait=True)`` differs: it waits
+    ``grace_s`` at most, then logs the calls still running (by function name) and returns,
+    leaving them to die with the process.
+    """
+
+    def __init__(self, max_workers: int | None = None, name: str = "distflow-worker",
+                 grace_s: float = THREAD_GRACE_S):
+        super().__init__(max_workers=1, thread_name_prefix=name)  # starts no thread
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers!r}")
+        self._max = max_workers or min(32, (os.cpu_count() or 1) + 4)  # asyncio's default
+        self._name, self._grace = name, float(grace_s)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle_workers = threading.Semaphore(0)  # released by a worker each time it is free
+        self._guard = threading.Lock()
+        self._workers: list[threading.Thread] = []
+        self._running: dict[threading.Thread, str] = {}
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        with self._guard:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: cannot schedule new calls after shutdown")
+            fut: Future = Future()
+            self._jobs.put((fut, fn, args, kwargs))
+            if not self._idle_workers.acquire(blocking=False) and len(self._workers) < self._max:
+                t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._workers)}", daemon=True)
+                self._workers.append(t)
+                t.start()
+        return fut
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args, kwargs = job
+            del job
+            if fut.set_running_or_notify_cancel():
+                self._running[me] = describe_call(fn)
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as e:  # noqa: BLE001 - the caller gets it, as from any executor
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(result)
+                finally:
+                    self._running.pop(me, None)
+            del fut, fn, args, kwargs  # no reference to the last call's arguments while idle
+            self._idle_workers.release()
+
+    def running(self) -> list[str]:
+        """The calls running now (function names)."""
+        return list(self._running.values())
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._guard:
+            self._closed = True
+            workers = list(self._workers)
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        for _ in workers:
+            self._jobs.put(None)
+        if not wait:
+            return
+        deadline = time.monotonic() + self._grace
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = self.running()
+        if stuck:
+            log.warning("%s: %d worker thread(s) still in %s %.0fs after shutdown; not waiting for them "
+                        "(daemon threads: they end with the process)", self._name, len(stuck),
+                        ", ".join(sorted(stuck)), self._grace)
+
+
+def describe_call(fn: Callable[..., Any]) -> str:
+    """The name of the function a submitted call runs (``to_thread`` wraps it in a context's ``run``)."""
+    while isinstance(fn, functools.partial):
+        owner = getattr(fn.func, "__self__", None)
+        if isinstance(owner, contextvars.Context) and fn.args:
+            fn = fn.args[0]
+        else:
+            fn = fn.func
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def run_loop(coro: Coroutine[Any, Any, T], *, thread_grace_s: float = THREAD_GRACE_S) -> T:
+    """Run a coroutine to completion on uvloop (falls back to the stdlib loop), with a
+    :class:`DaemonThreadPool` as the default executor: at the end, worker threads still in a
+    call get ``thread_grace_s`` seconds, then the process no longer waits for them."""
+
+    async def main() -> T:
+        asyncio.get_running_loop().set_default_executor(DaemonThreadPool(grace_s=thread_grace_s))
+        return await coro
+
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return asyncio.run(main())
+    return uvloop.run(main())

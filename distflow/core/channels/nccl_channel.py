@@ -17,7 +17,10 @@ a send/recv pair lazily, inside the first ``groupEnd`` that moves data, and that
 its thread until the peer posts the matching call; the receiver only posts once the header arrives,
 and the header leaves after the sender's ``groupEnd``, so an unwarmed first send would
 deadlock. Posting still runs in a worker thread under ``nccl_timeout``, so no NCCL call
-can freeze the event loop.
+can freeze the event loop. These threads are the channel's own daemon threads
+(:class:`~distflow.core.aio.DaemonThreadPool`): an init whose peer never joins cannot be aborted
+and blocks its thread until the process exits, but it takes none of the node's worker threads
+and does not hold the process at exit.
 
 Each communicator has its own CUDA stream on the channel's device (``device``, else
 :func:`distflow.device.node_device`), so NCCL traffic neither queues behind nor holds up
@@ -45,6 +48,7 @@ constructing the channel then raises a clear error. Tests skip without a GPU.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
@@ -54,6 +58,7 @@ from typing import Any
 import torch
 import zmq
 
+from distflow.core.aio import DaemonThreadPool
 from distflow.core.channels import codec
 from distflow.core.channels.base import ChannelError, Endpoint, Envelope, Handler, RemoteError, log
 from distflow.core.channels.shm_channel import ShmChannel
@@ -148,6 +153,10 @@ class NcclChannel(ShmChannel):
         self._no_nccl: dict[Endpoint, float] = {}  # peer -> until when it gets host-memory sends (it refused
         # a communicator: no NCCL channel there, or its init failed; NCCL is tried again after NO_NCCL_RETRY_S)
         self._user_handler: Handler | None = None
+        # NCCL calls that may block on a peer run in threads of their own: one stuck until its
+        # process exits (an init whose peer never joined cannot be aborted) takes none of the
+        # node's worker threads and does not keep the process from exiting
+        self._threads = DaemonThreadPool(name=f"nccl-{node_id}")
         super().set_handler(self._dispatch)
 
     def set_handler(self, handler: Handler) -> None:
@@ -162,6 +171,10 @@ class NcclChannel(ShmChannel):
             # forced: a post hanging in NCCL would otherwise keep its worker thread (and exit) waiting
         self._out.clear()
         self._in.clear()
+        self._threads.shutdown(wait=False)
+
+    def _in_thread(self, fn: Any, *args: Any) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
 
     def _extra_stats(self) -> dict[str, Any]:
         return {**super()._extra_stats(), "nccl_sends": self._counters["nccl_sends"],
@@ -190,7 +203,7 @@ class NcclChannel(ShmChannel):
     async def _new_comm(self, uid: bytes, rank: int, comm_id: str) -> _Comm:
         made: list[Any] = []
         try:
-            comm, stream, owner = await asyncio.wait_for(asyncio.to_thread(self._make_comm, uid, rank, made),
+            comm, stream, owner = await asyncio.wait_for(self._in_thread(self._make_comm, uid, rank, made),
                                                          self._nccl_timeout)
         except BaseException:
             for c in made:  # built, but the warm-up did not finish in time: unblock its thread
@@ -251,7 +264,7 @@ class NcclChannel(ShmChannel):
 
     async def _post_in_thread(self, comm: _Comm, bufs: list[torch.Tensor], send: bool) -> None:
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._post, comm, bufs, send), self._nccl_timeout)
+            await asyncio.wait_for(self._in_thread(self._post, comm, bufs, send), self._nccl_timeout)
         except TimeoutError:
             self._discard_comm(comm, force=True)  # the post hangs in NCCL: only an abort unblocks it
             what = f"posting NCCL {'sends' if send else 'receives'} on {comm.comm_id} took over {self._nccl_timeout:g}s"
@@ -394,7 +407,7 @@ class NcclChannel(ShmChannel):
         event = torch.cuda.Event()
         event.record(comm.stream)
         try:
-            await asyncio.wait_for(asyncio.to_thread(event.synchronize), self._nccl_timeout)
+            await asyncio.wait_for(self._in_thread(event.synchronize), self._nccl_timeout)
         except BaseException as e:
             self._discard_comm(comm)
             if isinstance(e, TimeoutError):

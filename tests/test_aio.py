@@ -1,0 +1,106 @@
+"""run_loop's worker threads: a call abandoned at its deadline never holds the process at exit.
+
+Real processes and threads: the first test runs a script whose only thread call blocks for ever
+(as an NCCL init whose peer never joined does) and checks that the process still exits, naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from distflow.core.aio import DaemonThreadPool, describe_call, run_loop
+
+STUCK = textwrap.dedent("""
+    import asyncio, threading
+    from distflow.core.aio import run_loop
+
+    never = threading.Event()
+
+    async def main():
+        try:
+            await asyncio.wait_for(asyncio.to_thread(never.wait), 0.2)
+        except TimeoutError:
+            return "gave up"
+
+    print(run_loop(main(), thread_grace_s=0.5), flush=True)
+""")
+
+
+def test_a_call_abandoned_at_its_deadline_does_not_hold_the_process() -> None:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "gave up"
+    assert took < 20, f"the process took {took:.1f}s to exit"  # it used to wait for the thread for ever
+    assert "still in Event.wait" in p.stderr  # the log names the call left behind
+
+
+def test_shutdown_waits_for_a_call_that_ends_within_the_grace() -> None:
+    pool = DaemonThreadPool(grace_s=10)
+    f = pool.submit(time.sleep, 0.3)
+    t0 = time.monotonic()
+    pool.shutdown(wait=True)
+    assert f.done() and f.result() is None
+    assert 0.1 < time.monotonic() - t0 < 5
+
+
+def test_shutdown_is_bounded_and_names_the_stuck_call(caplog: pytest.LogCaptureFixture) -> None:
+    never = threading.Event()
+    pool = DaemonThreadPool(grace_s=0.3, name="t-pool")
+    pool.submit(never.wait)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="distflow.aio"):
+        pool.shutdown(wait=True)
+    assert time.monotonic() - t0 < 3
+    assert pool.running() == ["Event.wait"]
+    assert any("t-pool" in r.message and "Event.wait" in r.message for r in caplog.records)
+    assert all(t.daemon for t in pool._workers)
+    never.set()
+
+
+def test_calls_run_concurrently_up_to_max_workers_and_threads_are_reused() -> None:
+    pool = DaemonThreadPool(max_workers=3)
+    barrier = threading.Barrier(3, timeout=10)  # breaks unless three calls run at once
+    names = [pool.submit(lambda: (barrier.wait(), threading.current_thread().name)[1]) for _ in range(3)]
+    assert len({f.result(timeout=20) for f in names}) == 3
+    later = [pool.submit(threading.current_thread) for _ in range(20)]
+    assert len({f.result(timeout=20) for f in later}) <= 3
+    assert len(pool._workers) == 3
+    pool.shutdown()
+
+
+def test_results_exceptions_and_use_after_shutdown() -> None:
+    pool = DaemonThreadPool(max_workers=1)
+    assert pool.submit(pow, 2, 10).result(timeout=10) == 1024
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(timeout=10)
+    gate, started = threading.Event(), threading.Event()
+    first = pool.submit(lambda: (started.set(), gate.wait(10))[1])
+    assert started.wait(10)  # the one worker is busy: the next call stays queued
+    queued = pool.submit(pow, 3, 2)
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled()
+    gate.set()
+    assert first.result(timeout=10) is True
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(pow, 1, 1)
+
+
+def test_to_thread_runs_on_the_daemon_pool_and_is_named() -> None:
+    async def main() -> tuple[bool, str]:
+        daemon = await asyncio.to_thread(lambda: threading.current_thread().daemon)
+        return daemon, describe_call(functools.partial(contextvars.copy_context().run, time.sleep, 0))
+
+    assert run_loop(main()) == (True, "sleep")
+    with pytest.raises(ValueError, match="max_workers"):
+        DaemonThreadPool(max_workers=0)
