@@ -112,7 +112,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     from distflow.core.aio import run_loop
 
     try:
-        return run_loop(run_node(cfg, role, node_id, secret, host, args.port, args.data_port, seeds, advertise))
+        return run_loop(run_node(cfg, role, node_id, secret, host, args.port, args.data_port, seeds, advertise),
+                        exit_if_stuck=True)
     except KeyboardInterrupt:
         return 130
 

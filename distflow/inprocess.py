@@ -137,7 +137,7 @@ def run_in_process(cfg: Config) -> int:
     except ValueError as e:
         print(f"distflow run --in-process: {e}", file=sys.stderr)
         return 2
-    code = run_loop(_run(cfg))
+    code = run_loop(_run(cfg), exit_if_stuck=True)
     if code == 130:
         from distflow.launcher import resume_hint  # noqa: PLC0415
 

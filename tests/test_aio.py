@@ -1,7 +1,8 @@
 """run_loop's worker threads: a call abandoned at its deadline never holds the process at exit.
 
-Real processes and threads: the first test runs a script whose only thread call blocks for ever
-(as an NCCL init whose peer never joined does) and checks that the process still exits, naming it.
+Real processes and threads: the first tests run scripts whose only thread call never ends (blocked,
+as an NCCL init whose peer never joined; or in and out of torch kernels, as a generation cut off
+by SIGTERM) and check that the process still exits, with its own status, naming the call.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import gc
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -43,6 +46,61 @@ def test_a_call_abandoned_at_its_deadline_does_not_hold_the_process() -> None:
     assert p.stdout.strip() == "gave up"
     assert took < 20, f"the process took {took:.1f}s to exit"  # it used to wait for the thread for ever
     assert "still in Event.wait" in p.stderr  # the log names the call left behind
+
+
+IN_TORCH = textwrap.dedent("""
+    import asyncio, torch
+    from distflow.core.aio import run_loop
+
+    def matmuls():  # in and out of torch kernels for ever, as a generation cut off by SIGTERM
+        a = torch.ones(64, 64)
+        while True:
+            a @ a
+
+    async def main():
+        try:
+            await asyncio.wait_for(asyncio.to_thread(matmuls), 0.2)
+        except TimeoutError:
+            return 7
+
+    run_loop(main(), thread_grace_s=0.5, exit_if_stuck=True)
+    print("not reached", flush=True)
+""")
+
+
+def test_a_node_exits_with_its_code_while_a_thread_is_still_in_torch() -> None:
+    # Interpreter shutdown under such a thread aborts the process (exit 134); a node exits at once instead.
+    p = subprocess.run([sys.executable, "-c", IN_TORCH], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 7, (p.returncode, p.stderr[-2000:])
+    assert "still in main.<locals>.matmuls" in p.stderr or "still in matmuls" in p.stderr, p.stderr[-2000:]
+    assert "not reached" not in p.stdout
+
+
+def test_an_idle_worker_keeps_nothing_of_its_last_call() -> None:
+    class Result:
+        pass
+
+    pool = DaemonThreadPool(max_workers=1)
+    ref = weakref.ref(pool.submit(Result).result(timeout=10))
+    deadline = time.monotonic() + 10
+    while ref() is not None and time.monotonic() < deadline:  # the worker drops it once the call returned
+        gc.collect()
+        time.sleep(0.01)
+    assert ref() is None, "an idle worker thread still holds its last call's result"
+    pool.shutdown()
+
+
+def test_a_callable_that_cannot_be_named_still_runs() -> None:
+    class Odd(dict):
+        __getattr__ = dict.__getitem__  # any attribute lookup raises KeyError
+
+        def __call__(self) -> int:
+            return 42
+
+    pool = DaemonThreadPool(max_workers=1)
+    assert pool.submit(Odd()).result(timeout=10) == 42
+    assert pool.submit(pow, 2, 3).result(timeout=10) == 8  # and the worker lives on
+    pool.shutdown()
 
 
 def test_shutdown_waits_for_a_call_that_ends_within_the_grace() -> None:

@@ -6,7 +6,9 @@ NCCL init whose peer never came, a collective with a dead rank, a generation int
 SIGTERM) would then keep the process alive after its role loop had ended: for as long as the call
 blocks, which for a hung collective is for ever. :func:`run_loop` installs a
 :class:`DaemonThreadPool` instead: its threads are daemon threads, and its shutdown waits at most
-``thread_grace_s`` for the calls still running, names them in the log, and returns.
+``thread_grace_s`` for the calls still running, names them in the log, and returns. A node
+entry point then exits at once (``exit_if_stuck``): finalizing the interpreter under a thread
+still inside torch aborts the process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,19 +70,8 @@ class DaemonThreadPool(ThreadPoolExecutor):
     def _work(self) -> None:
         me = threading.current_thread()
         while (job := self._jobs.get()) is not None:
-            fut, fn, args, kwargs = job
-            del job
-            if fut.set_running_or_notify_cancel():
-                self._running[me] = describe_call(fn)
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as e:  # noqa: BLE001 - the caller gets it, as from any executor
-                    fut.set_exception(e)
-                else:
-                    fut.set_result(result)
-                finally:
-                    self._running.pop(me, None)
-            del fut, fn, args, kwargs  # no reference to the last call's arguments while idle
+            _run_job(job, me, self._running)
+            del job  # nothing of the last call (its arguments) stays alive while the thread is idle
             self._idle_workers.release()
 
     def running(self) -> list[str]:
@@ -107,33 +99,82 @@ class DaemonThreadPool(ThreadPoolExecutor):
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = self.running()
         if stuck:
-            log.warning("%s: %d worker thread(s) still in %s %.0fs after shutdown; not waiting for them "
+            log.warning("%s: %d worker thread(s) still in %s %gs after shutdown; not waiting for them "
                         "(daemon threads: they end with the process)", self._name, len(stuck),
                         ", ".join(sorted(stuck)), self._grace)
 
 
+def _run_job(job: tuple[Future, Callable[..., Any], tuple, dict], me: threading.Thread,
+             running: dict[threading.Thread, str]) -> None:
+    """One call, its outcome on its future (a function of its own: its result is freed on return,
+    not kept by the idle thread); whatever happens, the worker goes on."""
+    fut, fn, args, kwargs = job
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        running[me] = describe_call(fn)
+        result = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - the caller gets it, as from any executor
+        fut.set_exception(e)
+    else:
+        fut.set_result(result)
+    finally:
+        running.pop(me, None)
+
+
 def describe_call(fn: Callable[..., Any]) -> str:
     """The name of the function a submitted call runs (``to_thread`` wraps it in a context's ``run``)."""
-    while isinstance(fn, functools.partial):
-        owner = getattr(fn.func, "__self__", None)
-        if isinstance(owner, contextvars.Context) and fn.args:
-            fn = fn.args[0]
-        else:
-            fn = fn.func
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    try:
+        while isinstance(fn, functools.partial):
+            owner = getattr(fn.func, "__self__", None)
+            fn = fn.args[0] if isinstance(owner, contextvars.Context) and fn.args else fn.func
+        name = getattr(fn, "__qualname__", None)
+        return name if isinstance(name, str) else type(fn).__qualname__
+    except Exception:  # noqa: BLE001 - an odd callable must not cost the call its thread
+        return type(fn).__qualname__
 
 
-def run_loop(coro: Coroutine[Any, Any, T], *, thread_grace_s: float = THREAD_GRACE_S) -> T:
+def run_loop(coro: Coroutine[Any, Any, T], *, thread_grace_s: float = THREAD_GRACE_S,
+             exit_if_stuck: bool = False) -> T:
     """Run a coroutine to completion on uvloop (falls back to the stdlib loop), with a
     :class:`DaemonThreadPool` as the default executor: at the end, worker threads still in a
-    call get ``thread_grace_s`` seconds, then the process no longer waits for them."""
+    call get ``thread_grace_s`` seconds, then the process no longer waits for them.
+
+    ``exit_if_stuck`` (the node entry points): when a call is still running after that, the
+    process exits at once (``os._exit``) with the coroutine's result as its status (an int; 1 if
+    it raised, 130 on Ctrl-C), logs and output flushed. Interpreter shutdown with a thread still
+    inside torch aborts the process (the thread is killed while it re-takes the GIL in C++)."""
+    pool = DaemonThreadPool(grace_s=thread_grace_s)
 
     async def main() -> T:
-        asyncio.get_running_loop().set_default_executor(DaemonThreadPool(grace_s=thread_grace_s))
+        asyncio.get_running_loop().set_default_executor(pool)
         return await coro
 
     try:
+        result = _run(main())
+    except BaseException as e:
+        if exit_if_stuck and pool.running():
+            log.error("stopping on %s with worker threads still running", type(e).__name__, exc_info=e)
+            _exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
+        raise
+    if exit_if_stuck and pool.running():
+        _exit_now(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+    return result
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        return asyncio.run(main())
-    return uvloop.run(main())
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -60,7 +60,7 @@ import zmq
 
 from distflow.core.aio import DaemonThreadPool
 from distflow.core.channels import codec
-from distflow.core.channels.base import ChannelError, Endpoint, Envelope, Handler, RemoteError, log
+from distflow.core.channels.base import ChannelClosed, ChannelError, Endpoint, Envelope, Handler, RemoteError, log
 from distflow.core.channels.shm_channel import ShmChannel
 from distflow.core.channels.zmq_channel import PayloadError
 
@@ -174,6 +174,8 @@ class NcclChannel(ShmChannel):
         self._threads.shutdown(wait=False)
 
     def _in_thread(self, fn: Any, *args: Any) -> asyncio.Future:
+        if self._closed:
+            raise ChannelClosed(f"channel {self.node_id} is closed")
         return asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
 
     def _extra_stats(self) -> dict[str, Any]:
