@@ -400,3 +400,27 @@ def test_hf_loop_reads_stop_flags_every_sync_every_steps(model_dir: str, prompts
         assert counts[24] - counts[8] <= 2, counts  # one read per 8 steps; it was one per step (16 more)
     finally:
         eng.close()
+
+
+def test_hf_loop_passes_the_kv_cache_by_the_models_own_keyword(model_dir: str, prompts: list[list[int]]) -> None:
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` (the old name warns, and goes in
+    5.40): the HF loop passes the cache by whichever keyword the model's forward has, with the same tokens."""
+    import inspect
+    import warnings
+
+    from distflow.rollout.torch_engine import cache_keyword
+
+    eng = TorchEngine(model_dir)
+    try:
+        eng.runner = None  # the HF loop
+        params = SamplingParams(max_new_tokens=6, temperature=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # a deprecated keyword fails the test
+            out = eng.generate(prompts, params, seed=3)
+        has_cache = "cache" in inspect.signature(eng.model.forward).parameters
+        assert cache_keyword(eng.model) == ("cache" if has_cache else "past_key_values")
+        assert cache_keyword(type("Old", (), {"forward": lambda self, past_key_values=None: None})()) == "past_key_values"
+        assert [c.tokens for c in out] == [c.tokens for c in eng.generate(prompts, params, seed=3)]  # seeded
+        assert all(len(c.tokens) >= 1 for c in out)
+    finally:
+        eng.close()

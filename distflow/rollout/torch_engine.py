@@ -20,6 +20,7 @@ Models outside the Llama family fall back to an HF ``model(...)`` loop (logged o
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import random
 import threading
@@ -87,6 +88,7 @@ class TorchEngine:
         except Exception as e:
             raise ValueError(f"cannot load a causal LM from {str(path)!r}: {type(e).__name__}: {e}") from e
         self.model = model.to(self.device).eval().requires_grad_(False)
+        self._cache_kw = cache_keyword(self.model)
         self.model_path = str(path)
         self.version = 0
         self._lock = threading.Lock()  # generate and load_weights may be called from different threads
@@ -200,7 +202,7 @@ class TorchEngine:
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        past, logits = res.past_key_values, res.logits[:, -1, :].float()
+        past, logits = cache_of(res), res.logits[:, -1, :].float()
         n = params.max_new_tokens
         tokens = torch.full((b, n), self.pad_token_id, dtype=torch.int64, device=dev)
         logps = torch.zeros((b, n), dtype=torch.float32, device=dev)
@@ -222,8 +224,8 @@ class TorchEngine:
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
             next_pos = next_pos + 1
             res = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
-                             past_key_values=past, use_cache=True)
-            past, logits = res.past_key_values, res.logits[:, -1, :].float()
+                             use_cache=True, **{self._cache_kw: past})
+            past, logits = cache_of(res), res.logits[:, -1, :].float()
         tokens_l, logps_l, lens_l, stop_l = tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
         return [Completion(tokens=tokens_l[i][:lens_l[i]], logprobs=logps_l[i][:lens_l[i]],
                            finish_reason="stop" if stop_l[i] else "length", first_version=self.version,
@@ -437,3 +439,15 @@ class _Batcher:
         seqs = [list(self.prompts[self.slot_seq[i]]) + toks[j][:self.slot_gen[i] - 1] for j, i in enumerate(live)]
         self.r.prefill(live, seqs)
         self.eng.stats["prefill_tokens"] += sum(len(s) for s in seqs)
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` (transformers 5.24 renamed
+    ``past_key_values``, which it drops in 5.40) where the forward has it, else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(out: Any) -> Any:
+    """The KV cache a forward returned (``cache`` since transformers 5.24, ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
