@@ -186,9 +186,11 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         await rt.stop(graceful=not failed_here)
     if code and role == "trainer":
         # A worker thread may be stuck in a collective with a dead rank until its timeout
-        # (step_timeout_s); interpreter shutdown would wait for it. Exit now.
-        logging.shutdown()
-        os._exit(code)
+        # (step_timeout_s), and tearing down the process group can block on that rank too:
+        # exit now, not after run_loop's grace for worker threads.
+        from distflow.core.aio import exit_now
+
+        exit_now(code)
     return code
 
 

@@ -155,10 +155,10 @@ def run_loop(coro: Coroutine[Any, Any, T], *, thread_grace_s: float = THREAD_GRA
     except BaseException as e:
         if exit_if_stuck and pool.running():
             log.error("stopping on %s with worker threads still running", type(e).__name__, exc_info=e)
-            _exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
+            exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
         raise
     if exit_if_stuck and pool.running():
-        _exit_now(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+        exit_now(result if isinstance(result, int) and not isinstance(result, bool) else 0)
     return result
 
 
@@ -170,7 +170,8 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
+    """Exit the process now with ``code`` (no interpreter shutdown), logs and output flushed."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
