@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 __all__ = ["COMPUTE_DTYPES", "call_on", "chosen_device", "collective_device", "gpu_identity", "gpu_sharers",
-           "iterate_on", "node_device", "on_device", "peak_flops"]
+           "iterate_on", "local_gpu_index", "node_device", "on_device", "peak_flops"]
 
 T = TypeVar("T")
 
@@ -35,6 +35,21 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 
 # This process's GPU once node_device("cuda") chose it (None before, and on CPU).
 _CHOSEN: torch.device | None = None
+
+
+def local_gpu_index() -> int:
+    """Which of its visible GPUs this node uses: ``$DISTFLOW_LOCAL_GPU`` (set by a launcher that
+    shares one CUDA_VISIBLE_DEVICES list between several nodes), else 0. Read from the
+    environment without touching CUDA; raises ValueError naming the variable when it is not
+    a non-negative int."""
+    raw = os.environ.get("DISTFLOW_LOCAL_GPU", "").strip() or "0"
+    try:
+        index = int(raw)
+    except ValueError:
+        index = -1
+    if index < 0:
+        raise ValueError(f"DISTFLOW_LOCAL_GPU must be a non-negative GPU index, got {raw!r}")
+    return index
 
 
 def node_device(kind: str = "cpu") -> torch.device:
@@ -49,8 +64,8 @@ def node_device(kind: str = "cpu") -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("device: cuda was asked for but torch sees no CUDA GPU "
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r})")
-    index = int(os.environ.get("DISTFLOW_LOCAL_GPU", "0"))
-    if not 0 <= index < torch.cuda.device_count():
+    index = local_gpu_index()
+    if index >= torch.cuda.device_count():
         raise RuntimeError(f"DISTFLOW_LOCAL_GPU={index} but only {torch.cuda.device_count()} GPU(s) are visible")
     global _CHOSEN
     _CHOSEN = torch.device("cuda", index)
@@ -64,7 +79,7 @@ def gpu_identity() -> str:
     from the environment without touching CUDA. Two nodes on one host with the same identity
     share a GPU: only they can hand each other CUDA IPC handles (a process cannot open memory
     of a GPU it does not see)."""
-    index = int(os.environ.get("DISTFLOW_LOCAL_GPU", "0") or 0)
+    index = local_gpu_index()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return str(index)

@@ -249,6 +249,24 @@ def test_vllm_gets_the_nodes_gpu_share_and_not_the_torch_only_keywords(model_dir
     assert seen == [{"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.45}, {"device": "cuda"}]
 
 
+def test_vllm_on_a_bare_cuda_device_is_the_nodes_gpu(model_dir: str, monkeypatch) -> None:
+    """The rollout worker passes the config's bare "cuda": with DISTFLOW_LOCAL_GPU naming another
+    visible GPU (--in-process with gpus: [3, 1]), vLLM's workers would still start on the first one,
+    a GPU the launcher never gave this node. Refused before vLLM is imported (so also here)."""
+    monkeypatch.setenv("DISTFLOW_LOCAL_GPU", "3")
+    with pytest.raises(ValueError, match="first visible GPU, but this node's is cuda:3"):
+        make_engine("vllm", model_dir, device="cuda")
+    monkeypatch.setenv("DISTFLOW_LOCAL_GPU", "x")
+    with pytest.raises(ValueError, match="DISTFLOW_LOCAL_GPU must be a non-negative GPU index, got 'x'"):
+        make_engine("vllm", model_dir, device="cuda")
+    monkeypatch.setenv("DISTFLOW_LOCAL_GPU", "0")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="vLLM"):  # past the check: cuda:0 is the first visible GPU
+            make_engine("vllm", model_dir, device="cuda")
+
+
 def test_make_engine_and_protocol(model_dir: str) -> None:
     eng = make_engine("torch", model_dir, dtype="float32")
     assert isinstance(eng, RolloutEngine) and isinstance(eng, TorchEngine)

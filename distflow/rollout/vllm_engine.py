@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from distflow.device import local_gpu_index
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
 
@@ -49,8 +50,12 @@ class VLLMEngine:
         dev = torch.device(device)
         if dev.type != "cuda":
             raise ValueError(f"engine 'vllm' runs on CUDA devices only, got device {device!r}")
-        if dev.index not in (None, 0):  # vLLM's worker processes take the first visible GPU, not the current one
-            raise ValueError(f"engine 'vllm' runs on the process's first visible GPU, but this node's is {device} "
+        # vLLM's worker processes take the first visible GPU, not the current one; a bare "cuda"
+        # means this node's GPU, which a launcher sharing one CUDA_VISIBLE_DEVICES list names
+        # with DISTFLOW_LOCAL_GPU (distflow.device.node_device)
+        index = local_gpu_index() if dev.index is None else dev.index
+        if index != 0:
+            raise ValueError(f"engine 'vllm' runs on the process's first visible GPU, but this node's is cuda:{index} "
                              f"(--in-process with gpus: placing it elsewhere); run the cluster in process mode "
                              f"(distflow run: each node sees only its own GPU) or use engine: torch")
         try:
