@@ -8,6 +8,7 @@ full HF forwards and the trainer's own ``token_logprobs``.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -440,6 +441,88 @@ def test_graph_shaped_decode_on_cpu(model_dir: str, prompts: list[list[int]]) ->
         assert lengths == ({runner.length} if min_length > runner.length else lengths)
         if min_length == 4:  # several length buckets, each a power of two below the cache length
             assert len(lengths) >= 2 and all(x & (x - 1) == 0 for x in lengths) and max(lengths) <= runner.length
+
+
+def test_graph_capture_protocol_on_cpu(model_dir: str, prompts: list[list[int]], monkeypatch) -> None:
+    """How a decode graph is captured, with torch.cuda's capture API replaced by recorders (no
+    GPU here; ``test_cuda_graph_decode_matches_eager`` runs the real one): on the runner's own
+    stream, into its one pool, thread-local, and never through ``torch.cuda.graph`` (whose
+    __enter__ synchronizes the whole device and empties the allocator) nor any other device-wide
+    call; every graph writes its logits into rows of the one ``logits_out`` buffer. A recorded
+    graph's replay re-runs what it captured, so generation must give the eager tokens."""
+    calls: list[tuple] = []
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append(("wait_stream",))
+
+        def synchronize(self):
+            calls.append(("stream_sync",))
+
+    side, main = Stream(), Stream()
+
+    class Graph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            calls.append(("begin", pool, capture_error_mode, current[-1]))
+            self.shape = None
+
+        def capture_end(self):
+            calls.append(("end",))
+            self.shape = captured.pop()
+
+        def replay(self):
+            b, length = self.shape
+            runner.logits_out[:b].copy_(runner._decode(b, length))
+
+    current = [main]
+    captured: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.append(s)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def forbidden(name):
+        def call(*a, **k):
+            raise AssertionError(f"torch.cuda.{name} called during a capture")
+        return call
+
+    real_decode = LlamaRunner._decode
+
+    def decode(self, b, length):
+        if current[-1] is side and calls and calls[-1][0] == "begin":
+            captured.append((b, length))
+        return real_decode(self, b, length)
+
+    cuda = torch.cuda
+    monkeypatch.setattr(LlamaRunner, "_decode", decode)
+    monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "Stream", lambda d: side)
+    monkeypatch.setattr(cuda, "current_stream", lambda d=None: main)
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: "pool-0")
+    monkeypatch.setattr(cuda, "stream", stream)
+    monkeypatch.setattr(cuda, "CUDAGraph", Graph)
+    for name in ("graph", "synchronize", "empty_cache"):
+        monkeypatch.setattr(cuda, name, forbidden(name))
+
+    many = [prompts[i % len(prompts)] for i in range(11)]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    ref = TorchEngine(model_dir, max_slots=6).generate(many, params, seed=8)
+    eng = TorchEngine(model_dir, max_slots=6)
+    runner = eng.runner
+    runner.use_graphs, runner.min_graph_length = True, 4
+    out = eng.generate(many, params, seed=8)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    assert _max_err([c.logprobs for c in out], [c.logprobs for c in ref]) < 1e-5
+    begins = [c for c in calls if c[0] == "begin"]
+    assert len(begins) == len(runner.graphs) >= 3 and all(isinstance(g, Graph) for g in runner.graphs.values())
+    assert all(c[1:] == ("pool-0", "thread_local", side) for c in begins)
+    assert sum(c[0] == "end" for c in calls) == len(begins)
+    assert runner.logits_out.shape == (runner.slots, runner.vocab_size) and runner.logits_out.dtype == torch.float32
+    assert {g.shape for g in runner.graphs.values()} == set(runner.graphs)
 
 
 def test_bench_engine_smoke(capsys: pytest.CaptureFixture[str]) -> None:

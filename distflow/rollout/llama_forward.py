@@ -18,6 +18,7 @@ Supported: llama, mistral (no sliding window in reach), qwen2 (qkv bias), qwen3
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -109,6 +110,7 @@ class LlamaRunner:
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, list(inner.layers), inner.norm, \
             model.lm_head
+        self.vocab_size = int(self.lm_head.weight.shape[0])
         cfg = model.config
         attn = self.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
@@ -130,7 +132,11 @@ class LlamaRunner:
         self.cos = self.sin = torch.empty(0)  # [positions, head_dim], model dtype
         # Captured decode steps by (rows, attended length): a step attends only to the length
         # bucket holding its longest sequence, not the whole cache (decode cost follows live length).
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Every graph writes its logits into rows [0, b) of this one buffer (CUDA, [slots, V] fp32),
+        # allocated with the cache: a [b, V] fp32 output kept per graph would add up to GBs with a
+        # large vocabulary (~300 MB a length bucket for 256 slots of 152k tokens), none of it planned.
+        self.logits_out: torch.Tensor | None = None
         self.min_graph_length = 256  # the shortest length bucket (smaller ones save little)
         self._pool: Any = None
         self._cap_stream: Any = None  # this runner's capture stream (torch.cuda.Stream), made on first capture
@@ -158,11 +164,13 @@ class LlamaRunner:
             return
         slots = max(slots, self.slots)
         length = max(-(-length // 128) * 128, self.length)
-        self.k_cache = self.v_cache = None
+        self.k_cache = self.v_cache = self.logits_out = None
         self.graphs.clear()
         if self.device.type == "cuda":
             empty_cache()  # the old cache's memory counts as free below
             free, _ = torch.cuda.mem_get_info(self.device)
+            if self.use_graphs:  # the graphs' logits buffer comes out of the same memory
+                free = max(0, free - slots * self.vocab_size * 4)
             each = kv_slot_bytes(len(self.layers), self.n_kv, length, self.head_dim, self.dtype.itemsize)
             fit = plan_kv_slots(slots, each, free, self.kv_memory_fraction, length)
             self._mem_capped = fit < slots
@@ -177,6 +185,8 @@ class LlamaRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.tok_in = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.pos = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        if self.use_graphs:
+            self.logits_out = torch.empty((slots, self.vocab_size), dtype=torch.float32, device=self.device)
         if self.cos.shape[0] < length:
             pos = torch.arange(length, device=self.device).unsqueeze(0)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -352,9 +362,8 @@ class LlamaRunner:
         shape = self.graph_shape(n, max_pos)
         if shape not in self.graphs:
             self._capture(*shape)
-        graph, logits = self.graphs[shape]
-        graph.replay()
-        return logits[:n]
+        self.graphs[shape].replay()
+        return self.logits_out[:n]  # read (sampled) before the next decode step overwrites it
 
     def _capture(self, b: int, length: int) -> None:
         """Capture the decode step for ``b`` rows attending to cache positions [0, length).
@@ -379,9 +388,20 @@ class LlamaRunner:
                     self._decode(b, length)
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-                logits = self._decode(b, length)
-        self.graphs[(b, length)] = (graph, logits)
+            # capture_begin/end, not torch.cuda.graph(): its __enter__ synchronizes the whole device
+            # and empties the allocator's caches, so each capture (lazy, mid-step) would wait for
+            # every other thread's queued work: a trainer's backward (--in-process), a weight bucket
+            # still arriving on an NCCL stream (until nccl_timeout, if its sender died mid-bucket).
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    self.logits_out[:b].copy_(self._decode(b, length))
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the capture's own error is the one to see
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
+        self.graphs[(b, length)] = graph
         # Warm-up and capture wrote KV at the saved positions of rows [0, b); the real step
         # rewrites those same positions before reading them, so only the inputs need restoring.
         self.tok_in.copy_(saved_tok)
