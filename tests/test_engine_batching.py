@@ -76,6 +76,25 @@ def _tiny(kind: str) -> torch.nn.Module:
     return model
 
 
+def test_move_slot_copies_only_the_cached_positions() -> None:
+    """Compaction moves a slot's positions [0, length), not its whole cache row (a short
+    sequence in an 8k-position cache of a 7B model would move ~470 MB), plus its decode inputs."""
+    runner = LlamaRunner(_tiny("llama"), use_graphs=False)
+    runner.reserve(3, 20)
+    runner.k_cache.normal_()
+    runner.v_cache.normal_()
+    runner.tok_in[2], runner.pos[2] = 11, 6
+    k0, v0 = runner.k_cache.clone(), runner.v_cache.clone()
+    runner.move_slot(2, 0, 7)
+    assert torch.equal(runner.k_cache[:, 0, :, :7], k0[:, 2, :, :7])
+    assert torch.equal(runner.v_cache[:, 0, :, :7], v0[:, 2, :, :7])
+    assert torch.equal(runner.k_cache[:, 0, :, 7:], k0[:, 0, :, 7:])  # untouched past the cached part
+    assert torch.equal(runner.v_cache[:, 0, :, 7:], v0[:, 0, :, 7:])
+    assert (runner.tok_in[0], runner.pos[0]) == (11, 6)
+    runner.move_slot(2, 1)  # no length: the whole row
+    assert torch.equal(runner.k_cache[:, 1], k0[:, 2]) and torch.equal(runner.v_cache[:, 1], v0[:, 2])
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_static_cache_forward_matches_hf_logits(kind: str) -> None:
     model = _tiny(kind)

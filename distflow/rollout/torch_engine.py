@@ -423,7 +423,8 @@ class _Batcher:
             if not free:
                 return
             src, dst = n - 1, free[0]
-            self.r.move_slot(src, dst)
+            # cached: the prompt and every fed token (the last sampled one is fed next, at its position)
+            self.r.move_slot(src, dst, len(self.prompts[self.slot_seq[src]]) + self.slot_gen[src] - 1)
             for t in (self.seq, self.gen, self.done, self.end, self.out_tok, self.out_lp):
                 t[dst] = t[src]
             self.slot_seq[dst], self.slot_gen[dst] = self.slot_seq[src], self.slot_gen[src]
