@@ -21,7 +21,7 @@ from collections import Counter
 import pytest
 import torch
 
-from distflow.core.channels import ChannelError, Envelope
+from distflow.core.channels import ChannelError, Envelope, nccl_channel
 from distflow.core.channels.base import Endpoint
 from distflow.core.channels.nccl_channel import INIT_KIND, NcclChannel, _Comm, communicator, uid_bytes
 from distflow.core.channels.zmq_channel import PayloadError
@@ -56,6 +56,30 @@ def test_discard_aborts_once_forgets_and_names_the_replaced_comm() -> None:
     assert ch._counters["nccl_aborts"] == 1
     ch._discard_comm(inn)
     assert inn.broken and ch._in == {} and ch._counters["nccl_aborts"] == 2
+
+
+def test_a_dropped_communicators_stream_outlives_it() -> None:
+    """Tensors sent or received on a communicator were record_stream()ed on its stream; the
+    allocator records an event there when they are freed, possibly after the communicator was
+    dropped. The (cupy) stream must not be collected with it: it would destroy the CUDA stream."""
+    import gc
+    import weakref
+
+    class Owner:  # stands for the cupy stream (destroys its CUDA stream when collected)
+        pass
+
+    ch = bare_channel()
+    peer = Endpoint("trainer", "127.0.0.1", 5555)
+    owner, stream = Owner(), object()
+    ch._out[peer] = _Comm(FakeNccl(), "c-out", stream, owner)
+    alive = weakref.ref(owner)
+    ch._discard_comm(ch._out[peer])
+    ch._discard_comm(_Comm(FakeNccl(), "c-none", None))  # a communicator without a stream of its own
+    del owner
+    gc.collect()
+    assert ch._out == {} and alive() is not None
+    assert nccl_channel._RETIRED_STREAMS[id(alive())] == (stream, alive())
+    nccl_channel._RETIRED_STREAMS.pop(id(alive()))
 
 
 def nccl_header(comm_id: str, n: int) -> dict:

@@ -69,6 +69,15 @@ UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 NO_NCCL_RETRY_S = 60.0  # a peer that refused a communicator gets host-memory sends this long, then NCCL again
 CONSUMED_CODES = frozenset({"handler_error", "no_handler"})  # refusals after the receive completed
 
+# The streams of dropped communicators, kept for the life of the process. Every tensor sent or
+# received on a communicator was record_stream()ed on its stream, so the caching allocator
+# records an event on that stream whenever such a tensor is freed, which can be long after the
+# communicator is gone (a rollout node keeps received buckets; a publisher keeps a version).
+# The cupy stream behind it destroys the CUDA stream when collected: an event recorded on a
+# destroyed stream fails in a destructor, or lands on a new stream that reused the handle. One
+# stream handle per dropped communicator (a peer's failure or restart) is all this keeps.
+_RETIRED_STREAMS: dict[int, tuple[Any, Any]] = {}
+
 
 def _import_nccl() -> Any:
     try:
@@ -105,7 +114,10 @@ class _Comm:
     def abort(self, force: bool = False) -> None:
         """Mark it broken and abort it: now, or when the running post ends (ncclCommAbort frees
         the communicator under a thread still calling into it). ``force``: now anyway, for a
-        post that hangs (the abort is what unblocks it). Also stops its kernels still waiting."""
+        post that hangs (the abort is what unblocks it). Also stops its kernels still waiting.
+        Its stream is retired, never destroyed (see ``_RETIRED_STREAMS``)."""
+        if self.owner is not None:
+            _RETIRED_STREAMS.setdefault(id(self.owner), (self.stream, self.owner))
         with self.guard:
             self.broken = True
             if self.aborted or (self.posting and not force):
