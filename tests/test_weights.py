@@ -207,6 +207,66 @@ def test_restarted_peer_or_refused_delta_gets_a_full_version() -> None:
     asyncio.run(main())
 
 
+def test_a_peer_restarted_before_it_was_declared_dead_gets_the_current_version() -> None:
+    """A rollout node restarted faster than failure detection shows up as a metadata "update"
+    with a new life ("boot"), never as dead then alive. Full sync only sends newer versions, so
+    the new life (no weights) would wait for the next one, which the trainers cannot make without
+    its samples. The publisher sends it the current version again."""
+    async def main() -> None:
+        a, b = await _pair()
+        inbox = WeightInbox()
+        b.set_handler(lambda env: inbox.receive(env))
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda _: True, timeout=10, bucket_bytes=2 * T_BYTES)
+        try:
+            pub.member_event("known", "rollout", 1.5)
+            pub.offer(1, weights(1, {}))
+            await pub.flush(10)
+            assert inbox.take_update().version == 1
+            inbox = WeightInbox()  # the node restarts
+            pub.member_event("update", "rollout", 1.5)  # a metadata change of the same life: nothing
+            pub.member_event("update", "learner", 7.0)  # not a peer of this publisher
+            await asyncio.sleep(0.6)
+            assert inbox.take_update() is None and pub.stats["full_versions"] == 1
+            pub.member_event("update", "rollout", 2.5)  # its new life
+            await pub.flush(10)
+            upd = inbox.take_update()
+            assert upd is not None and upd.version == 1 and not upd.is_delta and pub.stats["full_versions"] == 2
+        finally:
+            await pub.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_close_leaves_no_send_running() -> None:
+    """Closing the publisher while a peer holds a send unacknowledged cancels that send (a CUDA
+    IPC export's count would otherwise outlive the publisher, and its channel)."""
+    async def main() -> None:
+        a, b = await _pair()
+        held = asyncio.Event()
+
+        async def stuck(env) -> None:
+            held.set()
+            await asyncio.sleep(3600)
+
+        b.set_handler(stuck)
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
+                              lambda _: True, timeout=60, bucket_bytes=2 * T_BYTES)
+        try:
+            pub.offer(1, weights(1, {}))
+            await asyncio.wait_for(held.wait(), 10)
+            await asyncio.wait_for(pub.close(), 10)
+            left = [t for t in asyncio.all_tasks() if t.get_name().startswith(("weights-v", "watch-"))]
+            assert left == []
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
 def test_unapplied_delta_merges_onto_pending_and_lagging_peer_gets_full() -> None:
     async def main() -> None:
         a, b = await _pair()

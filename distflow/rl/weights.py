@@ -331,6 +331,7 @@ class WeightPublisher:
         self.stats: Counter[str] = Counter()  # bytes/tensors/messages sent, full and delta versions
         self._full_next: set[str] = set()
         self._down = {p: asyncio.Event() for p in peers}
+        self._boots: dict[str, Any] = {}  # peer -> the life (mesh meta "boot") last seen
         self._wake = asyncio.Event()
         self._sends = itertools.count(1)  # attempt numbers: the inbox tells a resend from a late message
         self._tasks = [asyncio.create_task(self._serve(p), name=f"publish-weights->{p}") for p in peers]
@@ -497,6 +498,25 @@ class WeightPublisher:
         if node_id in self._down:
             self._down[node_id].set()
 
+    def member_event(self, event: str, node_id: str, boot: Any = None) -> None:
+        """A mesh membership event of ``node_id`` whose life is ``boot`` (its meta "boot"; None if
+        unknown): "alive" -> :meth:`peer_up`; "dead" / "left" -> :meth:`peer_down`; "update" with a
+        new life -> both: the peer restarted before anyone declared it dead, its new life holds no
+        weights, and the send to the old one will never be acked. Other events only record the life."""
+        if node_id not in self.sent:
+            return
+        last = self._boots.get(node_id)
+        if boot is not None:
+            self._boots[node_id] = boot
+        if event == "alive":
+            self.peer_up(node_id)
+        elif event in ("dead", "left"):
+            self.peer_down(node_id)
+        elif event == "update" and boot is not None and last is not None and boot != last:
+            log.info("weights: %s restarted (new life): sending it the current version in full", node_id)
+            self.peer_down(node_id)
+            self.peer_up(node_id)
+
     def _delta_base(self, peer: str, ver: _Version) -> int | None:
         have = self.sent[peer]
         if (self.sync != "delta" or peer in self._full_next or have <= 0 or have < ver.floor
@@ -517,7 +537,13 @@ class WeightPublisher:
             send = asyncio.create_task(self._send_version(peer, ver, self._delta_base(peer, ver)),
                                        name=f"weights-v{ver.version}->{peer}")
             down = asyncio.create_task(self._down[peer].wait(), name=f"watch-{peer}")
-            await asyncio.wait({send, down}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({send, down}, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # close(): no send outlives the publisher (nor its IPC counts)
+                send.cancel()
+                down.cancel()
+                await asyncio.wait({send, down}, timeout=5.0)
+                raise
             down.cancel()
             if not send.done():
                 send.cancel()

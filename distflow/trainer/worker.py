@@ -350,13 +350,10 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
                                 timeout=min(cfg.step_timeout_s, 60.0), sync=cfg.weight_sync,
                                 transport_of=transport_of, bucket_bytes=cfg.weight_bucket_mb << 20)
 
-    def on_member(event: str, m) -> None:
-        if event == "alive":
-            publisher.peer_up(m.node_id)
-        elif event in ("dead", "left"):
-            publisher.peer_down(m.node_id)
-
-    rt.node.subscribe(on_member)
+    for p in peers:  # the lives they have now: a new one later is a restart
+        if (m := rt.node.member(p)) is not None:
+            publisher.member_event("known", p, m.meta.get("boot"))
+    rt.node.subscribe(lambda event, m: publisher.member_event(event, m.node_id, m.meta.get("boot")))
     return publisher
 
 
