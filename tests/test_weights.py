@@ -125,19 +125,24 @@ async def _pair(kind: str = "zmq"):
 
 
 @contextlib.asynccontextmanager
-async def _idle_publisher(sync: str):
-    """A publisher on real shm channels whose one peer is down: nothing reads a version once
-    it is published, so what the publisher itself holds on to can be checked."""
-    a, b = await _pair("shm")
-    b.set_handler(WeightInbox().receive)
-    pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
-                          lambda _: False, timeout=10, sync=sync)
+async def _serving(handler, *, kind: str = "zmq", alive: bool = True, **kw):
+    """A publisher on real channels serving one peer, "rollout", whose handler is ``handler``
+    (``alive``: what the publisher is told of it)."""
+    a, b = await _pair(kind)
+    b.set_handler(handler)
+    pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port), lambda _: alive, **kw)
     try:
         yield pub
     finally:
         await pub.close()
         await a.close()
         await b.close()
+
+
+def _idle_publisher(sync: str):
+    """A publisher on real shm channels whose one peer is down: nothing reads a version once
+    it is published, so what the publisher itself holds on to can be checked."""
+    return _serving(WeightInbox().receive, kind="shm", alive=False, timeout=10, sync=sync)
 
 
 def test_full_sync_buckets_and_inbox_keeps_them_unmerged() -> None:
@@ -213,12 +218,8 @@ def test_a_peer_restarted_before_it_was_declared_dead_gets_the_current_version()
     the new life (no weights) would wait for the next one, which the trainers cannot make without
     its samples. The publisher sends it the current version again."""
     async def main() -> None:
-        a, b = await _pair()
         inbox = WeightInbox()
-        b.set_handler(lambda env: inbox.receive(env))
-        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
-                              lambda _: True, timeout=10, bucket_bytes=2 * T_BYTES)
-        try:
+        async with _serving(lambda env: inbox.receive(env), timeout=10, bucket_bytes=2 * T_BYTES) as pub:
             pub.member_event("known", "rollout", 1.5)
             pub.offer(1, weights(1, {}))
             await pub.flush(10)
@@ -232,10 +233,6 @@ def test_a_peer_restarted_before_it_was_declared_dead_gets_the_current_version()
             await pub.flush(10)
             upd = inbox.take_update()
             assert upd is not None and upd.version == 1 and not upd.is_delta and pub.stats["full_versions"] == 2
-        finally:
-            await pub.close()
-            await a.close()
-            await b.close()
 
     asyncio.run(main())
 
@@ -244,25 +241,18 @@ def test_close_leaves_no_send_running() -> None:
     """Closing the publisher while a peer holds a send unacknowledged cancels that send (a CUDA
     IPC export's count would otherwise outlive the publisher, and its channel)."""
     async def main() -> None:
-        a, b = await _pair()
         held = asyncio.Event()
 
         async def stuck(env) -> None:
             held.set()
             await asyncio.sleep(3600)
 
-        b.set_handler(stuck)
-        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port),
-                              lambda _: True, timeout=60, bucket_bytes=2 * T_BYTES)
-        try:
+        async with _serving(stuck, timeout=60, bucket_bytes=2 * T_BYTES) as pub:
             pub.offer(1, weights(1, {}))
             await asyncio.wait_for(held.wait(), 10)
             await asyncio.wait_for(pub.close(), 10)
             left = [t for t in asyncio.all_tasks() if t.get_name().startswith(("weights-v", "watch-"))]
             assert left == []
-        finally:
-            await a.close()
-            await b.close()
 
     asyncio.run(main())
 
