@@ -391,6 +391,10 @@ def test_resolve_transport_by_locality() -> None:
                              nccl_channel=False) == "channel"
     with pytest.raises(ValueError, match="nccl needs the NCCL data channel"):
         resolve_transport("nccl", same_host=False, trainer_cuda=True, rollout_cuda=True, nccl_channel=False)
+    with pytest.raises(ValueError, match="nccl between two nodes on one GPU"):  # NCCL refuses duplicate GPUs
+        resolve_transport("nccl", same_host=True, trainer_cuda=True, rollout_cuda=True)
+    assert resolve_transport("nccl", same_host=True, trainer_cuda=True, rollout_cuda=True, same_gpu=False) == "nccl"
+    assert resolve_transport("nccl", same_host=False, trainer_cuda=True, rollout_cuda=True) == "nccl"
     with pytest.raises(ValueError, match="cuda_ipc needs CUDA"):
         resolve_transport("cuda_ipc", same_host=True, trainer_cuda=False, rollout_cuda=False)
     with pytest.raises(ValueError, match="one host"):

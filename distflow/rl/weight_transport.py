@@ -81,7 +81,8 @@ def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout
     between different GPUs, on one host or across hosts, when the data plane is the NCCL channel
     (``nccl_channel``: ``channel: nccl``, or ``auto`` with cupy), channel otherwise (GPU buckets
     then go through pinned host memory). An explicit GPU tier that the two ends or the channel
-    cannot carry is a clear error.
+    cannot carry is a clear error (nccl between two nodes of one GPU too: NCCL refuses a
+    communicator with two ranks on one device).
     """
     if setting not in TRANSPORTS:
         raise ValueError(f"weight_transport must be one of {TRANSPORTS}, got {setting!r}")
@@ -91,6 +92,9 @@ def resolve_transport(setting: str, same_host: bool, trainer_cuda: bool, rollout
         return ("cuda_ipc" if one_gpu else "nccl" if nccl_channel else "channel") if both else "channel"
     if setting in ("cuda_ipc", "nccl") and not both:
         raise ValueError(f"weight_transport: {setting} needs CUDA on the trainer and the rollout node")
+    if setting == "nccl" and one_gpu:
+        raise ValueError("weight_transport: nccl between two nodes on one GPU: NCCL refuses two ranks of a "
+                         "communicator on one device; use cuda_ipc (or auto, which picks it there)")
     if setting == "nccl" and not nccl_channel:
         raise ValueError("weight_transport: nccl needs the NCCL data channel (channel: nccl or auto, with cupy "
                          "installed); this node's channel is not one")
