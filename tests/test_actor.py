@@ -436,6 +436,33 @@ def test_optional_loss_metrics_are_logged_when_the_loss_reports_them(toy_model, 
     assert 0 < stats["tis_weight_mean"] < 1 and 0 <= stats["tis_clip_frac"] <= 1  # weights exp(old - behaviour)
 
 
+def test_a_non_finite_gradient_skips_the_optimizer_step(toy_model, world1):
+    """A NaN anywhere in the gradients (here one sample's NaN advantage) makes the clipped update
+    NaN in every weight: the step is skipped (weights and AdamW state untouched) and counted in
+    ``skipped_steps``; the next finite step trains as usual."""
+    from distflow.trainer.actor import Actor
+
+    cfg = _cfg(toy_model, "lr=0.01", "kl_coef=0", "mini_batches_per_step=2")
+    actor = Actor(cfg, with_reference=False)
+    node = cfg.node("ACTOR", "MODEL_TRAIN")
+    before = actor.full_state_dict()
+    bad = make_batch(8, seed=4)
+    bad.tensors["advantage"][0] = float("nan")  # the first mini-batch's; the second one is finite
+    stats = actor.update(node, bad)
+    assert stats["skipped_steps"] == 1 and stats["optimizer_steps"] == 2 and math.isnan(stats["grad_norm"])
+    after = actor.full_state_dict()
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # the finite mini-batch stepped
+    assert all(torch.isfinite(t).all() for t in after.values())
+    cfg1 = _cfg(toy_model, "lr=0.01", "kl_coef=0")
+    actor = Actor(cfg1, with_reference=False)
+    stats = actor.update(cfg1.node("ACTOR", "MODEL_TRAIN"), bad)
+    assert stats["skipped_steps"] == 1 and actor.optim.state_dict()["state"] == {}  # AdamW never stepped
+    assert all(torch.equal(before[n], t) for n, t in actor.full_state_dict().items())
+    stats = actor.update(cfg1.node("ACTOR", "MODEL_TRAIN"), make_batch(8, seed=4))
+    assert stats["skipped_steps"] == 0 and math.isfinite(stats["grad_norm"])
+    assert any(not torch.equal(before[n], t) for n, t in actor.full_state_dict().items())
+
+
 def test_update_reads_no_value_back_per_micro_batch(toy_model, world1):
     """The update accumulates its metrics on the device and reads them back once per optimizer
     step, and the logprob pass reads its results back once: the scalar reads actor.py makes do

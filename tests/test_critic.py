@@ -9,6 +9,7 @@ micro-batches), and one whole PPO step through the trainer executor with the rea
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 
@@ -183,6 +184,24 @@ def test_values_and_update_read_no_value_back_per_micro_batch(group, toy_model) 
     torch.testing.assert_close(v1, v4, atol=1e-5, rtol=1e-4)
     for k in ("vf_loss", "vf_clip_frac", "value_mean", "vf_grad_norm"):
         assert s1[k] == pytest.approx(s4[k], rel=1e-4, abs=1e-7), k
+
+
+def test_a_non_finite_gradient_skips_the_critic_step(group, toy_model) -> None:
+    cfg = make_cfg(toy_model)
+    critic = Critic(cfg)
+    b = critic.values(batch_of(4))
+    returns = torch.ones(int(b.tensors["response_lens"].sum()))
+    returns[0] = float("inf")
+    b.set_ragged("returns", returns)
+    before = {n: p.full_tensor().clone() for n, p in critic.model.named_parameters()}
+    stats = critic.update(cfg.plan().node("critic_update"), b)
+    assert stats["critic_skipped_steps"] == 1.0 and not math.isfinite(stats["vf_grad_norm"])
+    assert all(torch.equal(before[n], p.full_tensor()) for n, p in critic.model.named_parameters())
+    assert critic.optim.state_dict()["state"] == {}
+    b.set_ragged("returns", torch.ones_like(returns))
+    stats = critic.update(cfg.plan().node("critic_update"), b)
+    assert stats["critic_skipped_steps"] == 0.0 and math.isfinite(stats["vf_grad_norm"])
+    assert any(not torch.equal(before[n], p.full_tensor()) for n, p in critic.model.named_parameters())
 
 
 def test_update_without_returns_names_the_node(group, toy_model) -> None:

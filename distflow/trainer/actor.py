@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -43,7 +44,7 @@ from distflow.device import collective_device, node_device
 from distflow.hf import load_tokenizer, meta_causal_lm
 from distflow.rl.registry import POLICY_LOSSES, resolve
 from distflow.rl.shaping import trained_samples
-from distflow.trainer.model import DTYPES, gather_full_state, load_for_training
+from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
 from distflow.trainer.schedule import lr_at
@@ -283,7 +284,8 @@ class Actor:
         out = {k: sum(vals) / len(vals) for k in keys if (vals := [st[k] for st in steps if k in st])}
         # Tokens count the batch once (not once per epoch); tokens/s is per optimizer pass.
         out.update(tokens=sum(s["tokens"] for s in steps[:len(minis)]),
-                   train_tokens=sum(s["train_tokens"] for s in steps), lr=lr, optimizer_steps=len(steps))
+                   train_tokens=sum(s["train_tokens"] for s in steps), lr=lr, optimizer_steps=len(steps),
+                   skipped_steps=sum(s["skipped_steps"] for s in steps))
         return out
 
     def _optimizer_step(self, loss_fn, batch: SampleBatch, kl_coef: float) -> dict[str, float]:
@@ -337,17 +339,15 @@ class Actor:
                 self.model.set_requires_gradient_sync(True)
             if keep_gathered:
                 self.model.set_reshard_after_backward(True)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optim.step()
+        grad_norm = clip_and_step(self.model, self.optim, cfg.grad_clip, "policy")
         out = sums.all_reduce()
         for k in OPTIONAL_METRICS:  # the token-weighted mean over the ranks that reported it, else left out
             weight = out.pop(f"{k}/w")
             value = out.pop(k)
             if weight > 0:
                 out[k] = value / weight
-        out.update(grad_norm=float(grad_norm), tokens=global_tokens, train_tokens=global_all)
+        out.update(grad_norm=grad_norm, tokens=global_tokens, train_tokens=global_all,
+                   skipped_steps=float(not math.isfinite(grad_norm)))
         return out
 
     def _loss(self, loss_fn, mb: SampleBatch, keep: torch.Tensor, inputs: ModelInputs, lp, ent, kl_coef, normalizer,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,8 +38,8 @@ from distflow.rl.registry import VALUE_LOSSES, resolve
 from distflow.trainer.actor import (DeviceSums, all_reduce, apply_optimizer_config, checkpoint_writer,
                                     ragged_in_batch_order, step_micro_batches)
 from distflow.trainer.attention import model_attention_mask, register_varlen_attention
-from distflow.trainer.model import (DTYPES, disable_dropout, enable_activation_checkpointing, gather_full_state,
-                                    shard_fp32)
+from distflow.trainer.model import (DTYPES, clip_and_step, disable_dropout, enable_activation_checkpointing,
+                                    gather_full_state, shard_fp32)
 from distflow.trainer.packing import ModelInputs, split_mini_batches
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class Critic:
         loss_fn = resolve(VALUE_LOSSES, node.fn, f"workflow node {node.id!r} value loss")
         cfg = self.cfg
         sums = DeviceSums(["vf_loss", "vf_clip_frac", "value_mean"], self.device)  # read back once, at the end
-        steps, grad_norm = 0, torch.zeros(())
+        steps, skipped, grad_norm = 0, 0, 0.0
         lens = batch.tensors["response_lens"]
         for _ in range(cfg.ppo_epochs):
             for mini in split_mini_batches(len(batch), cfg.mini_batches_per_step):
@@ -211,13 +212,12 @@ class Critic:
                     for k in sums.keys:
                         if k in metrics:
                             sums.add(k, metrics[k], w)
-                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                grad_norm = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the last step's, read at the end
-                self.optim.step()
+                grad_norm = clip_and_step(self.model, self.optim, cfg.grad_clip, "critic")  # the last step's
+                skipped += not math.isfinite(grad_norm)
                 steps += 1
         self.steps += steps
         out = sums.all_reduce()
-        out.update(vf_grad_norm=float(grad_norm), critic_steps=float(steps))
+        out.update(vf_grad_norm=grad_norm, critic_steps=float(steps), critic_skipped_steps=float(skipped))
         return out
 
     # ------------------------------------------------------------------ checkpoints

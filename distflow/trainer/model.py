@@ -25,6 +25,8 @@ and getting it wrong is silent (a bf16 master copy rounds lr-1e-6 updates away).
 
 from __future__ import annotations
 
+import logging
+import math
 import types
 from typing import Any, Callable
 
@@ -34,6 +36,8 @@ from distflow.device import COMPUTE_DTYPES
 from distflow.hf import load_causal_lm, meta_causal_lm
 from distflow.trainer.attention import register_varlen_attention
 from distflow.trainer.head import response_forward
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DTYPES", "disable_dropout", "gather_full_state", "load_for_training", "load_from_rank0", "shard_fp32",
            "shard_mixed_precision"]
@@ -184,3 +188,21 @@ def gather_full_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Ten
             full = full.clone()  # one rank on CPU: the "gather" is the live parameter itself
         out[name] = full
     return out
+
+
+def clip_and_step(model: torch.nn.Module, optim: torch.optim.Optimizer, max_norm: float, what: str) -> float:
+    """Clip ``model``'s gradients to a global norm of ``max_norm`` and step ``optim``; returns the
+    norm before clipping. A norm that is not finite (a NaN or inf gradient anywhere) skips the step
+    and drops the gradients instead: clipping by it makes every update NaN, which AdamW writes
+    into the fp32 masters on every rank and the next weight sync ships to every rollout node, for
+    the rest of the run. The norm is replicated (``full_tensor``), so every rank skips alike; it
+    is read on the host, one sync per optimizer step. ``what`` names the model in the warning."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if math.isfinite(value):
+        optim.step()
+    else:
+        optim.zero_grad(set_to_none=True)
+        log.warning("%s: gradient norm is %s: optimizer step skipped (weights and optimizer state unchanged)",
+                    what, value)
+    return value
