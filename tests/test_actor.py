@@ -211,6 +211,12 @@ def test_reference_is_frozen_in_compute_dtype_and_resharded_after_its_pass(toy_m
     assert root and all(isinstance(p, DTensor) for p in root)
     batch = actor.reference_logprobs(make_batch(8, seed=6))
     assert all(isinstance(p, DTensor) for n, p in actor.ref.named_parameters() if not n.startswith("model.layers."))
+    # with old logprobs recomputed in the same pass (PPO: the critic's stages run before the
+    # update), the policy's root is sharded again too
+    cfg = _cfg(toy_model, "kl_coef=0.01", "dtype=bfloat16", "recompute_old_logprobs=true")
+    policy = Actor(cfg, with_reference=True)
+    assert "old_logprobs" in policy.reference_logprobs(make_batch(8, seed=6)).tensors
+    assert all(isinstance(p, DTensor) for n, p in policy.model.named_parameters() if not n.startswith("model.layers."))
     plain = load_causal_lm(toy_model, torch.bfloat16)
     with torch.no_grad():
         expect, _ = response_forward(plain, pad_inputs(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")))

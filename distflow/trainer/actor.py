@@ -234,7 +234,8 @@ class Actor:
         frozen reference (skipped when there is none, i.e. ``kl_coef`` 0) and, with
         ``recompute_old_logprobs``, ``old_logprobs`` from the current policy."""
         return self._inference_pass(batch, ref=self.ref is not None,
-                                    old=self.cfg.recompute_old_logprobs and "old_logprobs" not in batch.tensors)
+                                    old=self.cfg.recompute_old_logprobs and "old_logprobs" not in batch.tensors,
+                                    reshard_policy=True)
 
     @torch.no_grad()
     def old_logprobs(self, batch: SampleBatch) -> SampleBatch:
@@ -242,7 +243,7 @@ class Actor:
         return self._inference_pass(batch, ref=False, old=True)
 
     @torch.no_grad()
-    def _inference_pass(self, batch: SampleBatch, ref: bool, old: bool) -> SampleBatch:
+    def _inference_pass(self, batch: SampleBatch, ref: bool, old: bool, reshard_policy: bool = False) -> SampleBatch:
         fields = [name for name, want in (("ref_logprobs", ref), ("old_logprobs", old)) if want]
         if not fields:
             return batch
@@ -259,6 +260,10 @@ class Actor:
             # forward, and the reference never runs backward: without this its root would stay
             # all-gathered on every GPU for the whole run (~2 GB at 7B)
             self.ref.reshard()
+        if old and reshard_policy:
+            # the same for the policy when other stages run before its update (PPO: the critic's
+            # values and GAE); old_logprobs() right before the update keeps it gathered for it
+            self.model.reshard()
         return batch
 
     def update(self, node: WorkflowNode, batch: SampleBatch) -> dict[str, float]:
