@@ -149,6 +149,38 @@ def test_a_checkpoint_counts_only_once_every_part_is_written(toy_model, world1, 
     assert saved["eos_token_id"] == [1, 3] and saved["temperature"] == 0.7  # the model's, not one made from config.json
 
 
+def test_checkpoint_drops_the_policys_full_state_before_the_critic_gathers(toy_model, world1, tmp_path):
+    """Rank 0 holds one full fp32 model at a time while checkpointing: the policy's gathered
+    state is gone when the critic gathers its own (with both, ~57 GB of host memory at 7B)."""
+    import gc
+    import weakref
+
+    from distflow.trainer.actor import STATE_FILE, Actor
+    from distflow.trainer.executor import TrainerContext, save_checkpoint
+
+    actor = Actor(_cfg(toy_model), with_reference=False)
+    refs: list = []
+    gather = actor.full_state_dict
+
+    def recorded():
+        state = gather()
+        refs.extend(weakref.ref(t) for t in state.values())
+        return state
+
+    actor.full_state_dict = recorded
+    alive: list[int] = []
+
+    class Critic:
+        def save_checkpoint(self, _dir):
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+
+    save_checkpoint(TrainerContext(actor.cfg, actor=actor, critic=Critic(), rank=0), tmp_path / "ckpt", None,
+                    {"step": 1})
+    assert refs and alive == [0]
+    assert json.loads((tmp_path / "ckpt" / STATE_FILE).read_text())["step"] == 1
+
+
 def test_resume_takes_adam_settings_from_the_config_not_the_checkpoint(toy_model):
     from distflow.trainer.actor import apply_optimizer_config
 

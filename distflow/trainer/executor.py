@@ -234,10 +234,12 @@ def build_context(cfg: Config, pipeline: list[WorkflowNode], actor: Any) -> Trai
     return TrainerContext(cfg, actor=actor, critic=critic, rank=rank)
 
 
-def save_checkpoint(ctx: TrainerContext, out_dir: Any, state: dict[str, torch.Tensor], run_state: dict) -> None:
+def save_checkpoint(ctx: TrainerContext, out_dir: Any, state: dict[str, torch.Tensor] | None, run_state: dict) -> None:
     """Actor checkpoint plus, with a critic, ``<out_dir>/critic/`` (a collective). Rank 0 takes
     the completion marker away before anything is written and puts it back only after the last
-    part: a checkpoint killed mid-write is never taken for a whole one (``newest_checkpoint``)."""
+    part: a checkpoint killed mid-write is never taken for a whole one (``newest_checkpoint``).
+    ``state``: the actor's full state dict, or None to gather it here, which lets rank 0 drop its
+    full fp32 copy of the policy before the critic gathers its own (two at once: ~57 GB at 7B)."""
     from pathlib import Path
 
     from distflow.trainer.actor import mark_checkpoint, unmark_checkpoint
@@ -246,7 +248,7 @@ def save_checkpoint(ctx: TrainerContext, out_dir: Any, state: dict[str, torch.Te
     out.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:  # before the first collective of the save: no rank has written anything yet
         unmark_checkpoint(out)
-    ctx.actor.save_checkpoint(out, state)
+    ctx.actor.save_checkpoint(out, ctx.actor.full_state_dict() if state is None else state)  # no name holds it after
     if ctx.critic is not None:
         ctx.critic.save_checkpoint(out)
     if ctx.rank == 0:

@@ -218,8 +218,7 @@ async def run_trainer(rt: Runtime) -> None:
         return asyncio.to_thread(call_on, dev, fn, *args)
 
     async def checkpoint(name: str) -> None:  # a collective gather; rank 0 writes
-        state = await on_gpu(actor.full_state_dict)
-        await on_gpu(save_checkpoint, ctx, out_dir / name, state, run_state())
+        await on_gpu(save_checkpoint, ctx, out_dir / name, None, run_state())
 
     actor = await on_gpu(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
     ctx = await on_gpu(build_context, cfg, pipeline, actor)
