@@ -176,9 +176,20 @@ def gather_full_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Ten
 
     A collective: EVERY rank must call it (each DTensor's ``full_tensor()`` is an all-gather),
     but only a keeping rank copies the gathered tensors to host memory and holds them: the
-    others drop each one right away (one parameter's worth of device memory at a time)."""
+    others drop each one right away (one parameter's worth of device memory at a time).
+    A tied parameter (an LM head that is the embedding) is gathered once: its other names get
+    the same host tensor (``tied_names``; the same on every rank, so the collectives match)."""
+    from distflow.rl.weights import tied_names
+
+    alias = {n: names[0] for names in tied_names(model) for n in names[1:]}
     out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
     for name, t in model.state_dict().items():
+        if alias.get(name) in done:
+            if keep:
+                out[name] = out[alias[name]]
+            continue
+        done.add(name)
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if not keep:
             continue
