@@ -819,6 +819,44 @@ def test_a_big_first_bucket_overtaken_by_a_small_one_still_makes_the_version(kin
     asyncio.run(main())
 
 
+def test_a_spilled_bucket_is_copied_off_the_event_loop(monkeypatch) -> None:
+    """A bucket that must leave a GPU short of memory is copied to host memory in a worker thread
+    (a device-to-host copy on the loop would stall gossip and acks behind the engine's kernels);
+    a copy that fails leaves no empty bucket behind for the commit to accept. No GPU here: which
+    buckets spill, and the copy, are replaced (test_held_gpu_buckets_leave_a_gpu_short_of_memory
+    runs the real ones)."""
+    import threading
+
+    from distflow.rl import weights as weights_mod
+
+    copied_on: list[int] = []
+
+    def to_host(bucket):
+        copied_on.append(threading.get_ident())
+        if "bad" in bucket:
+            raise RuntimeError("copy failed")
+        return {k: t.clone() for k, t in bucket.items()}
+
+    monkeypatch.setattr(weights_mod, "spill_needed", lambda bucket, reserve: True)
+    monkeypatch.setattr(weights_mod, "to_host", to_host)
+
+    async def main() -> None:
+        inbox = WeightInbox()
+        msg = {"version": 1, "base": None}
+        await inbox.receive(Envelope("trainer", "weights", {**msg, "bucket": 0}, {"w": torch.arange(4.0)}))
+        with pytest.raises(RuntimeError, match="copy failed"):
+            await inbox.receive(Envelope("trainer", "weights", {**msg, "bucket": 1}, {"bad": torch.zeros(2)}))
+        with pytest.raises(ValueError, match=r"for 2 buckets .* but buckets \[0\]"):
+            await inbox.receive(Envelope("trainer", "weights", {**msg, "commit": True, "num_buckets": 2}, {}))
+        await inbox.receive(Envelope("trainer", "weights", {**msg, "bucket": 0}, {"w": torch.arange(4.0)}))
+        await inbox.receive(Envelope("trainer", "weights", {**msg, "commit": True, "num_buckets": 1}, {}))
+        upd = inbox.take_update()
+        assert upd is not None and torch.equal(upd.buckets[0]["w"], torch.arange(4.0))
+        assert len(copied_on) == 3 and threading.get_ident() not in copied_on
+
+    asyncio.run(main())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_held_gpu_buckets_leave_a_gpu_short_of_memory() -> None:

@@ -288,20 +288,37 @@ def import_ipc(ipc: Any, device: torch.device | None = None) -> dict[str, torch.
 GPU_HOLD_RESERVE = 4 << 30  # device memory a rollout GPU keeps free beside buckets it holds (activations)
 
 
-def hold(bucket: dict[str, torch.Tensor], reserve: int = GPU_HOLD_RESERVE) -> dict[str, torch.Tensor]:
-    """A received bucket as the rollout node keeps it until its engine takes the version: CUDA
-    tensors (the NCCL tier delivers buckets in device memory) stay there while the device has
-    more than ``reserve`` bytes free beside them, else move to host memory. Why: a version held
-    whole on a GPU whose KV cache took most of it (15 GB for a 7B model in bf16) would run the
-    engine or the next receive out of memory; the engine loads host buckets just as well."""
+def spill_needed(bucket: dict[str, torch.Tensor], reserve: int = GPU_HOLD_RESERVE) -> bool:
+    """Whether a received bucket must leave the GPU while the rollout node keeps it until its engine
+    takes the version: it holds CUDA tensors (the NCCL tier delivers buckets in device memory) and
+    the device has less than ``reserve`` bytes free (the bucket is already allocated: free memory
+    is what is left beside it). Why: a version held whole on a GPU whose KV cache took most of it
+    (15 GB for a 7B model in bf16) would run the engine or the next receive out of memory; the
+    engine loads host buckets just as well. Cheap (no copy, no sync): call it on the event loop."""
     cuda = [t for t in bucket.values() if t.is_cuda]
     if not cuda:
-        return bucket
-    need = sum(t.numel() * t.element_size() for t in cuda)
+        return False
     free, _ = torch.cuda.mem_get_info(cuda[0].device)
-    if free - need >= reserve:
-        return bucket
-    return {k: t.to("cpu") if t.is_cuda else t for k, t in bucket.items()}
+    return free < reserve
+
+
+def to_host(bucket: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The bucket with its CUDA tensors copied to (pinned) host memory. Blocking: run it in a worker
+    thread. The copies go on a stream of their own, not the legacy default stream, which would first
+    wait for every kernel the engine has queued (a decode step, a whole generate call)."""
+    out = dict(bucket)
+    cuda = [k for k, t in bucket.items() if t.is_cuda]
+    if not cuda:
+        return out
+    stream = torch.cuda.Stream(bucket[cuda[0]].device)
+    with torch.cuda.stream(stream):
+        for k in cuda:
+            t = bucket[k]
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out[k] = host
+    stream.synchronize()
+    return out
 
 
 # ---------------------------------------------------------------------------- pinned staging

@@ -54,8 +54,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 import torch
 
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
-from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ipc, hold, import_ipc,
-                                         release_ipc)
+from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ipc, import_ipc,
+                                         release_ipc, spill_needed, to_host)
 
 BUCKET_BYTES = 64 << 20
 MAX_DELTA_LAG = 8
@@ -179,8 +179,15 @@ class WeightInbox:
             if asyncio.iscoroutine(result):
                 await result
             part.buckets[k] = {}  # counted, not kept
-        else:  # kept until the engine takes it: NCCL buckets leave a GPU that is short of memory
-            part.buckets[k] = tensors if "ipc" in meta else hold(tensors, self.gpu_reserve)
+        elif "ipc" in meta or not spill_needed(tensors, self.gpu_reserve):  # kept until the engine takes it
+            part.buckets[k] = tensors
+        else:  # NCCL buckets leave a GPU that is short of memory, copied off the event loop
+            part.buckets[k] = {}  # index claimed while the copy runs (the commit comes after this ack)
+            try:
+                part.buckets[k] = await asyncio.to_thread(to_host, tensors)
+            except BaseException:
+                part.buckets.pop(k, None)  # never committed as an empty bucket
+                raise
 
     async def _commit(self, sender: str, v: int, base: int | None, num_buckets: Any, attempt: tuple[str, Any]) -> None:
         part = self._partial.get(v)
