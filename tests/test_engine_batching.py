@@ -542,6 +542,8 @@ def test_graph_capture_protocol_on_cpu(model_dir: str, prompts: list[list[int]],
     assert sum(c[0] == "end" for c in calls) == len(begins)
     assert runner.logits_out.shape == (runner.slots, runner.vocab_size) and runner.logits_out.dtype == torch.float32
     assert {g.shape for g in runner.graphs.values()} == set(runner.graphs)
+    eng.close()  # drops what a runner still held by someone else would keep: graphs, cache, logits buffer
+    assert runner.graphs == {} and runner.k_cache is None and runner.logits_out is None
 
 
 def test_bench_engine_smoke(capsys: pytest.CaptureFixture[str]) -> None:

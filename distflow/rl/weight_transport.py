@@ -303,22 +303,16 @@ def spill_needed(bucket: dict[str, torch.Tensor], reserve: int = GPU_HOLD_RESERV
 
 
 def to_host(bucket: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The bucket with its CUDA tensors copied to (pinned) host memory. Blocking: run it in a worker
-    thread. The copies go on a stream of their own, not the legacy default stream, which would first
-    wait for every kernel the engine has queued (a decode step, a whole generate call)."""
-    out = dict(bucket)
-    cuda = [k for k, t in bucket.items() if t.is_cuda]
+    """The bucket with its CUDA tensors copied to host memory. Blocking: run it in a worker thread
+    (it waits for the device's default stream, i.e. behind the engine's queued kernels, which
+    must not stall the event loop). Pageable, not pinned: torch caches freed pinned blocks for
+    good, rounded up to a power of two per tensor (a spilled 15 GB version would keep ~25 GB of
+    page-locked memory), and a side stream from torch's pool can be the engine's capture stream."""
+    cuda = [t for t in bucket.values() if t.is_cuda]
     if not cuda:
-        return out
-    stream = torch.cuda.Stream(bucket[cuda[0]].device)
-    with torch.cuda.stream(stream):
-        for k in cuda:
-            t = bucket[k]
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            out[k] = host
-    stream.synchronize()
-    return out
+        return dict(bucket)
+    with torch.cuda.device(cuda[0].device):
+        return {k: t.to("cpu") if t.is_cuda else t for k, t in bucket.items()}
 
 
 # ---------------------------------------------------------------------------- pinned staging

@@ -337,7 +337,9 @@ class WeightPublisher:
         self.sent = {p: 0 for p in peers}
         self.stats: Counter[str] = Counter()  # bytes/tensors/messages sent, full and delta versions
         self._full_next: set[str] = set()
-        self._down = {p: asyncio.Event() for p in peers}
+        # per peer, the future that abandons its send in flight (None when none is): a future per
+        # send, so a peer_down/peer_up pair in one callback cannot set and clear it unseen
+        self._abandon: dict[str, asyncio.Future | None] = {p: None for p in peers}
         self._boots: dict[str, Any] = {}  # peer -> the life (mesh meta "boot") last seen
         self._wake = asyncio.Event()
         self._sends = itertools.count(1)  # attempt numbers: the inbox tells a resend from a late message
@@ -498,30 +500,32 @@ class WeightPublisher:
         if node_id in self.sent:
             self.sent[node_id] = 0
             self._full_next.add(node_id)
-            self._down[node_id].clear()
             self._wake.set()
 
     def peer_down(self, node_id: str) -> None:
-        if node_id in self._down:
-            self._down[node_id].set()
+        """The peer is gone (or its life ended): the send in flight to it is abandoned."""
+        f = self._abandon.get(node_id)
+        if f is not None and not f.done():
+            f.set_result(None)
 
     def member_event(self, event: str, node_id: str, boot: Any = None) -> None:
         """A mesh membership event of ``node_id`` whose life is ``boot`` (its meta "boot"; None if
-        unknown): "alive" -> :meth:`peer_up`; "dead" / "left" -> :meth:`peer_down`; "update" with a
-        new life -> both: the peer restarted before anyone declared it dead, its new life holds no
-        weights, and the send to the old one will never be acked. Other events only record the life."""
+        unknown): "dead" / "left" -> :meth:`peer_down`; "alive" -> :meth:`peer_up`; any other event
+        with a new life (an "update": the peer restarted before anyone declared it dead) or "alive"
+        with one -> both: its new life holds no weights, and the send to the old one will never be
+        acked. Other events only record the life."""
         if node_id not in self.sent:
             return
         last = self._boots.get(node_id)
         if boot is not None:
             self._boots[node_id] = boot
-        if event == "alive":
-            self.peer_up(node_id)
-        elif event in ("dead", "left"):
+        restarted = boot is not None and last is not None and boot != last
+        if event in ("dead", "left"):
             self.peer_down(node_id)
-        elif event == "update" and boot is not None and last is not None and boot != last:
-            log.info("weights: %s restarted (new life): sending it the current version in full", node_id)
-            self.peer_down(node_id)
+        elif event == "alive" or restarted:
+            if restarted:
+                log.info("weights: %s restarted (new life): sending it the current version in full", node_id)
+                self.peer_down(node_id)
             self.peer_up(node_id)
 
     def _delta_base(self, peer: str, ver: _Version) -> int | None:
@@ -543,15 +547,15 @@ class WeightPublisher:
                 continue
             send = asyncio.create_task(self._send_version(peer, ver, self._delta_base(peer, ver)),
                                        name=f"weights-v{ver.version}->{peer}")
-            down = asyncio.create_task(self._down[peer].wait(), name=f"watch-{peer}")
+            abandon = self._abandon[peer] = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait({send, down}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({send, abandon}, return_when=asyncio.FIRST_COMPLETED)
             except BaseException:  # close(): no send outlives the publisher (nor its IPC counts)
                 send.cancel()
-                down.cancel()
-                await asyncio.wait({send, down}, timeout=5.0)
+                await asyncio.wait({send}, timeout=5.0)
                 raise
-            down.cancel()
+            finally:
+                self._abandon[peer] = None
             if not send.done():
                 send.cancel()
                 log.warning("weights v%d -> %s abandoned: the peer is down", ver.version, peer)

@@ -261,7 +261,7 @@ class TorchEngine:
             runner, self.runner = self.runner, None
             if runner is not None:  # in case someone else still holds the runner
                 runner.graphs.clear()
-                runner.k_cache = runner.v_cache = None
+                runner.k_cache = runner.v_cache = runner.logits_out = None
             self.model = None  # type: ignore[assignment]
             self._target = None
         if self.device.type == "cuda":

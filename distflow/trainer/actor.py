@@ -235,7 +235,7 @@ class Actor:
         ``recompute_old_logprobs``, ``old_logprobs`` from the current policy."""
         return self._inference_pass(batch, ref=self.ref is not None,
                                     old=self.cfg.recompute_old_logprobs and "old_logprobs" not in batch.tensors,
-                                    reshard_policy=True)
+                                    reshard_policy=self.cfg.node("CRITIC", "MODEL_INFERENCE") is not None)
 
     @torch.no_grad()
     def old_logprobs(self, batch: SampleBatch) -> SampleBatch:
@@ -261,8 +261,8 @@ class Actor:
             # all-gathered on every GPU for the whole run (~2 GB at 7B)
             self.ref.reshard()
         if old and reshard_policy:
-            # the same for the policy when other stages run before its update (PPO: the critic's
-            # values and GAE); old_logprobs() right before the update keeps it gathered for it
+            # the same for the policy when a model stage runs before its update (PPO: the critic's
+            # values); otherwise (GRPO) the update comes next and would only gather it again
             self.model.reshard()
         return batch
 
@@ -287,6 +287,8 @@ class Actor:
         self.version += 1
         keys = dict.fromkeys(k for st in steps for k in st)  # an optional metric may be missing from a step
         out = {k: sum(vals) / len(vals) for k in keys if (vals := [st[k] for st in steps if k in st])}
+        norms = [st["grad_norm"] for st in steps if math.isfinite(st["grad_norm"])]
+        out["grad_norm"] = sum(norms) / len(norms) if norms else steps[-1]["grad_norm"]  # skipped steps: counted
         # Tokens count the batch once (not once per epoch); tokens/s is per optimizer pass.
         out.update(tokens=sum(s["tokens"] for s in steps[:len(minis)]),
                    train_tokens=sum(s["train_tokens"] for s in steps), lr=lr, optimizer_steps=len(steps),
