@@ -39,8 +39,8 @@ from distflow.trainer.head import response_forward
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "disable_dropout", "gather_full_state", "load_for_training", "load_from_rank0", "shard_fp32",
-           "shard_mixed_precision"]
+__all__ = ["DTYPES", "clip_and_step", "disable_dropout", "gather_full_state", "load_for_training", "load_from_rank0",
+           "shard_fp32", "shard_mixed_precision"]
 
 DTYPES = COMPUTE_DTYPES
 
