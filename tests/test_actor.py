@@ -11,6 +11,7 @@ padded: that is the "global token mean across ranks and micro-batches" invariant
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 
@@ -85,23 +86,35 @@ def world1(tmp_path_factory):
         yield
 
 
+def _forked(nprocs: int, args: tuple) -> None:
+    """``_step`` in ``nprocs`` forked processes (no re-import of torch/transformers).
+
+    A test that ran earlier in this process may have left a process group in a reference cycle
+    (a destroyed group's FSDP modules, device meshes): collected in a forked child, its C++
+    destructor waits for threads that did not survive the fork, and the child hangs. So the
+    garbage is collected here first, and what remains is frozen: a child never collects it."""
+    gc.collect()
+    gc.freeze()
+    try:
+        mp.start_processes(_step, args=args, nprocs=nprocs, join=True, start_method="fork")
+    finally:
+        gc.unfreeze()
+
+
 def _two_ranks(tmp_path, toy_model, name: str, overrides: list[str]) -> dict:
     out = str(tmp_path / f"{name}.pt")
-    mp.start_processes(_step, args=(2, str(tmp_path / f"{name}.store"), str(toy_model),
-                                    ["kl_coef=0.01", "lr=0.01", "max_tokens_per_micro_batch=12", *overrides], out),
-                       nprocs=2, join=True, start_method="fork")
+    _forked(2, (2, str(tmp_path / f"{name}.store"), str(toy_model),
+                ["kl_coef=0.01", "lr=0.01", "max_tokens_per_micro_batch=12", *overrides], out))
     return torch.load(out)
 
 
 def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
-    # forked (no re-import of torch/transformers); runs before this process joins any group
-    assert not dist.is_initialized()
+    assert not dist.is_initialized()  # the forked ranks join groups of their own
     two = _two_ranks(tmp_path, toy_model, "two", [])
     # grad_sync micro_batch: a reduce-scatter after every micro-batch, the same step
     per_mb = _two_ranks(tmp_path, toy_model, "per_mb", ["grad_sync=micro_batch"])
     out = str(tmp_path / "one.pt")
-    mp.start_processes(_step, args=(1, str(tmp_path / "one.store"), str(toy_model), ["kl_coef=0.01", "lr=0.01"], out),
-                       nprocs=1, join=True, start_method="fork")
+    _forked(1, (1, str(tmp_path / "one.store"), str(toy_model), ["kl_coef=0.01", "lr=0.01"], out))
     one = torch.load(out)
     assert one["ref"] and two["ref"]
     assert one["n_mb"] == 2  # 8 samples / micro_batch_size 4
@@ -247,8 +260,9 @@ def test_grad_sync_per_micro_batch_gives_the_same_step(toy_model, world1):
 
 
 def test_packed_rows_honour_the_sliding_window():
-    """A sliding-window model: packed rows (varlen attention, per-sample SDPA on CPU) give the
-    padded path's logprobs (transformers' sliding-window mask), not full causal attention."""
+    """A sliding-window model: packed rows (varlen attention, per-sample SDPA on CPU) and padded
+    rows (one banded SDPA) give transformers' own padded logprobs (its sliding-window mask), not
+    full causal attention."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from distflow.trainer.attention import register_varlen_attention
@@ -260,7 +274,6 @@ def test_packed_rows_honour_the_sliding_window():
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=3,
                          max_window_layers=0, layer_types=["sliding_attention"] * 2)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.set_attn_implementation(register_varlen_attention())
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [3, 3]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=g) for n in (4, 7, 2)]
@@ -268,7 +281,10 @@ def test_packed_rows_honour_the_sliding_window():
     packed = pack_inputs(prompts, responses)
     assert packed.seq_lens == (9, 10, 8)
     with torch.no_grad():
+        model.set_attn_implementation("sdpa")
         padded, _ = response_forward(model, pad_inputs(prompts, responses))
+        model.set_attn_implementation(register_varlen_attention())
+        padded_varlen, _ = response_forward(model, pad_inputs(prompts, responses))
         windowed, _ = response_forward(model, packed)
         packed.seq_lens = ()  # a caller without host lengths: read from cu_seqlens, same result
         from_cu, _ = response_forward(model, packed)
@@ -276,6 +292,7 @@ def test_packed_rows_honour_the_sliding_window():
             layer.self_attn.sliding_window = None
         full, _ = response_forward(model, packed)
     assert torch.allclose(windowed, padded, atol=1e-6) and torch.equal(windowed, from_cu)
+    assert torch.allclose(padded_varlen, padded, atol=1e-6)
     assert not torch.allclose(full, padded, atol=1e-3)  # the window matters at these lengths
 
 
