@@ -134,6 +134,48 @@ def test_packed_equals_padded_logprobs_and_gradients(arch, attn, toy_model):
     assert torch.allclose(lp_a, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_padded_rows_attend_causally_without_a_dense_mask(arch, toy_model, monkeypatch):
+    """Right-padded micro-batches under ``distflow_varlen``: SDPA gets no [B, 1, S, S] padding
+    mask (its memory grows as S^2 and it keeps SDPA off FlashAttention on a GPU), only causality,
+    and logprobs, entropies and every gradient equal transformers' SDPA with its padding mask."""
+    import torch.nn.functional as F
+
+    from distflow.trainer.attention import register_varlen_attention
+
+    model = (_llama_toy(toy_model) if arch == "llama" else _qwen2_tiny()).train()
+    model.set_attn_implementation("sdpa")
+    batch = make_batch(6, seed=11)
+    inputs = pad_inputs(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))
+    assert inputs.attention_mask is not None and not bool(inputs.attention_mask.all())  # real padding
+    weights = torch.linspace(-1.0, 1.0, int(batch.tensors["response_lens"].sum()))
+    calls: list[tuple[object, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kw):
+        calls.append((None if attn_mask is None else tuple(attn_mask.shape), kw.get("is_causal", False)))
+        return sdpa(q, k, v, attn_mask, *args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    results = []
+    for attn in ("sdpa", register_varlen_attention()):
+        model.set_attn_implementation(attn)
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        lp, ent = response_forward(model, inputs, temperature=0.9, chunk_tokens=7)
+        ((lp * weights).sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                        list(calls)))
+    (lp_a, ent_a, g_a, calls_a), (lp_b, ent_b, g_b, calls_b) = results
+    width = inputs.input_ids.shape[1]
+    assert calls_a and all(shape == (6, 1, width, width) for shape, _ in calls_a)  # transformers: dense mask
+    assert calls_b == [(None, True)] * model.config.num_hidden_layers  # ours: one causal call per layer
+    assert torch.allclose(lp_a, lp_b, atol=1e-5), (lp_a - lp_b).abs().max()
+    assert torch.allclose(ent_a, ent_b, atol=1e-5)
+    for name in g_a:
+        assert torch.allclose(g_a[name], g_b[name], atol=1e-5, rtol=1e-4), name
+
+
 def test_packed_rows_do_not_attend_across_samples(toy_model):
     """Changing one sample's tokens leaves every other sample's logprobs in the row unchanged."""
     from distflow.trainer.attention import register_varlen_attention

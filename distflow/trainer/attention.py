@@ -16,13 +16,18 @@ trainer's models use the attention implementation registered here, ``distflow_va
   The sample lengths also come as host ints (``distflow_seq_lens``), so no layer reads
   them back from the GPU. A model's ``sliding_window`` is honoured on both (FlashAttention's
   ``window_size``, a banded mask for SDPA), as transformers' padded path does;
-* everything else (padded batches with a 2-D attention mask): exactly transformers' SDPA.
+* right-padded rows (the trainer's padded micro-batches, :func:`packing.pad_inputs`): ONE causal
+  SDPA over the ``[B, S]`` batch, no padding mask. Causality alone gives every real token
+  exactly what the padding mask gives it (its row's pads all come after it); a pad's output is
+  never read. transformers would build a dense ``[B, 1, S, S]`` mask instead, whose memory
+  grows as S^2 (1 GiB as fp32 at B=4, S=8k) and which keeps SDPA off FlashAttention. A
+  sliding window gets one ``[S, S]`` band shared by the rows.
 
 The mask builder registered under the same name returns no mask when there is no padding
-mask (packed rows: the cumulative lengths carry the structure), else SDPA's mask. Callers
-give a packed row an empty 4-D mask (:func:`model_attention_mask`): transformers returns a
-4-D mask as it is, so it skips its scan of the position ids for packed sequences, whose
-``.all()`` would otherwise make the CPU wait for the GPU once per forward.
+mask, else SDPA's mask (a caller that builds its masks through transformers). The trainer's
+callers give every micro-batch an empty 4-D mask (:func:`model_attention_mask`): transformers
+returns a 4-D mask as it is, so it skips its scan of the position ids for packed sequences,
+whose ``.all()`` would otherwise make the CPU wait for the GPU once per forward.
 """
 
 from __future__ import annotations
@@ -48,11 +53,23 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     """query [B, Hq, S, D], key/value [B, Hkv, S, D] -> ([B, S, Hq, D], None), like
     transformers' attention functions. With ``cu_seq_lens_q`` (int32 [n + 1]) B must be 1
     and the row holds n causally-masked samples (``distflow_seq_lens``: their lengths as
-    ints; ``sliding_window``: the model's window, applied within each sample)."""
+    ints; ``sliding_window``: the model's window, applied within each sample). Without it, an
+    empty ``attention_mask`` (:func:`model_attention_mask`) means B right-padded rows: causal
+    attention over each row; any other mask goes to transformers' SDPA as it is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     lens = kwargs.pop(SEQ_LENS_KWARG, None)  # packed rows: the sample lengths as host ints
+    # transformers' sliding window: query i sees keys i - window + 1 .. i
+    window = kwargs.get("sliding_window")
+    window = int(window) if window is not None and window > 0 else None
     if cu_seq_lens_q is None:
+        if attention_mask is not None and attention_mask.numel() == 0:  # model_attention_mask's: right-padded rows
+            n = query.shape[2]
+            banded = window is not None and n > window
+            # FlashAttention takes GQA, but only half precision and no mask
+            key, value, gqa = _expand_kv(query, key, value, query.is_cuda and (banded or query.dtype == torch.float32))
+            out = _causal_sdpa(query, key, value, n, window, scaling, gqa)
+            return out.transpose(1, 2).contiguous(), None
         kwargs.pop("cu_seq_lens_k", None), kwargs.pop("max_length_k", None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -62,9 +79,6 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         bounds = cu_seq_lens_q.tolist()
         lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     lens = [int(n) for n in lens]
-    # transformers' sliding window: query i sees keys i - window + 1 .. i
-    window = kwargs.get("sliding_window")
-    window = int(window) if window is not None and window > 0 else None
     gqa = query.shape[1] != key.shape[1]
     flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
     kw = None if flash is None else varlen_kwargs(flash[1], scaling, query.shape[-1], window, gqa)
@@ -79,25 +93,35 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
 
 def _per_sample_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int],
                      window: int | None, scaling: float | None, expand_kv: bool) -> torch.Tensor:
-    """One causal (or banded) SDPA per sample of a packed row -> [1, S, Hq, D]. ``expand_kv``
-    repeats K/V to the query heads instead of ``enable_gqa`` (on CUDA only FlashAttention and the
-    math kernel take GQA, so an fp32 or masked call would fall to the math kernel and keep an
-    fp32 [Hq, n, n] score matrix per sample for backward; the memory-efficient kernel takes the
-    repeated heads), as transformers' SDPA path does."""
-    gqa = query.shape[1] != key.shape[1]
-    if gqa and expand_kv:
-        rep = query.shape[1] // key.shape[1]  # query head h reads KV head h // rep (HF's repeat_kv)
-        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-        gqa = False
+    """One causal (or banded) SDPA per sample of a packed row -> [1, S, Hq, D]."""
+    key, value, gqa = _expand_kv(query, key, value, expand_kv)
     # split (not slicing): its backward is one concatenation, not a zero-filled full-size
     # gradient per sample
     qs, ks, vs = (t.split(lens, dim=2) for t in (query, key, value))
-    pieces = [F.scaled_dot_product_attention(q, k, v, attn_mask=_band(n, window, q.device), is_causal=False,
-                                             scale=scaling, enable_gqa=gqa)
-              if window is not None and n > window else
-              F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-              for q, k, v, n in zip(qs, ks, vs, lens) if n > 0]
+    pieces = [_causal_sdpa(q, k, v, n, window, scaling, gqa) for q, k, v, n in zip(qs, ks, vs, lens) if n > 0]
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
+
+
+def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               expand: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(key, value, gqa left to SDPA). ``expand`` repeats K/V to the query heads instead of
+    ``enable_gqa`` (on CUDA only FlashAttention and the math kernel take GQA, so an fp32 or masked
+    call would fall to the math kernel and keep an fp32 [Hq, n, n] score matrix per sample for
+    backward; the memory-efficient kernel takes the repeated heads), as transformers' SDPA path does."""
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and expand:
+        rep = query.shape[1] // key.shape[1]  # query head h reads KV head h // rep (HF's repeat_kv)
+        return key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1), False
+    return key, value, gqa
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, window: int | None,
+                 scaling: float | None, gqa: bool) -> torch.Tensor:
+    """[B, Hq, n, D] attention of n positions, causal (banded by ``window`` when it bites)."""
+    if window is not None and n > window:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_band(n, window, q.device), is_causal=False,
+                                              scale=scaling, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
 
 
 def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
@@ -154,16 +178,16 @@ def _varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwarg
 def model_attention_mask(config: Any, attention_mask: torch.Tensor | None, attention: Mapping[str, Any],
                          device: torch.device) -> torch.Tensor | None:
     """The ``attention_mask`` to give a decoder whose config is ``config``, for a micro-batch with
-    this padding mask (None: packed or unpadded) and these varlen kwargs (``attention``:
+    this padding mask (None: packed or unpadded; else RIGHT-padded rows, as
+    :func:`packing.pad_inputs` makes them) and these varlen kwargs (``attention``:
     ``ModelInputs.attention_kwargs()``).
 
-    A packed row under ``distflow_varlen`` gets an empty 4-D bool mask (never read: the
-    cumulative lengths carry the structure). Transformers hands a 4-D mask through unchanged,
-    so its mask preparation skips ``find_packed_sequence_indices``, whose ``.all()`` is a host
-    sync per forward. Anything else (a padding mask; transformers' own attention, which builds
-    the block-diagonal mask from the position ids) gets ``attention_mask`` back unchanged."""
-    varlen = getattr(config, "_attn_implementation", None) == VARLEN
-    if attention_mask is None and "cu_seq_lens_q" in attention and varlen:
+    Under ``distflow_varlen``: an empty 4-D bool mask, never read as a mask. Packed rows carry
+    their structure in the cumulative lengths; padded rows need causality alone (see the module
+    docstring). Transformers hands a 4-D mask through unchanged, so it builds no dense mask and
+    skips ``find_packed_sequence_indices``, whose ``.all()`` is a host sync per forward.
+    Transformers' own attention implementations get ``attention_mask`` back unchanged."""
+    if getattr(config, "_attn_implementation", None) == VARLEN:
         return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
     return attention_mask
 
