@@ -335,11 +335,32 @@ def test_trainer_outcome_estimator_sees_the_whole_step() -> None:
     b = SampleBatch.from_lists(["a:s0", "b:s0"], ["a", "b"], [[1], [1]], [[2], [3]])
     b.set_scalar("reward", torch.tensor([1.0, 1.0]))
     # rank 1 holds the rest of both groups: a -> [1, 0], b -> [1, 1] (constant)
-    other = (["a", "b"], [0.0, 1.0])
+    other = (["a", "b"], [0.0, 1.0], [1, 1])  # (prompt ids, rewards, response lengths)
     ctx = TrainerContext(cfg, all_gather=lambda mine: [mine, other], rank=0)
     run_trainer_pipeline([node], ctx, b)
     # group a: mean 0.5, unbiased std 0.707107 -> +0.707106; group b constant -> 0
     assert torch.allclose(b.tensors["advantage"], torch.tensor([0.707106, 0.0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("group", ["rollout", "trainer"])
+def test_reinforce_pp_stage_whitens_over_response_tokens(group) -> None:
+    """Both groups' advantage stages give REINFORCE++ each sample's response length: rewards
+    [1, 0] with responses of 1 and 3 tokens whiten to [1.5, -0.5] (per sample: +-0.707)."""
+    cfg = make_cfg(workflow=[GEN, REWARD, {**ADV, "fn": "reinforce_pp", "group": group}, UPDATE], group_size=1)
+    node = cfg.plan().node("advantage")
+    if group == "trainer":  # rank 1 holds the other sample, a 3-token response with reward 0
+        b = SampleBatch.from_lists(["a:s0"], ["a"], [[1]], [[2]])
+        b.set_scalar("reward", torch.tensor([1.0]))
+        ctx = TrainerContext(cfg, all_gather=lambda mine: [mine, (["b"], [0.0], [3])], rank=0)
+        run_trainer_pipeline([node], ctx, b)
+        assert torch.allclose(b.tensors["advantage"], torch.tensor([1.5]), atol=1e-5)
+        return
+    b = SampleBatch.from_lists(["a:s0", "b:s0"], ["a", "b"], [[1], [1]], [[2], [2, 3, 4]])
+    b.set_scalar("reward", torch.tensor([1.0, 0.0]))
+    from distflow.rollout.stages import RolloutContext, run_stages
+
+    run_stages([node], RolloutContext(None, cfg, [], 0), b)
+    assert torch.allclose(b.tensors["advantage"], torch.tensor([1.5, -0.5]), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- config validation

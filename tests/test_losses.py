@@ -192,6 +192,30 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens() -> None:
     close(adv, [1.224745, -1.224745, 0.0, 0.0])
 
 
+def test_reinforce_pp_whitens_over_response_tokens() -> None:
+    # rewards [1, 0] over 1 and 3 tokens: token mean 1/4; sum w (r - m)^2 = 0.5625 + 3 * 0.0625 = 0.75,
+    # unbiased over 4 tokens: 0.75 / 3 -> std 0.5: [0.75 / 0.5, -0.25 / 0.5] (verl's masked_whiten)
+    adv = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), token_counts=torch.tensor([1, 3]))
+    close(adv, [1.5, -0.5])
+    # (per sample, the same rewards would give +-0.707107: a long wrong answer outweighed the right one)
+    close(reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1])), [0.707107, -0.707107])
+    # a sample with no token weighs nothing; all weightless -> 0
+    close(reinforce_pp_advantages(torch.tensor([1.0, 0.0, 5.0]), torch.tensor([0, 1, 2]),
+                                  token_counts=torch.tensor([1, 3, 0])), [1.5, -0.5, 9.5], atol=1e-4)
+    close(reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), token_counts=torch.tensor([0, 0])),
+          [0.0, 0.0])
+    with pytest.raises(ValueError, match="token_counts"):
+        reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), token_counts=torch.tensor([1]))
+
+
+def test_reinforce_pp_baseline_whitens_over_response_tokens() -> None:
+    # d = [0.5, -0.5, 0, 0] over 1, 3, 2, 2 tokens: mean -1/8, centred [0.625, -0.375, 0.125, 0.125];
+    # sum w c^2 = 0.390625 + 0.421875 + 0.0625 = 0.875, / 7 -> std 0.353553
+    adv = reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]),
+                                           token_counts=torch.tensor([1, 3, 2, 2]))
+    close(adv, [1.767767, -1.060660, 0.353553, 0.353553])
+
+
 def test_token_level_returns_and_reinforce_pp_token_advantages() -> None:
     r = torch.tensor([[1.0, 2.0, 4.0]])
     # G = [1 + 0.5 * (2 + 0.5 * 4), 2 + 0.5 * 4, 4] = [3, 4, 4]

@@ -94,40 +94,67 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return adv.to(torch.float32)
 
 
-def _whiten_flat(x: Tensor, eps: float) -> Tensor:
-    """[n] fp64 -> [n]: zero mean, unit unbiased std over the whole batch (n < 2 or std 0 -> centred)."""
+def _whiten_flat(x: Tensor, eps: float, weights: Tensor | None = None) -> Tensor:
+    """[n] fp64 -> [n]: zero mean, unit unbiased std over the whole batch (n < 2 or std 0 -> centred).
+
+    ``weights`` [n] (a sample's token count): the statistics are those of every token of the
+    batch, each carrying its sample's value (mean sum(w x) / sum(w), variance
+    sum(w (x - mean)^2) / (sum(w) - 1)), as a masked whitening of the value tiled over each
+    response; a sample with no token weighs nothing."""
     if x.numel() == 0:
         return x
-    centred = x - x.mean()
-    if x.numel() < 2:
+    if weights is None:
+        weights = torch.ones_like(x)
+    total = weights.sum()
+    if not bool(total > 0):
+        return torch.zeros_like(x)
+    centred = x - (weights * x).sum() / total
+    if not bool(total > 1):
         return centred
-    std = centred.pow(2).sum().div(x.numel() - 1).sqrt()
+    std = (weights * centred.pow(2)).sum().div(total - 1).sqrt()
     return centred / (std + eps) if bool(std > 0) else centred
 
 
-def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
+def _token_weights(token_counts: Tensor | None, like: Tensor) -> Tensor | None:
+    if token_counts is None:
+        return None
+    _require(torch.is_tensor(token_counts) and token_counts.shape == like.shape,
+             f"token_counts: expected a tensor of shape {_shape(like)} (like rewards), got "
+             f"{_shape(token_counts) if torch.is_tensor(token_counts) else token_counts!r}")
+    _require(bool((token_counts >= 0).all()), "token_counts: expected non-negative counts")
+    return token_counts.detach().to(device=like.device, dtype=torch.float64)
+
+
+def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, *, token_counts: Tensor | None = None,
+                            eps: float = 1e-6) -> Tensor:
     """REINFORCE++ (outcome rewards): the reward whitened over the whole batch, no per-group baseline.
 
-    rewards ``[n]``, group_ids ``[n]`` (ignored except for checks) -> ``[n]`` fp32:
-    ``A_i = (r_i - mean(r)) / (std(r) + eps)`` with the unbiased std over all ``n`` samples
-    ("global-batch normalisation": the batch the stage sees; on a rollout node that is the
-    node's step batch). A constant batch gets 0.
+    rewards ``[n]``, group_ids ``[n]`` (ignored except for checks), token_counts ``[n]`` (each
+    sample's response length) -> ``[n]`` fp32: ``A_i = (r_i - mean) / (std + eps)``, mean and
+    unbiased std over every response TOKEN of the batch (each sample's reward counted once per
+    token, as REINFORCE++'s reference implementations whiten the reward tiled over the response
+    mask: OpenRLHF, verl). Without ``token_counts`` each sample counts once. "Global-batch
+    normalisation": the batch the stage sees; on a rollout node that is the node's step batch.
+    A constant batch gets 0.
     """
     _check_groups(rewards, group_ids)
-    return _whiten_flat(rewards.detach().to(torch.float64), eps).to(torch.float32)
+    r = rewards.detach().to(torch.float64)
+    return _whiten_flat(r, eps, _token_weights(token_counts, r)).to(torch.float32)
 
 
-def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, *, token_counts: Tensor | None = None,
+                                     eps: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the whole batch.
 
-    rewards ``[n]``, group_ids ``[n]`` -> ``[n]`` fp32. ``d_i = r_i - mean_g``, then
-    ``A = (d - mean(d)) / (std(d) + eps)`` over the batch (unbiased std). All-constant groups
-    give 0 everywhere.
+    rewards ``[n]``, group_ids ``[n]``, token_counts ``[n]`` -> ``[n]`` fp32. ``d_i = r_i - mean_g``
+    (the mean over the group's samples), then ``A = (d - mean(d)) / (std(d) + eps)`` over every
+    response token of the batch (unbiased std; each sample once without ``token_counts``), as in
+    :func:`reinforce_pp_advantages`. All-constant groups give 0 everywhere.
     """
     _check_groups(rewards, group_ids)
     r, inv, count, total = _group_stats(rewards, group_ids)
     dev = r - (total / count)[inv]
-    return _whiten_flat(dev, eps).to(torch.float32)
+    return _whiten_flat(dev, eps, _token_weights(token_counts, r)).to(torch.float32)
 
 
 def nonconstant_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:

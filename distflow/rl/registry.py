@@ -27,8 +27,8 @@ from distflow.rl.advantages import (group_advantages, nonconstant_groups, reinfo
 from distflow.rl.gae import compute_gae, value_loss
 from distflow.rl.losses import cispo_loss, gspo_loss, policy_loss
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "COMPUTE_FUNCTIONS", "GROUP_ESTIMATORS", "TOKEN_ESTIMATORS", "POLICY_LOSSES",
-           "VALUE_LOSSES", "resolve"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "COMPUTE_FUNCTIONS", "GROUP_ESTIMATORS", "TOKEN_ESTIMATORS",
+           "TOKEN_WEIGHTED_ESTIMATORS", "POLICY_LOSSES", "VALUE_LOSSES", "outcome_advantages", "resolve"]
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "grpo": group_advantages,
@@ -37,6 +37,10 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
 }
+
+# Outcome estimators that whiten over response tokens: their callers pass each sample's response
+# length as ``token_counts`` (:func:`outcome_advantages`).
+TOKEN_WEIGHTED_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
 
 # Estimators whose baseline is the prompt's group: meaningless (all-zero) with group_size 1.
 # distflow.core.config keeps the same names (core imports nothing of rl); a test checks they agree.
@@ -99,3 +103,13 @@ def resolve(registry: Mapping[str, Callable[..., Any]], name: str, what: str) ->
     if not callable(obj):
         raise ValueError(f"{what}: {name!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def outcome_advantages(name: str, what: str, rewards: Tensor, group_ids: Tensor, token_counts: Tensor,
+                       args: Mapping[str, Any]) -> Tensor:
+    """The outcome estimator ``name`` (registered or dotted) on rewards [n], group_ids [n] ->
+    advantages [n] fp32; token_counts [n] (response lengths) go to the estimators that whiten over
+    tokens. ``what`` leads a resolution error; ``args``: the workflow node's arguments."""
+    fn = resolve(ADVANTAGE_ESTIMATORS, name, what)
+    extra = {"token_counts": token_counts} if name in TOKEN_WEIGHTED_ESTIMATORS else {}
+    return fn(rewards, group_ids, **extra, **args).float()

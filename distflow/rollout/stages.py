@@ -45,7 +45,7 @@ from distflow.core.executor import StageRegistry
 from distflow.hf import chat_prompt_ids
 from distflow.rl.advantages import nonconstant_groups
 from distflow.rl.reward_model import score_batch
-from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
+from distflow.rl.registry import TOKEN_ESTIMATORS, outcome_advantages
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards
 from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import RowCheck, resolve_reward, reward_keys, reward_row_check
@@ -252,8 +252,8 @@ def _estimate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> Sa
     if node.fn in TOKEN_ESTIMATORS:
         raise StageError(f"workflow node {node.id!r}: {node.fn!r} needs the critic's values and runs on the "
                          f"trainer group (add the CRITIC MODEL_INFERENCE node to its deps)")
-    fn = resolve(ADVANTAGE_ESTIMATORS, node.fn, f"workflow node {node.id!r} advantage estimator")
-    adv = fn(outcome_rewards(batch, ctx.cfg), group_index(batch.prompt_ids), **node.args).float()
+    adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", outcome_rewards(batch, ctx.cfg),
+                             group_index(batch.prompt_ids), batch.tensors["response_lens"], node.args)
     batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
     return batch
 

@@ -38,7 +38,7 @@ from distflow.core.executor import StageRegistry
 from distflow.device import COMPUTE_DTYPES, collective_device, node_device
 from distflow.rl.advantages import token_rewards
 from distflow.rl.kl import kl_estimate
-from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, resolve
+from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, outcome_advantages, resolve
 from distflow.rl.reward_model import score_batch
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_samples
 
@@ -162,13 +162,16 @@ def gae(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str
 def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     """An outcome estimator over the whole step: every rank gathers (prompt ids, rewards) of
     all ranks in rank order, computes the estimator and keeps its own slice."""
-    fn = resolve(ADVANTAGE_ESTIMATORS, node.fn, f"workflow node {node.id!r} advantage estimator")
-    mine = (list(batch.prompt_ids), (outcome_rewards(batch, ctx.cfg) if len(batch) else torch.zeros(0)).tolist())
+    resolve(ADVANTAGE_ESTIMATORS, node.fn, f"workflow node {node.id!r} advantage estimator")  # before the gather
+    mine = (list(batch.prompt_ids), (outcome_rewards(batch, ctx.cfg) if len(batch) else torch.zeros(0)).tolist(),
+            batch.tensors["response_lens"].tolist())
     parts = ctx.gather(mine)
     offset = sum(len(p[0]) for p in parts[:ctx.rank])
     pids = [x for p in parts for x in p[0]]
     rewards = torch.tensor([x for p in parts for x in p[1]], dtype=torch.float32)
-    adv = fn(rewards, group_index(pids), **node.args).float()[offset:offset + len(batch)]
+    lens = torch.tensor([x for p in parts for x in p[2]], dtype=torch.int64)
+    adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", rewards, group_index(pids),
+                             lens, node.args)[offset:offset + len(batch)]
     batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
     return {}
 
