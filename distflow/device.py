@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 __all__ = ["COMPUTE_DTYPES", "call_on", "chosen_device", "collective_device", "gpu_identity", "gpu_sharers",
-           "iterate_on", "local_gpu_index", "node_device", "on_device", "peak_flops"]
+           "iterate_on", "local_gpu_index", "node_device", "on_device", "peak_flops", "private_stream"]
 
 T = TypeVar("T")
 
@@ -139,6 +139,25 @@ def iterate_on(device: torch.device | str | None, it: Iterator[T]) -> Iterator[T
             except StopIteration:
                 return
         yield item
+
+
+def private_stream(device: torch.device) -> tuple[Any, Any]:
+    """(a CUDA stream of the caller's own, the object that owns it) on ``device``.
+
+    ``torch.cuda.Stream()`` hands out torch's pool streams round-robin (32 per priority and
+    device), shared with whatever else asks, torch.distributed's NCCL streams among them: another
+    thread's collective could then land in a CUDA graph being captured on that stream, or queue
+    behind a receive waiting on a dead peer. cupy (which the GPU data plane needs) creates a new
+    stream; without cupy the pool's is returned. Keep ``owner`` referenced for as long as the
+    stream may have work: the stream is destroyed with it."""
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError:
+        return torch.cuda.Stream(device), None
+    device = torch.device(device)
+    with cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
+        owner = cupy.cuda.Stream(non_blocking=True)
+    return torch.cuda.ExternalStream(owner.ptr, device=device), owner
 
 
 # Dense (no sparsity) peak FLOP/s of one GPU, by a substring of torch.cuda.get_device_name()

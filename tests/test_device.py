@@ -129,3 +129,21 @@ def test_gpu_identity_names_the_physical_gpu_from_the_environment(monkeypatch, v
         else:
             monkeypatch.setenv(var, value)
     assert gpu_identity() == identity
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_private_stream_is_none_of_torchs_pool_streams():
+    """The engine's capture stream and the NCCL channel's streams are made outside torch's pool
+    (32 streams per priority, handed out round-robin to torch.distributed's NCCL streams too)."""
+    pytest.importorskip("cupy")
+    dev = torch.device("cuda", 0)
+    stream, owner = device.private_stream(dev)
+    assert owner is not None and stream.device == dev
+    pool = {torch.cuda.Stream(dev, priority=p).cuda_stream for p in (0, -1) for _ in range(80)}
+    assert stream.cuda_stream not in pool
+    x = torch.ones(1024, device=dev)
+    with torch.cuda.stream(stream):  # usable as a torch stream
+        y = x * 2
+    stream.synchronize()
+    assert float(y.sum()) == 2048.0

@@ -16,6 +16,7 @@ import torch
 
 from distflow.rl.weights import buckets
 from distflow.rollout.engine import Completion, SamplingParams, TorchEngine
+from distflow.rollout import llama_forward
 from distflow.rollout.llama_forward import LlamaRunner, unsupported_reason
 from distflow.toy import build_toy_model
 from distflow.trainer.logprobs import gather_response, pad_batch, token_logprobs
@@ -147,7 +148,6 @@ def test_gqa_prefill_keeps_sdpa_on_a_fused_kernel(dtype: torch.dtype, monkeypatc
     """Grouped keys reach SDPA only in half precision (CUDA's flash takes them); in fp32 they are
     repeated to the query heads, which CUDA's memory-efficient kernel takes, instead of SDPA
     falling back to its math kernel and a B x Hq x L x L fp32 score matrix. The logits agree."""
-    from distflow.rollout import llama_forward
 
     model = _tiny("qwen2").to(dtype)
     calls: list[tuple[int, int, bool]] = []
@@ -465,7 +465,7 @@ def test_graph_shaped_decode_on_cpu(model_dir: str, prompts: list[list[int]]) ->
 def test_graph_capture_protocol_on_cpu(model_dir: str, prompts: list[list[int]], monkeypatch) -> None:
     """How a decode graph is captured, with torch.cuda's capture API replaced by recorders (no
     GPU here; ``test_cuda_graph_decode_matches_eager`` runs the real one): on the runner's own
-    stream, into its one pool, thread-local, and never through ``torch.cuda.graph`` (whose
+    stream (``device.private_stream``, never one of torch's pool streams), into its one pool, thread-local, and never through ``torch.cuda.graph`` (whose
     __enter__ synchronizes the whole device and empties the allocator) nor any other device-wide
     call; every graph writes its logits into rows of the one ``logits_out`` buffer. A recorded
     graph's replay re-runs what it captured, so generation must give the eager tokens."""
@@ -519,12 +519,12 @@ def test_graph_capture_protocol_on_cpu(model_dir: str, prompts: list[list[int]],
     cuda = torch.cuda
     monkeypatch.setattr(LlamaRunner, "_decode", decode)
     monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(cuda, "Stream", lambda d: side)
+    monkeypatch.setattr(llama_forward, "private_stream", lambda d: (side, "owner"))  # not a pool stream
     monkeypatch.setattr(cuda, "current_stream", lambda d=None: main)
     monkeypatch.setattr(cuda, "graph_pool_handle", lambda: "pool-0")
     monkeypatch.setattr(cuda, "stream", stream)
     monkeypatch.setattr(cuda, "CUDAGraph", Graph)
-    for name in ("graph", "synchronize", "empty_cache"):
+    for name in ("graph", "synchronize", "empty_cache", "Stream"):
         monkeypatch.setattr(cuda, name, forbidden(name))
 
     many = [prompts[i % len(prompts)] for i in range(11)]

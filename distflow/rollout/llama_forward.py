@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from distflow.device import private_stream
 from distflow.hf import logit_transform
 
 __all__ = ["KV_CACHE_FRACTION", "LlamaRunner", "kv_slot_bytes", "plan_kv_slots", "unsupported_reason"]
@@ -139,7 +140,8 @@ class LlamaRunner:
         self.logits_out: torch.Tensor | None = None
         self.min_graph_length = 256  # the shortest length bucket (smaller ones save little)
         self._pool: Any = None
-        self._cap_stream: Any = None  # this runner's capture stream (torch.cuda.Stream), made on first capture
+        self._cap_stream: Any = None  # this runner's capture stream (device.private_stream), made on first capture
+        self._cap_stream_owner: Any = None
         self.capture_s = 0.0
         # Decode inputs (graph-static on CUDA): the token to feed and its position, per slot.
         self.tok_in = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -375,15 +377,17 @@ class LlamaRunner:
         Rows beyond the live ones decode garbage into free slots (their positions stay in the
         cache; one past ``length`` only attends to a prefix, and nobody reads its output).
 
-        Captures on this runner's own stream (``torch.cuda.graph``'s default is one stream
-        shared by the process) in ``thread_local`` mode: another thread's unsafe CUDA call
+        Captures on this runner's own stream, outside torch's stream pool (``torch.cuda.graph``'s
+        default is one pool stream shared by the process; torch.distributed's NCCL streams come from
+        the same pool, and a collective queued there by the trainer's thread, ``--in-process``,
+        would land in the graph) in ``thread_local`` mode: another thread's unsafe CUDA call
         (the event loop receiving weights: cudaMalloc, IPC opens) must not invalidate it, as
         it would in the default global mode. One capture at a time per process."""
         t0 = time.perf_counter()
         saved_tok, saved_pos = self.tok_in.clone(), self.pos.clone()
         with _CAPTURE_LOCK, torch.cuda.device(self.device):
-            if self._cap_stream is None:
-                self._cap_stream = torch.cuda.Stream(self.device)
+            if self._cap_stream is None:  # not a pool stream: a trainer's NCCL stream (--in-process) may be one
+                self._cap_stream, self._cap_stream_owner = private_stream(self.device)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             side, main = self._cap_stream, torch.cuda.current_stream(self.device)

@@ -229,16 +229,17 @@ class NcclChannel(ShmChannel):
         """Worker thread: the communicator, its stream, and the warm-up byte (rank 0 -> rank 1)
         that makes NCCL connect the pair now rather than inside a message's groupEnd.
 
-        The stream is a new one, not ``torch.cuda.Stream()``: that hands out torch's pool streams
-        round-robin, shared with e.g. torch.distributed's NCCL streams, which would then queue
+        The stream is a new one (``device.private_stream``), not one of torch's pool streams:
+        those are shared with e.g. torch.distributed's NCCL streams, which would then queue
         behind a receive waiting on a slow or dead peer."""
         import cupy  # noqa: PLC0415
+
+        from distflow.device import private_stream  # noqa: PLC0415
 
         with cupy.cuda.Device(self.device):
             comm = communicator(self._nccl, uid, rank)
             made.append(comm)
-            owner = cupy.cuda.Stream(non_blocking=True)
-            stream = torch.cuda.ExternalStream(owner.ptr, device=torch.device("cuda", self.device))
+            stream, owner = private_stream(torch.device("cuda", self.device))
             byte = torch.zeros(1, dtype=torch.uint8, device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             if rank == 0:
