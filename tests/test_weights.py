@@ -401,6 +401,24 @@ def test_delta_marks_survive_a_sender_of_the_previous_version_finishing_mid_inge
     asyncio.run(main())
 
 
+def test_delta_compares_bytes_not_values() -> None:
+    """A sign flip of a zero (+0.0 -> -0.0: equal values) is a change; a NaN that stays the
+    same NaN is not (NaN != NaN as values), so it is not resent every version."""
+    async def main() -> None:
+        async with _idle_publisher("delta") as pub:
+            w1 = weights(1, {})
+            w1[NAMES[0]][0], w1[NAMES[1]][0] = 0.0, float("nan")
+            pub.offer(1, w1)
+            w2 = {n: t.clone() for n, t in w1.items()}
+            w2[NAMES[0]][0] = -0.0
+            v2 = pub.begin(2)
+            pub._append(v2, pub._prepare(v2, w2))
+            pub._finish(v2)
+            assert v2.changed == {n: (2 if n == NAMES[0] else 1) for n in NAMES}
+
+    asyncio.run(main())
+
+
 def test_resolve_transport_by_locality() -> None:
     from distflow.rl.weight_transport import resolve_transport
 

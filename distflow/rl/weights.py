@@ -20,7 +20,7 @@ Transport per peer (``weight_transport``, see :mod:`distflow.rl.weight_transport
 ``nccl`` (GPU buckets over the NCCL channel).
 
 Delta sync (``weight_sync: delta``): while a version is ingested every tensor is compared,
-byte for byte (``torch.equal``), with the same tensor of the previous version, which gives
+byte for byte (:func:`_same_bytes`), with the same tensor of the previous version, which gives
 each tensor the version it last changed in. A peer known to hold version h then gets only the
 tensors changed after h (``base: h`` in the messages). A peer gets a full version when it
 has nothing yet, (re)joined, refused a delta, or is more than ``max_delta_lag`` versions
@@ -382,7 +382,7 @@ class WeightPublisher:
         marks = {}
         for name, t in kept.items():
             p = prev.index.get(name) if (prev is not None and self.sync == "delta") else None
-            same = p is not None and p.shape == t.shape and p.dtype == t.dtype and torch.equal(p, t)
+            same = p is not None and p.shape == t.shape and p.dtype == t.dtype and _same_bytes(p, t)
             marks[name] = prev.changed.get(name, ver.version) if same else ver.version
         return kept, (host if kept is not host else None), buf, marks
 
@@ -629,3 +629,16 @@ class WeightPublisher:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bytes. ``torch.equal`` compares
+    values: +0.0 equals -0.0 (a sign flip would never be sent) and NaN equals nothing (a NaN
+    would be resent every version)."""
+    bits = _BITS.get(a.element_size())
+    if bits is None or not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)  # integers and bools: equal values are equal bytes
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
