@@ -1046,3 +1046,48 @@ def test_size_classes_keep_at_most_a_quarter_more_than_the_payload():
             await b.close()
 
     run(main())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["zmq", "shm"])
+def test_cuda_tensor_on_a_host_channel_is_copied_off_the_loop(kind):
+    """A CUDA tensor sent over zmq/shm goes through host memory; its device-to-host copy waits for
+    the GPU work queued before it (here ~0.5 s of torch.cuda._sleep) in a worker thread, while the
+    event loop keeps running (a ticker task measures its longest gap)."""
+    async def main():
+        a, b = await pair(kind)
+        got = []
+
+        async def handler(env):
+            got.append(env.tensors)
+
+        b.set_handler(handler)
+        x = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(1 << 20)  # calibrate: cycles per second on this GPU
+        torch.cuda.synchronize()
+        cycles = int((1 << 20) * 0.5 / max(time.perf_counter() - t0, 1e-6))
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker(), name="ticker")
+        await asyncio.sleep(0.02)
+        torch.cuda._sleep(cycles)  # queued before the copy on the default stream
+        await a.send(ep(b), "k", {}, {"x": x}, timeout=60)
+        stop.set()
+        await tick
+        assert torch.equal(got[0]["x"], x.cpu())
+        assert max(gaps) < 0.25, max(gaps)  # the loop was never held for the ~0.5 s the copy waited
+        await a.close()
+        await b.close()
+
+    run(main(), timeout=120)

@@ -274,7 +274,7 @@ class ShmChannel(ZmqChannel):
                                 self.node_id, peer.node_id, e.message)
 
     async def _prepare_payload(self, peer: Endpoint, tensors: dict[str, torch.Tensor]) -> Outgoing:
-        tensors = _to_cpu(tensors)
+        tensors = await _to_cpu(tensors)
         headers = [codec.tensor_header(n, t) for n, t in tensors.items()] if all(
             isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in tensors.items()) else None
         if headers is None:

@@ -384,7 +384,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
     async def _prepare_payload(self, peer: Endpoint, tensors: dict[str, torch.Tensor]) -> Outgoing:
         """Inline frames: zero-copy views of the tensors, payload MAC tag in the header; at least
         ``stream_min_bytes``: streamed in chunks, each with its own MAC."""
-        headers, frames = codec.encode(_to_cpu(tensors), pack_below=self._pack_below)
+        headers, frames = codec.encode(await _to_cpu(tensors), pack_below=self._pack_below)
         if 0 < self._stream_min_bytes <= sum(h["nbytes"] for h in headers):
             return self._stream_outgoing(headers, frames)
         return await self._inline_outgoing(headers, frames)
@@ -527,8 +527,12 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CUDA tensors travel through host memory on the zmq/shm channels."""
+async def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CUDA tensors travel through host memory on the zmq/shm channels, copied in a worker
+    thread: a device-to-host copy waits for every kernel queued before it on the device, which
+    must not stall the event loop (callers that can stage the copy themselves do: the weight
+    publisher's pinned buffers)."""
     if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors.values()):
-        return {k: (t.cpu() if isinstance(t, torch.Tensor) else t) for k, t in tensors.items()}
+        return await asyncio.to_thread(
+            lambda: {k: (t.cpu() if isinstance(t, torch.Tensor) else t) for k, t in tensors.items()})
     return tensors
