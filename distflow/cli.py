@@ -46,6 +46,38 @@ def parse_seeds(text: str) -> list[str]:
     return seeds
 
 
+def port(text: str) -> int:
+    """argparse type of a TCP port: 0..65535 (0 = any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535; 0 = any free port)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
+def exit_code_of(error: BaseException) -> int:
+    """A node's exit status for the error that ended it: 2 (``launcher.CONFIG_EXIT``) for a
+    configuration or data error, which a restart would meet again (`distflow run` does not
+    restart such a node), else 1."""
+    from distflow.buffer.dataloader import DatasetError
+    from distflow.hf import ModelDirError
+
+    return 2 if isinstance(error, (ConfigError, DatasetError, ModelDirError)) else 1
+
+
 # ---------------------------------------------------------------------- distflow-node
 def node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distflow-node", description="Run one DistFlow node (one process, one asyncio loop).")
@@ -58,12 +90,13 @@ def node_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address to bind (default: config bind_host, loopback)")
     p.add_argument("--advertise-host", default=None,
                    help="address peers use to reach this node (required with --host 0.0.0.0, e.g. in containers)")
-    p.add_argument("--port", type=int, default=0, help="control port (0 = any free port)")
-    p.add_argument("--data-port", type=int, default=0, help="data-plane port (0 = any free port)")
+    p.add_argument("--port", type=port, default=0, help="control port (0 = any free port)")
+    p.add_argument("--data-port", type=port, default=0, help="data-plane port (0 = any free port)")
     p.add_argument("--node-id", default=None, help="unique node id (default ROLE-HOST-PORT; with --port 0 "
                                                       "ROLE-HOST-pidPID, which a restart changes: give --node-id "
                                                       "for a node that must rejoin as itself)")
-    p.add_argument("--check", action="store_true", help="validate config, role and seeds, then exit without joining")
+    p.add_argument("--check", action="store_true", help="validate config, role, seeds and what the role reads "
+                                                        "(model, prompt set, resume_from), then exit without joining")
     p.add_argument("--log-level", default="INFO")
     p.epilog = "Any KEY=VALUE argument overrides that config key (e.g. lr=1e-4 mesh.protocol_period_s=0.5)."
     return p
@@ -100,11 +133,18 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     role = args.group if args.role == "worker" else args.role  # a worker's mesh role is its group's name
     # With --port 0 the port is not known yet: the pid keeps two such nodes of one host apart.
     node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
-    from distflow.launcher import check_functions
+    from distflow.preflight import check_functions, check_inputs
 
     pipeline = cfg.plan().pipelines.get(role, [])
-    check_functions(cfg, pipeline)  # every start, not only --check: a typo is named now, not at step 1
+    try:
+        check_functions(cfg, pipeline)  # every start, not only --check: a typo is named now, not at step 1
+        notes = check_inputs(cfg, args.role) if args.check else []
+    except ConfigError as e:
+        print(f"distflow-node: {e}", file=sys.stderr)
+        return 2
     if args.check:
+        for note in notes:
+            print(f"distflow-node: {note}", file=sys.stderr)
         print(f"ok: {node_id} role={role} host={host} seeds={seeds or '(first node)'} "
               f"pipeline={[n.id for n in pipeline]}")
         return 0
@@ -165,7 +205,7 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     except Exception as e:
         from distflow.runtime import PeerLostError
 
-        code, failed_here = 1, not isinstance(e, PeerLostError)
+        code, failed_here = exit_code_of(e), not isinstance(e, PeerLostError)
         dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" else []
         if dead:  # name the dead rank, not the transport error it caused here
             failed_here = False
@@ -175,8 +215,8 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
             log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead),
                       resume_hint(cfg.output_dir, cfg.resume_from), type(e).__name__,
                       str(e).splitlines()[0][:200] if str(e) else "")
-        else:
-            log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=True)
+        else:  # a configuration or data error (exit 2) is its one line: no traceback to read
+            log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=code != 2)
     finally:
         for t in tasks:
             t.cancel()
@@ -215,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("path")
     d.add_argument("--kind", choices=["successor", "gsm8k"], default="successor",
                    help="successor: {prompt, answer}; gsm8k: word problems {question, answer: '... #### N'}")
-    d.add_argument("--rows", type=int, default=1024)
+    d.add_argument("--rows", type=positive_int, default=1024)
     d.add_argument("--seed", type=int, default=0)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["status"]:
@@ -226,28 +266,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if overrides and args.cmd != "run":
         p.error(f"config overrides {overrides} only apply to `distflow run`")
-    if args.cmd == "toy-model":
-        from distflow.toy import build_toy_model, build_toy_reward_model
-        from distflow.toy_gsm8k import build_gsm8k_model
-
-        build = {"gsm8k": build_gsm8k_model, "reward": build_toy_reward_model}.get(args.kind, build_toy_model)
-        print(build(args.dir, seed=args.seed))
-        return 0
-    if args.cmd == "toy-data":
-        from distflow.toy import make_toy_dataset
-        from distflow.toy_gsm8k import make_gsm8k_dataset
-
-        (make_gsm8k_dataset if args.kind == "gsm8k" else make_toy_dataset)(args.path, args.rows, seed=args.seed)
-        print(args.path)
-        return 0
+    if args.cmd in ("toy-model", "toy-data"):
+        return toy_main(args)
     from distflow.launcher import launch
 
     try:
         cfg = load_config(args.config, overrides)
-    except ConfigError as e:
+        return launch(cfg, in_process=args.in_process, progress=not args.no_progress)
+    except ConfigError as e:  # the config, or what `distflow run` refuses before any node starts
         print(f"distflow run: {e}", file=sys.stderr)
         return 2
-    return launch(cfg, in_process=args.in_process, progress=not args.no_progress)
+
+
+def toy_main(args: argparse.Namespace) -> int:
+    """`distflow toy-model DIR` / `distflow toy-data PATH`: a path that cannot be written is one line, exit 2."""
+    from pathlib import Path
+
+    target = Path(args.dir if args.cmd == "toy-model" else args.path)
+    blocker = next((q for q in (target, *target.parents) if q.exists() and not q.is_dir()), None)
+    if args.cmd == "toy-model" and blocker is not None:
+        print(f"distflow toy-model: {str(blocker)!r} is a file; DIR must be a directory (or not exist yet)",
+              file=sys.stderr)
+        return 2
+    if args.cmd == "toy-data" and (target.is_dir() or (blocker is not None and blocker != target)):
+        what = f"{str(target)!r} is a directory" if target.is_dir() else f"{str(blocker)!r} is a file"
+        print(f"distflow toy-data: {what}; PATH must be a file to write", file=sys.stderr)
+        return 2
+    try:
+        if args.cmd == "toy-model":
+            from distflow.toy import build_toy_model, build_toy_reward_model
+            from distflow.toy_gsm8k import build_gsm8k_model
+
+            build = {"gsm8k": build_gsm8k_model, "reward": build_toy_reward_model}.get(args.kind, build_toy_model)
+            print(build(args.dir, seed=args.seed))
+        else:
+            from distflow.toy import make_toy_dataset
+            from distflow.toy_gsm8k import make_gsm8k_dataset
+
+            (make_gsm8k_dataset if args.kind == "gsm8k" else make_toy_dataset)(args.path, args.rows, seed=args.seed)
+            print(args.path)
+    except OSError as e:
+        print(f"distflow {args.cmd}: cannot write {str(target)!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

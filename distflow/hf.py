@@ -27,11 +27,15 @@ hf_logging.set_verbosity_error()
 LOAD_LOCK = threading.Lock()
 
 
+class ModelDirError(FileNotFoundError):
+    """A model directory that cannot be loaded: a configuration error (a node exits 2 on it, and is not restarted)."""
+
+
 def check_model_dir(path: str | Path) -> Path:
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model_path {str(p)!r} is not a Hugging Face model directory (no config.json); "
-                                f"models load from local directories only, nothing is downloaded")
+        raise ModelDirError(f"model_path {str(p)!r} is not a Hugging Face model directory (no config.json); "
+                            f"models load from local directories only, nothing is downloaded")
     return p
 
 

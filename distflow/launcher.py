@@ -12,12 +12,21 @@ by tailing the ``metrics.jsonl`` that trainer rank 0 writes, and supervises like
   the rollout nodes retry their sends to it;
 - a dead trainer rank (or controller) stops every node at once, and the message names
   it and the newest checkpoint to ``resume_from``;
-- Ctrl-C stops the rollout nodes first, so the trainers save a final checkpoint at their
-  last completed step and exit by themselves (bounded: then SIGTERM, then SIGKILL).
+- Ctrl-C (or SIGTERM, SIGHUP) stops the rollout nodes first, so the trainers save a final
+  checkpoint at their last completed step and exit by themselves (bounded: then SIGTERM, then
+  SIGKILL); before the first step has completed there is nothing to save: every node stops at once;
+- a node that exits 2 (a configuration or data error: a restart would fail the same way) is
+  not restarted: the run stops, naming it;
+- on Linux each node gets SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``), even by SIGKILL.
+
+Inputs that cannot work are refused before any node starts (:func:`prepare`, exit 2): the
+prompt set (read the way the rollout nodes read it), the model directory, ``resume_from``
+(:mod:`distflow.preflight`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -25,20 +34,79 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
-from distflow.core.config import Config
-from distflow.core.dag import WorkflowNode
+from distflow.core.config import Config, ConfigError
+from distflow.preflight import check_functions, check_inputs  # noqa: F401 - check_functions: distflow.cli's too
 
 STOP_GRACE_S = 15.0
 RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
 T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
+CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (distflow.cli): never restarted
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # stop `distflow run` like Ctrl-C (SIGINT)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_launcher():
+    """A ``preexec_fn`` that has the kernel send the child SIGTERM when the launcher dies (Linux
+    ``PR_SET_PDEATHSIG``, kept across exec), so that a launcher killed by SIGKILL or an OOM kill
+    leaves no node training detached; None elsewhere. The signal follows the *thread* that forked:
+    set only when forking from the main thread (which lives as long as the launcher)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def setup() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the launcher died before prctl: no signal would come
+            os._exit(1)
+
+    return setup
+
+
+def spawn(cmd: list[str], log_file, env: dict[str, str]) -> subprocess.Popen:
+    """Start a node: its own session (a Ctrl-C in the terminal reaches only the launcher, which
+    stops the nodes in order), output to ``log_file``, SIGTERM when the launcher dies."""
+    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_launcher())
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to `distflow run`: handled like Ctrl-C (a KeyboardInterrupt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame) -> None:
+    raise Interrupted(signum)
+
+
+def catch_stop_signals() -> dict[int, object]:
+    """Make SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread (the previous
+    handlers are returned, for :func:`restore_signals`); nothing from another thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    sigs = [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
+    return {sig: signal.signal(sig, _raise_interrupted) for sig in sigs}
+
+
+def restore_signals(previous: dict[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 @dataclass
@@ -58,8 +126,7 @@ class Child:
         with self.log_path.open("a") as f:
             f.write(f"\n----- distflow run: restart {self.restarts} of {self.node_id} -----\n")
             f.flush()
-            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.proc = spawn(self.cmd, f, self.env)
 
 
 def launch_time() -> float | None:
@@ -83,8 +150,6 @@ def process_start_time() -> float:
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint of ``output_dir`` with the highest policy version (``checkpoint``,
     ``checkpoint-N``), complete enough to ``resume_from``; None when there is none."""
-    import json
-
     best: tuple[int, float, Path] | None = None
     for d in Path(output_dir).glob("checkpoint*"):
         state = d / "distflow_state.json"  # written last by trainer rank 0 (distflow.trainer.actor.STATE_FILE)
@@ -99,9 +164,10 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
 
 def resume_hint(output_dir: str | Path, resume_from: str | None = None) -> str:
     """What to resume from after a stop: the newest checkpoint of ``output_dir``, else the one
-    this run resumed from (``resume_from``), else none."""
+    this run resumed from (``resume_from``, when it is a checkpoint: it holds distflow_state.json),
+    else none."""
     ckpt = newest_checkpoint(output_dir)
-    if ckpt is None and resume_from:
+    if ckpt is None and resume_from and (Path(resume_from) / "distflow_state.json").is_file():
         return f"no newer checkpoint was saved; continue with resume_from={resume_from}"
     if ckpt is None:
         return "no checkpoint was saved yet (save_every: N saves one every N steps); restart from scratch"
@@ -135,57 +201,50 @@ def _node_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
 
 
-def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) -> None:
-    """Resolve the workflow functions (rewards, estimators, losses) of ``nodes`` (default: every
-    node) now, before any node starts. Built-in names are checked against torch-free name tables
-    (start-up); a dotted ``package.module:function`` is imported, and an unknown name gets the
-    resolver's error (with a did-you-mean). A node process checks its own pipeline's: a host
-    need not have the packages of the stages other hosts run."""
-    from distflow.rl.names import COMPUTE_NAMES, POLICY_LOSS_NAMES
-    from distflow.rollout.rewards import resolve_reward, reward_keys, reward_row_check
+def _make_dir(path: Path, key: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        file = next((str(q) for q in (path, *path.parents) if q.is_file()), None)
+        raise ConfigError(f"{key}: cannot create {str(path)!r}: " + (f"{file!r} is a file" if file else
+                                                                     str(e.strerror or e))) from None
 
-    def check(names: tuple[str, ...], fn: str, what: str) -> None:
-        if fn not in names:
-            from distflow.rl.registry import resolve
 
-            resolve(dict.fromkeys(names), fn, what)
+def build_toy_models(cfg: Config) -> None:
+    """``toy_model: true``: the toy policy at model_path and the toy reward models the workflow names."""
+    from distflow.toy import ensure_toy_model
 
-    for node in cfg.workflow if nodes is None else nodes:
-        kind = (node.role.value, node.type.value)
-        try:
-            if kind == ("REWARD", "COMPUTE"):  # and what it declares of the rows (required_keys, check_row)
-                fn = resolve_reward(node.fn)
-                reward_keys(fn, node.fn)
-                reward_row_check(fn, node.fn)
-            elif kind == ("ACTOR", "COMPUTE"):
-                check(COMPUTE_NAMES, node.fn, "advantage estimator")
-            elif kind == ("ACTOR", "MODEL_TRAIN"):
-                check(POLICY_LOSS_NAMES, node.fn, "policy loss")
-        except Exception as e:
-            raise SystemExit(f"distflow: workflow node {node.id!r}: {e}") from None
+    todo = [(cfg.model_path, cfg.toy_kind, "model_path")] if not (Path(cfg.model_path) / "config.json").is_file() else []
+    if cfg.toy_kind == "successor":  # the toy reward models the workflow names (same tokenizer as the toy policy)
+        todo += [(n.args["path"], "reward", f"workflow node {n.id!r}: args.path") for n in cfg.workflow
+                 if (n.role.value, n.type.value) == ("REWARD", "MODEL_INFERENCE") and isinstance(n.args.get("path"), str)
+                 and n.args["path"] and not (Path(n.args["path"]) / "config.json").is_file()]
+    for path, kind, key in todo:
+        _make_dir(Path(path), key)
+        print(f"distflow: building the {'toy reward' if kind == 'reward' else f'{kind} toy'} model at {path}",
+              file=sys.stderr)
+        ensure_toy_model(path, kind=kind)
 
 
 def prepare(cfg: Config) -> Path:
-    """Create output_dir, build the toy model if asked, and write the resolved config children read."""
+    """Check what can be checked before any node starts (workflow functions, bind_host, output_dir,
+    the inputs: :func:`check_inputs`; a ConfigError naming the key, exit 2), build the toy model if
+    asked, create output_dir and write the resolved config the children read."""
     check_functions(cfg)
+    if cfg.bind_host in ("0.0.0.0", "::", "") and not cfg.advertise_host:
+        raise ConfigError(f"bind_host: {cfg.bind_host or '(empty)'} binds every interface, but the nodes need an "
+                          f"address to reach each other: set advertise_host too (or bind_host: 127.0.0.1)")
     out = Path(cfg.output_dir)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    if cfg.toy_model and not (Path(cfg.model_path) / "config.json").is_file():
-        from distflow.toy import ensure_toy_model
-
-        print(f"distflow: building the {cfg.toy_kind} toy model at {cfg.model_path}", file=sys.stderr)
-        ensure_toy_model(cfg.model_path, kind=cfg.toy_kind)
-    if cfg.toy_model and cfg.toy_kind == "successor":
-        from distflow.toy import ensure_toy_model
-
-        for n in cfg.workflow:  # the toy reward models the workflow names (same tokenizer as the toy policy)
-            path = n.args.get("path")
-            if (n.role.value, n.type.value) == ("REWARD", "MODEL_INFERENCE") and isinstance(path, str) and path \
-                    and not (Path(path) / "config.json").is_file():
-                print(f"distflow: building the toy reward model at {path}", file=sys.stderr)
-                ensure_toy_model(path, kind="reward")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir: {str(out)!r} is a file, not a directory")
+    if cfg.toy_model:
+        build_toy_models(cfg)
     if not Path(cfg.dataset).is_file():
-        raise SystemExit(f"distflow run: dataset {cfg.dataset!r} not found")
+        raise ConfigError(f"dataset: {cfg.dataset!r} " + ("is a directory, not a prompt file (.jsonl, .parquet)"
+                                                          if Path(cfg.dataset).is_dir() else "not found"))
+    for note in check_inputs(cfg):
+        print(f"distflow: {note}", file=sys.stderr)
+    _make_dir(out / "logs", "output_dir")
     resolved = out / "config.yaml"
     resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return resolved
@@ -224,7 +283,7 @@ def plan_placement(cfg: Config, present: int | None = None, visible: list[str] |
         return place(node_roles(cfg), device=cfg.device, gpus=cfg.gpus, colocate=cfg.colocate, present=present,
                      visible=visible)
     except PlacementError as e:
-        raise SystemExit(f"distflow run: {e}") from None
+        raise ConfigError(str(e)) from None
 
 
 def start_children(cfg: Config, config_path: Path, secret: str, placement=None) -> list[Child]:
@@ -244,9 +303,12 @@ def start_children(cfg: Config, config_path: Path, secret: str, placement=None) 
             "--seeds", "" if k == 0 else seeds,
         ] + (["--group", worker_group(node_id)] if role == "worker" else [])
         child_env = {**env, **slots[node_id].env}
-        f = log_path.open("w")
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-        f.close()
+        try:
+            with log_path.open("w") as f:
+                proc = spawn(cmd, f, child_env)
+        except BaseException:  # a signal, EMFILE, ...: the nodes already started do not stay behind
+            stop_children(children, grace_s=5.0)
+            raise
         children.append(Child(node_id, role, ports[2 * k], proc, log_path, cmd, child_env))
     return children
 
@@ -297,12 +359,17 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 def _error_line(path: Path) -> str:
-    """The node's own one-line account of its failure (its last ERROR record)."""
+    """The node's own one-line account of its failure: its last ERROR record, else the last
+    non-empty line of its log (a node that failed before its logging was set up: a usage error,
+    a config refused by ``distflow-node``)."""
     try:
-        errors = [ln for ln in path.read_text(errors="replace").splitlines() if " ERROR " in ln]
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "(no log)"
-    return errors[-1].split(": ", 1)[-1] if errors else "(no error logged; see its log)"
+    errors = [ln for ln in lines if " ERROR " in ln]
+    if errors:
+        return errors[-1].split(": ", 1)[-1]
+    return lines[-1].strip() if lines else "(its log is empty)"
 
 
 class Progress:
@@ -315,6 +382,8 @@ class Progress:
         self.bar = tqdm(total=None, unit="step", desc="training", disable=not enabled, dynamic_ncols=True)
         self.plain = not enabled
         self.last: dict | None = None
+        self.bad_rows = 0  # rows skipped (bad_rows: skip) over the run
+        self.empty_steps = 0  # steps that trained on 0 samples while rows were skipped
 
     def poll(self) -> None:
         from distflow.core.status import format_stages
@@ -328,21 +397,50 @@ class Progress:
             self.bar.update(1)
             stages = format_stages(r)
             gen = {"generated": f"{r['generated_reward_mean']:.3f}"} if "generated_reward_mean" in r else {}
+            bad = int(r.get("bad_rows") or 0)
+            self.bad_rows += bad
             self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}", **gen, samples_s=f"{r['samples_per_s']:.0f}",
-                                 stale=f"{r['staleness_mean']:.2f}", **({"time": stages} if stages else {}),
-                                 refresh=False)
+                                 stale=f"{r['staleness_mean']:.2f}", **({"bad_rows": bad} if bad else {}),
+                                 **({"time": stages} if stages else {}), refresh=False)
             if self.plain:
                 generated = "".join(f"{k}={v} " for k, v in gen.items())
                 print(f"step {r['step'] + 1}/{r.get('total_steps', '?')} reward={r['reward_mean']:.3f} {generated}"
                       f"loss={r.get('loss', 0):.4f} samples/s={r['samples_per_s']:.0f} "
-                      f"staleness={r['staleness_mean']:.2f}" + (f" [{stages}]" if stages else ""), flush=True)
+                      f"staleness={r['staleness_mean']:.2f}" + (f" bad_rows={bad}" if bad else "")
+                      + (f" [{stages}]" if stages else ""), flush=True)
+            if bad and not r.get("samples"):
+                self.empty_steps += 1
+                self.bar.write(f"distflow: WARNING: step {r['step'] + 1} trained on 0 samples: its {bad} bad rows "
+                               f"were skipped (bad_rows: skip; the rollout logs name them)", file=sys.stderr)
         self.seen = len(rows)
 
+    def summary(self) -> str:
+        """The bad rows of the run, for the done message ("" when none)."""
+        if not self.bad_rows:
+            return ""
+        empty = (f"; WARNING: {self.empty_steps} step(s) trained on 0 samples (every row bad)"
+                 if self.empty_steps else "")
+        return f"; {self.bad_rows} bad rows skipped (bad_rows: skip){empty}"
+
     def close(self) -> None:
-        self.bar.close()
+        try:
+            self.bar.close()
+        except (OSError, ValueError):  # the terminal is gone (SIGHUP)
+            pass
+
+
+def _say(text: str) -> None:
+    """A line on stderr; a terminal that is gone (SIGHUP) is no reason not to stop the nodes."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
+    """Run ``cfg`` on a local cluster; the exit status: 0 done, 1 a node failed, 2 a node's
+    configuration or data error, 128 + the signal when stopped by Ctrl-C, SIGTERM or SIGHUP.
+    Raises ConfigError (exit 2) for what it refuses before any node starts."""
     config_path = prepare(cfg)
     if in_process:
         from distflow.inprocess import run_in_process
@@ -354,44 +452,67 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     if not cfg.resume_from:
         metrics.unlink(missing_ok=True)
     from distflow.placement import describe
+    from distflow.trainer.metrics import read_metrics
 
+    rows_at_start = len(read_metrics(metrics))  # a resumed run's earlier steps
     print(f"distflow: {describe(placement)}", file=sys.stderr)
-    children = start_children(cfg, config_path, secret, placement)
-    seed = f"{cfg.bind_host}:{children[0].port}"
-    hint = ("" if os.environ.get(SECRET_ENV) else
-            f" (export {SECRET_ENV} before `distflow run` to be able to do that: this run's secret is random)")
-    extra = "".join(f" + {n} {g}" for g, n in cfg.worker_groups.items())
-    print(f"distflow: {cfg.rollout_nodes} rollout{extra} + {cfg.trainer_nodes} trainer nodes, logs in "
-          f"{Path(cfg.output_dir) / 'logs'}; watch with `distflow status --seeds {seed}`{hint}", file=sys.stderr)
     bar = Progress(metrics, enabled=progress and sys.stderr.isatty())
+    children: list[Child] = []
+    previous = catch_stop_signals()
     try:
+        children = start_children(cfg, config_path, secret, placement)
+        seed = f"{cfg.bind_host}:{children[0].port}"
+        hint = ("" if os.environ.get(SECRET_ENV) else
+                f" (export {SECRET_ENV} before `distflow run` to be able to do that: this run's secret is random)")
+        extra = "".join(f" + {n} {g}" for g, n in cfg.worker_groups.items())
+        print(f"distflow: {cfg.rollout_nodes} rollout{extra} + {cfg.trainer_nodes} trainer nodes, logs in "
+              f"{Path(cfg.output_dir) / 'logs'}; watch with `distflow status --seeds {seed}`{hint}", file=sys.stderr)
         code = supervise(cfg, children, bar)
         bar.poll()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as why:  # Ctrl-C, or SIGTERM / SIGHUP (Interrupted)
         bar.close()
-        # A big model's save takes minutes: the trainers get as long as any of their collectives may take.
-        print(f"\ndistflow: interrupted; stopping the rollout nodes, the trainers save a checkpoint (up to "
-              f"{cfg.step_timeout_s:.0f}s, step_timeout_s; Ctrl-C again to stop at once)", file=sys.stderr)
-        try:
-            stop_for_checkpoint(children, grace_s=cfg.step_timeout_s)
-        except KeyboardInterrupt:  # a second Ctrl-C: do not wait for the checkpoint
-            print("distflow: interrupted again; stopping every node now", file=sys.stderr)
-            stop_children(children, grace_s=5.0)
-        print(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}", file=sys.stderr)
-        return 130
+        stepped = len(read_metrics(metrics)) > rows_at_start  # a step of this run completed: save it
+        return stop_on_interrupt(cfg, children, why, checkpoint=stepped)
     except BaseException:  # the launcher itself failed: never leave the nodes running detached
         print("distflow: the launcher failed; stopping every node", file=sys.stderr)
         stop_children(children, grace_s=5.0)
         raise
     finally:
         bar.close()
+        restore_signals(previous)
     if code:
         return code
     last = bar.last or {}
     gen = f" (generated {last['generated_reward_mean']:.3f})" if "generated_reward_mean" in last else ""
     print(f"distflow: done. {last.get('step', -1) + 1} steps, final reward {last.get('reward_mean', float('nan')):.3f}"
-          f"{gen}; metrics {metrics}, checkpoint {Path(cfg.output_dir) / 'checkpoint'}", file=sys.stderr)
+          f"{gen}{bar.summary()}; metrics {metrics}, checkpoint {Path(cfg.output_dir) / 'checkpoint'}",
+          file=sys.stderr)
     return 0
+
+
+def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt, checkpoint: bool) -> int:
+    """Stop the run on Ctrl-C (or SIGTERM/SIGHUP: :class:`Interrupted`); returns 128 + the signal.
+    ``checkpoint``: a step has completed, so the trainers save it (:func:`stop_for_checkpoint`);
+    else there is nothing to save, and trainers still forming their group would wait for the
+    rollout nodes up to join_timeout_s: every node stops at once. A second signal stops every
+    node at once."""
+    name = why.args[0] if isinstance(why, Interrupted) else "Ctrl-C"
+    code = 128 + (why.signum if isinstance(why, Interrupted) else signal.SIGINT)
+    try:
+        if checkpoint:
+            # A big model's save takes minutes: the trainers get as long as any of their collectives may take.
+            _say(f"\ndistflow: interrupted ({name}); stopping the rollout nodes, the trainers save a checkpoint (up to "
+                 f"{cfg.step_timeout_s:.0f}s, step_timeout_s; {name} again to stop at once)")
+            stop_for_checkpoint(children, grace_s=cfg.step_timeout_s)
+        else:
+            _say(f"\ndistflow: interrupted ({name}) before the first step completed (nothing to save); stopping "
+                 f"every node now")
+            stop_children(children)
+    except KeyboardInterrupt:  # a second Ctrl-C: do not wait for the checkpoint
+        _say("distflow: interrupted again; stopping every node now")
+        stop_children(children, grace_s=5.0)
+    _say(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}")
+    return code
 
 
 def _report(failed: list[Child], cfg: Config, why: str) -> None:
@@ -403,7 +524,8 @@ def _report(failed: list[Child], cfg: Config, why: str) -> None:
 
 
 def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, poll_s: float = 0.2) -> int:
-    """Watch the children until the run ends; restart dead rollout nodes. Returns the exit code."""
+    """Watch the children until the run ends; restart dead rollout nodes (not one that exited
+    ``CONFIG_EXIT``: that stops the run, exit 2). Returns the exit code."""
     trainers = [c for c in children if c.role == "trainer"]
     handled: set[int] = set()  # pids of dead rollout processes already dealt with
     while True:
@@ -412,6 +534,12 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
         codes = {c.node_id: c.proc.poll() for c in children}
         if all(codes[t.node_id] == 0 for t in trainers):
             break  # the trainers finished: the run is done
+        misconfigured = [c for c in children if codes[c.node_id] == CONFIG_EXIT]
+        if misconfigured:  # deterministic: a restart would fail the same way, and so would the adopters of its work
+            _report(misconfigured, cfg, f"{misconfigured[0].node_id} exited {CONFIG_EXIT} on a configuration or data "
+                                        f"error, which a restart would not fix: not restarted, the run stops")
+            stop_children(children)
+            return CONFIG_EXIT
         fatal = [c for c in children if c.role not in RESTARTABLE and codes[c.node_id] not in (None, 0)]
         if fatal:
             time.sleep(1.0)  # let the nodes that saw the failure report what they saw

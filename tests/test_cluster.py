@@ -99,7 +99,7 @@ def test_child_failure_stops_everyone_and_names_the_error(toy_model, toy_data, t
 
 def test_bad_workflow_function_fails_before_any_node_starts(tmp_path):
     r = run_distflow(["run", QUICKSTART, f"output_dir={tmp_path}", "workflow.1.fn=no_such_module:reward"], timeout=60)
-    assert r.returncode == 1
+    assert r.returncode == 2 and r.stderr.startswith("distflow run: workflow node"), r.stderr  # a config error
     assert "workflow node 'reward'" in r.stderr and "no_such_module" in r.stderr
     assert not (tmp_path / "logs").exists()
 
@@ -235,7 +235,7 @@ def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
     r = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, f"output_dir={tmp_path}",
                               "workflow.1.fn=exact_matchh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
-    assert r.returncode == 1 and "workflow node 'reward'" in r.stderr and "exact_match" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "workflow node 'reward'" in r.stderr and "exact_match" in r.stderr, r.stderr[-2000:]
     # A node imports only its own pipeline's functions: a trainer host need not have the reward's package.
     custom = ["--config", QUICKSTART, f"output_dir={tmp_path}", "workflow.1.fn=absent_pkg.rewards:score", "--check"]
     trainer = subprocess.run(cmd + ["--role", "trainer", *custom], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -243,7 +243,7 @@ def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
     assert trainer.returncode == 0, trainer.stderr[-2000:]
     rollout = subprocess.run(cmd + ["--role", "rollout", *custom], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=60)
-    assert rollout.returncode == 1 and "absent_pkg" in rollout.stderr, rollout.stderr[-2000:]
+    assert rollout.returncode == 2 and "absent_pkg" in rollout.stderr, rollout.stderr[-2000:]
 
 
 @pytest.mark.gpu

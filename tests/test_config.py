@@ -70,7 +70,10 @@ def test_overrides_typed_nested_and_indexed(tmp_path):
 
 @pytest.mark.parametrize("change, key, needle", [
     ({"lr": -1}, "lr", "greater than 0"),
-    ({"learning_rate": 1}, "learning_rate", "Extra inputs"),
+    ({"learning_rate": 1}, "learning_rate", "unknown key"),
+    ({"lrr": 1}, "lrr", "unknown key (did you mean 'lr'?)"),  # a top-level key gets the workflow keys' hint
+    ({"mesh": {"join_timeout": 3}}, "mesh.join_timeout", "unknown key (did you mean 'join_timeout_s'?)"),
+    ({"engine": "vllm"}, "engine: vllm", "device is cpu"),  # vLLM needs a GPU: refused before any node starts
     ({"prompts_per_step": 31}, "prompts_per_step", "multiple of rollout_nodes"),
     ({"max_staleness": -1}, "max_staleness", "greater than or equal"),
     ({"trainer_nodes": 0}, "trainer_nodes", "greater than or equal"),
@@ -174,6 +177,27 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
+
+
+def test_a_key_given_twice_is_an_error_naming_file_and_line(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `lr:` silently replaced the first."""
+    text = QUICKSTART.read_text()
+    assert text.count("\nlr: ") == 1
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(text.replace("\nlr: ", "\nlr: 1.0e-4\nlr: "))
+    line = text.split("\nlr: ")[0].count("\n") + 3  # 1-based line of the second lr
+    with pytest.raises(ConfigError, match=rf"^{dup}:{line}: key 'lr' is given twice \(lines {line - 1} and {line}\)"):
+        load_config(dup)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(text + "mesh:\n  protocol_period_s: 0.5\n  protocol_period_s: 0.2\n")
+    with pytest.raises(ConfigError, match="key 'protocol_period_s' is given twice"):
+        load_config(nested)
+    with pytest.raises(ConfigError, match="override mesh: .*key 'a' is given twice"):
+        load_config(QUICKSTART, ["mesh={a: 1, a: 2}"])
+    # a merge key's values may still be overridden by the mapping's own keys, as YAML intends
+    from distflow.core.config import load_yaml
+
+    assert load_yaml("a: &d {p: 1, q: 2}\nb:\n  <<: *d\n  p: 3\n")["b"] == {"p": 3, "q": 2}
 
 
 def test_every_key_is_documented():

@@ -68,11 +68,18 @@ def compose_config(compose: list[str], tmp_path: Path, secret: str, profiles: tu
     return yaml.safe_load(r.stdout)
 
 
+@pytest.fixture
+def image_toy_model(toy_model, tmp_path):
+    """The toy model the image builds at /opt/distflow/toy-model, where run_service_check finds it
+    (``--check`` checks the model directory of a rollout or trainer node)."""
+    (tmp_path / "toy-model").symlink_to(toy_model)
+
+
 def run_service_check(service: dict, tmp_path: Path, hostname: str) -> subprocess.CompletedProcess:
     """Run the service's resolved command here with ``--check`` appended."""
     def local(text: str) -> str:
-        return (text.replace("/app/", f"{ROOT}/").replace("/opt/distflow/toy-model", str(tmp_path / "toy-model"))
-                .replace("/data/", f"{tmp_path}/data/"))
+        text = re.sub(r"(?<![\w.-])/data/", f"{tmp_path}/data/", text)  # the volume, not /app/examples/data/
+        return text.replace("/app/", f"{ROOT}/").replace("/opt/distflow/toy-model", str(tmp_path / "toy-model"))
 
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
@@ -87,7 +94,7 @@ def run_service_check(service: dict, tmp_path: Path, hostname: str) -> subproces
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
 
 
-def test_compose_services_resolve_and_every_command_checks(compose, tmp_path):
+def test_compose_services_resolve_and_every_command_checks(compose, tmp_path, image_toy_model):
     secret = new_secret()
     cfg = compose_config(compose, tmp_path, secret)
     services = cfg["services"]
@@ -116,7 +123,7 @@ def test_compose_services_resolve_and_every_command_checks(compose, tmp_path):
         assert stage in r.stdout
 
 
-def test_compose_counts_come_from_the_environment(compose, tmp_path):
+def test_compose_counts_come_from_the_environment(compose, tmp_path, image_toy_model):
     cfg = compose_config(compose, tmp_path, new_secret(), DISTFLOW_ROLLOUT_NODES="4", DISTFLOW_TRAINER_NODES="3",
                          DISTFLOW_TRAINER_REPLICAS="2", DISTFLOW_RUN_NAME="big")
     s = cfg["services"]
@@ -132,7 +139,7 @@ def test_compose_counts_come_from_the_environment(compose, tmp_path):
     assert r.returncode == 2 and "prompts_per_step (32) must be a multiple of rollout_nodes (3)" in r.stderr
 
 
-def test_compose_worker_group_profile_checks_with_the_reward_model_example(compose, tmp_path):
+def test_compose_worker_group_profile_checks_with_the_reward_model_example(compose, tmp_path, image_toy_model):
     """``--profile workers`` with DISTFLOW_WORKER_GROUP/NODES: the `worker` service runs that
     group's nodes (``--role worker --group reward``) and every node gets ``worker_groups.reward``."""
     cfg = compose_config(compose, tmp_path, new_secret(), profiles=("workers",),

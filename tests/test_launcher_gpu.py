@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from distflow.core.config import load_config
+from distflow.core.config import ConfigError, load_config
 from distflow.launcher import plan_placement
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
@@ -33,7 +33,7 @@ def test_children_get_the_launchers_visible_ids_one_each(eight_gpus_seen_as_four
 
 def test_more_trainer_ranks_than_gpus_is_refused_naming_the_keys(eight_gpus_seen_as_four):
     cfg = load_config(QUICKSTART, ["device=cuda", "trainer_nodes=5", "rollout_nodes=1", "colocate=true"])
-    with pytest.raises(SystemExit, match=r"gpus: 4 GPU\(s\) usable \(4,5,6,7\), but trainer_nodes=5 needs one GPU "
+    with pytest.raises(ConfigError, match=r"gpus: 4 GPU\(s\) usable \(4,5,6,7\), but trainer_nodes=5 needs one GPU "
                                          r"per trainer rank"):
         plan_placement(cfg)
 
@@ -41,5 +41,5 @@ def test_more_trainer_ranks_than_gpus_is_refused_naming_the_keys(eight_gpus_seen
 def test_a_list_names_indices_of_the_launchers_view(eight_gpus_seen_as_four):
     cfg = load_config(QUICKSTART, ["device=cuda", "trainer_nodes=1", "rollout_nodes=2", "gpus=[3,0]"])
     assert {s.node_id: s.gpu for s in plan_placement(cfg)} == {"trainer-0": "7", "rollout-0": "4", "rollout-1": "4"}
-    with pytest.raises(SystemExit, match=r"gpus: \[0, 4\] names GPU\(s\) \[4\], but only 4 present"):
+    with pytest.raises(ConfigError, match=r"gpus: \[0, 4\] names GPU\(s\) \[4\], but only 4 present"):
         plan_placement(load_config(QUICKSTART, ["device=cuda", "trainer_nodes=1", "gpus=[0,4]"]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from distflow.core.config import load_config
+from distflow.core.config import ConfigError, load_config
 from distflow.launcher import node_roles, plan_placement
 from distflow.placement import PlacementError, describe, place
 from tests.conftest import run_distflow
@@ -101,7 +101,7 @@ def test_launcher_plan_from_the_config():
     assert [n for n, _ in node_roles(cfg)] == ["trainer-0", "trainer-1", "rollout-0", "rollout-1"]
     assert gpus_of(plan_placement(cfg, present=2)) == {"trainer-0": "0", "trainer-1": "1", "rollout-0": "0",
                                                        "rollout-1": "1"}
-    with pytest.raises(SystemExit, match=r"distflow run: gpus: the 2 trainer rank\(s\) take every usable GPU \(0,1\)"):
+    with pytest.raises(ConfigError, match=r"^gpus: the 2 trainer rank\(s\) take every usable GPU \(0,1\)"):
         plan_placement(load_config(QUICKSTART, ["device=cuda", "gpus=2"]), present=2)
 
 
@@ -112,6 +112,6 @@ def test_distflow_run_refuses_cuda_without_a_gpu_before_starting_anything(tmp_pa
         pytest.skip("this machine has a GPU")
     r = run_distflow(["run", QUICKSTART, f"output_dir={tmp_path}", "device=cuda", f"model_path={tmp_path / 'm'}"],
                      timeout=120)
-    assert r.returncode == 1, r.stderr
-    assert "device: cuda, but no GPU is present" in r.stderr
+    assert r.returncode == 2, r.stderr  # a config error, as every refusal before any node starts
+    assert "distflow run: " in r.stderr and "device: cuda, but no GPU is present" in r.stderr
     assert not list((tmp_path / "logs").glob("*.log"))  # no node was started

@@ -200,7 +200,7 @@ def test_rewards_check_the_rows_they_can_score(monkeypatch: pytest.MonkeyPatch) 
     mod.broken.check_row = "yes"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "distflow_test_checked_rewards", mod)
     assert reward_row_check(resolve_reward("distflow_test_checked_rewards:checked"))({}) == "no gold"
-    from distflow.core.config import config_from_dict
+    from distflow.core.config import ConfigError, config_from_dict
     from distflow.launcher import check_functions
 
     wf = [{"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"},
@@ -209,7 +209,7 @@ def test_rewards_check_the_rows_they_can_score(monkeypatch: pytest.MonkeyPatch) 
           {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["reward"]},
           {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage"]}]
     cfg = config_from_dict({"model_path": "unused", "dataset": "unused.jsonl", "prompts_per_step": 2, "workflow": wf})
-    with pytest.raises(SystemExit, match=r"workflow node 'reward': reward 'distflow_test_checked_rewards:broken': "
+    with pytest.raises(ConfigError, match=r"workflow node 'reward': reward 'distflow_test_checked_rewards:broken': "
                                          r"check_row must be callable"):
         check_functions(cfg)
 

@@ -325,6 +325,25 @@ class PromptShard:
             out.append(PromptRow(prompt_id(r), r, value, where, self._policy))
         return out
 
+    def problems(self, rows: Sequence[int], keys: Mapping[str, str] | None = None,
+                 checks: Sequence[tuple[Callable[[dict], str | None], str]] = (),
+                 chunk: int = 1024) -> Iterator[DatasetError]:
+        """The problem of each bad row among ``rows`` (row indices), in their order: what reading
+        it in a step would raise (``bad_rows: error``) or skip, with :func:`keep_row`'s ``keys`` and
+        ``checks`` (the workflow's rewards') applied as the rollout stages apply them. Counts nothing,
+        whatever ``bad_rows`` is: a check before a run (``distflow run``, ``distflow-node --check``)."""
+        strict = BadRowPolicy("error")
+        for i in range(0, len(rows), chunk):
+            for r, where, value in self._src.read(rows[i:i + chunk]):
+                problem = value if isinstance(value, DatasetError) else self._row_problem(value, where)
+                if problem is None:
+                    try:
+                        keep_row(PromptRow(f"e0:{r}", r, value, where, strict), keys or {}, strict, checks)
+                    except DatasetError as e:
+                        problem = e
+                if problem is not None:
+                    yield problem
+
     def _row_problem(self, value: Any, where: str) -> DatasetError | None:
         if not isinstance(value, dict):
             return DatasetError(f"{where}: row must be a JSON object, got {type(value).__name__}")

@@ -20,7 +20,7 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from distflow.core.dag import Plan, WorkflowError, WorkflowNode, load_workflow, plan
+from distflow.core.dag import Plan, WorkflowError, WorkflowNode, _suggest, load_workflow, plan
 from distflow.rl.names import LOSS_CLIP_DEFAULTS, TOKEN_ESTIMATOR_NAMES  # torch-free name tables
 
 
@@ -285,6 +285,8 @@ class Config(BaseModel):
                              "cannot be combined with worker groups (use controller: distributed)")
         if self.device == "cpu" and self.gpus is not None:  # here, not only in placement: --check sees it too
             raise ValueError(f"gpus: {self.gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
+        if self.device == "cpu" and self.engine == "vllm":
+            raise ValueError("engine: vllm runs on GPUs only, but device is cpu; use engine: torch (or device: cuda)")
         if self.device == "cpu" and self.weight_transport in ("cuda_ipc", "nccl"):
             raise ValueError(f"weight_transport: {self.weight_transport} moves weights between GPUs, but device is "
                              "cpu; use weight_transport: auto or channel (or device: cuda)")
@@ -344,6 +346,40 @@ class Config(BaseModel):
 
 
 # ---------------------------------------------------------------------- loading
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of the YAML gives one key twice (PyYAML would silently keep the last)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"key {key!r} is given twice (lines {first} and {line}); the second would silently "
+                         f"replace the first: keep one")
+        self.line = line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping. Keys a merge (``<<: *anchor``)
+    brings in may still be overridden by the mapping's own keys, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(key, line, seen[key])
+            except TypeError:  # an unhashable key: the base class names it
+                continue
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that raises :class:`DuplicateKeyError` for a key given twice in one mapping."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides (YAML-typed values) to a raw config mapping."""
     for item in overrides:
@@ -351,7 +387,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, _, text = item.partition("=")
         try:
-            value = yaml.safe_load(text) if text else ""
+            value = load_yaml(text) if text else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: cannot parse value {text!r}: {e}") from None
         parts = key.strip().split(".")
@@ -383,6 +419,10 @@ def _format_errors(err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(config)"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden" and len(e["loc"]) <= 2:  # a misspelt top-level (or mesh.) key
+            fields = MeshSettings.model_fields if len(e["loc"]) == 2 and e["loc"][0] == "mesh" else (
+                Config.model_fields if len(e["loc"]) == 1 else {})
+            msg = f"unknown key{_suggest(str(e['loc'][-1]), list(fields))}"
         lines.append(f"  {loc}: {msg}")
     return "invalid config:\n" + "\n".join(lines)
 
@@ -393,7 +433,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = load_yaml(p.read_text())
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{p}:{e.line}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):

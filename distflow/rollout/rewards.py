@@ -33,6 +33,7 @@ __all__ = [
     "resolve_reward",
     "reward_keys",
     "reward_row_check",
+    "row_requirements",
 ]
 
 RewardFn = Callable[[str, dict], float]
@@ -284,3 +285,31 @@ def exact_match(response: str, row: dict) -> float:
     if not isinstance(response, str):
         return 0.0
     return 1.0 if response.strip() == str(answer).strip() else 0.0
+
+
+def row_requirements(workflow: Sequence[Any]) -> tuple[dict[str, str], list[tuple[RowCheck, str]]]:
+    """What the workflow's rule-based rewards need of a row: the keys they declare they read, each
+    with who reads it (``"reward 'gsm8k' (workflow node 'reward')"``), and their ``check_row``
+    functions, each with who it is. The whole workflow: a reward that runs on a worker group of
+    its own is checked here, where the rows are read. A reward that cannot be resolved here is
+    left to the stage that runs it, which names the problem; a reward whose declarations are
+    malformed raises ValueError naming its node. Torch-free (the launcher's pre-run checks use it)."""
+    keys: dict[str, list[str]] = {}
+    checks: list[tuple[RowCheck, str]] = []
+    for n in workflow:
+        if n.role.value != "REWARD" or n.type.value != "COMPUTE":
+            continue
+        try:
+            fn = resolve_reward(n.fn)
+        except ValueError:
+            continue
+        who = f"reward {n.fn!r} (workflow node {n.id!r})"
+        try:
+            declared, check = reward_keys(fn, n.fn), reward_row_check(fn, n.fn)
+        except ValueError as e:
+            raise ValueError(f"workflow node {n.id!r}: {e}") from None
+        for k in declared:
+            keys.setdefault(k, []).append(who)
+        if check is not None:
+            checks.append((check, who))
+    return {k: " and ".join(v) for k, v in keys.items()}, checks

@@ -48,7 +48,8 @@ from distflow.rl.reward_model import score_batch
 from distflow.rl.registry import TOKEN_ESTIMATORS, outcome_advantages
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards
 from distflow.rollout.engine import RolloutEngine, SamplingParams
-from distflow.rollout.rewards import RowCheck, resolve_reward, reward_keys, reward_row_check
+from distflow.rollout.rewards import RowCheck, resolve_reward
+from distflow.rollout.rewards import row_requirements as rewards_row_requirements
 
 log = logging.getLogger(__name__)
 
@@ -117,30 +118,11 @@ def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) 
 
 
 def row_requirements(workflow: list[WorkflowNode]) -> tuple[dict[str, str], list[tuple[RowCheck, str]]]:
-    """What the workflow's rule-based rewards need of a row: the keys they declare they read, each
-    with who reads it (``"reward 'gsm8k' (workflow node 'reward')"``), and their ``check_row``
-    functions, each with who it is. The whole workflow: a reward that runs on a worker group of
-    its own is checked here, where the rows are read. A reward that cannot be resolved here is
-    left to the stage that runs it, which names the problem."""
-    keys: dict[str, list[str]] = {}
-    checks: list[tuple[RowCheck, str]] = []
-    for n in workflow:
-        if n.role.value != "REWARD" or n.type.value != "COMPUTE":
-            continue
-        try:
-            fn = resolve_reward(n.fn)
-        except ValueError:
-            continue
-        who = f"reward {n.fn!r} (workflow node {n.id!r})"
-        try:
-            declared, check = reward_keys(fn, n.fn), reward_row_check(fn, n.fn)
-        except ValueError as e:
-            raise StageError(f"workflow node {n.id!r}: {e}") from None
-        for k in declared:
-            keys.setdefault(k, []).append(who)
-        if check is not None:
-            checks.append((check, who))
-    return {k: " and ".join(v) for k, v in keys.items()}, checks
+    """:func:`distflow.rollout.rewards.row_requirements`, a reward's bad declaration as a StageError."""
+    try:
+        return rewards_row_requirements(workflow)
+    except ValueError as e:
+        raise StageError(str(e)) from None
 
 
 def _need(node: WorkflowNode, batch: SampleBatch | None) -> SampleBatch:

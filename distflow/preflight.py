@@ -1,0 +1,161 @@
+"""Checks before a run: what `distflow run` (and ``distflow-node --check``, for its role) can
+refuse before any node starts, each as one :class:`ConfigError` naming the key (exit 2), instead
+of a node failing after start-up (and being restarted, failing the same way):
+
+- the workflow's functions (rewards, estimators, losses) resolve: :func:`check_functions`;
+- the prompt set opens as a rollout node opens it, and the rows the run reads first are usable
+  (JSON objects with ``prompt_key`` and what the rewards read): :func:`check_dataset`;
+- ``model_path`` is a Hugging Face model and tokenizer directory: :func:`model_dir_problem`;
+- ``resume_from`` is a checkpoint this config can continue: :func:`check_resume`.
+
+Torch-free (the launcher's start-up), but for ``resume_from`` (the trainers' reader of it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from distflow.core.config import Config, ConfigError
+from distflow.core.dag import WorkflowNode
+
+CHECK_ROWS = 100_000  # rows of the prompt set checked before a run (those its steps read first)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) -> None:
+    """Resolve the workflow functions (rewards, estimators, losses) of ``nodes`` (default: every
+    node) now, before any node starts. Built-in names are checked against torch-free name tables
+    (start-up); a dotted ``package.module:function`` is imported, and an unknown name gets the
+    resolver's error (with a did-you-mean). A node process checks its own pipeline's: a host
+    need not have the packages of the stages other hosts run."""
+    from distflow.rl.names import COMPUTE_NAMES, POLICY_LOSS_NAMES
+    from distflow.rollout.rewards import resolve_reward, reward_keys, reward_row_check
+
+    def check(names: tuple[str, ...], fn: str, what: str) -> None:
+        if fn not in names:
+            from distflow.rl.registry import resolve
+
+            resolve(dict.fromkeys(names), fn, what)
+
+    for node in cfg.workflow if nodes is None else nodes:
+        kind = (node.role.value, node.type.value)
+        try:
+            if kind == ("REWARD", "COMPUTE"):  # and what it declares of the rows (required_keys, check_row)
+                fn = resolve_reward(node.fn)
+                reward_keys(fn, node.fn)
+                reward_row_check(fn, node.fn)
+            elif kind == ("ACTOR", "COMPUTE"):
+                check(COMPUTE_NAMES, node.fn, "advantage estimator")
+            elif kind == ("ACTOR", "MODEL_TRAIN"):
+                check(POLICY_LOSS_NAMES, node.fn, "policy loss")
+        except Exception as e:
+            raise ConfigError(f"workflow node {node.id!r}: {e}") from None
+
+
+def rows_to_check(cfg: Config, perm, steps_per_epoch: int, num_rows: int, limit: int = CHECK_ROWS) -> list[int]:
+    """The rows the run's steps read in epoch 0 (every rollout rank's shard of ``perm``, the
+    epoch's order), step by step, at most ``limit``: all rows when the run covers an epoch."""
+    ranks, batch = cfg.rollout_nodes, cfg.rollout_batch
+    shards = [perm[r::ranks] for r in range(ranks)]
+    out: list[int] = []
+    for step in range(min(steps_per_epoch, cfg.total_steps(num_rows))):
+        for shard in shards:
+            out.extend(shard[step * batch:(step + 1) * batch].tolist())
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def check_dataset(cfg: Config) -> str | None:
+    """Open the prompt set as a rollout node does (:class:`PromptShard`: format, row count) and
+    check the rows the run reads first (:data:`CHECK_ROWS`) as its steps would: JSON, ``prompt_key``,
+    the keys and ``check_row`` of the workflow's rewards. Raises ConfigError on the first bad row
+    with ``bad_rows: error``, and when every row checked is bad with ``bad_rows: skip`` (each step
+    would train on nothing); returns a note counting the bad rows ``skip`` will skip, else None."""
+    from distflow.buffer.dataloader import DatasetError, PromptShard
+    from distflow.rollout.rewards import row_requirements
+
+    try:
+        shard = PromptShard(cfg.dataset, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle, bad_rows=cfg.bad_rows,
+                            required_keys=(cfg.prompt_key,))
+    except DatasetError as e:
+        raise ConfigError(f"dataset: {e}") from None
+    rows = rows_to_check(cfg, shard.permutation(0), shard.steps_per_epoch(cfg.prompts_per_step), shard.num_rows)
+    try:
+        keys, checks = row_requirements(cfg.workflow)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    bad, first = 0, None
+    try:
+        for problem in shard.problems(rows, keys, checks):
+            if cfg.bad_rows == "error":
+                raise ConfigError(f"dataset: {problem} (bad_rows: error; bad_rows: skip skips and counts such rows)")
+            bad, first = bad + 1, first or problem
+    except (RuntimeError, TypeError) as e:  # a reward's check_row that raised or returned nonsense
+        raise ConfigError(f"dataset: {e}") from None
+    if bad and bad == len(rows):
+        every = "every row" if len(rows) == shard.num_rows else f"each of the {len(rows)} rows checked"
+        raise ConfigError(f"dataset: {every} of {cfg.dataset} is bad, so every step would train on 0 samples "
+                          f"(bad_rows: skip); the first: {first}")
+    if bad:
+        return (f"dataset: {bad} of the {len(rows)} rows checked are bad and will be skipped (bad_rows: skip); "
+                f"the first: {first}")
+    return None
+
+
+def model_dir_problem(path: str) -> str | None:
+    """Why ``path`` is no Hugging Face model and tokenizer directory (models load from local
+    directories only: :func:`distflow.hf.check_model_dir`), or None; torch-free."""
+    p = Path(path)
+    if not p.is_dir():
+        what = "is a file, not a directory" if p.exists() else "does not exist"
+        return f"{path!r} {what} (models load from local Hugging Face model directories; nothing is downloaded)"
+    try:
+        conf = json.loads((p / "config.json").read_text())
+    except FileNotFoundError:
+        return f"{path!r} is not a Hugging Face model directory (no config.json)"
+    except (OSError, ValueError) as e:
+        return f"{path!r}: config.json cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(conf, dict) or "model_type" not in conf:
+        return f"{path!r}: its config.json names no model_type (not a Hugging Face model config)"
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        return f"{path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+    return None
+
+
+def check_resume(cfg: Config) -> None:
+    """``resume_from`` read as the trainers will (distflow.trainer.actor.read_run_state: a
+    checkpoint with distflow_state.json, written with this config's data order)."""
+    if not cfg.resume_from:
+        return
+    from distflow.trainer.actor import read_run_state
+
+    try:
+        read_run_state(Path(cfg.resume_from), cfg)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        msg = str(e) if str(e).startswith("resume_from") else f"resume_from {cfg.resume_from!r}: {type(e).__name__}: {e}"
+        from distflow.launcher import newest_checkpoint
+
+        newest = newest_checkpoint(cfg.output_dir)
+        hint = f"; the newest checkpoint of output_dir is {newest}" if newest and str(newest) != cfg.resume_from else ""
+        raise ConfigError(msg + hint) from None
+
+
+def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
+    """What a node of ``role`` reads before it can work, checked now: the model directory (rollout,
+    trainer), the prompt set (rollout), ``resume_from`` (trainer); ``role`` None: every role (`distflow
+    run`). Raises ConfigError naming the key; returns notes to print (rows ``bad_rows: skip`` skips).
+    A node does not build the toy model (`distflow run` does): with ``toy_model`` a missing one is
+    not checked for a role."""
+    notes = []
+    toy_pending = role is not None and cfg.toy_model and not (Path(cfg.model_path) / "config.json").is_file()
+    if role in (None, "rollout", "trainer") and not toy_pending and (problem := model_dir_problem(cfg.model_path)):
+        raise ConfigError(f"model_path: {problem}")
+    if role in (None, "rollout") and (note := check_dataset(cfg)):
+        notes.append(note)
+    if role in (None, "trainer"):
+        check_resume(cfg)
+    return notes
