@@ -296,6 +296,22 @@ def test_packed_rows_honour_the_sliding_window():
     assert not torch.allclose(full, padded, atol=1e-3)  # the window matters at these lengths
 
 
+def test_dual_clip_reaches_the_policy_loss(toy_model, world1, monkeypatch):
+    from distflow.rl import losses, registry
+    from distflow.trainer.actor import Actor
+
+    seen = []
+
+    def recording(*args, **kw):
+        seen.append(kw.get("dual_clip"))
+        return losses.policy_loss(*args, **kw)
+
+    monkeypatch.setitem(registry.POLICY_LOSSES, "grpo", recording)
+    cfg = _cfg(toy_model, "dual_clip=3")
+    stats = Actor(cfg, with_reference=False).update(cfg.node("ACTOR", "MODEL_TRAIN"), make_batch(8, seed=7))
+    assert seen and set(seen) == {3.0} and math.isfinite(stats["loss"])
+
+
 def test_activation_checkpointing_gives_the_same_step(toy_model, world1):
     from distflow.trainer.actor import Actor
 

@@ -56,6 +56,22 @@ def test_algorithm_keys_are_what_the_docs_say() -> None:
     assert c["cispo"].workflow[-1].fn == "cispo"
 
 
+def test_a_loss_brings_its_aggregation_and_dual_clip_reaches_only_surrogate_losses(tmp_path) -> None:
+    from distflow.core.config import ConfigError
+
+    text = path("gspo").read_text().replace("loss_agg: seq-mean-token-mean\n", "")
+    assert not any(line.startswith("loss_agg:") for line in text.splitlines())
+    unset = tmp_path / "gspo.yaml"
+    unset.write_text(text)
+    assert load_config(unset).loss_agg == "seq-mean-token-mean"  # GSPO's own (verl fixes it), not token-mean
+    assert load_config(unset, ["loss_agg=token-mean"]).loss_agg == "token-mean"  # a choice stays a choice
+    assert load_config(path("dapo"), ["dual_clip=3"]).dual_clip == 3.0
+    with pytest.raises(ConfigError, match=r"dual_clip: workflow node 'update' trains with 'gspo'"):
+        load_config(unset, ["dual_clip=3"])
+    with pytest.raises(ConfigError, match=r"dual_clip"):
+        load_config(path("dapo"), ["dual_clip=1"])  # c must be > 1
+
+
 def _learns(algo: str, tmp_path: Path, toy_model: Path) -> None:
     out = tmp_path / algo
     r = run_distflow(["run", str(path(algo)), "--no-progress", f"output_dir={out}", f"model_path={toy_model}",

@@ -21,7 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, _suggest, load_workflow, plan
-from distflow.rl.names import LOSS_CLIP_DEFAULTS, TOKEN_ESTIMATOR_NAMES  # torch-free name tables
+from distflow.rl.names import (LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS, SURROGATE_LOSS_NAMES,  # torch-free names
+                               TOKEN_ESTIMATOR_NAMES)
 
 
 RESERVED_GROUPS = ("rollout", "trainer", "controller")
@@ -182,6 +183,9 @@ class Config(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
     clip_low: float = Field(0.2, ge=0, description="ratio clip below 1; default 0.2 (gspo: 3e-4)")
     clip_high: float = Field(0.2, ge=0, description="ratio clip above 1; default 0.2 (gspo: 4e-4)")
+    dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c > 1: a token with a negative "
+                                    "advantage loses at most -c * A however large its ratio (verl's clip_ratio_c, 3); "
+                                    "losses grpo, ppo, dapo, reinforce_pp; null = off")
     kl_coef: float = Field(0.0, ge=0)
     # -- algorithm (docs/algorithms.md) -------------------------------------------
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
@@ -228,13 +232,21 @@ class Config(BaseModel):
                              f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the "
                              "run would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae "
                              "node")
-        for n in self.workflow:  # a loss's own clip range where the config leaves it unset
-            if n.role.value == "ACTOR" and n.type.value == "MODEL_TRAIN" and n.fn in LOSS_CLIP_DEFAULTS:
+        for n in self.workflow:  # a loss's own clip range and aggregation where the config leaves them unset
+            if n.role.value != "ACTOR" or n.type.value != "MODEL_TRAIN":
+                continue
+            if n.fn in LOSS_CLIP_DEFAULTS:
                 low, high = LOSS_CLIP_DEFAULTS[n.fn]
                 if "clip_low" not in self.model_fields_set:
                     self.clip_low = low
                 if "clip_high" not in self.model_fields_set:
                     self.clip_high = high
+            if n.fn in LOSS_AGG_DEFAULTS and "loss_agg" not in self.model_fields_set:
+                self.loss_agg = LOSS_AGG_DEFAULTS[n.fn]
+            if self.dual_clip is not None and ":" not in n.fn and n.fn not in SURROGATE_LOSS_NAMES:
+                raise ValueError(f"dual_clip: workflow node {n.id!r} trains with {n.fn!r}, which has no token "
+                                 f"ratio to dual-clip (dual_clip applies to {', '.join(SURROGATE_LOSS_NAMES)}); "
+                                 "remove dual_clip")
         if self.kl_coef > 0 and not any(n.role.value == "REFERENCE" for n in self.workflow):
             raise ValueError(f"kl_coef: {self.kl_coef} penalises the KL to the reference model, but the workflow has "
                              "no REFERENCE MODEL_INFERENCE node, so no KL would be applied. Add one (fn: ref_logprob, "

@@ -15,3 +15,12 @@ POLICY_LOSS_NAMES = ("grpo", "ppo", "dapo", "reinforce_pp", "gspo", "cispo")
 # the config applies it when clip_low / clip_high are not set (a test keeps it equal to the
 # losses' keyword defaults). GSPO's sequence ratio stays within ~1e-3 of 1 (its paper's 3e-4 / 4e-4).
 LOSS_CLIP_DEFAULTS = {"gspo": (3e-4, 4e-4)}
+
+# ... and its own aggregation where the config leaves ``loss_agg`` unset: GSPO's objective is a
+# mean over sequences of its per-token mean (verl fixes it for GSPO); token-mean would weigh
+# sequences by their length.
+LOSS_AGG_DEFAULTS = {"gspo": "seq-mean-token-mean"}
+
+# The losses built on PPO's token-level clipped surrogate (``losses.policy_loss``): those a
+# ``dual_clip`` applies to.
+SURROGATE_LOSS_NAMES = ("grpo", "ppo", "dapo", "reinforce_pp")
