@@ -376,7 +376,7 @@ class Actor:
         return _call_loss(
             loss_fn, lp2, padded("old_logprobs" if has_old else "logprobs"), adv, mask.float(),
             clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            **({"dual_clip": cfg.dual_clip} if getattr(cfg, "dual_clip", None) is not None else {}),  # surrogate losses'
+            **({"dual_clip": cfg.dual_clip} if getattr(cfg, "dual_clip", None) is not None else {}),
             ref_logprobs=padded("ref_logprobs") if kl_coef else None, kl_coef=kl_coef,
             kl_estimator=getattr(cfg, "kl_estimator", "k3"),
             entropy=flat_to_padded(ent, rl)[0], entropy_coef=getattr(cfg, "entropy_coef", 0.0),
