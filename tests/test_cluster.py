@@ -17,6 +17,7 @@ from distflow.buffer.routing import owner
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT, run_distflow
+from tests.procs import run_pids
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
 
@@ -94,7 +95,7 @@ def test_child_failure_stops_everyone_and_names_the_error(toy_model, toy_data, t
     assert "(restart 1 of 1)" in r.stderr and " failed (exit 1)" in r.stderr
     assert "reward 'tests.failing:exploding_reward' failed" in r.stderr and "boom on row" in r.stderr
     assert time.monotonic() - t0 < 150
-    assert not _children_of(out)
+    assert not run_pids(out)
 
 
 def test_bad_workflow_function_fails_before_any_node_starts(tmp_path):
@@ -104,18 +105,6 @@ def test_bad_workflow_function_fails_before_any_node_starts(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-def _children_of(out: Path) -> list[int]:
-    """PIDs of live processes whose command line mentions this run's config."""
-    needle = str(out / "config.yaml").encode()
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if needle in (p / "cmdline").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
 
 
 def test_ctrl_c_stops_every_child_bounded_and_leaves_a_checkpoint(toy_model, tmp_path):
@@ -135,13 +124,13 @@ def test_ctrl_c_stops_every_child_bounded_and_leaves_a_checkpoint(toy_model, tmp
     while len(read_metrics(out / "metrics.jsonl")) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.1)
-    assert len(_children_of(out)) == 4
+    assert len(run_pids(out)) == 4
     proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert time.monotonic() - t0 < 60
-    assert not _children_of(out)
+    assert not run_pids(out)
     rows = read_metrics(out / "metrics.jsonl")
     assert 2 <= len(rows) < 200
     state = json.loads((out / "checkpoint" / "distflow_state.json").read_text())

@@ -20,6 +20,7 @@ import pytest
 from distflow.core.config import Config, ConfigError, load_config
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT, run_distflow
+from tests.procs import alive, run_pids
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
 NODE = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
@@ -38,28 +39,6 @@ def jsonl(path: Path, lines: list[str]) -> Path:
 
 def good_rows(n: int) -> list[str]:
     return [json.dumps({"prompt": f"{i}=", "answer": str((i + 1) % 10)}) for i in range(n)]
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is no zombie (a reparented child may stay unreaped in a container)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def run_children(out: Path) -> list[int]:
-    """PIDs of live node processes of the run whose output_dir is ``out`` (their command line names its config)."""
-    needle = str(out / "config.yaml").encode()
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if needle in (p / "cmdline").read_bytes() and alive(int(p.name)):
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
 
 
 # ----------------------------------------------------------------------------- before any node starts
@@ -327,7 +306,7 @@ def test_sigterm_stops_a_run_like_ctrl_c_with_a_checkpoint(toy_model, tmp_path):
         while not read_metrics(out / "metrics.jsonl"):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.1)
-        nodes = run_children(out)
+        nodes = run_pids(out, skip_zombies=True)
         assert len(nodes) == 4
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
@@ -338,7 +317,7 @@ def test_sigterm_stops_a_run_like_ctrl_c_with_a_checkpoint(toy_model, tmp_path):
             proc.kill()
     assert proc.returncode == 143, err[-3000:]
     assert took < 15, f"stopped {took:.1f}s after SIGTERM"
-    assert not [pid for pid in nodes if alive(pid)] and not run_children(out)
+    assert not [pid for pid in nodes if alive(pid)] and not run_pids(out, skip_zombies=True)
     assert "interrupted (SIGTERM)" in err
     rows = read_metrics(out / "metrics.jsonl")
     state = json.loads((out / "checkpoint" / "distflow_state.json").read_text())

@@ -22,35 +22,16 @@ import pytest
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
+from tests.procs import run_pids
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
 
 
 def node_pid(out: Path, node_id: str) -> int | None:
     """PID of the live node process of this run with this id."""
-    needle, ident = str(out / "config.yaml").encode(), b"\0--node-id\0" + node_id.encode() + b"\0"
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if needle in cmd and ident in cmd:
-                return int(p.name)
-    return None
+    return next(iter(run_pids(out, node_id)), None)
 
 
-def children_of(out: Path) -> list[int]:
-    needle = str(out / "config.yaml").encode()
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if needle in (p / "cmdline").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
 
 
 def start_run(out: Path, toy_model: Path, data: Path, *extra: str) -> subprocess.Popen:
@@ -110,7 +91,7 @@ def test_killed_rollout_child_is_restarted_and_the_run_completes(toy_model, tmp_
     # the restarted rollout-1 appended to its trace: the steps of its first life are still there
     first_life = [rec["step"] for rec in trace["rollout-1"] if rec["step"] < 3]
     assert first_life and max(rec["step"] for rec in trace["rollout-1"]) > 3
-    assert not children_of(out)
+    assert not run_pids(out)
 
 
 def test_killed_trainer_stops_every_node_naming_it_and_the_checkpoint(toy_model, tmp_path):
@@ -133,7 +114,7 @@ def test_killed_trainer_stops_every_node_naming_it_and_the_checkpoint(toy_model,
     assert proc.returncode == 1, err[-3000:]
     assert "trainer-1 failed (exit -9)" in err and "trainer trainer-1 died, the run cannot go on without it" in err
     assert "resume_from=" in err and "checkpoint-" in err.split("resume_from=", 1)[1].split()[0]
-    assert not children_of(out)  # every node stopped, by the launcher
+    assert not run_pids(out)  # every node stopped, by the launcher
     print(f"every node stopped {stopped_in:.1f}s after the kill")
     # The surviving rank's own account names the dead rank, not a transport error.
     log0 = (out / "logs" / "trainer-0.log").read_text()

@@ -180,7 +180,8 @@ def test_reward_model_on_its_own_worker_group_scores_every_sample_once(toy_model
 
 
 def test_killed_reward_worker_is_restarted_and_every_sample_is_still_trained_once(toy_model, tmp_path):
-    from tests.test_supervise import children_of, kill_node_midrun, make_data
+    from tests.procs import run_pids
+    from tests.test_supervise import kill_node_midrun, make_data
 
     rows, out = 64, tmp_path / "run"
     args = ["run", EXAMPLE, "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
@@ -197,7 +198,7 @@ def test_killed_reward_worker_is_restarted_and_every_sample_is_still_trained_onc
     trained = Counter(s for rec in read_trace(out)["trainer-0"] for s in rec["sample_ids"])
     assert set(trained.values()) == {1}
     assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
-    assert not children_of(out)
+    assert not run_pids(out)
 
 
 def test_a_failing_stage_on_the_worker_group_stops_the_run_naming_it(toy_model, toy_data, tmp_path):
