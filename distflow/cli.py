@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from distflow.core.auth import SECRET_ENV
 from distflow.core.config import Config, ConfigError, load_config
@@ -46,26 +46,22 @@ def parse_seeds(text: str) -> list[str]:
     return seeds
 
 
-def port(text: str) -> int:
-    """argparse type of a TCP port: 0..65535 (0 = any free port)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535; 0 = any free port)")
-    return value
+def int_in(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
+    """An argparse type: an int in [lo, hi] (hi None: no bound above); ``what`` follows the value
+    in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{value}{what}")
+        return value
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """argparse type of a count: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
+port = int_in(0, 65535, " is not a port (0-65535; 0 = any free port)")
+positive_int = int_in(1, None, ": must be at least 1")
 
 
 def exit_code_of(error: BaseException) -> int:
