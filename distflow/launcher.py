@@ -43,7 +43,7 @@ import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config, ConfigError
-from distflow.preflight import check_functions, check_inputs  # noqa: F401 - check_functions: distflow.cli's too
+from distflow.preflight import check_functions, check_inputs
 
 STOP_GRACE_S = 15.0
 RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
