@@ -19,14 +19,14 @@ CONFIGS = {
     "ppo": ["generate", "reward"],
     "dapo": ["generate", "reward", "filter", "advantage"],
     "gspo": ["generate", "reward", "advantage"],
-    "reinforce_pp": ["generate", "reward", "advantage"],
+    "reinforce_pp": ["generate", "reward"],
     "cispo": ["generate", "reward", "advantage"],
 }
 TRAINER = {
     "ppo": ["reference", "values", "gae", "update", "critic_update"],
     "dapo": ["update"],
     "gspo": ["update"],
-    "reinforce_pp": ["reference", "update"],
+    "reinforce_pp": ["reference", "advantage", "update"],
     "cispo": ["update"],
 }
 
@@ -51,7 +51,7 @@ def test_algorithm_keys_are_what_the_docs_say() -> None:
     c = {a: load_config(path(a)) for a in CONFIGS}
     assert c["dapo"].clip_high > c["dapo"].clip_low and c["dapo"].overlong == "penalty" and c["dapo"].kl_coef == 0
     assert c["gspo"].loss_agg == "seq-mean-token-mean" and c["gspo"].clip_high < 1e-3
-    assert c["reinforce_pp"].kl_estimator == "k2"
+    assert c["reinforce_pp"].kl_in_reward and c["reinforce_pp"].kl_reward_estimator == "k1"
     assert c["ppo"].kl_in_reward and c["ppo"].critic_lr
     assert c["cispo"].workflow[-1].fn == "cispo"
 

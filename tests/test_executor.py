@@ -363,6 +363,76 @@ def test_reinforce_pp_stage_whitens_over_response_tokens(group) -> None:
     assert torch.allclose(b.tensors["advantage"], torch.tensor([1.5, -0.5]), atol=1e-5)
 
 
+RPP_TOKEN = {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "reinforce_pp_token",
+             "deps": ["reward", "reference"]}
+RPP_WF = [GEN, REWARD, PPO_WF[2], RPP_TOKEN, {**UPDATE, "fn": "reinforce_pp"}]
+
+
+def test_reinforce_pp_token_stage_by_hand() -> None:
+    """REINFORCE++ with the KL in the reward: discounted returns of the token rewards, then
+    whitened over the step's tokens (every rank's: the reduce)."""
+    cfg = make_cfg(workflow=RPP_WF, group_size=1, gamma=0.5, kl_in_reward=True, kl_coef=0.5)
+    p = cfg.plan()
+    assert p.group_of["advantage"] == "trainer" and [n.id for n in p.pipeline("trainer")] == [
+        "reference", "advantage", "update"]
+    node = load_workflow([{**RPP_TOKEN, "args": {"whiten": False}}])[0]
+    b = one_sample(reward=[1.0], ref_logprobs=[-2.0, -1.0])
+    run_trainer_pipeline([node], TrainerContext(cfg), b)
+    # kl (k1) = logp - ref = [1, 0] -> token rewards [-0.5, 1]; G_1 = 1, G_0 = -0.5 + 0.5 * 1 = 0
+    assert torch.allclose(b.tensors["token_advantages"], torch.tensor([0.0, 1.0]))
+    assert torch.allclose(b.tensors["advantage"], torch.tensor([0.5]))
+    assert "returns" not in b.tensors  # no critic to train
+    # whitened with another rank's 2 tokens (sum 1.0, squares 2.5): n = 4, sum 2.0, sum sq 3.5
+    b = one_sample(reward=[1.0], ref_logprobs=[-2.0, -1.0])
+    ctx = TrainerContext(cfg, all_reduce=lambda v: [a + o for a, o in zip(v, [2.0, 1.0, 2.5])])
+    run_trainer_pipeline([cfg.plan().node("advantage")], ctx, b)
+    mean = 2.0 / 4
+    std = math.sqrt((3.5 / 4 - mean ** 2) * 4 / 3)
+    assert torch.allclose(b.tensors["token_advantages"], torch.tensor([-mean / std, (1 - mean) / std]), atol=1e-5)
+    # an empty rank still joins the reduce and sets empty fields
+    calls: list[list[float]] = []
+    e = SampleBatch.from_lists([], [], [], [], [])
+    run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg, all_reduce=lambda v: calls.append(v)
+                                                                         or v), e)
+    assert calls == [[0.0, 0.0, 0.0]] and e.tensors["token_advantages"].numel() == 0
+
+
+def test_reinforce_pp_token_without_kl_is_the_outcome_estimator() -> None:
+    """gamma 1 and no KL: every token's return is its sample's reward, and whitening over tokens
+    gives what the outcome reinforce_pp gives (it weighs each sample by its response length)."""
+    cfg = make_cfg(workflow=[GEN, REWARD, {**RPP_TOKEN, "deps": ["reward"]}, UPDATE], group_size=1)
+    assert cfg.plan().group_of["advantage"] == "trainer"  # a token-level estimator, whatever its deps
+    b = SampleBatch.from_lists(["a:s0", "b:s0", "c:s0"], ["a", "b", "c"], [[1], [1], [1]],
+                               [[2], [2, 3, 4], [5, 6]], [[-1.0], [-1.0] * 3, [-1.0] * 2])
+    b.set_scalar("reward", torch.tensor([1.0, 0.0, 0.5]))
+    run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg), b)
+    from distflow.rl.advantages import reinforce_pp_advantages
+
+    per_sample = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 0.5]), torch.arange(3),
+                                         token_counts=torch.tensor([1, 3, 2]))
+    expect = per_sample.repeat_interleave(torch.tensor([1, 3, 2]))
+    assert torch.allclose(b.tensors["token_advantages"], expect, atol=1e-5)
+    assert torch.allclose(b.tensors["advantage"], per_sample, atol=1e-5)
+
+
+def test_token_level_estimators_are_placed_on_the_trainer() -> None:
+    with pytest.raises(ConfigError, match=r"reinforce_pp_token is a token-level estimator and runs on the trainer "
+                                          r"group, not on 'rollout' \(key 'group'\)"):
+        make_cfg(workflow=[GEN, REWARD, {**RPP_TOKEN, "deps": ["reward"], "group": "rollout"}, UPDATE])
+    # kl_in_reward reads the reference logprobs: the reference must run before the estimator
+    late_ref = [GEN, REWARD, {**RPP_TOKEN, "deps": ["reward"]},
+                {**PPO_WF[2], "deps": ["advantage"]}, {**UPDATE, "deps": ["advantage", "reference"]}]
+    with pytest.raises(ConfigError, match=r"kl_in_reward: workflow node 'advantage' \(reinforce_pp_token\) puts "
+                                          r"the KL into per-token rewards, but the REFERENCE MODEL_INFERENCE node "
+                                          r"runs after it"):
+        make_cfg(workflow=late_ref, kl_in_reward=True, kl_coef=0.1)
+    make_cfg(workflow=late_ref, kl_coef=0.1)  # a KL loss term reads it in the update: fine
+    # and the trainer stage never trains a KL-in-reward run without the KL
+    cfg = make_cfg(workflow=RPP_WF, kl_in_reward=True, kl_coef=0.5)
+    with pytest.raises(ValueError, match=r"workflow node 'advantage': kl_in_reward needs the reference logprobs"):
+        run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg), one_sample(reward=[1.0]))
+
+
 # ----------------------------------------------------------------------------- config validation
 @pytest.mark.parametrize("fn", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
 def test_group_estimators_need_group_size_2(fn) -> None:

@@ -192,8 +192,8 @@ class Config(BaseModel):
         "token-mean", description="how per-token losses become one scalar; seq-mean-token-sum-norm is Dr. GRPO's "
                                   "constant normaliser (max_new_tokens)")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL(pi || ref) estimator")
-    kl_in_reward: bool = Field(False, description="kl_coef penalises the per-token reward (PPO: a gae node) "
-                                                  "instead of adding a KL loss term")
+    kl_in_reward: bool = Field(False, description="kl_coef penalises the per-token reward (a gae or "
+                                                  "reinforce_pp_token node) instead of adding a KL loss term")
     kl_reward_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "k1", description="estimator of the per-token KL penalty with kl_in_reward: k1 (log pi - log ref), whose "
                           "score-function gradient is the KL's (verl's and OpenRLHF's default); kl_estimator is "
@@ -230,8 +230,8 @@ class Config(BaseModel):
                 n.type.value == "COMPUTE" and n.fn in TOKEN_ESTIMATOR_NAMES for n in self.workflow):
             raise ValueError("kl_in_reward: true puts the KL penalty into per-token rewards, which only a token-level "
                              f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the "
-                             "run would train with no KL at all. Use kl_in_reward: false (a KL loss term) or a gae "
-                             "node")
+                             "run would train with no KL at all. Use kl_in_reward: false (a KL loss term), or a gae "
+                             "or reinforce_pp_token node")
         for n in self.workflow:  # a loss's own clip range and aggregation where the config leaves them unset
             if n.role.value != "ACTOR" or n.type.value != "MODEL_TRAIN":
                 continue
@@ -310,6 +310,14 @@ class Config(BaseModel):
             p = self.plan()
         except WorkflowError as e:
             raise ValueError(str(e)) from None
+        if self.kl_in_reward and self.kl_coef > 0:  # the per-token penalty reads the reference logprobs
+            seen_reference = False
+            for n in p.pipeline("trainer"):
+                seen_reference = seen_reference or n.role.value == "REFERENCE"
+                if n.type.value == "COMPUTE" and n.fn in TOKEN_ESTIMATOR_NAMES and not seen_reference:
+                    raise ValueError(f"kl_in_reward: workflow node {n.id!r} ({n.fn}) puts the KL into per-token "
+                                     "rewards, but the REFERENCE MODEL_INFERENCE node runs after it; add the "
+                                     f"reference node to its deps (key 'deps')")
         for g in self.worker_groups:
             if not p.pipeline(g):
                 raise ValueError(f"worker_groups: group {g!r} runs no workflow node (give a node `group: {g}`)")

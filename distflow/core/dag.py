@@ -16,8 +16,10 @@ Planning rules
 * group of a node: its explicit ``group`` if set; else ACTOR MODEL_INFERENCE (generation)
   -> ``rollout``; any MODEL_TRAIN -> ``trainer``; any other MODEL_INFERENCE (REFERENCE,
   CRITIC, and REWARD models) -> ``trainer`` (frozen/critic models live with the trainer);
-  COMPUTE -> the group of its deepest dep, ties going to the later group in flow order.
-  A COMPUTE node without deps has no input and is an error.
+  a token-level estimator (``gae``, ``reinforce_pp_token``: per-token rewards, reference
+  logprobs, values) -> ``trainer``, and only there; any other COMPUTE -> the group of its
+  deepest dep, ties going to the later group in flow order. A COMPUTE node without deps has
+  no input and is an error.
 * flow order of groups: ``rollout`` first, ``trainer`` last, any other group of
   ``group_sizes`` in between in the mapping's order. Data edges only go forward (or stay
   within a group): weights flow back from trainer to rollout outside the DAG.
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Sequence
 
-from distflow.rl.names import COMPUTE_NAMES, TOKEN_ESTIMATOR_NAMES  # torch-free name tables
+from distflow.rl.names import COMPUTE_NAMES, CRITIC_ESTIMATOR_NAMES, TOKEN_ESTIMATOR_NAMES  # torch-free tables
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -344,7 +346,7 @@ def _check_inputs(order: list[WorkflowNode], by_id: dict[str, WorkflowNode]) -> 
         if n.role is Role.CRITIC and n.type is NodeType.MODEL_INFERENCE:
             return {"values"}
         if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn != "dynamic_sampling":
-            return {"advantages", "returns"} if n.fn in TOKEN_ESTIMATOR_NAMES else {"advantages"}
+            return {"advantages", "returns"} if n.fn in CRITIC_ESTIMATOR_NAMES else {"advantages"}
         return set()
 
     upstream: dict[str, set[str]] = {}
@@ -353,12 +355,12 @@ def _check_inputs(order: list[WorkflowNode], by_id: dict[str, WorkflowNode]) -> 
         needs: list[tuple[str, str]] = []
         if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn in COMPUTE_NAMES:
             needs.append(("rewards", "a REWARD node"))
-            if n.fn in TOKEN_ESTIMATOR_NAMES:
+            if n.fn in CRITIC_ESTIMATOR_NAMES:
                 needs.append(("values", "a CRITIC MODEL_INFERENCE (values) node"))
         elif n.role is Role.ACTOR and n.type is NodeType.MODEL_TRAIN:
             needs.append(("advantages", "an advantage estimator (an ACTOR COMPUTE node such as grpo or gae)"))
         elif n.role is Role.CRITIC and n.type is NodeType.MODEL_TRAIN:
-            needs.append(("returns", f"a {' or '.join(TOKEN_ESTIMATOR_NAMES)} node (the value targets)"))
+            needs.append(("returns", f"a {' or '.join(CRITIC_ESTIMATOR_NAMES)} node (the value targets)"))
         for what, maker in needs:
             if what not in up:
                 raise WorkflowError(f"{n.label}: {n.fn} reads {what}, but no node upstream of it (key 'deps', "
@@ -375,6 +377,8 @@ def _default_group(n: WorkflowNode, depth: dict[str, int], group_of: dict[str, s
     if n.type is NodeType.MODEL_INFERENCE:
         return ROLLOUT if n.role is Role.ACTOR else TRAINER
     if n.type is NodeType.MODEL_TRAIN:
+        return TRAINER
+    if n.role is Role.ACTOR and n.fn in TOKEN_ESTIMATOR_NAMES:  # per-token rewards, reference logprobs, values
         return TRAINER
     if not n.deps:
         raise WorkflowError(f"{n.label}: a COMPUTE node runs where its inputs are, so key 'deps' must name at "
@@ -425,6 +429,9 @@ def plan(nodes: Sequence[WorkflowNode] | Sequence[Mapping[str, Any]], group_size
         if sizes[g] == 0:
             raise WorkflowError(f"{n.label} has no workers: group {g!r} has size 0")
         _check_stage(n, g)
+        if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn in TOKEN_ESTIMATOR_NAMES and g != TRAINER:
+            raise WorkflowError(f"{n.label}: {n.fn} is a token-level estimator and runs on the trainer group, not "
+                                f"on {g!r} (key 'group')")
         group_of[n.id] = g
 
     boundary: list[tuple[str, str]] = []

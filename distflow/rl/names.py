@@ -7,7 +7,11 @@ keeps the two in step.
 """
 
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-TOKEN_ESTIMATOR_NAMES = ("gae",)
+# Token-level estimators: they read per-token rewards (the outcome on the last token, minus the KL
+# with kl_in_reward) and run on the trainer group. gae also reads the critic's values and makes
+# its returns; reinforce_pp_token is OpenRLHF's REINFORCE++ (discounted returns, whitened).
+TOKEN_ESTIMATOR_NAMES = ("gae", "reinforce_pp_token")
+CRITIC_ESTIMATOR_NAMES = ("gae",)
 COMPUTE_NAMES = ADVANTAGE_NAMES + TOKEN_ESTIMATOR_NAMES + ("dynamic_sampling",)
 POLICY_LOSS_NAMES = ("grpo", "ppo", "dapo", "reinforce_pp", "gspo", "cispo")
 

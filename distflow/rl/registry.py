@@ -6,8 +6,9 @@ is a config plus, at most, one registered pure function.
 
 * ``ADVANTAGE_ESTIMATORS``: outcome estimators ``fn(rewards [n], group_ids [n], **node.args)
   -> [n]`` (ACTOR COMPUTE nodes). ``GROUP_ESTIMATORS`` need ``group_size >= 2``.
-* ``TOKEN_ESTIMATORS``: estimators over per-token rewards and values (``gae``), run where
-  the critic's values are (the trainer group).
+* ``TOKEN_ESTIMATORS``: estimators over per-token rewards (the outcome on the last token, minus
+  the KL with ``kl_in_reward``), run on the trainer group: ``gae`` (and the critic's values),
+  ``reinforce_pp_token`` (discounted returns; the trainer whitens them over the whole step).
 * ``POLICY_LOSSES``: ``fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high,
   **finish_loss keywords) -> (loss, metrics)`` (ACTOR MODEL_TRAIN nodes).
 * ``VALUE_LOSSES``: CRITIC MODEL_TRAIN nodes.
@@ -22,8 +23,8 @@ from typing import Any, Callable, Mapping
 
 from torch import Tensor
 
-from distflow.rl.advantages import (group_advantages, nonconstant_groups, reinforce_pp_advantages,
-                                    reinforce_pp_baseline_advantages, rloo_advantages)
+from distflow.rl.advantages import (discounted_returns, group_advantages, nonconstant_groups,
+                                    reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages)
 from distflow.rl.gae import compute_gae, value_loss
 from distflow.rl.losses import cispo_loss, gspo_loss, policy_loss
 
@@ -48,6 +49,7 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 TOKEN_ESTIMATORS: dict[str, Callable[..., Any]] = {
     "gae": compute_gae,  # fn(token_rewards [B, T], values [B, T], mask [B, T], gamma, lam) -> (adv, returns)
+    "reinforce_pp_token": discounted_returns,  # fn(token_rewards [B, T], mask [B, T], gamma) -> returns [B, T]
 }
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {

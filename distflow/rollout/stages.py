@@ -232,8 +232,8 @@ def reward_model(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | N
 
 def _estimate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> SampleBatch:
     if node.fn in TOKEN_ESTIMATORS:
-        raise StageError(f"workflow node {node.id!r}: {node.fn!r} needs the critic's values and runs on the "
-                         f"trainer group (add the CRITIC MODEL_INFERENCE node to its deps)")
+        raise StageError(f"workflow node {node.id!r}: {node.fn!r} is a token-level estimator and runs on the "
+                         f"trainer group (key 'group')")
     adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", outcome_rewards(batch, ctx.cfg),
                              group_index(batch.prompt_ids), batch.tensors["response_lens"], node.args)
     batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))

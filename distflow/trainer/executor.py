@@ -11,10 +11,10 @@ Stages: ``stage(node, ctx, batch) -> dict of metrics`` (may add fields to ``batc
 
 * REFERENCE MODEL_INFERENCE -> ``ctx.actor.reference_logprobs`` (``ref_logprobs``);
 * CRITIC MODEL_INFERENCE -> ``ctx.critic.values`` (``values``);
-* ACTOR COMPUTE -> ``gae`` (per-token rewards: the shaped outcome on the last token, minus
-  ``kl_coef`` x KL with ``kl_in_reward``; advantages whitened over the whole step), or an
-  outcome estimator computed over the WHOLE step (rewards gathered from every rank, so
-  group baselines and REINFORCE++'s global normalisation see all samples);
+* ACTOR COMPUTE -> ``gae`` or ``reinforce_pp_token`` (per-token rewards: the shaped outcome on
+  the last token, minus ``kl_coef`` x KL with ``kl_in_reward``; advantages whitened over the
+  whole step), or an outcome estimator computed over the WHOLE step (rewards gathered from
+  every rank, so group baselines and REINFORCE++'s global normalisation see all samples);
 * REWARD MODEL_INFERENCE -> a learned reward model (:mod:`distflow.rl.reward_model`);
 * ACTOR MODEL_TRAIN -> ``ctx.actor.update``; CRITIC MODEL_TRAIN -> ``ctx.critic.update``
   (metrics prefixed ``critic_``).
@@ -125,6 +125,43 @@ def reward_model(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) ->
     return {}
 
 
+def _token_rewards(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [B, T] of a token-level estimator: the shaped outcome on the last response
+    token, minus ``kl_coef`` x KL(old || ref) per token with ``kl_in_reward``."""
+    cfg = ctx.cfg
+    lens = batch.tensors["response_lens"]
+    kl = None
+    if cfg.kl_in_reward and cfg.kl_coef > 0 and len(batch):
+        if "ref_logprobs" not in batch.tensors:  # the config puts a REFERENCE node before it; never silently no KL
+            raise ValueError(f"workflow node {node.id!r}: kl_in_reward needs the reference logprobs, but no "
+                             f"REFERENCE MODEL_INFERENCE node ran before it on the trainer group")
+        old = batch.tensors.get("old_logprobs")
+        old = batch.tensors["logprobs"] if old is None else old
+        kl = kl_estimate(padded(old.float(), lens)[0], padded(batch.tensors["ref_logprobs"].float(), lens)[0],
+                         cfg.kl_reward_estimator)
+    outcome = outcome_rewards(batch, cfg) if len(batch) else torch.zeros(0)
+    return token_rewards(outcome, mask, kl, cfg.kl_coef if kl is not None else 0.0)
+
+
+def _whiten_tokens(ctx: TrainerContext, batch: SampleBatch, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """adv [B, T] whitened (unbiased) over the tokens the loss trains on, of every rank of the step
+    (overlong: mask leaves some out); masked positions 0. A collective: every rank calls it."""
+    m = mask & trained_samples(batch, ctx.cfg)[:, None]
+    n, s, ss = ctx.reduce([float(m.sum()), float(adv[m].sum()), float((adv[m].double() ** 2).sum())])
+    if n <= 1:
+        return adv
+    mean = s / n
+    var = max(ss / n - mean * mean, 0.0) * n / (n - 1)
+    return torch.where(mask, (adv - mean) / (var ** 0.5 + 1e-8), 0.0)
+
+
+def _set_token_advantages(batch: SampleBatch, ctx: TrainerContext, adv: torch.Tensor, mask: torch.Tensor) -> None:
+    adv = mask_truncated(adv, batch, ctx.cfg)
+    batch.set_ragged("token_advantages", flat(adv, mask).float())
+    batch.set_scalar("advantage", adv.sum(1) / torch.clamp(mask.sum(1), min=1))
+
+
 def gae(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     """PPO's advantages: ``token_advantages`` and ``returns`` (ragged) from rewards and values.
     ``node.args``: ``gamma``, ``lam`` (default: the config's), ``whiten`` (default true:
@@ -133,30 +170,34 @@ def gae(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str
     if "values" not in batch.tensors:
         raise ValueError(f"workflow node {node.id!r}: gae needs the critic's 'values' (a CRITIC MODEL_INFERENCE "
                          f"node among its deps)")
-    lens = batch.tensors["response_lens"]
-    values, mask = padded(batch.tensors["values"].float(), lens)
-    kl = None
-    if cfg.kl_in_reward and cfg.kl_coef > 0 and "ref_logprobs" in batch.tensors and len(batch):
-        old = batch.tensors.get("old_logprobs")
-        old = batch.tensors["logprobs"] if old is None else old
-        kl = kl_estimate(padded(old.float(), lens)[0], padded(batch.tensors["ref_logprobs"].float(), lens)[0],
-                         cfg.kl_reward_estimator)
-    outcome = outcome_rewards(batch, cfg) if len(batch) else torch.zeros(0)
-    rewards = token_rewards(outcome, mask, kl, cfg.kl_coef if kl is not None else 0.0)
-    fn = TOKEN_ESTIMATORS[node.fn]
-    adv, ret = fn(rewards, values, mask, float(node.args.get("gamma", cfg.gamma)), float(node.args.get("lam", cfg.lam)))
-    if node.args.get("whiten", True):  # over the tokens the loss trains on (overlong: mask leaves some out)
-        m = mask & trained_samples(batch, cfg)[:, None]
-        n, s, ss = ctx.reduce([float(m.sum()), float(adv[m].sum()), float((adv[m].double() ** 2).sum())])
-        if n > 1:
-            mean = s / n
-            var = max(ss / n - mean * mean, 0.0) * n / (n - 1)
-            adv = torch.where(mask, (adv - mean) / (var ** 0.5 + 1e-8), 0.0)
-    adv = mask_truncated(adv, batch, cfg)
-    batch.set_ragged("token_advantages", flat(adv, mask).float())
+    values, mask = padded(batch.tensors["values"].float(), batch.tensors["response_lens"])
+    rewards = _token_rewards(node, ctx, batch, mask)
+    gamma, lam = float(node.args.get("gamma", cfg.gamma)), float(node.args.get("lam", cfg.lam))
+    adv, ret = TOKEN_ESTIMATORS["gae"](rewards, values, mask, gamma, lam)
+    if node.args.get("whiten", True):
+        adv = _whiten_tokens(ctx, batch, adv, mask)
+    _set_token_advantages(batch, ctx, adv, mask)
     batch.set_ragged("returns", flat(ret, mask).float())
-    batch.set_scalar("advantage", adv.sum(1) / torch.clamp(mask.sum(1), min=1))
     return {}
+
+
+def reinforce_pp_token(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
+    """REINFORCE++ over per-token rewards (OpenRLHF's ``reinforce_plus_plus``): each token's advantage
+    is its discounted return ``G_t = r_t + gamma G_{t+1}`` of the token rewards (the outcome on the
+    last token, minus ``kl_coef`` x KL per token with ``kl_in_reward``), whitened over every trained
+    token of the step (all ranks). No critic. ``node.args``: ``gamma`` (default: the config's),
+    ``whiten`` (default true)."""
+    lens = batch.tensors["response_lens"]
+    mask = padded(torch.zeros(int(lens.sum())), lens)[1]
+    rewards = _token_rewards(node, ctx, batch, mask)
+    adv = TOKEN_ESTIMATORS["reinforce_pp_token"](rewards, mask, float(node.args.get("gamma", ctx.cfg.gamma)))
+    if node.args.get("whiten", True):
+        adv = _whiten_tokens(ctx, batch, adv, mask)
+    _set_token_advantages(batch, ctx, adv, mask)
+    return {}
+
+
+TOKEN_STAGES: dict[str, Stage] = {"gae": gae, "reinforce_pp_token": reinforce_pp_token}
 
 
 def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
@@ -178,8 +219,8 @@ def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: Sam
 
 @register_stage("ACTOR", "COMPUTE")
 def advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
-    if node.fn in TOKEN_ESTIMATORS:
-        return gae(node, ctx, batch)
+    if node.fn in TOKEN_STAGES:
+        return TOKEN_STAGES[node.fn](node, ctx, batch)
     return global_outcome_advantage(node, ctx, batch)
 
 
