@@ -2,7 +2,9 @@
 refuse before any node starts, each as one :class:`ConfigError` naming the key (exit 2), instead
 of a node failing after start-up (and being restarted, failing the same way):
 
-- the workflow's functions (rewards, estimators, losses) resolve: :func:`check_functions`;
+- the workflow's functions (rewards, estimators, losses) resolve, and a dotted one takes its
+  node's ``args`` (the config checks the built-ins': :mod:`distflow.rl.node_args`):
+  :func:`check_functions`;
 - the prompt set opens as a rollout node opens it, and the rows the run reads first are usable
   (JSON objects with ``prompt_key`` and what the rewards read): :func:`check_dataset`;
 - ``model_path`` is a Hugging Face model and tokenizer directory: :func:`model_dir_problem`;
@@ -32,6 +34,7 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
     resolver's error (with a did-you-mean). A node process checks its own pipeline's: a host
     need not have the packages of the stages other hosts run."""
     from distflow.rl.names import COMPUTE_NAMES, POLICY_LOSS_NAMES
+    from distflow.rl.node_args import FN_ARGS, check_signature_args
     from distflow.rollout.rewards import resolve_reward, reward_keys, reward_row_check
 
     def check(names: tuple[str, ...], fn: str, what: str) -> None:
@@ -47,8 +50,15 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
                 fn = resolve_reward(node.fn)
                 reward_keys(fn, node.fn)
                 reward_row_check(fn, node.fn)
+                if node.fn not in FN_ARGS:  # fn(response, row, **args)
+                    check_signature_args(fn, 2, node.args, f"reward {node.fn!r}")
             elif kind == ("ACTOR", "COMPUTE"):
                 check(COMPUTE_NAMES, node.fn, "advantage estimator")
+                if node.fn not in FN_ARGS:  # fn(rewards, group_ids, **args)
+                    from distflow.rl.registry import ADVANTAGE_ESTIMATORS, resolve
+
+                    fn = resolve(ADVANTAGE_ESTIMATORS, node.fn, "advantage estimator")
+                    check_signature_args(fn, 2, node.args, f"advantage estimator {node.fn!r}")
             elif kind == ("ACTOR", "MODEL_TRAIN"):
                 check(POLICY_LOSS_NAMES, node.fn, "policy loss")
         except Exception as e:

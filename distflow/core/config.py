@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, _suggest, load_workflow, plan
 from distflow.rl.names import (LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS, SURROGATE_LOSS_NAMES,  # torch-free names
                                TOKEN_ESTIMATOR_NAMES)
+from distflow.rl.node_args import check_node_args  # torch-free
 
 
 RESERVED_GROUPS = ("rollout", "trainer", "controller")
@@ -219,6 +220,8 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _algorithm(self) -> "Config":
         group_estimators = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # = distflow.rl.GROUP_ESTIMATORS
+        for n in self.workflow:  # what each stage reads of its node's args (a dotted fn: preflight)
+            check_node_args(n, type(self).model_fields)
         for n in self.workflow:
             if n.type.value == "COMPUTE" and n.fn in group_estimators and self.group_size < 2:
                 raise ValueError(f"group_size: {self.group_size} gives workflow node {n.id!r} ({n.fn}, a group "

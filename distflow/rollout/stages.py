@@ -255,9 +255,7 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
     is biased by the filter (a policy that solves every prompt trains on few, mixed groups),
     the generated one is the policy's."""
     retries = int(node.args.get("max_retries", 2))
-    refill = node.args.get("refill", "fresh")
-    if refill not in ("fresh", "same"):
-        raise StageError(f"workflow node {node.id!r}: args.refill must be 'fresh' or 'same', got {refill!r}")
+    refill = node.args.get("refill", "fresh")  # fresh | same (the config checked it: distflow.rl.node_args)
     prefix = ctx.pipeline[:ctx.pipeline.index(node)] if node in ctx.pipeline else []
     if len(batch) and "reward" in batch.tensors:
         ctx.count("generated_samples", len(batch))
