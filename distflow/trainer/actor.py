@@ -13,8 +13,8 @@ token (and sequence) count so the DP-averaged gradient is the token mean over th
 step, however samples fall into ranks and micro-batches. Gradients are reduce-scattered
 once per step on the last micro-batch, or after every micro-batch (``grad_sync``,
 :func:`grad_sync_mode`): once per step moves the fewest bytes (one reduce-scatter, and the
-weights each backward gathered stay unsharded for the next micro-batch's forward, which then
-gathers nothing; every backward still gathers), but FSDP2 then keeps every parameter's
+weights the first forward gathered stay unsharded until the last backward: one all-gather per
+unit and optimizer step, :func:`keep_weights_gathered`), but FSDP2 then keeps every parameter's
 UNSHARDED fp32 gradient, and between micro-batches its compute-dtype weight, on every rank
 (up to 6 bytes x params per GPU in bf16, ~42 GB for a 7B model), which undoes sharding.
 
@@ -65,6 +65,17 @@ OPTIM_DIR = "optimizer"
 # grad_sync auto: reduce-scatter once per step only while that holds at most this many bytes
 # per GPU beyond sharded gradients and weights.
 GRAD_SYNC_AUTO_BYTES = 2 << 30
+
+
+def keep_weights_gathered(model: torch.nn.Module, keep: bool) -> None:
+    """Whether the FSDP2 units under ``model``'s root (the decoder layers) keep their gathered
+    weights after forward (``keep``), so that their backward, and the next micro-batch, gather
+    nothing; or reshard them, FSDP2's default. The root never reshards after forward (FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if m is not model and isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(not keep, recurse=False)
 
 
 def grad_sync_mode(setting: str, world: int, num_params: int, param_bytes: int = 2) -> tuple[str, int]:
@@ -311,9 +322,11 @@ class Actor:
         once = self.grad_sync == "step"
         keep_gathered = once and self.world > 1  # one rank gathers nothing: nothing to keep
         try:
+            if keep_gathered:  # the first forward gathers the weights; they stay until the last backward
+                keep_weights_gathered(self.model, True)
             for i, (idx, inputs) in enumerate(mbs):
                 if once:  # reduce-scatter on the last only; until then each backward leaves the weights
-                    last = i == len(mbs) - 1  # unsharded, so the next micro-batch's forward gathers nothing
+                    last = i == len(mbs) - 1  # unsharded, so no later forward or backward gathers them
                     self.model.set_requires_gradient_sync(last)
                     if keep_gathered:
                         self.model.set_reshard_after_backward(last)
@@ -346,6 +359,7 @@ class Actor:
                 self.model.set_requires_gradient_sync(True)
             if keep_gathered:
                 self.model.set_reshard_after_backward(True)
+                keep_weights_gathered(self.model, False)
         grad_norm = clip_and_step(self.model, self.optim, cfg.grad_clip, "policy")
         out = sums.all_reduce()
         for k in OPTIONAL_METRICS:  # the token-weighted mean over the ranks that reported it, else left out
