@@ -15,7 +15,7 @@ once per step on the last micro-batch, or after every micro-batch (``grad_sync``
 :func:`grad_sync_mode`): once per step moves the fewest bytes (one reduce-scatter, and the
 weights the first forward gathered stay unsharded until the last backward: one all-gather per
 unit and optimizer step, :func:`keep_weights_gathered`), but FSDP2 then keeps every parameter's
-UNSHARDED fp32 gradient, and between micro-batches its compute-dtype weight, on every rank
+UNSHARDED fp32 gradient, and from the first forward on its compute-dtype weight, on every rank
 (up to 6 bytes x params per GPU in bf16, ~42 GB for a 7B model), which undoes sharding.
 
 Micro-batches are padded (``micro_batch_size`` samples) or, with
@@ -207,7 +207,7 @@ class Actor:
                      cfg.grad_sync, extra / 2**30)
             if self.grad_sync == "step" and extra > GRAD_SYNC_AUTO_BYTES:
                 log.warning("grad_sync: step holds the full unsharded fp32 gradients and weights on every rank "
-                            "between micro-batches, %.1f GiB more per GPU; grad_sync: micro_batch keeps them sharded",
+                            "during a step, %.1f GiB more per GPU; grad_sync: micro_batch keeps them sharded",
                             extra / 2**30)
         self.pad_id = 0
         self.version = 0
