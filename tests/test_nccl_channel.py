@@ -4,8 +4,8 @@ matched is aborted and forgotten, a gap in a communicator's message indices refu
 replaces, and a post always closes its NCCL group and never has its communicator aborted
 under it (fake cupy/NCCL modules): the first tests build the channel without its constructor
 (that needs cupy and a GPU); the last runs two real channels whose NCCL pair is an in-process
-queue, so the whole protocol (init, replacement, refusals) runs on a CPU. NCCL moving real
-bytes is tested in tests/test_channels.py and tests/test_weights.py (gpu marker)."""
+queue, so the whole protocol (init, replacement, refusals) runs on a CPU; close joins the threads
+its aborts unblock and names one it cannot. NCCL moving real bytes is tested in tests/test_channels.py and tests/test_weights.py (gpu marker)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import logging
 import os
 import sys
+import threading
+import time
 import types
 from collections import Counter
 
 import pytest
 import torch
 
-from distflow.core.channels import ChannelError, Envelope, nccl_channel
+from distflow.core.channels import ChannelError, Envelope, make_channel, nccl_channel
 from distflow.core.channels.base import Endpoint
 from distflow.core.channels.nccl_channel import INIT_KIND, NcclChannel, _Comm, communicator, uid_bytes
 from distflow.core.channels.zmq_channel import PayloadError
@@ -250,6 +253,17 @@ class OnGpu(torch.Tensor):
         pass
 
 
+def fake_gpu(monkeypatch, module: FakeNcclModule) -> None:
+    """cupy, its NCCL (``module``) and CUDA as far as a real NcclChannel touches them, on a CPU."""
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda _i: contextlib.nullcontext())))
+    monkeypatch.setattr(nccl_channel, "_import_nccl", lambda: module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda _d=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+
+
 @pytest.mark.parametrize("cupy_uid", ["tuple", "bytes"])  # get_unique_id of cupy 13 / cupy >= 14
 def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_refusal_does_not(monkeypatch, cupy_uid):
     from distflow.core.channels import RemoteError, make_channel
@@ -259,13 +273,7 @@ def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_re
     module = FakeNcclModule()
     module.get_unique_id = lambda: (tuple(b - 256 if b > 127 else b for b in os.urandom(128)) if cupy_uid == "tuple"
                                     else os.urandom(128))
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
-        cuda=types.SimpleNamespace(Device=lambda _i: contextlib.nullcontext())))
-    monkeypatch.setattr(nccl_channel, "_import_nccl", lambda: module)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda _d=None: FakeStream())
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    fake_gpu(monkeypatch, module)
     monkeypatch.setattr(NcclChannel, "_make_comm", lambda self, uid, rank, made: (
         LoopbackComm(pipes.setdefault(uid, collections.deque())), FakeStream(), None))
 
@@ -308,3 +316,75 @@ def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_re
             await b.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+# ----------------------------------------------------------------------------- close joins its threads
+class AbortedSend(FakeNccl):
+    """A send blocked in NCCL until its communicator is aborted, then a moment unwinding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.unblocked, self.returned = threading.Event(), threading.Event(), threading.Event()
+
+    def send(self, ptr, count, dtype, peer, stream) -> None:
+        self.entered.set()
+        self.unblocked.wait(30)
+        time.sleep(0.5)
+        self.returned.set()
+
+    def abort(self) -> None:
+        super().abort()
+        self.unblocked.set()
+
+
+def test_close_joins_the_posts_its_aborts_unblock(monkeypatch) -> None:
+    fake_gpu(monkeypatch, FakeNcclModule())
+
+    async def main() -> None:
+        ch = make_channel("nccl", "a", SECRET, device=0, close_timeout=10.0)
+        await ch.start()
+        send = AbortedSend()
+        comm = ch._out[Endpoint("b", "127.0.0.1", 5555)] = _Comm(send, "c", FakeStream())
+        post = asyncio.ensure_future(ch._post_in_thread(comm, [torch.zeros(4, dtype=torch.uint8)], True))
+        assert await asyncio.to_thread(send.entered.wait, 10)
+        try:
+            await asyncio.wait_for(ch.close(), 20)
+            assert send.returned.is_set() and ch._threads.running() == []  # joined, not left running
+            assert send.aborts == 1 and comm.broken
+        finally:
+            send.unblocked.set()
+            await asyncio.wait_for(post, 20)
+
+    asyncio.run(main())
+
+
+def test_close_names_a_call_it_cannot_unblock_and_returns(monkeypatch, caplog) -> None:
+    """An NCCL init whose peer never joins cannot be aborted: close waits the close timeout for
+    its thread, names the call in the log, and returns."""
+    module = FakeNcclModule()
+    entered, freed = threading.Event(), threading.Event()
+
+    def never_joined(ndev, uid, rank):
+        entered.set()
+        freed.wait(30)
+        raise RuntimeError("the peer never joined")
+
+    module.NcclCommunicator = never_joined
+    fake_gpu(monkeypatch, module)
+
+    async def main() -> None:
+        ch = make_channel("nccl", "a", SECRET, device=0, close_timeout=0.3)
+        await ch.start()
+        init = asyncio.ensure_future(ch._new_comm(bytes(128), 1, "c"))
+        try:
+            assert await asyncio.to_thread(entered.wait, 10)
+            t0 = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="distflow.aio"):
+                await asyncio.wait_for(ch.close(), 20)
+            assert time.monotonic() - t0 < 10
+            assert "NcclChannel._make_comm" in caplog.text and "nccl-a" in caplog.text
+        finally:
+            freed.set()
+            await asyncio.gather(init, return_exceptions=True)
+
+    asyncio.run(main())

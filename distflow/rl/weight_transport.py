@@ -16,6 +16,19 @@ two GPU-only wire forms live here so ``weights.py`` stays about versions, not tr
   node never reads memory that was reused. Each exported block holds one count: the exporter
   exports right before the send, and the importer opens or releases every block it
   gets, the ones it drops (an old version) or fails to open included, or the block leaks.
+  The exporter gives counts back in one case only (:func:`send_ipc`): an export whose message the
+  receiving channel refused before any handler saw it (a NACK code in ``REFUSED_UNSEEN``: no
+  handler installed, a malformed message): nobody opened it and nobody will (a refused message
+  is never delivered again). Not for a peer declared dead or restarted, nor for a send that
+  timed out or was abandoned, although those counts then stay held until the trainer exits (a
+  rollout node killed while it holds a version pins those blocks): the mesh's "dead" is
+  refutable (the node may be alive, copying out of the block), and a new life does not tell
+  whose count it is: a message sent to the old life may still sit in the channel's queue (a zmq
+  DEALER delivers what it queued once the port accepts again: to the new life, whose channel
+  runs before it joins the mesh), a send that timed out may have been handled, and an ack names
+  no process. Releasing there could let the trainer reuse memory a live rollout node is loading
+  from. Lifting this needs the importer's help: exports naming the life they are for, opened by
+  that life only (another releases them unopened), and released by the exporter once it has ended.
 * ``nccl`` (different GPUs, on one host or several, with the NCCL data channel): the buckets
   stay on the GPU and go through the NCCL
   channel (``distflow/core/channels/nccl_channel.py``: one cupy communicator per direction,
@@ -38,6 +51,8 @@ import threading
 from typing import Any
 
 import torch
+
+from distflow.core.channels.base import Endpoint, RemoteError, TensorChannel
 
 TRANSPORTS = ("auto", "channel", "cuda_ipc", "nccl")
 SYNC_MODES = ("full", "delta")
@@ -213,6 +228,30 @@ def release_ipc(ipc: Any, start: int = 0) -> int:
         except Exception as e:  # noqa: BLE001 - the exporter may have exited; nothing is held then
             log.warning("cuda_ipc: could not release block %r: %s", b.get("handle"), e)
     return n
+
+
+# NACK codes a receiving channel refuses a message with before any handler saw it (message_receiver,
+# stream_receiver, payload_mac, shm and nccl channels). Listed, not "all but handler_error": a code
+# added later is then kept (a leak at worst), never released under a handler that opened it.
+REFUSED_UNSEEN = frozenset({"no_handler", "wrong_recipient", "bad_header", "bad_payload", "bad_payload_mac",
+                            "unsupported_payload", "unsupported_mac", "internal_error", "oversized",
+                            "stream_timeout", "shm_unavailable", "nccl_timeout", "nccl_aborted",
+                            "nccl_out_of_order"})
+
+
+async def send_ipc(channel: TensorChannel, peer: Endpoint, kind: str, meta: dict[str, Any], ipc: dict[str, Any],
+                   timeout: float) -> None:
+    """Send ``meta`` with the export ``ipc`` (no tensors). A refusal before any handler ran gives its
+    counts back here (the only case the exporter knows to be nobody's, see the module docstring);
+    any other outcome leaves them to the importer."""
+    try:
+        await channel.send(peer, kind, {**meta, "ipc": ipc}, {}, timeout=timeout)
+    except RemoteError as e:
+        if e.code in REFUSED_UNSEEN:
+            n = release_ipc(ipc)
+            log.warning("cuda_ipc: %s refused the export unseen (%s): released its %d block(s)", peer.node_id,
+                        e.code, n)
+        raise
 
 
 def _check_ipc(ipc: Any) -> None:

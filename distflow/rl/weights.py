@@ -55,7 +55,7 @@ import torch
 
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
 from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ipc, import_ipc,
-                                         release_ipc, spill_needed, to_host)
+                                         release_ipc, send_ipc, spill_needed, to_host)
 
 BUCKET_BYTES = 64 << 20
 MAX_DELTA_LAG = 8
@@ -611,10 +611,10 @@ class WeightPublisher:
 
     async def _send_bucket(self, endpoint: Endpoint, tier: str, meta: dict[str, Any],
                            part: dict[str, torch.Tensor]) -> None:
-        if tier == "cuda_ipc":  # exported right before the send: a send cancelled before it began holds no
-            meta = {**meta, "ipc": export_ipc(part)}  # IPC count (one that reached the peer is released there)
-            part = {}
-        await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
+        if tier == "cuda_ipc":  # exported right before the send (one cancelled before it began holds no IPC count;
+            await send_ipc(self.channel, endpoint, "weights", meta, export_ipc(part), self.timeout)  # one that
+        else:  # reached the peer is released there, one refused before any handler saw it by send_ipc)
+            await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
 
     async def flush(self, timeout: float) -> None:
         """Wait (bounded) until every alive peer has the newest version."""

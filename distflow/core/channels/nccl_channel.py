@@ -20,7 +20,8 @@ deadlock. Posting still runs in a worker thread under ``nccl_timeout``, so no NC
 can freeze the event loop. These threads are the channel's own daemon threads
 (:class:`~distflow.core.aio.DaemonThreadPool`): an init whose peer never joins cannot be aborted
 and blocks its thread until the process exits, but it takes none of the node's worker threads
-and does not hold the process at exit.
+and does not hold the process at exit. ``close`` aborts every communicator, then joins these
+threads for at most the close timeout and names, in the log, the calls still running.
 
 Each communicator has its own CUDA stream on the channel's device (``device``, else
 :func:`distflow.device.node_device`), so NCCL traffic neither queues behind nor holds up
@@ -168,7 +169,7 @@ class NcclChannel(ShmChannel):
         # NCCL calls that may block on a peer run in threads of their own: one stuck until its
         # process exits (an init whose peer never joined cannot be aborted) takes none of the
         # node's worker threads and does not keep the process from exiting
-        self._threads = DaemonThreadPool(name=f"nccl-{node_id}")
+        self._threads = DaemonThreadPool(name=f"nccl-{node_id}", grace_s=self._close_timeout)
         super().set_handler(self._dispatch)
 
     def set_handler(self, handler: Handler) -> None:
@@ -177,13 +178,17 @@ class NcclChannel(ShmChannel):
         self._user_handler = handler
 
     async def close(self) -> None:
+        if self._closed:
+            return
         await super().close()
         for c in [*self._out.values(), *self._in.values()]:
             c.abort(force=True)  # not destroy(): that waits for unmatched calls of a peer that may be gone;
             # forced: a post hanging in NCCL would otherwise keep its worker thread (and exit) waiting
         self._out.clear()
         self._in.clear()
-        self._threads.shutdown(wait=False)
+        # The posts those aborts unblocked return now: wait for them (off the loop), at most the close
+        # timeout; any call still running then is named in the log (e.g. an init whose peer never joined)
+        await asyncio.to_thread(self._threads.shutdown)
 
     def _in_thread(self, fn: Any, *args: Any) -> asyncio.Future:
         if self._closed:
