@@ -310,19 +310,52 @@ def test_gae_stage_by_hand() -> None:
     assert torch.allclose(b.tensors["returns"], torch.tensor([0.75, 1.0]))
 
 
+def other_rank(tokens: list[float]):
+    """The trainer group's all-reduce as if a second rank held ``tokens`` (trained token advantages):
+    whitening reduces (count, sum), then the squared deviations from the global mean."""
+    mean: list[float] = []
+
+    def all_reduce(v: list[float]) -> list[float]:
+        if len(v) == 2:
+            n, s = v[0] + len(tokens), v[1] + sum(tokens)
+            mean.append(s / n)
+            return [n, s]
+        return [v[0] + sum((x - mean[-1]) ** 2 for x in tokens)]
+    return all_reduce
+
+
 def test_gae_whitening_is_over_every_rank() -> None:
     cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0)
     node = load_workflow([{**PPO_WF[4], "args": {}}])[0]
     b = one_sample(values=[0.5, 0.25], reward=[1.0])
-    # another rank contributes 2 tokens with advantages summing to 1.0 and squares to 2.5: n = 4,
+    # another rank contributes 2 tokens, 1.5 and -0.5 (sum 1.0, squares 2.5): n = 4,
     # sum = 0.5 + 0.75 + 1 = 2.25, sum sq = 0.25 + 0.5625 + 2.5 = 3.3125
-    other = [2.0, 1.0, 2.5]
-    ctx = TrainerContext(cfg, all_reduce=lambda v: [a + b for a, b in zip(v, other)])
-    run_trainer_pipeline([node], ctx, b)
+    run_trainer_pipeline([node], TrainerContext(cfg, all_reduce=other_rank([1.5, -0.5])), b)
     mean = 2.25 / 4
     std = math.sqrt((3.3125 / 4 - mean ** 2) * 4 / 3)
     assert torch.allclose(b.tensors["token_advantages"], torch.tensor([(0.5 - mean) / std, (0.75 - mean) / std]),
                           atol=1e-5)
+
+
+def test_token_whitening_keeps_a_tiny_spread() -> None:
+    """Returns of 1 + a spread of 1e-3 or 1e-5 (a step where every sample is right, the KL's noise
+    on top) whiten as verl does, (a - mean) * rsqrt(var + 1e-8) in fp64: unit variance, or at most
+    1e4 x. A one-pass fp32 E[a^2] - mean^2 cancelled to 0 and scaled the noise by 1e8."""
+    from distflow.trainer.executor import _whiten_tokens
+
+    cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0)
+    b = SampleBatch.from_lists([f"s{i}" for i in range(64)], [f"p{i}" for i in range(64)], [[1]] * 64,
+                               [[2, 3, 4]] * 64, [[-1.0] * 3] * 64)
+    mask = torch.ones(64, 3, dtype=torch.bool)
+    for spread, std in ((1e-3, 1.0), (1e-5, 0.0995)):
+        adv = 1.0 + spread * torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+        out = _whiten_tokens(TrainerContext(cfg), b, adv, mask).double()
+        a = adv.double()
+        expect = (a - a.mean()) * torch.rsqrt(a.var() + 1e-8)
+        assert torch.allclose(out, expect, atol=1e-4), spread
+        assert float(out.std()) == pytest.approx(std, rel=0.05), spread  # the sample spread is not exact
+    same = _whiten_tokens(TrainerContext(cfg), b, torch.ones(64, 3), mask)  # no spread: centred, not blown up
+    assert float(same.abs().max()) == 0.0
 
 
 def test_trainer_outcome_estimator_sees_the_whole_step() -> None:
@@ -382,7 +415,7 @@ def test_reinforce_pp_token_stage_by_hand() -> None:
     assert "returns" not in b.tensors  # no critic to train
     # whitened with another rank's 2 tokens (sum 1.0, squares 2.5): n = 4, sum 2.0, sum sq 3.5
     b = one_sample(reward=[1.0], ref_logprobs=[-2.0, -1.0])
-    ctx = TrainerContext(cfg, all_reduce=lambda v: [a + o for a, o in zip(v, [2.0, 1.0, 2.5])])
+    ctx = TrainerContext(cfg, all_reduce=other_rank([1.5, -0.5]))
     run_trainer_pipeline([cfg.plan().node("advantage")], ctx, b)
     mean = 2.0 / 4
     std = math.sqrt((3.5 / 4 - mean ** 2) * 4 / 3)
@@ -390,9 +423,10 @@ def test_reinforce_pp_token_stage_by_hand() -> None:
     # an empty rank still joins the reduce and sets empty fields
     calls: list[list[float]] = []
     e = SampleBatch.from_lists([], [], [], [], [])
-    run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg, all_reduce=lambda v: calls.append(v)
-                                                                         or v), e)
-    assert calls == [[0.0, 0.0, 0.0]] and e.tensors["token_advantages"].numel() == 0
+    two = other_rank([1.5, -0.5])
+    run_trainer_pipeline([cfg.plan().node("advantage")],
+                         TrainerContext(cfg, all_reduce=lambda v: calls.append(list(v)) or two(v)), e)
+    assert calls == [[0.0, 0.0], [0.0]] and e.tensors["token_advantages"].numel() == 0
 
 
 def test_reinforce_pp_token_without_kl_is_the_outcome_estimator() -> None:
@@ -425,6 +459,11 @@ def test_token_level_estimators_are_placed_on_the_trainer() -> None:
                                           r"runs after it"):
         make_cfg(workflow=late_ref, kl_in_reward=True, kl_coef=0.1)
     make_cfg(workflow=late_ref, kl_coef=0.1)  # a KL loss term reads it in the update: fine
+    # DAPO's filter regenerates prompts: after a token-level estimator it would land on the trainer
+    filt = {"id": "filter", "role": "ACTOR", "type": "COMPUTE", "fn": "dynamic_sampling", "deps": ["advantage"]}
+    with pytest.raises(ConfigError, match=r"workflow node 'filter': dynamic_sampling regenerates prompts, so it runs "
+                                          r"on the rollout group, not on 'trainer'"):
+        make_cfg(workflow=[GEN, REWARD, {**RPP_TOKEN, "deps": ["reward"]}, filt, {**UPDATE, "deps": ["filter"]}])
     # and the trainer stage never trains a KL-in-reward run without the KL
     cfg = make_cfg(workflow=RPP_WF, kl_in_reward=True, kl_coef=0.5)
     with pytest.raises(ValueError, match=r"workflow node 'advantage': kl_in_reward needs the reference logprobs"):

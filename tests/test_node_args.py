@@ -29,6 +29,10 @@ def centred(rewards, group_ids, *, shift: float = 0.0):
     return rewards - rewards.mean() + shift
 
 
+def varargs_reward(*parts, scale: float = 1.0) -> float:
+    return scale
+
+
 def cfg_with(workflow, **kw):
     return config_from_dict({"model_path": "unused", "dataset": "unused.jsonl", "prompts_per_step": 2,
                              "group_size": 2, "max_new_tokens": 3, "workflow": copy.deepcopy(workflow), **kw})
@@ -41,12 +45,12 @@ def with_args(node: dict, **args) -> dict:
 @pytest.mark.parametrize("workflow, message", [
     ([GEN, REWARD, ADV, with_args(UPDATE, clip_high=0.28)],
      r"workflow node 'update' \(grpo\): args.clip_high is not an argument of this stage \('clip_high' is a config "
-     r"key: set it at the top level of the config\); it reads no args"),
+     r"key, set at the top level for the whole run\); it reads no args"),
     ([GEN, REWARD, with_args(ADV, std=False), UPDATE],
      r"workflow node 'advantage' \(grpo\): args.std is not an argument of this stage; it reads eps, norm_std"),
     ([GEN, REWARD, with_args(ADV, norm_std="no"), UPDATE],
      r"workflow node 'advantage' \(grpo\): args.norm_std must be true or false \(got 'no'\)"),
-    ([GEN, REWARD, with_args(ADV, eps=0), UPDATE], r"args.eps must be > 0 \(got 0\)"),
+    ([GEN, REWARD, with_args(ADV, eps=-1e-6), UPDATE], r"args.eps must be >= 0 \(got -1e-06\)"),
     ([with_args(GEN, temperature=0.7), REWARD, ADV, UPDATE],
      r"workflow node 'generate' \(generate\): args.temperature is not an argument of this stage \('temperature' "
      r"is a config key"),
@@ -89,6 +93,9 @@ def test_dotted_functions_are_checked_against_their_signature() -> None:
     with pytest.raises(ConfigError, match=r"workflow node 'reward': reward 'tests.test_node_args:scaled_reward': its "
                                           r"args do not fit its signature .*'scal'.*; it takes scale"):
         check_functions(cfg_with([GEN, with_args(reward, scal=2.0), ADV, UPDATE]))
+    odd = {**REWARD, "fn": "tests.test_node_args:varargs_reward"}  # (*parts, scale): scale is its keyword
+    with pytest.raises(ConfigError, match=r"its args do not fit its signature .*'scal'.*; it takes scale$"):
+        check_functions(cfg_with([GEN, with_args(odd, scal=2.0), ADV, UPDATE]))
     adv = {**ADV, "fn": "tests.test_node_args:centred"}
     check_functions(cfg_with([GEN, REWARD, with_args(adv, shift=1.0), UPDATE]))
     with pytest.raises(ConfigError, match=r"workflow node 'advantage': advantage estimator "

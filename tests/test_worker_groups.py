@@ -67,7 +67,7 @@ def test_idle_group_single_controller_and_dynamic_sampling_are_refused():
     raw["workflow"].insert(3, {"id": "filter", "role": "ACTOR", "type": "COMPUTE", "fn": "dynamic_sampling",
                                "deps": ["rm"]})
     raw["workflow"][4]["deps"] = ["filter"]  # the estimator after the filter, as in DAPO
-    with pytest.raises(ConfigError, match=r"'filter': dynamic_sampling .* not on worker group 'reward'"):
+    with pytest.raises(ConfigError, match=r"'filter': dynamic_sampling .* not on 'reward'"):
         config_from_dict(raw)
 
 

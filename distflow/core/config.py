@@ -319,15 +319,16 @@ class Config(BaseModel):
                 seen_reference = seen_reference or n.role.value == "REFERENCE"
                 if n.type.value == "COMPUTE" and n.fn in TOKEN_ESTIMATOR_NAMES and not seen_reference:
                     raise ValueError(f"kl_in_reward: workflow node {n.id!r} ({n.fn}) puts the KL into per-token "
-                                     "rewards, but the REFERENCE MODEL_INFERENCE node runs after it; add the "
-                                     f"reference node to its deps (key 'deps')")
+                                     "rewards, but the REFERENCE MODEL_INFERENCE node runs after it; make the "
+                                     "reference depend on generate only, and add it to this node's deps (key 'deps')")
         for g in self.worker_groups:
             if not p.pipeline(g):
                 raise ValueError(f"worker_groups: group {g!r} runs no workflow node (give a node `group: {g}`)")
-            for n in p.pipeline(g):
-                if n.fn == "dynamic_sampling":
-                    raise ValueError(f"workflow node {n.id!r}: dynamic_sampling regenerates prompts, so it runs on "
-                                     f"the rollout group, not on worker group {g!r} (key 'group')")
+        for n in p.nodes:
+            if n.fn == "dynamic_sampling" and p.group_of[n.id] != "rollout":
+                raise ValueError(f"workflow node {n.id!r}: dynamic_sampling regenerates prompts, so it runs on the "
+                                 f"rollout group, not on {p.group_of[n.id]!r} (key 'group', or its deps: it runs where "
+                                 "they are)")
         return self
 
     # -- derived quantities (the only place they are computed) ---------------------

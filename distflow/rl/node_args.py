@@ -58,7 +58,7 @@ def _path(v: Any) -> str | None:
     return None if isinstance(v, str) and v.strip() else "must be a non-empty path"
 
 
-_EPS = {"eps": _number(0, above=True)}
+_EPS = {"eps": _number(0)}
 _DISCOUNT = {"gamma": _number(0, 1), "whiten": _flag}
 
 # (role, type) -> the keys its stage reads, whatever the fn (the stages without an fn table).
@@ -113,7 +113,8 @@ def check_node_args(node: Any, config_keys: Collection[str] = ()) -> None:
             takes = f"it reads {', '.join(sorted(allowed))}" if allowed else "it reads no args"
             close = difflib.get_close_matches(str(key), list(allowed), n=1)
             hint = (f" (did you mean {close[0]!r}?)" if close else
-                    f" ({key!r} is a config key: set it at the top level of the config)" if key in config_keys else "")
+                    f" ({key!r} is a config key, set at the top level for the whole run)" if key in config_keys
+                    else "")
             raise ValueError(f"{what}: args.{key} is not an argument of this stage{hint}; {takes}")
         problem = allowed[key](value)
         if problem:
@@ -130,7 +131,7 @@ def check_signature_args(fn: Callable[..., Any], leading: int, args: Mapping[str
     try:
         sig.bind(*([None] * leading), **args)
     except TypeError as e:
-        params = [p.name for p in list(sig.parameters.values())[leading:]
-                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        params = [p.name for i, p in enumerate(sig.parameters.values())
+                  if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and i >= leading)]
         takes = f"it takes {', '.join(params)}" if params else "it takes no keyword arguments"
         raise ValueError(f"{what}: its args do not fit its signature ({e}); {takes}") from None
