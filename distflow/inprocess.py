@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from distflow.core.aio import run_loop
 from distflow.core.auth import new_secret
 from distflow.core.config import Config
+from distflow.launcher import STOP_SIGNALS, catch_stop_signals, restore_signals, resume_hint, signum_of, stop_name
 from distflow.placement import GPU_NODES_ENV
 
 log = logging.getLogger(__name__)
@@ -32,74 +34,113 @@ async def _run(cfg: Config) -> int:
 
     torch.set_num_threads(cfg.torch_threads)
     secret = new_secret()
-    trainer = Runtime.create(cfg, "trainer", "trainer-0", secret, host=cfg.bind_host, port=0, data_port=0, seeds=[])
-    await trainer.start()
-    rollouts = [Runtime.create(cfg, "rollout", f"rollout-{i}", secret, host=cfg.bind_host, port=0, data_port=0,
-                               seeds=[trainer.node.address]) for i in range(cfg.rollout_nodes)]
-    controllers = [Runtime.create(cfg, "controller", "controller-0", secret, host=cfg.bind_host, port=0,
-                                  data_port=0, seeds=[trainer.node.address])] if cfg.controller == "single" else []
-    workers = [Runtime.create(cfg, g, f"{g}-{i}", secret, host=cfg.bind_host, port=0, data_port=0,
-                              seeds=[trainer.node.address]) for g, n in cfg.worker_groups.items() for i in range(n)]
-    for rt in rollouts + controllers + workers:
-        await rt.start()
-    trainer_task = asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")
-    producers = {asyncio.create_task(run_controller(rt), name="controller-0-loop") for rt in controllers}
-    producers |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
-    producers |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
-    tasks = {trainer_task, *producers}
+    # Until here a stop signal raised KeyboardInterrupt (run_in_process: catch_stop_signals), which
+    # ends the imports at once; from here on the loop handles it, and the runtimes started stop.
+    tasks: set[asyncio.Task] = set()
     interrupted = _on_interrupt(asyncio.get_running_loop(), tasks)
-    watch = asyncio.create_task(interrupted.wait(), name="in-process-interrupt")
-    code = 0
+    started: list[Runtime] = []
     try:
-        pending = set(tasks) | {watch}
+        trainer = Runtime.create(cfg, "trainer", "trainer-0", secret, host=cfg.bind_host, port=0, data_port=0,
+                                 seeds=[])
+        await trainer.start()
+        started.append(trainer)
+
+        def joining(role: str, node_id: str) -> Runtime:
+            return Runtime.create(cfg, role, node_id, secret, host=cfg.bind_host, port=0, data_port=0,
+                                  seeds=[trainer.node.address])
+
+        rollouts = [joining("rollout", f"rollout-{i}") for i in range(cfg.rollout_nodes)]
+        controllers = [joining("controller", "controller-0")] if cfg.controller == "single" else []
+        workers = [joining(g, f"{g}-{i}") for g, n in cfg.worker_groups.items() for i in range(n)]
+        for rt in rollouts + controllers + workers:
+            await rt.start()
+            started.append(rt)
+        if interrupted.is_set():  # during start-up: no role has begun, nothing to save
+            log.warning("interrupted during start-up; stopping")
+            return 128 + interrupted.signum
+        trainer_task = asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")
+        producers = {asyncio.create_task(run_controller(rt), name="controller-0-loop") for rt in controllers}
+        producers |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
+        producers |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
+        tasks |= {trainer_task, *producers}
+        return await _supervise(cfg, interrupted, trainer_task, producers, rollouts + controllers + workers)
+    finally:
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        for rt in started[1:] + started[:1]:  # the trainer last
+            await rt.stop()
+
+
+async def _supervise(cfg: Config, interrupted: _Interrupt, trainer_task: asyncio.Task,
+                     producers: set[asyncio.Task], producer_rts: list) -> int:
+    """Wait for the run to end; returns the exit status. On the first stop signal the producers
+    leave, as a cluster's on Ctrl-C, and the trainer saves a checkpoint at its last completed step,
+    given up to step_timeout_s (as `distflow run` gives the trainers)."""
+    watch = asyncio.create_task(interrupted.wait(), name="in-process-interrupt")
+    loop = asyncio.get_running_loop()
+    code, deadline = 0, None
+    try:
+        pending = {trainer_task, *producers, watch}
         while pending - {watch}:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                log.error("the trainer did not stop within %.0fs of the interrupt (step_timeout_s); stopping it",
+                          cfg.step_timeout_s)
+                break
             if watch in done:  # as a cluster's Ctrl-C: the producers leave, the trainer saves a checkpoint
-                log.warning("interrupted: stopping the rollout nodes; the trainer saves a checkpoint (Ctrl-C again "
-                            "to stop at once)")
+                log.warning("interrupted (%s): stopping the rollout nodes; the trainer saves a checkpoint (%s "
+                            "again to stop at once)", interrupted.name, interrupted.name)
                 for t in producers:
                     t.cancel()
                 await asyncio.wait(producers, timeout=10)
-                for rt in [*rollouts, *controllers, *workers]:
+                for rt in producer_rts:
                     await rt.stop()  # they leave the mesh: the trainer stops at its last completed step
                 pending -= {watch, *producers}
-                code = 130
+                code, deadline = 128 + interrupted.signum, loop.time() + cfg.step_timeout_s
                 continue
             failed = [t for t in done if not t.cancelled() and t.exception() is not None]
             if failed:
                 t = failed[0]
                 log.error("%s failed: %s", t.get_name(), t.exception(), exc_info=t.exception())
-                code = 1
-                break
-            if trainer_task.cancelled() and code == 130:  # a second Ctrl-C
+                return 1
+            if trainer_task.cancelled() and code:  # a second signal
                 break
     finally:
         watch.cancel()
-        for t in tasks:
-            t.cancel()
-        await asyncio.wait(tasks, timeout=10)
-        for rt in [*rollouts, *controllers, *workers, trainer]:
-            await rt.stop()
     return code
 
 
-def _on_interrupt(loop: asyncio.AbstractEventLoop, tasks: set[asyncio.Task]) -> asyncio.Event:
-    """SIGINT/SIGTERM: the first sets the returned event (a graceful stop), a second cancels
-    every task. Where signals cannot be handled (not the main thread) the event never fires."""
-    import signal
+class _Interrupt(asyncio.Event):
+    """Set by the first stop signal; ``signum`` is that signal's number."""
 
-    event = asyncio.Event()
+    signum = 0
 
-    def on_signal() -> None:
+    @property
+    def name(self) -> str:
+        return stop_name(self.signum)
+
+
+def _on_interrupt(loop: asyncio.AbstractEventLoop, tasks: set[asyncio.Task]) -> _Interrupt:
+    """SIGINT, SIGTERM, SIGHUP (as `distflow run`'s :data:`distflow.launcher.STOP_SIGNALS`): the
+    first sets the returned event (a graceful stop), a second cancels every task of ``tasks``.
+    Where signals cannot be handled (not the main thread) the event never fires."""
+    event = _Interrupt()
+
+    def on_signal(sig: int) -> None:
         if event.is_set():
             for t in tasks:
                 t.cancel()
+        else:
+            event.signum = sig
         event.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in ("SIGINT", *STOP_SIGNALS):
         try:
-            loop.add_signal_handler(sig, on_signal)
-        except (NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(getattr(signal, sig), on_signal, getattr(signal, sig))
+        except (NotImplementedError, RuntimeError, ValueError, AttributeError):
             pass
     return event
 
@@ -137,9 +178,16 @@ def run_in_process(cfg: Config) -> int:
     except ValueError as e:
         print(f"distflow run --in-process: {e}", file=sys.stderr)
         return 2
-    code = run_loop(_run(cfg), exit_if_stuck=True)
-    if code == 130:
-        from distflow.launcher import resume_hint  # noqa: PLC0415
-
+    # Until the loop handles them (_on_interrupt), and after: SIGINT too, or asyncio's runner would
+    # defer a Ctrl-C during the imports to their end.
+    previous = catch_stop_signals(("SIGINT", *STOP_SIGNALS))
+    try:
+        code = run_loop(_run(cfg), exit_if_stuck=True)
+    except KeyboardInterrupt as why:  # before the loop handled the signal: no node is up
+        code = 128 + signum_of(why)
+        print(f"distflow: interrupted ({stop_name(signum_of(why))}) before the nodes started", file=sys.stderr)
+    finally:
+        restore_signals(previous)
+    if code > 128:
         print(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}", file=sys.stderr)
     return code

@@ -17,7 +17,8 @@ by tailing the ``metrics.jsonl`` that trainer rank 0 writes, and supervises like
   SIGKILL); before the first step has completed there is nothing to save: every node stops at once;
 - a node that exits 2 (a configuration or data error: a restart would fail the same way) is
   not restarted: the run stops, naming it;
-- on Linux each node gets SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``), even by SIGKILL.
+- on Linux each node gets SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``), even by SIGKILL:
+  the node asks for it first thing (:func:`die_with_launcher`), not a ``preexec_fn`` in the launcher.
 
 Inputs that cannot work are refused before any node starts (:func:`prepare`, exit 2): the
 prompt set (read the way the rollout nodes read it), the model directory, ``resume_from``
@@ -51,56 +52,74 @@ T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the star
 CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (distflow.cli): never restarted
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # stop `distflow run` like Ctrl-C (SIGINT)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_launcher():
-    """A ``preexec_fn`` that has the kernel send the child SIGTERM when the launcher dies (Linux
-    ``PR_SET_PDEATHSIG``, kept across exec), so that a launcher killed by SIGKILL or an OOM kill
-    leaves no node training detached; None elsewhere. The signal follows the *thread* that forked:
-    set only when forking from the main thread (which lives as long as the launcher)."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def setup() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the launcher died before prctl: no signal would come
-            os._exit(1)
-
-    return setup
+LAUNCHER_PID_ENV = "DISTFLOW_LAUNCHER_PID"  # a node's launcher: die_with_launcher
 
 
 def spawn(cmd: list[str], log_file, env: dict[str, str]) -> subprocess.Popen:
     """Start a node: its own session (a Ctrl-C in the terminal reaches only the launcher, which
-    stops the nodes in order), output to ``log_file``, SIGTERM when the launcher dies."""
-    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=_die_with_launcher())
+    stops the nodes in order), output to ``log_file``; the node has the kernel send it SIGTERM
+    when the launcher dies (:func:`die_with_launcher`, told the launcher's pid in ``LAUNCHER_PID_ENV``).
+    No ``preexec_fn``: Python documents it as unsafe in a process with threads (tqdm's monitor
+    thread, when a node is restarted), where the child can deadlock before its exec. The signal
+    follows the *thread* that forked: the pid is passed only from the main thread (which lives as
+    long as the launcher)."""
+    env = {k: v for k, v in env.items() if k != LAUNCHER_PID_ENV}
+    if threading.current_thread() is threading.main_thread():
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def die_with_launcher() -> None:
+    """First thing in a node (``distflow-node``, before torch is imported): when `distflow run` started
+    it (``LAUNCHER_PID_ENV``), have the kernel send it SIGTERM when the launcher dies (Linux
+    ``PR_SET_PDEATHSIG``), so that a launcher killed by SIGKILL or the OOM killer leaves no node
+    training detached; and exit at once if the launcher died before that (the node's parent is no
+    longer the launcher: no signal would come). The variable is removed from the environment: the
+    node's own children are not nodes of the launcher. Elsewhere than Linux, nothing."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM)) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != launcher.strip():
+        print(f"distflow-node: its launcher (pid {launcher}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)  # as if the signal had come
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP to `distflow run`: handled like Ctrl-C (a KeyboardInterrupt)."""
+    """SIGTERM or SIGHUP to `distflow run` (and SIGINT, while `--in-process` starts): handled like
+    Ctrl-C (a KeyboardInterrupt)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
+def signum_of(why: KeyboardInterrupt) -> int:
+    """The signal that stopped the run (SIGINT for a plain Ctrl-C); the exit status is 128 + it."""
+    return why.signum if isinstance(why, Interrupted) else signal.SIGINT
+
+
+def stop_name(signum: int) -> str:
+    """A stop signal as the messages name it: Ctrl-C for SIGINT."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 def _raise_interrupted(signum: int, _frame) -> None:
     raise Interrupted(signum)
 
 
-def catch_stop_signals() -> dict[int, object]:
-    """Make SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread (the previous
-    handlers are returned, for :func:`restore_signals`); nothing from another thread."""
+def catch_stop_signals(names: tuple[str, ...] = STOP_SIGNALS) -> dict[int, object]:
+    """Make SIGTERM and SIGHUP (``names``) raise :class:`Interrupted` in the main thread (the
+    previous handlers are returned, for :func:`restore_signals`); nothing from another thread."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    sigs = [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
+    sigs = [getattr(signal, n) for n in names if hasattr(signal, n)]
     return {sig: signal.signal(sig, _raise_interrupted) for sig in sigs}
 
 
@@ -496,8 +515,7 @@ def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt
     else there is nothing to save, and trainers still forming their group would wait for the
     rollout nodes up to join_timeout_s: every node stops at once. A second signal stops every
     node at once."""
-    name = why.args[0] if isinstance(why, Interrupted) else "Ctrl-C"
-    code = 128 + (why.signum if isinstance(why, Interrupted) else signal.SIGINT)
+    name, code = stop_name(signum_of(why)), 128 + signum_of(why)
     try:
         if checkpoint:
             # A big model's save takes minutes: the trainers get as long as any of their collectives may take.

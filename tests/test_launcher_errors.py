@@ -128,6 +128,33 @@ def test_node_check_runs_the_input_checks_of_its_role(tmp_path):
     assert r.returncode == 2 and "distflow-node: workflow node 'reward'" in r.stderr, r.stderr
 
 
+def test_a_rollout_node_whose_model_path_is_no_model_exits_2_in_one_line(tmp_path):
+    """A hand-started rollout node (no --check) whose model_path is no model directory exits 2 with
+    one line naming model_path: a configuration error, which `distflow run` does not restart.
+    Before, the engine raised FileNotFoundError: exit 1 and a traceback. The engine's error comes
+    once the groups have formed: a real trainer node joins it."""
+    from distflow.launcher import _free_ports
+
+    port = _free_ports("127.0.0.1", 1)[0]
+    common = ["--config", QUICKSTART, f"output_dir={tmp_path}", "toy_model=false", "rollout_nodes=1",
+              "trainer_nodes=1", f"model_path={tmp_path / 'nomodel'}"]
+    with (tmp_path / "trainer.log").open("w") as log:
+        trainer = subprocess.Popen(NODE + ["--role", "trainer", "--port", str(port), *common], cwd=ROOT,
+                                   env=NODE_ENV, stdout=log, stderr=subprocess.STDOUT)
+    rollout = subprocess.Popen(NODE + ["--role", "rollout", "--seeds", f"127.0.0.1:{port}", *common], cwd=ROOT,
+                               env=NODE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = rollout.communicate(timeout=60)
+    finally:
+        for p in (rollout, trainer):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    errors = [line for line in err.splitlines() if " ERROR " in line]
+    assert rollout.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"ModelDirError: model_path: '{tmp_path / 'nomodel'}' does not exist" in errors[0], errors
+
+
 def test_node_ports_must_be_ports():
     for flag in ("--port", "--data-port"):
         r = subprocess.run(NODE + ["--role", "rollout", "--config", QUICKSTART, flag, "99999", "--check"], cwd=ROOT,
@@ -263,63 +290,124 @@ def test_interrupt_before_the_first_step_stops_every_node_at_once(tmp_path, monk
                 k.proc.kill()
 
 
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.05)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_nodes_die_with_a_launcher_killed_by_sigkill(tmp_path):
     """A launcher that cannot stop its nodes (SIGKILL, the OOM killer) still leaves none behind:
-    the kernel sends each SIGTERM (nodes run in sessions of their own, so nothing else would)."""
+    the kernel sends each SIGTERM (nodes run in sessions of their own, so nothing else would). The
+    node asks for it itself, first thing (die_with_launcher, as distflow-node does); before, the
+    launcher set it in a preexec_fn, which can deadlock the fork of a launcher with threads."""
+    marker = tmp_path / "got"
+    node = ("import os, signal, sys, time; from distflow.launcher import die_with_launcher; die_with_launcher(); "
+            f"signal.signal(signal.SIGTERM, lambda *_: (open({str(marker)!r}, 'w').write('SIGTERM'), os._exit(0))); "
+            "print('up', flush=True); time.sleep(60)")
+    log = str(tmp_path / "node.log")
     code = ("import os, sys, time; from distflow.launcher import spawn; "
-            "p = spawn(['sleep', '60'], sys.stderr, dict(os.environ)); print(p.pid, flush=True); time.sleep(60)")
+            f"p = spawn([sys.executable, '-c', {node!r}], open({log!r}, 'w'), dict(os.environ)); "
+            "print(p.pid, flush=True); time.sleep(60)")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         child = int(launcher.stdout.readline())
-        assert alive(child)
+        wait_for(lambda: "up" in (tmp_path / "node.log").read_text() or not alive(child), 30, "node start-up")
+        assert alive(child), (tmp_path / "node.log").read_text()
         launcher.kill()
         launcher.wait(timeout=10)
-        deadline = time.monotonic() + 5
-        while alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(child), "the node outlived its launcher"
+        wait_for(lambda: not alive(child), 5, "exit of the node")
+        assert marker.read_text() == "SIGTERM"
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        try:
+        if child is not None and alive(child):
             os.kill(child, signal.SIGKILL)
-        except (ProcessLookupError, UnboundLocalError):
-            pass
 
 
-def test_sigterm_stops_a_run_like_ctrl_c_with_a_checkpoint(toy_model, tmp_path):
-    """`timeout N distflow run ...`, a scheduler's stop, a closed terminal: SIGTERM (or SIGHUP) to
-    the launcher stops the cluster as Ctrl-C does (the trainers save their last completed step),
-    exit 143. Before, the launcher died at once and its 4 nodes trained on, detached."""
+def test_spawn_passes_its_pid_to_the_node_and_no_preexec_fn(monkeypatch):
+    """The launcher's pid goes to the node in its environment (from the main thread only: the
+    signal follows the thread that forked), never through a preexec_fn."""
+    import threading
+
+    import distflow.launcher as launcher
+
+    calls = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: calls.append(kw))
+    launcher.spawn(["true"], None, {"A": "1"})
+    thread = threading.Thread(target=launcher.spawn, args=(["true"], None, {launcher.LAUNCHER_PID_ENV: "7"}))
+    thread.start()
+    thread.join(timeout=10)
+    assert [sorted(kw) for kw in calls] == [["env", "start_new_session", "stderr", "stdout"]] * 2
+    assert calls[0]["env"] == {"A": "1", launcher.LAUNCHER_PID_ENV: str(os.getpid())}
+    assert calls[1]["env"] == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_node_whose_launcher_died_before_it_started_exits_at_once():
+    """The launcher died between the fork and the node's prctl: no SIGTERM would come, so the node
+    (its parent no longer the launcher) exits first thing; a node of a live launcher goes on."""
+    def node(launcher_pid: int) -> subprocess.CompletedProcess:
+        return subprocess.run(NODE + ["--role", "rollout", "--config", QUICKSTART, "--check"], cwd=ROOT,
+                              env={**NODE_ENV, "DISTFLOW_LAUNCHER_PID": str(launcher_pid)}, capture_output=True,
+                              text=True, timeout=60)
+
+    gone = node(2 ** 22 + 1)  # above any pid_max: no process
+    assert gone.returncode == 143 and "launcher (pid 4194305) is gone" in gone.stderr, gone.stderr
+    assert "ok:" not in gone.stdout
+    assert node(os.getpid()).returncode == 0  # its parent: this test
+
+
+def stop_after_first_step(toy_model: Path, tmp_path: Path, sig: str, *extra: str):
+    """Run the quickstart (small steps) with `distflow run`, send ``sig`` once its first step is in
+    metrics.jsonl, and check that the run stopped as on Ctrl-C: exit 128 + the signal within 15 s,
+    the trainers' last completed step saved and named. Returns stderr and the node processes
+    seen before the signal."""
     from distflow.toy import make_toy_dataset
 
     data = tmp_path / "data.jsonl"
     make_toy_dataset(data, 800, seed=2)
     out = tmp_path / "run"
     args = ["run", QUICKSTART, "--no-progress", f"output_dir={out}", f"model_path={toy_model}", f"dataset={data}",
-            "toy_model=false", "prompts_per_step=4", "group_size=2", "max_new_tokens=2"]
+            "toy_model=false", "prompts_per_step=4", "group_size=2", "max_new_tokens=2", *extra]
     proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while not read_metrics(out / "metrics.jsonl"):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
+        wait_for(lambda: read_metrics(out / "metrics.jsonl") or proc.poll() is not None, 90, "first step")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
         nodes = run_pids(out, skip_zombies=True)
-        assert len(nodes) == 4
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 143, err[-3000:]
-    assert took < 15, f"stopped {took:.1f}s after SIGTERM"
-    assert not [pid for pid in nodes if alive(pid)] and not run_pids(out, skip_zombies=True)
-    assert "interrupted (SIGTERM)" in err
+    assert proc.returncode == 128 + getattr(signal, sig), err[-3000:]
+    assert took < 15, f"stopped {took:.1f}s after {sig}"
+    assert f"interrupted ({sig})" in err and "Traceback" not in err, err[-3000:]
     rows = read_metrics(out / "metrics.jsonl")
     state = json.loads((out / "checkpoint" / "distflow_state.json").read_text())
     assert state["policy_version"] == state["step"] == len(rows) < 200  # the last completed step
     assert f"resume_from={out / 'checkpoint'}" in err
+    return err, nodes
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_in_process_run_stops_on_sigterm_like_ctrl_c(toy_model, tmp_path, sig):
+    """`distflow run --in-process` stops on SIGTERM and SIGHUP as `distflow run` does: the rollout
+    nodes leave, the trainer saves its last completed step, exit 128 + the signal, bounded. Before,
+    SIGTERM exited 130 and SIGHUP (like SIGTERM during start-up) killed the process with no word."""
+    stop_after_first_step(toy_model, tmp_path, sig, "--in-process", "trainer_nodes=1")
+
+
+def test_sigterm_stops_a_run_like_ctrl_c_with_a_checkpoint(toy_model, tmp_path):
+    """`timeout N distflow run ...`, a scheduler's stop, a closed terminal: SIGTERM (or SIGHUP) to
+    the launcher stops the cluster as Ctrl-C does (the trainers save their last completed step),
+    exit 143. Before, the launcher died at once and its 4 nodes trained on, detached."""
+    _, nodes = stop_after_first_step(toy_model, tmp_path, "SIGTERM")
+    assert len(nodes) == 4
+    assert not [pid for pid in nodes if alive(pid)] and not run_pids(tmp_path / "run", skip_zombies=True)

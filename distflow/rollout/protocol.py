@@ -97,16 +97,15 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def check_model_dir(model_path: str | Path) -> Path:
+    """``model_path`` as a model directory the engines can load, else :class:`distflow.hf.ModelDirError`
+    naming the key: a configuration error, so the node exits 2 in one line and `distflow run` does
+    not restart it (a FileNotFoundError was exit 1 with a traceback, and restarted)."""
     path = Path(model_path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model directory {str(path)!r} does not exist (models load from a local Hugging Face directory; "
-            f"nothing is downloaded — build the toy model with distflow.toy.build_toy_model)"
-        )
-    if not path.is_dir():
-        raise NotADirectoryError(f"model path {str(path)!r} is not a directory")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
+        from distflow.hf import ModelDirError
+        from distflow.preflight import model_dir_problem
+
+        raise ModelDirError(f"model_path: {model_dir_problem(str(path))}")
     return path
 
 
