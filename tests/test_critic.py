@@ -330,7 +330,7 @@ def test_critic_on_cuda_packed_matches_padded(toy_model, tmp_path) -> None:
 @pytest.mark.parametrize("kl_in_reward", [True, False])
 def test_gae_on_a_rank_with_no_samples(toy_model, kl_in_reward: bool) -> None:
     """Owner routing may give a trainer rank no samples in a step: its gae stage still joins the
-    whitening all-reduce (exactly once, as a rank with samples does, or the others hang in it) and
+    whitening all-reduces (the same two as a rank with samples, or the others hang in them) and
     leaves empty advantages and returns. It raised before the collective (a KeyError on
     'logprobs' with the KL penalty in the reward, an empty max() without it)."""
     from distflow.trainer.executor import TrainerContext, gae
@@ -339,20 +339,20 @@ def test_gae_on_a_rank_with_no_samples(toy_model, kl_in_reward: bool) -> None:
     calls: list[list[float]] = []
 
     def all_reduce(values: list[float]) -> list[float]:
-        calls.append(list(values))
-        return [3.0, 1.5, 2.5]  # the other ranks' tokens and advantage sums
+        calls.append(list(values))  # the other ranks': 3 tokens summing to 1.5, then their squared deviations
+        return [values[0] + 3.0, values[1] + 1.5] if len(values) == 2 else [values[0] + 2.5]
 
     b = SampleBatch.empty()  # what a rank without samples takes; the earlier stages add these
     b.set_ragged("values", torch.zeros(0))
     b.set_ragged("ref_logprobs", torch.zeros(0))
     gae(cfg.plan().node("gae"), TrainerContext(cfg, all_reduce=all_reduce), b)
-    assert calls == [[0.0, 0.0, 0.0]]
+    assert calls == [[0.0, 0.0], [0.0]]
     assert b.tensors["token_advantages"].shape == (0,) and b.tensors["returns"].shape == (0,)
     assert b.tensors["advantage"].shape == (0,)
-    # a rank with samples makes the same single call
+    # a rank with samples makes the same two calls
     full = batch_of(3)
     full.set_ragged("values", torch.zeros(int(full.tensors["response_lens"].sum())))
     full.set_ragged("ref_logprobs", torch.full_like(full.tensors["logprobs"], -1.5))
     calls.clear()
     gae(cfg.plan().node("gae"), TrainerContext(cfg, all_reduce=all_reduce), full)
-    assert len(calls) == 1 and calls[0][0] == float(full.tensors["response_lens"].sum())
+    assert len(calls) == 2 and calls[0][0] == float(full.tensors["response_lens"].sum()) and len(calls[1]) == 1
