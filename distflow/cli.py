@@ -132,11 +132,12 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     role = args.group if args.role == "worker" else args.role  # a worker's mesh role is its group's name
     # With --port 0 the port is not known yet: the pid keeps two such nodes of one host apart.
     node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
-    from distflow.preflight import check_functions, check_inputs
+    from distflow.preflight import check_functions, check_inputs, check_model
 
     pipeline = cfg.plan().pipelines.get(role, [])
     try:
         check_functions(cfg, pipeline)  # every start, not only --check: a typo is named now, not at step 1
+        check_model(cfg, args.role)  # every start too (a few stats): not after the group formed
         notes = check_inputs(cfg, args.role) if args.check else []
     except ConfigError as e:
         print(f"distflow-node: {e}", file=sys.stderr)

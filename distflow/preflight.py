@@ -154,6 +154,16 @@ def check_resume(cfg: Config) -> None:
         raise ConfigError(msg + hint) from None
 
 
+def check_model(cfg: Config, role: str | None = None) -> None:
+    """``model_path`` is a model directory, for a node of ``role`` that loads it (rollout, trainer;
+    None: any): a few file checks, so every node start makes them (a hand-started node learnt of a
+    bad path only after its group had formed, or its join timed out first). A node does not build
+    the toy model (`distflow run` does): with ``toy_model`` a missing one is not checked for a role."""
+    toy_pending = role is not None and cfg.toy_model and not (Path(cfg.model_path) / "config.json").is_file()
+    if role in (None, "rollout", "trainer") and not toy_pending and (problem := model_dir_problem(cfg.model_path)):
+        raise ConfigError(f"model_path: {problem}")
+
+
 def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
     """What a node of ``role`` reads before it can work, checked now: the model directory (rollout,
     trainer), the prompt set (rollout), ``resume_from`` (trainer); ``role`` None: every role (`distflow
@@ -161,9 +171,7 @@ def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
     A node does not build the toy model (`distflow run` does): with ``toy_model`` a missing one is
     not checked for a role."""
     notes = []
-    toy_pending = role is not None and cfg.toy_model and not (Path(cfg.model_path) / "config.json").is_file()
-    if role in (None, "rollout", "trainer") and not toy_pending and (problem := model_dir_problem(cfg.model_path)):
-        raise ConfigError(f"model_path: {problem}")
+    check_model(cfg, role)
     if role in (None, "rollout") and (note := check_dataset(cfg)):
         notes.append(note)
     if role in (None, "trainer"):

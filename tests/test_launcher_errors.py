@@ -128,31 +128,25 @@ def test_node_check_runs_the_input_checks_of_its_role(tmp_path):
     assert r.returncode == 2 and "distflow-node: workflow node 'reward'" in r.stderr, r.stderr
 
 
-def test_a_rollout_node_whose_model_path_is_no_model_exits_2_in_one_line(tmp_path):
-    """A hand-started rollout node (no --check) whose model_path is no model directory exits 2 with
-    one line naming model_path: a configuration error, which `distflow run` does not restart.
-    Before, the engine raised FileNotFoundError: exit 1 and a traceback. The engine's error comes
-    once the groups have formed: a real trainer node joins it."""
-    from distflow.launcher import _free_ports
+def test_a_node_whose_model_path_is_no_model_exits_2_in_one_line(tmp_path):
+    """A hand-started rollout or trainer node (no --check) whose model_path is no model directory
+    exits 2 at start, in one line naming model_path: a configuration error, which `distflow run`
+    does not restart. Before, the engine raised FileNotFoundError once the groups had formed (or
+    the join timed out first): exit 1 and a traceback. The engine's own check raises the same
+    configuration error (ModelDirError), should the directory go away after the start."""
+    from distflow.hf import ModelDirError
+    from distflow.rollout.protocol import check_model_dir
 
-    port = _free_ports("127.0.0.1", 1)[0]
-    common = ["--config", QUICKSTART, f"output_dir={tmp_path}", "toy_model=false", "rollout_nodes=1",
-              "trainer_nodes=1", f"model_path={tmp_path / 'nomodel'}"]
-    with (tmp_path / "trainer.log").open("w") as log:
-        trainer = subprocess.Popen(NODE + ["--role", "trainer", "--port", str(port), *common], cwd=ROOT,
-                                   env=NODE_ENV, stdout=log, stderr=subprocess.STDOUT)
-    rollout = subprocess.Popen(NODE + ["--role", "rollout", "--seeds", f"127.0.0.1:{port}", *common], cwd=ROOT,
-                               env=NODE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _, err = rollout.communicate(timeout=60)
-    finally:
-        for p in (rollout, trainer):
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    errors = [line for line in err.splitlines() if " ERROR " in line]
-    assert rollout.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert f"ModelDirError: model_path: '{tmp_path / 'nomodel'}' does not exist" in errors[0], errors
+    missing = tmp_path / "nomodel"
+    for role in ("rollout", "trainer"):
+        r = subprocess.run(NODE + ["--role", role, "--config", QUICKSTART, f"output_dir={tmp_path}", "toy_model=false",
+                                   f"model_path={missing}"], cwd=ROOT, env=NODE_ENV, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.stderr.startswith(f"distflow-node: model_path: '{missing}' does not exist (models load from local")
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    with pytest.raises(ModelDirError, match=f"model_path: '{missing}' does not exist"):
+        check_model_dir(missing)
 
 
 def test_node_ports_must_be_ports():
