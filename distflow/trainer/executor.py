@@ -194,7 +194,7 @@ def reinforce_pp_token(node: WorkflowNode, ctx: TrainerContext, batch: SampleBat
     token of the step (all ranks). No critic. ``node.args``: ``gamma`` (default: the config's),
     ``whiten`` (default true)."""
     lens = batch.tensors["response_lens"]
-    mask = padded(torch.zeros(int(lens.sum())), lens)[1]
+    mask = padded(torch.zeros(int(lens.sum()), device=lens.device), lens)[1]  # on the batch's device
     rewards = _token_rewards(node, ctx, batch, mask)
     adv = TOKEN_ESTIMATORS["reinforce_pp_token"](rewards, mask, float(node.args.get("gamma", ctx.cfg.gamma)))
     if node.args.get("whiten", True):
