@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from distflow.core.config import Config, ConfigError
 from distflow.core.dag import WorkflowNode
@@ -37,11 +37,13 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
     from distflow.rl.node_args import FN_ARGS, check_signature_args
     from distflow.rollout.rewards import resolve_reward, reward_keys, reward_row_check
 
-    def check(names: tuple[str, ...], fn: str, what: str) -> None:
+    def check(names: tuple[str, ...], fn: str, what: str) -> Any:
+        """None for a built-in name; the imported function for a dotted one."""
         if fn not in names:
             from distflow.rl.registry import resolve
 
-            resolve(dict.fromkeys(names), fn, what)
+            return resolve(dict.fromkeys(names), fn, what)
+        return None
 
     for node in cfg.workflow if nodes is None else nodes:
         kind = (node.role.value, node.type.value)
@@ -53,11 +55,8 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
                 if node.fn not in FN_ARGS:  # fn(response, row, **args)
                     check_signature_args(fn, 2, node.args, f"reward {node.fn!r}")
             elif kind == ("ACTOR", "COMPUTE"):
-                check(COMPUTE_NAMES, node.fn, "advantage estimator")
-                if node.fn not in FN_ARGS:  # fn(rewards, group_ids, **args)
-                    from distflow.rl.registry import ADVANTAGE_ESTIMATORS, resolve
-
-                    fn = resolve(ADVANTAGE_ESTIMATORS, node.fn, "advantage estimator")
+                fn = check(COMPUTE_NAMES, node.fn, "advantage estimator")
+                if fn is not None:  # a dotted one: fn(rewards, group_ids, **args)
                     check_signature_args(fn, 2, node.args, f"advantage estimator {node.fn!r}")
             elif kind == ("ACTOR", "MODEL_TRAIN"):
                 check(POLICY_LOSS_NAMES, node.fn, "policy loss")

@@ -611,9 +611,10 @@ class WeightPublisher:
 
     async def _send_bucket(self, endpoint: Endpoint, tier: str, meta: dict[str, Any],
                            part: dict[str, torch.Tensor]) -> None:
-        if tier == "cuda_ipc":  # exported right before the send (one cancelled before it began holds no IPC count;
-            await send_ipc(self.channel, endpoint, "weights", meta, export_ipc(part), self.timeout)  # one that
-        else:  # reached the peer is released there, one refused before any handler saw it by send_ipc)
+        # cuda_ipc: exported right before the send (who gives its counts back: weight_transport's docstring)
+        if tier == "cuda_ipc":
+            await send_ipc(self.channel, endpoint, "weights", meta, export_ipc(part), self.timeout)
+        else:
             await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
 
     async def flush(self, timeout: float) -> None:
