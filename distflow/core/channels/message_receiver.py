@@ -36,6 +36,7 @@ from distflow.core.channels.stream_receiver import MAGIC_CHUNK
 MAGIC_MSG = b"DFD1"
 MAGIC_ACK = b"DFA1"
 PROTOCOL = 1
+WRONG_RECIPIENT = "wrong_recipient"  # the nack of a message addressed to another node (see the sender's ack check)
 DOMAIN = b"data"
 OFFLOAD_BYTES = 1 << 20  # copies / hashing that release the GIL run in a worker thread above this size
 GMAC_OFFLOAD_BYTES = 64 << 20  # GMAC runs at 10-25 GB/s: below this a thread hop costs more than it saves
@@ -135,12 +136,12 @@ class MessageReceiver:
             self._drop("bad_header", problem)
             return False
         sender = header["from"]
-        if not self._check_replay(sender, header):
-            return False
-        if header["to"] != self.node_id:
-            self._drop("wrong_recipient", f"for {header['to']!r}")
-            self._spawn_nack(ident, header, "wrong_recipient",
+        if header["to"] != self.node_id:  # before the replay check: a message not for us leaves no state
+            self._drop(WRONG_RECIPIENT, f"for {header['to']!r}")
+            self._spawn_nack(ident, header, WRONG_RECIPIENT,
                              f"message for node {header['to']!r} reached node {self.node_id!r}")
+            return False
+        if not self._check_replay(sender, header):
             return False
         if header["pay"] == "chunks":
             return self._open_stream(ident, header, frames[4:])

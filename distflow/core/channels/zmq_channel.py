@@ -80,6 +80,7 @@ from distflow.core.channels.message_receiver import (
     MAGIC_ACK,
     MAGIC_MSG,
     PROTOCOL,
+    WRONG_RECIPIENT,
     MessageReceiver,
     _offload_threshold,
     _PeerIn,
@@ -172,7 +173,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         self._handler_tasks: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._peers_out: dict[Endpoint, _PeerOut] = {}
-        self._next_seq: dict[Endpoint, int] = {}  # survives a reset of a peer's DEALER
+        self._next_seq: dict[str, int] = {}  # per node id; survives a reset of a peer's DEALER
         self._peers_in: dict[str, _PeerIn] = {}
         self._closed = False
         self._started = False
@@ -419,7 +420,11 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         p = self._peers_out.get(peer)
         if p is not None:
             return p
-        p = _PeerOut(peer, self._connect(peer), next_seq=self._next_seq.pop(peer, 1))
+        # One connection per node: sequence numbers are per node (the receiver checks them per
+        # sender), so a node reached at another address replaces its older connection.
+        for old in [e for e in self._peers_out if e.node_id == peer.node_id]:
+            self._reset_peer(old, f"({old.host}:{old.port}) replaced by {peer.host}:{peer.port}")
+        p = _PeerOut(peer, self._connect(peer), next_seq=self._next_seq.pop(peer.node_id, 1))
         p.reader = asyncio.create_task(self._ack_loop(p), name=f"channel-acks-{self.node_id}->{peer.node_id}")
         self._peers_out[peer] = p
         return p
@@ -447,7 +452,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         p = self._peers_out.pop(peer, None)
         if p is None:
             return
-        self._next_seq[peer] = p.next_seq
+        self._next_seq[peer.node_id] = p.next_seq
         for fut in p.pending.values():
             if not fut.done():
                 fut.set_exception(ChannelError(f"connection to {peer.node_id} {why}"))
@@ -503,7 +508,10 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         if (not isinstance(msg, dict) or msg.get("t") != typ or msg.get("to") != self.node_id
                 or msg.get("sess") != self._session):
             raise ValueError(f"{typ} not addressed to this channel session")
-        if msg.get("from") != peer.node_id:
+        if msg.get("from") != peer.node_id and not (typ == "ack" and msg.get("code") == WRONG_RECIPIENT
+                                                    and msg.get("ok") is False):
+            # (A wrong_recipient refusal comes from whoever listens at the address we used for
+            # ``peer``: authentic, addressed to this session, and the one answer that says so.)
             raise ValueError(f"{typ} from {msg.get('from')!r}, expected {peer.node_id!r}")
         return msg
 
