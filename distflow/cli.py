@@ -218,9 +218,9 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         else:  # a configuration or data error (exit 2) is its one line: no traceback to read
             log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=code != 2)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.wait(tasks, timeout=10)
+        from distflow.core.aio import cancel_and_wait
+
+        await cancel_and_wait(tasks, 10)
         # A node that failed by itself does not "leave": its peers see it die (and adopt its
         # work). One that stops because a peer died announces its leave, so the others know.
         await rt.stop(graceful=not failed_here)

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from distflow.core.aio import run_loop
+from distflow.core.aio import cancel_and_wait, run_loop
 from distflow.core.auth import new_secret
 from distflow.core.config import Config
 from distflow.launcher import STOP_SIGNALS, catch_stop_signals, restore_signals, resume_hint, signum_of, stop_name
@@ -65,10 +65,7 @@ async def _run(cfg: Config) -> int:
         tasks |= {trainer_task, *producers}
         return await _supervise(cfg, interrupted, trainer_task, producers, rollouts + controllers + workers)
     finally:
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=10)
+        await cancel_and_wait(tasks, 10)
         for rt in started[1:] + started[:1]:  # the trainer last
             await rt.stop()
 
@@ -93,9 +90,7 @@ async def _supervise(cfg: Config, interrupted: _Interrupt, trainer_task: asyncio
             if watch in done:  # as a cluster's Ctrl-C: the producers leave, the trainer saves a checkpoint
                 log.warning("interrupted (%s): stopping the rollout nodes; the trainer saves a checkpoint (%s "
                             "again to stop at once)", interrupted.name, interrupted.name)
-                for t in producers:
-                    t.cancel()
-                await asyncio.wait(producers, timeout=10)
+                await cancel_and_wait(producers, 10)  # (a producer still running would keep sending steps)
                 for rt in producer_rts:
                     await rt.stop()  # they leave the mesh: the trainer stops at its last completed step
                 pending -= {watch, *producers}

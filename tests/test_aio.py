@@ -162,3 +162,46 @@ def test_to_thread_runs_on_the_daemon_pool_and_is_named() -> None:
     assert run_loop(main()) == (True, "sleep")
     with pytest.raises(ValueError, match="max_workers"):
         DaemonThreadPool(max_workers=0)
+
+
+def test_cancel_and_wait_cancels_again_a_task_that_swallowed_its_cancellation():
+    """Python 3.11's wait_for/timeout can turn a cancellation that races their timeout into a
+    TimeoutError, which a polling loop ignores: one cancel() then leaves the task running."""
+    from distflow.core.aio import cancel_and_wait
+
+    async def polling_loop(swallowed: list[int], release: asyncio.Event) -> None:
+        while True:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:  # as if the cancel had become a poll's TimeoutError
+                if len(swallowed) < 2 and not release.is_set():
+                    swallowed.append(1)
+                    continue
+                raise
+
+    async def stuck(release: asyncio.Event) -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass
+
+    async def main() -> None:
+        swallowed: list[int] = []
+        release = asyncio.Event()
+        t = asyncio.create_task(polling_loop(swallowed, release), name="poller")
+        never = asyncio.create_task(stuck(release), name="stuck")
+        await asyncio.sleep(0)
+        try:
+            t0 = time.monotonic()
+            left = await cancel_and_wait([t, never], 1.0, every=0.05)
+            assert left == {never} and t.cancelled() and swallowed == [1, 1]
+            assert 0.9 < time.monotonic() - t0 < 3.0  # bounded by the timeout, not by the stuck task
+        finally:
+            release.set()  # (whatever happened above: both end at their next cancel)
+            for task in (t, never):
+                task.cancel()
+            await asyncio.wait([t, never], timeout=5)
+        assert never.cancelled() or never.done()
+
+    asyncio.run(main())

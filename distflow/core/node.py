@@ -30,6 +30,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import zmq
 import zmq.asyncio
 
+from distflow.core.aio import cancel_and_wait
 from distflow.core.auth import Authenticator
 from distflow.core.mesh import ALIVE, DEAD, LEFT, SUSPECT, Member, MeshConfig, Membership, check_meta
 from distflow.core.out_sockets import acquire_pool, endpoint, parse_address, release_pool, shared_context
@@ -153,13 +154,8 @@ class Node(SwimDriver):
                 await asyncio.wait_for(self._leave(), timeout=c.shutdown_timeout_s / 2)
             except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - leaving is best effort
                 log.warning("node %s: leave announcement incomplete: %r", self.node_id, e)
-        tasks = self._tasks + list(self._side_tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=c.shutdown_timeout_s / 2)
-            for t in pending:
-                log.error("node %s: task %s did not stop in time", self.node_id, t.get_name())
+        for t in await cancel_and_wait(self._tasks + list(self._side_tasks), c.shutdown_timeout_s / 2):
+            log.error("node %s: task %s did not stop in time", self.node_id, t.get_name())
         err = PeerUnavailable(f"node {self.node_id} is stopping")
         for _, _, fut in self._pending.values():
             if not fut.done():
