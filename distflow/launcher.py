@@ -504,9 +504,21 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     last = bar.last or {}
     gen = f" (generated {last['generated_reward_mean']:.3f})" if "generated_reward_mean" in last else ""
     print(f"distflow: done. {last.get('step', -1) + 1} steps, final reward {last.get('reward_mean', float('nan')):.3f}"
-          f"{gen}{bar.summary()}; metrics {metrics}, checkpoint {Path(cfg.output_dir) / 'checkpoint'}",
-          file=sys.stderr)
+          f"{gen}{eval_summary(Path(cfg.output_dir) / 'eval.jsonl')}{bar.summary()}; metrics {metrics}, "
+          f"checkpoint {Path(cfg.output_dir) / 'checkpoint'}", file=sys.stderr)
     return 0
+
+
+def eval_summary(path: Path) -> str:
+    """", held-out eval 0.12 -> 0.87 (steps 0-100)" from eval.jsonl, or "" without an evaluation."""
+    from distflow.trainer.metrics import read_metrics
+
+    rows = [r for r in read_metrics(path) if isinstance(r.get("eval_reward_mean"), (int, float))]
+    if not rows:
+        return ""
+    first, last = rows[0], rows[-1]
+    return (f", held-out eval {first['eval_reward_mean']:.3f} -> {last['eval_reward_mean']:.3f} "
+            f"(steps {first['step']}-{last['step']}, {path})")
 
 
 def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt, checkpoint: bool) -> int:

@@ -81,18 +81,36 @@ def rows_to_check(cfg: Config, perm, steps_per_epoch: int, num_rows: int, limit:
 def check_dataset(cfg: Config) -> str | None:
     """Open the prompt set as a rollout node does (:class:`PromptShard`: format, row count) and
     check the rows the run reads first (:data:`CHECK_ROWS`) as its steps would: JSON, ``prompt_key``,
-    the keys and ``check_row`` of the workflow's rewards. Raises ConfigError on the first bad row
-    with ``bad_rows: error``, and when every row checked is bad with ``bad_rows: skip`` (each step
-    would train on nothing); returns a note counting the bad rows ``skip`` will skip, else None."""
+    the keys and ``check_row`` of the workflow's rewards; then the same for ``eval_dataset`` (its
+    first rows, in file order, as evaluation reads it). Raises ConfigError naming the key on the
+    first bad row with ``bad_rows: error``, and when every row checked is bad with ``bad_rows: skip``
+    (each step would train, or evaluate, on nothing); returns a note counting the bad rows
+    ``skip`` will skip, else None."""
     from distflow.buffer.dataloader import DatasetError, PromptShard
+
+    notes = []
+    for key in ("dataset", "eval_dataset"):
+        path = getattr(cfg, key)
+        if path is None:
+            continue
+        try:
+            shard = PromptShard(path, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle and key == "dataset",
+                                bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,))
+        except DatasetError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        if key == "dataset":
+            rows = rows_to_check(cfg, shard.permutation(0), shard.steps_per_epoch(cfg.prompts_per_step),
+                                 shard.num_rows)
+        else:
+            rows = list(range(min(shard.num_rows, CHECK_ROWS)))
+        if note := _check_rows(cfg, key, shard, rows):
+            notes.append(note)
+    return "; ".join(notes) or None
+
+
+def _check_rows(cfg: Config, key: str, shard: Any, rows: list[int]) -> str | None:
     from distflow.rollout.rewards import row_requirements
 
-    try:
-        shard = PromptShard(cfg.dataset, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle, bad_rows=cfg.bad_rows,
-                            required_keys=(cfg.prompt_key,))
-    except DatasetError as e:
-        raise ConfigError(f"dataset: {e}") from None
-    rows = rows_to_check(cfg, shard.permutation(0), shard.steps_per_epoch(cfg.prompts_per_step), shard.num_rows)
     try:
         keys, checks = row_requirements(cfg.workflow)
     except ValueError as e:
@@ -101,16 +119,17 @@ def check_dataset(cfg: Config) -> str | None:
     try:
         for problem in shard.problems(rows, keys, checks):
             if cfg.bad_rows == "error":
-                raise ConfigError(f"dataset: {problem} (bad_rows: error; bad_rows: skip skips and counts such rows)")
+                raise ConfigError(f"{key}: {problem} (bad_rows: error; bad_rows: skip skips and counts such rows)")
             bad, first = bad + 1, first or problem
     except (RuntimeError, TypeError) as e:  # a reward's check_row that raised or returned nonsense
-        raise ConfigError(f"dataset: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
     if bad and bad == len(rows):
         every = "every row" if len(rows) == shard.num_rows else f"each of the {len(rows)} rows checked"
-        raise ConfigError(f"dataset: {every} of {cfg.dataset} is bad, so every step would train on 0 samples "
+        what = "step would train" if key == "dataset" else "evaluation would score"
+        raise ConfigError(f"{key}: {every} of {shard.path} is bad, so every {what} on 0 samples "
                           f"(bad_rows: skip); the first: {first}")
     if bad:
-        return (f"dataset: {bad} of the {len(rows)} rows checked are bad and will be skipped (bad_rows: skip); "
+        return (f"{key}: {bad} of the {len(rows)} rows checked are bad and will be skipped (bad_rows: skip); "
                 f"the first: {first}")
     return None
 

@@ -267,6 +267,16 @@ def test_quickstart_learns(tmp_path):
     print(f"quickstart: {len(rewards)} steps in {elapsed:.0f}s, first-10 {first:.3f}, last-10 {last:.3f}")
     assert last - first >= 0.3, (first, last)
     assert elapsed < 300
+    # held-out evaluation (eval_every: 25): every point, every one of the 128 prompts, greedy, learning too
+    evals = read_metrics(out / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 25, 50, 75, 100], evals
+    assert all((e["eval_samples"], e["eval_prompts"], e["eval_shards"]) == (128, 128, 2) for e in evals), evals
+    # the first weights a node held at or past the point (max_staleness 1: at most one step past it)
+    assert all(e["step"] <= e["policy_version_min"] <= e["policy_version_max"] <= e["step"] + 1 for e in evals), evals
+    assert evals[0]["policy_version_max"] == 0 and evals[-1]["policy_version_min"] == 100, evals
+    print("quickstart held-out eval:", [round(e["eval_reward_mean"], 3) for e in evals])
+    assert evals[-1]["eval_reward_mean"] - evals[0]["eval_reward_mean"] >= 0.3, evals
+    assert "held-out eval" in r.stderr and (out / "reward_curve.png").is_file()
 
 
 def test_single_controller_mode_gives_the_same_training_result(toy_model, toy_data, tmp_path):

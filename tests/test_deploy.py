@@ -91,7 +91,7 @@ def run_service_check(service: dict, tmp_path: Path, hostname: str) -> subproces
     env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}", FAKE_ADDR=FAKE_ADDR,
                FAKE_HOSTNAME=hostname)
     cmd = [local(c.replace("$$", "$")) for c in service["command"]] + ["--check"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)  # the image's WORKDIR
 
 
 def test_compose_services_resolve_and_every_command_checks(compose, tmp_path, image_toy_model):
@@ -192,7 +192,8 @@ def test_dockerfile_provides_what_compose_uses():
     for path in ("/app/examples/grpo_quickstart.yaml", "/app/examples/data/successor.jsonl",
                  "/opt/distflow/toy-model", "--port 29600 --data-port 29601"):
         assert path in compose_text
-    for path in ("examples/grpo_quickstart.yaml", "examples/data/successor.jsonl"):
+    # (the quickstart's relative eval_dataset resolves from WORKDIR /app, where COPY examples put it)
+    for path in ("examples/grpo_quickstart.yaml", "examples/data/successor.jsonl", "examples/data/successor_eval.jsonl"):
         assert (ROOT / path).is_file()
 
 
@@ -505,6 +506,7 @@ def test_pdsh_worker_group_node_trains_and_stops(pdsh_run):
         {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["score"]},
         {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage"]}]
     raw["kl_coef"] = 0.0  # no reference node: no KL (the config refuses kl_coef > 0 without one)
+    raw.update(eval_dataset=None, eval_every=0)  # evaluation needs the rewards on the rollout group
     c["cfg"].write_text(yaml.safe_dump(raw))
     p1, p2 = c["ports"]
     c["hostfile"].write_text(f"127.0.0.1 trainer=1 rollout=1 port={p1}\n127.0.0.2 rollout=1 group.reward=1 port={p2}\n")

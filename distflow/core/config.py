@@ -141,6 +141,18 @@ class Config(BaseModel):
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many trainer steps")
 
+    # -- evaluation on held-out prompts (distflow/rollout/evaluation.py) -----------------
+    eval_dataset: str | None = Field(None, description="held-out prompts (JSONL/Parquet, the keys of dataset), "
+                                                       "scored by the workflow's rewards and never trained on; "
+                                                       "results in output_dir/eval.jsonl")
+    eval_every: int = Field(0, ge=0, description="evaluate every N trainer steps (0: only before training and "
+                                                 "after the last step)")
+    eval_before_train: bool = Field(True, description="evaluate the starting weights (step 0, or the step a "
+                                                      "resumed run starts at)")
+    eval_samples_per_prompt: int = Field(1, ge=1, description="responses per held-out prompt (above 1 also "
+                                                              "reports best-of-n)")
+    eval_temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0 = greedy)")
+
     # -- the batch unit ------------------------------------------------------------
     prompts_per_step: int = Field(..., ge=1, description="prompts per trainer step, over all rollout nodes")
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
@@ -324,12 +336,30 @@ class Config(BaseModel):
         for g in self.worker_groups:
             if not p.pipeline(g):
                 raise ValueError(f"worker_groups: group {g!r} runs no workflow node (give a node `group: {g}`)")
+        self._check_eval(p)
         for n in p.nodes:
             if n.fn == "dynamic_sampling" and p.group_of[n.id] != "rollout":
                 raise ValueError(f"workflow node {n.id!r}: dynamic_sampling regenerates prompts, so it runs on the "
                                  f"rollout group, not on {p.group_of[n.id]!r} (key 'group', or its deps: it runs where "
                                  "they are)")
         return self
+
+    def _check_eval(self, p: Any) -> None:
+        """The evaluation keys: set only with eval_dataset, whose scores need every REWARD node on
+        the rollout group (evaluation runs there: generate, then the rewards; nothing is sent on)."""
+        if self.eval_dataset is None:
+            for key in ("eval_every", "eval_samples_per_prompt", "eval_temperature"):
+                if getattr(self, key) != type(self).model_fields[key].default:  # (a dumped config sets them all)
+                    raise ValueError(f"{key}: set, but there is no eval_dataset to evaluate on; set eval_dataset "
+                                     f"(held-out prompts) or remove {key}")
+            return
+        rewards = [n for n in p.nodes if n.role.value == "REWARD"]
+        elsewhere = [n.id for n in rewards if p.group_of[n.id] != "rollout"]
+        if not rewards or elsewhere:
+            where = (f"workflow nodes {elsewhere} run on another group" if elsewhere
+                     else "the workflow has no REWARD node")
+            raise ValueError(f"eval_dataset: evaluation scores held-out prompts with the REWARD nodes on the rollout "
+                             f"group, but {where}; remove eval_dataset, or run the rewards on the rollout group")
 
     # -- derived quantities (the only place they are computed) ---------------------
     @property

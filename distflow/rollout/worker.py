@@ -17,6 +17,9 @@ trainer that really died is another matter (the trainer group cannot go on witho
 when the mesh has declared a trainer dead for a suspicion timeout while this node still
 sees other members alive (so it is not this node that is cut off), or when the other
 trainers left, the node stops at once instead of waiting ``step_timeout_s``.
+
+With ``eval_dataset`` a node also evaluates held-out prompts at the evaluation points, before
+the step it would generate next and after the final weights (:mod:`distflow.rollout.evaluation`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.rollout.engine import make_engine
+from distflow.rl.eval_report import EVAL_KIND, report_meta
+from distflow.rollout.evaluation import due_point, eval_points, eval_shard, evaluate
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION
 from distflow.rollout.stages import run_pipeline
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime
@@ -40,6 +45,7 @@ from distflow.rl.weights import WeightInbox
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits for the event loop
+EVAL_SEND_TIMEOUT_S = 30.0  # the longest an evaluation summary waits for trainer rank 0's ack
 
 
 def kv_cache_fraction(setting: float | None, sharers: int) -> float:
@@ -168,6 +174,8 @@ class RolloutLoop:
         # Buckets land on the engine's device (pinned-host staging is the sender's job).
         self.inbox = WeightInbox(device=node_device(self.cfg.device) if self.cfg.device == "cuda" else None)
         self._first_batch = False
+        self.eval_todo: list[int] | None = None  # evaluation points not reached yet; None until the start is known
+        self.eval_loaders: dict[int, PromptShard] = {}
         rt.on_data("weights", self.inbox.receive)
 
     def shard_loader(self, s: int) -> PromptShard:
@@ -199,11 +207,15 @@ class RolloutLoop:
         self.trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
         log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank,
                  self.loaders[rank].num_rows, self.total, [n.id for n in self.pipeline])
+        stopped = False
         try:
             await self.generate_until_done()
         except ClusterStopped as e:
             log.warning("rollout rank %d: %s; stopping", rank, e)
+            stopped = True
         await self.load_fresh_weights()
+        if not stopped:
+            await self.evaluate_due()  # the final weights
         rt.node.set_meta(policy_version=self.engine.version, state="done")
         self.engine.close()
         log.info("rollout rank %d: done; final weights v%d", rank, self.engine.version)
@@ -245,6 +257,9 @@ class RolloutLoop:
                 continue
             step, shard = min(todo)
             await self.load_fresh_weights()
+            if self.eval_todo is None and cfg.eval_dataset is not None:  # (a restarted node: the points ahead)
+                self.eval_todo = [p for p in eval_points(cfg, start or 0, total) if p >= engine.version]
+            await self.evaluate_due()
             epoch, in_epoch = divmod(step, self.per_epoch)
             bad_before = loaders[shard].bad_rows_skipped
             rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
@@ -286,6 +301,41 @@ class RolloutLoop:
         t0 = time.perf_counter()
         await asyncio.to_thread(self.engine.load_weights, update.version, update.buckets, update.is_delta)
         self.rt.node.set_meta(time_load_weights_s=round(time.perf_counter() - t0, 4))
+
+    async def evaluate_due(self) -> None:
+        """Evaluate the newest evaluation point the engine's weights have reached on every eval
+        shard this node covers, and report each shard's summary to trainer rank 0
+        (:mod:`distflow.rollout.evaluation`). A failure is logged and skipped, never raised."""
+        point = due_point(self.eval_todo or [], self.engine.version)
+        if point is None:
+            return
+        assert self.eval_todo is not None
+        self.eval_todo = [p for p in self.eval_todo if p > point]
+        cfg, rank, version = self.cfg, self.groups.rank, self.engine.version
+        for shard in covered_shards(self.rt, self.groups):
+            try:
+                loader = self.eval_loaders.get(shard)
+                if loader is None:
+                    loader = self.eval_loaders[shard] = eval_shard(cfg, shard)
+                seed = (cfg.seed * 1_000_003 + shard) * 100_003 + point + 0xE7A1
+                summary = await asyncio.to_thread(call_on, chosen_device(), evaluate, self.pipeline, self.engine, cfg,
+                                                  loader, seed)
+            except Exception as e:  # noqa: BLE001 - an evaluation never stops training
+                log.error("rollout rank %d: evaluation at step %d of eval shard %d failed (%s: %s); skipped",
+                          rank, point, shard, type(e).__name__, e)
+                continue
+            n = summary["samples"]
+            log.info("rollout rank %d: eval at step %d (weights v%d), shard %d: reward_mean %s over %d samples "
+                     "in %.1fs", rank, point, version, shard, f"{summary['reward_sum'] / n:.4f}" if n else "-", n,
+                     summary["seconds"])
+            target = self.groups.trainer[0].node_id
+            try:
+                await self.rt.channel.send(self.rt.endpoint(target), EVAL_KIND,
+                                           report_meta(point, shard, version, summary, cfg.rollout_nodes), {},
+                                           timeout=min(EVAL_SEND_TIMEOUT_S, cfg.step_timeout_s))
+            except Exception as e:  # noqa: BLE001 - a lost report loses one row of eval.jsonl, nothing else
+                log.warning("rollout rank %d: could not report the eval of step %d shard %d to %s (%s: %s)",
+                            rank, point, shard, target, type(e).__name__, e)
 
     def make_weights_update(self) -> Callable[[], object] | None:
         """Partial rollout: the engine polls this (from its worker thread) at decode-step

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from distflow.core.status import STAGE_TIME_KEYS
 
@@ -19,13 +19,13 @@ STAGE_KEYS = (*STAGE_TIME_KEYS, "tokens_per_s", "mfu")
 
 
 class MetricsWriter:
-    """``metrics.jsonl`` of a run. A fresh run starts it empty; a run resumed at step ``resume_step``
+    """``metrics.jsonl`` (or ``name``: ``eval.jsonl``) of a run. A fresh run starts it empty; a run resumed at step ``resume_step``
     keeps the rows of the steps before it and drops the later ones (the run got further than its
     checkpoint before it stopped: those steps are trained again, and would appear twice)."""
 
-    def __init__(self, output_dir: Path, resume_step: int | None = None):
+    def __init__(self, output_dir: Path, resume_step: int | None = None, name: str = "metrics.jsonl"):
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.path = output_dir / "metrics.jsonl"
+        self.path = output_dir / name
         if resume_step is None:
             self.path.write_text("")
             return
@@ -63,7 +63,9 @@ def with_generated_mean(stats: dict[str, float]) -> dict[str, float]:
     return stats
 
 
-def plot_reward_curve(metrics_path: Path, out_png: Path) -> None:
+def plot_reward_curve(metrics_path: Path, out_png: Path, evals: Sequence[dict[str, Any]] = ()) -> None:
+    """The trained samples' mean reward per step (and its running mean), the generated one
+    where a filter dropped groups, and the held-out evaluation's (``evals``: eval.jsonl rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,7 +84,10 @@ def plot_reward_curve(metrics_path: Path, out_png: Path) -> None:
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, linewidth=2, label=f"mean of last {k}")
-    if generated or len(rewards) >= 5:
+    held_out = [(r["step"], r["eval_reward_mean"]) for r in evals if r.get("eval_reward_mean") is not None]
+    if held_out:
+        ax.plot(*zip(*held_out), marker="o", linewidth=1.5, label="held-out evaluation")
+    if generated or held_out or len(rewards) >= 5:
         ax.legend(loc="upper left")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean reward")

@@ -37,6 +37,8 @@ from distflow.rl.weight_transport import resolve_transport, serving_plan
 from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
+from distflow.rl.eval_report import EVAL_KIND
+from distflow.trainer.evaluation import EvalBook
 from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings, with_generated_mean
 from distflow.trace import Trace
 from distflow.rl.weights import WeightPublisher
@@ -207,6 +209,9 @@ def first_startup(rt: Runtime, rollout_ids: list[str]) -> dict[str, float]:
 async def run_trainer(rt: Runtime) -> None:
     cfg = rt.cfg
     inbox = SampleInbox(rt)
+    evals = EvalBook(cfg.rollout_nodes) if cfg.eval_dataset else None  # rank 0's; reports reach no other rank
+    if evals is not None:
+        rt.on_data(EVAL_KIND, evals.receive)
     groups = await rt.form_groups()
     await init_process_group(rt, groups)
     pipeline = cfg.plan().pipeline("trainer")
@@ -232,6 +237,8 @@ async def run_trainer(rt: Runtime) -> None:
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
+    if evals is not None and rank == 0:
+        evals.attach(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None, name="eval.jsonl"))
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
     log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
              mine)
@@ -320,13 +327,20 @@ async def run_trainer(rt: Runtime) -> None:
 
     await checkpoint("checkpoint")
     if writer is not None:
-        await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
+        if evals is None:  # else once the final evaluation is in (below)
+            await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
         await asyncio.to_thread(plot_timings, writer.path, out_dir / "timings.png")
     await publisher.flush(timeout=30)
     await publisher.close()
     rt.node.set_meta(state="done")
     await on_gpu(dist.barrier)
     dist.destroy_process_group()
+    if evals is not None and rank == 0:  # the rollout nodes evaluate the final weights now
+        if inbox.total is not None and step == inbox.total:
+            if not await evals.wait_for(step, cfg.step_timeout_s, lambda: any(map(rt.node.is_alive, rollout_ids))):
+                log.warning("trainer rank 0: the evaluation of the final weights (step %d) did not complete", step)
+        evals.finish()
+        await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png", evals.rows)
     log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, inbox.dropped)
 
 

@@ -1,0 +1,90 @@
+"""Held-out evaluation on the rollout nodes: the policy's score on prompts it never trains on.
+
+Why it exists: the training reward is measured on the prompts being trained, with the
+training temperature, by a policy that moves every step; a run needs the score of fixed,
+held-out prompts at fixed points to tell learning from overfitting or noise (verl's
+``val_files``/``test_freq``, OpenRLHF's ``--eval_steps``).
+
+How it stays driverless: ``eval_dataset`` is sharded over the rollout ranks as the training
+prompts are. At each evaluation point (:func:`eval_points`: the starting step with
+``eval_before_train``, every ``eval_every`` steps, and the last), every rollout node
+evaluates the eval shards it covers (its own and any it adopted from a node that is down)
+with the first weights it holds of at least that version: the rollout group's own generate
+and REWARD stages (:func:`eval_pipeline`), ``eval_samples_per_prompt`` responses per prompt at
+``eval_temperature``. It sends one small summary per shard (:func:`summarize`: counts and
+sums, no tensors) to trainer rank 0, which writes one row of ``eval.jsonl`` per point once
+every shard has reported (:class:`distflow.trainer.evaluation.EvalBook`; the report: :mod:`distflow.rl.eval_report`). An evaluation that
+fails (a bad row, a reward that raises) is logged and skipped: it never stops training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from distflow.buffer.batch import SampleBatch
+from distflow.buffer.dataloader import PromptShard
+from distflow.core.config import Config
+from distflow.core.dag import WorkflowNode
+from distflow.rl.eval_report import SUMMARY_KEYS, summarize
+from distflow.rollout.engine import RolloutEngine
+from distflow.rollout.stages import run_pipeline
+
+log = logging.getLogger(__name__)
+
+
+def eval_points(cfg: Config, start: int, total: int) -> list[int]:
+    """The steps whose weights are evaluated, ascending: ``start`` (the run's first step) with
+    ``eval_before_train``, every multiple of ``eval_every`` after it, and ``total`` (the final
+    weights). Empty without ``eval_dataset``."""
+    if cfg.eval_dataset is None:
+        return []
+    points = {total}
+    if cfg.eval_before_train:
+        points.add(start)
+    if cfg.eval_every:
+        points.update(range((start // cfg.eval_every + 1) * cfg.eval_every, total, cfg.eval_every))
+    return sorted(p for p in points if start <= p <= total)
+
+
+def due_point(points: list[int], version: int) -> int | None:
+    """The latest point ``version`` has reached (a node whose weights jumped past a point
+    evaluates the newest one only), or None; the caller drops the points up to it."""
+    reached = [p for p in points if p <= version]
+    return reached[-1] if reached else None
+
+
+def eval_config(cfg: Config) -> Config:
+    """The run's config with evaluation's sampling: ``eval_samples_per_prompt`` responses per
+    prompt at ``eval_temperature`` (a copy: the training config is not validated again, since
+    greedy sampling is refused for training only)."""
+    return cfg.model_copy(update={"group_size": cfg.eval_samples_per_prompt, "temperature": cfg.eval_temperature})
+
+
+def eval_pipeline(pipeline: list[WorkflowNode]) -> list[WorkflowNode]:
+    """The rollout group's generate and REWARD nodes, in plan order (no estimator, no filter)."""
+    return [n for n in pipeline if n.role.value == "REWARD"
+            or (n.role.value == "ACTOR" and n.type.value == "MODEL_INFERENCE")]
+
+
+def eval_shard(cfg: Config, shard: int) -> PromptShard:
+    """Shard ``shard`` of ``eval_dataset`` over the rollout ranks, in file order."""
+    assert cfg.eval_dataset is not None
+    return PromptShard(cfg.eval_dataset, shard, cfg.rollout_nodes, seed=cfg.seed, shuffle=False,
+                       bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,))
+
+
+def evaluate(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, loader: PromptShard,
+             seed: int) -> dict[str, float]:
+    """Generate and score every row of ``loader`` (blocking: call in a thread); the summary,
+    with ``skipped_prompts`` (unusable or too long) and ``seconds``."""
+    t0 = time.perf_counter()
+    bad_before = loader.bad_rows_skipped
+    rows = loader.batch(0, 0, max(1, len(loader.rank_rows(0))))  # the whole shard, in file order
+    stats: dict[str, float] = {}
+    out = summarize(run_pipeline(eval_pipeline(pipeline), engine, eval_config(cfg), rows, seed, stats)) if rows \
+        else {k: 0 for k in SUMMARY_KEYS}
+    skipped = sum(stats.get(k, 0) for k in ("skipped_prompts", "bad_prompts", "bad_rows"))
+    return {**out, "skipped_prompts": skipped + loader.bad_rows_skipped - bad_before,
+            "seconds": time.perf_counter() - t0}

@@ -1,0 +1,199 @@
+"""Held-out evaluation: its points, its config keys, the report arithmetic, trainer rank 0's book,
+and one rollout node's evaluation of a real (toy) model through the real stages.
+
+The whole path (rollout nodes -> trainer rank 0 -> eval.jsonl, in real processes) runs in the
+shipped quickstart (tests/test_cluster.py::test_quickstart_learns), which evaluates every 25 steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from distflow.buffer.batch import SampleBatch
+from distflow.core.config import Config, ConfigError, load_config
+from distflow.preflight import check_dataset
+from distflow.rl.eval_report import eval_row, report_meta, report_problem, summarize
+from distflow.rollout.evaluation import due_point, eval_pipeline, eval_points, eval_shard, evaluate
+from distflow.trainer.evaluation import EvalBook
+from distflow.trainer.metrics import MetricsWriter, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
+EVAL_FILE = ROOT / "examples" / "data" / "successor_eval.jsonl"
+
+
+def quickstart(**update) -> Config:
+    raw = yaml.safe_load(QUICKSTART.read_text())
+    raw.update(update)
+    return Config.model_validate(raw)
+
+
+def write_config(tmp_path: Path, **update) -> Path:
+    raw = yaml.safe_load(QUICKSTART.read_text())
+    raw.update(update)
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+# ------------------------------------------------------------------------------ points and config
+@pytest.mark.parametrize("update, start, total, want", [
+    ({"eval_every": 25}, 0, 100, [0, 25, 50, 75, 100]),
+    ({"eval_every": 30}, 0, 100, [0, 30, 60, 90, 100]),
+    ({"eval_every": 0}, 0, 100, [0, 100]),
+    ({"eval_every": 25, "eval_before_train": False}, 0, 100, [25, 50, 75, 100]),
+    ({"eval_every": 25}, 40, 100, [40, 50, 75, 100]),  # a resumed run starts at its checkpoint's step
+    ({"eval_every": 25}, 0, 25, [0, 25]),
+    ({"eval_dataset": None, "eval_every": 0}, 0, 100, []),
+])
+def test_eval_points(update, start, total, want):
+    raw = {"eval_dataset": str(EVAL_FILE), **update}
+    assert eval_points(quickstart(**raw), start, total) == want
+
+
+def test_a_node_whose_weights_jumped_evaluates_the_newest_point_reached():
+    assert due_point([0, 25, 50], 0) == 0
+    assert due_point([25, 50], 24) is None
+    assert due_point([25, 50, 75], 51) == 50  # 25 was passed while generating: only 50 is evaluated
+    assert due_point([], 10) is None
+
+
+@pytest.mark.parametrize("update, needle", [
+    ({"eval_every": 10}, "eval_every: set, but there is no eval_dataset"),
+    ({"eval_temperature": 0.5}, "eval_temperature: set, but there is no eval_dataset"),
+    ({"eval_dataset": "E", "eval_every": -1}, "eval_every"),
+    ({"eval_dataset": "E", "eval_samples_per_prompt": 0}, "eval_samples_per_prompt"),
+    ({"eval_dataset": "E", "workflow": [
+        {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"},
+        {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "successor", "deps": ["generate"],
+         "group": "scorers"},
+        {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["reward"]},
+        {"id": "reference", "role": "REFERENCE", "type": "MODEL_INFERENCE", "fn": "ref_logprob",
+         "deps": ["generate"]},
+        {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage", "reference"]}],
+      "worker_groups": {"scorers": 1}}, "workflow nodes ['reward'] run on another group"),
+])
+def test_eval_keys_are_checked_naming_the_key(tmp_path, update, needle):
+    update = {k: (str(EVAL_FILE) if v == "E" else v) for k, v in update.items()}
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(write_config(tmp_path, **{"eval_dataset": None, "eval_every": 0, **update}))
+
+
+def test_eval_dataset_rows_are_checked_before_the_run(tmp_path):
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"prompt": "12=", "answer": "3"}\n{"question": "no prompt key"}\n')
+    with pytest.raises(ConfigError, match=r"eval_dataset: .*eval.jsonl:2: missing required key 'prompt'"):
+        check_dataset(quickstart(eval_dataset=str(bad)))
+    assert "eval_dataset: 1 of the 2 rows checked are bad" in check_dataset(
+        quickstart(eval_dataset=str(bad), bad_rows="skip"))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="eval_dataset: .*no rows"):
+        check_dataset(quickstart(eval_dataset=str(tmp_path / "empty.jsonl")))
+    with pytest.raises(ConfigError, match="eval_dataset: .*not found"):
+        check_dataset(quickstart(eval_dataset=str(tmp_path / "missing.jsonl")))
+
+
+# ------------------------------------------------------------------------------ report arithmetic
+def scored(prompts: list[str], rewards: list[float], lens: list[int], truncated: list[int]) -> SampleBatch:
+    n = len(prompts)
+    b = SampleBatch.from_lists([f"{p}:s{i}" for i, p in enumerate(prompts)], prompts, [[1, 2]] * n,
+                               [[5] * k for k in lens], [[0.0] * k for k in lens], policy_version=[0] * n)
+    b.set_scalar("reward", torch.tensor(rewards))
+    b.set_scalar("truncated", torch.tensor(truncated, dtype=torch.int64))
+    return b
+
+
+def test_summary_sums_rewards_best_of_n_truncation_and_lengths():
+    s = summarize(scored(["a", "a", "b", "b", "c", "c"], [1.0, 0.0, 0.0, 0.0, 0.5, -1.0], [3, 1, 2, 2, 4, 4],
+                         [1, 0, 0, 0, 1, 1]))
+    assert s == {"samples": 6, "prompts": 3, "reward_sum": pytest.approx(0.5), "best_sum": pytest.approx(1.5),
+                 "truncated": 3, "response_tokens": 16}
+
+
+def report(point, shard, version, samples, prompts, reward_sum, best_sum=None, seconds=1.0):
+    summary = {"samples": samples, "prompts": prompts, "reward_sum": reward_sum,
+               "best_sum": reward_sum if best_sum is None else best_sum, "truncated": 0,
+               "response_tokens": 3 * samples, "skipped_prompts": 0, "seconds": seconds}
+    return report_meta(point, shard, version, summary, 2)
+
+
+def test_a_point_is_the_mean_over_every_sample_not_of_shard_means():
+    row = eval_row(10, [report(10, 0, 10, 4, 4, 4.0), report(10, 1, 11, 12, 12, 0.0, seconds=2.5)], 2)
+    assert row["eval_reward_mean"] == pytest.approx(0.25)  # 4 of 16, not (1.0 + 0.0) / 2
+    assert (row["policy_version_min"], row["policy_version_max"], row["eval_time_s"]) == (10, 11, 2.5)
+    assert "eval_best_of_n_mean" not in row  # one response per prompt: best-of-n is the mean
+    row = eval_row(0, [report(0, 0, 0, 8, 2, 3.0, best_sum=2.0)], 2)
+    assert row["eval_best_of_n_mean"] == pytest.approx(1.0) and row["eval_shards"] == 1
+    assert eval_row(0, [report(0, 0, 0, 0, 0, 0.0)], 1)["eval_reward_mean"] is None
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"point": -1}, "'point' must be an int >= 0"),
+    ({"shard": 2}, "shard 2 is not one of the 2 eval shards"),
+    ({"version": "3"}, "'version' must be an int"),
+    ({"reward_sum": math.nan}, "'reward_sum' must be a finite number"),
+    ({"samples": -4}, "'samples' must be a finite number"),
+])
+def test_malformed_reports_are_named(change, needle):
+    assert report_problem(report(0, 0, 0, 4, 4, 1.0), 2) == ""
+    assert needle in report_problem({**report(0, 0, 0, 4, 4, 1.0), **change}, 2)
+
+
+# ------------------------------------------------------------------------------ trainer rank 0's book
+def test_book_writes_a_point_once_every_shard_reported_and_a_repeat_counts_once(tmp_path):
+    book = EvalBook(2)
+    assert book.add(report(0, 0, 0, 4, 4, 1.0)) is None
+    assert book.add(report(0, 0, 0, 4, 4, 4.0)) is None  # the adopter's copy of shard 0: the first one stays
+    book.attach(MetricsWriter(tmp_path))  # rows made before the writer wait for it
+    row = book.add(report(0, 1, 0, 4, 4, 3.0))
+    assert row is not None and row["eval_reward_mean"] == pytest.approx(0.5)
+    assert book.add(report(0, 1, 0, 4, 4, 0.0)) is None  # after its row: ignored
+    book.add(report(25, 1, 25, 4, 4, 2.0))  # shard 0 never reports step 25
+    with pytest.raises(ValueError, match="eval report from r9: shard 5"):
+        book.add({**report(0, 0, 0, 4, 4, 1.0), "shard": 5}, "r9")
+    book.finish()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["eval_shards"], r["eval_reward_mean"]) for r in rows] == [(0, 2, 0.5), (25, 1, 0.5)]
+
+
+def test_book_wait_is_bounded_and_ends_when_the_point_completes():
+    async def main():
+        book = EvalBook(1)
+        assert not await book.wait_for(5, 0.3, lambda: True)  # nobody reports: the deadline
+        assert not await book.wait_for(5, 30, lambda: False)  # no rollout node left: at once
+        later = asyncio.get_running_loop().call_later(0.2, book.add, report(5, 0, 5, 2, 2, 1.0))
+        assert await asyncio.wait_for(book.wait_for(5, 30, lambda: True), 5)
+        later.cancel()
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------ a real evaluation
+def test_evaluation_generates_greedily_and_scores_every_row_of_the_shard(toy_model, tmp_path):
+    from distflow.rollout.engine import make_engine
+
+    rows = [json.loads(x) for x in EVAL_FILE.read_text().splitlines()[:10]]
+    rows.insert(3, {"prompt": "x" * 300 + "=", "answer": "1"})  # longer than max_prompt_length: skipped
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = quickstart(model_path=str(toy_model), eval_dataset=str(data), eval_samples_per_prompt=2,
+                     max_prompt_length=64)
+    pipeline = cfg.plan().pipeline("rollout")
+    assert [n.id for n in eval_pipeline(pipeline)] == ["generate", "reward"]
+    engine = make_engine("torch", cfg.model_path, device="cpu", dtype="float32")
+    shard = eval_shard(cfg, 1)  # rows 1, 3, 5, 7, 9 of the file: the long one and 4 usable
+    a = evaluate(pipeline, engine, cfg, shard, seed=1)
+    b = evaluate(pipeline, engine, cfg, shard, seed=2)
+    assert (a["samples"], a["prompts"], a["skipped_prompts"]) == (8, 4, 1)
+    assert a["response_tokens"] == 8 * cfg.max_new_tokens == 24 and a["truncated"] == 8
+    # greedy (eval_temperature 0): both responses of a prompt, and both runs, are the same
+    assert a["reward_sum"] == b["reward_sum"] and a["best_sum"] * 2 == a["reward_sum"]
+    engine.close()
