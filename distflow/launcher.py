@@ -511,14 +511,13 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
 
 def eval_summary(path: Path) -> str:
     """", held-out eval 0.12 -> 0.87 (steps 0-100)" from eval.jsonl, or "" without an evaluation."""
-    from distflow.trainer.metrics import read_metrics
+    from distflow.trainer.metrics import eval_curve
 
-    rows = [r for r in read_metrics(path) if isinstance(r.get("eval_reward_mean"), (int, float))]
-    if not rows:
+    curve = eval_curve(path)
+    if not curve:
         return ""
-    first, last = rows[0], rows[-1]
-    return (f", held-out eval {first['eval_reward_mean']:.3f} -> {last['eval_reward_mean']:.3f} "
-            f"(steps {first['step']}-{last['step']}, {path})")
+    (s0, r0), (s1, r1) = curve[0], curve[-1]
+    return f", held-out eval {r0:.3f} -> {r1:.3f} (steps {s0}-{s1}, {path})"
 
 
 def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt, checkpoint: bool) -> int:

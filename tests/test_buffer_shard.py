@@ -366,3 +366,35 @@ def test_owners_rejects_non_str_ids():
 
     with pytest.raises(TypeError, match="sample_id must be a str"):
         owners(["a", 3], 2)
+
+
+def test_take_step_deadline_runs_from_the_producers_last_progress():
+    """A producer busy with something that moves (a rollout node evaluating held-out prompts,
+    gossiping each chunk) extends the wait; one that stops moving fails it within a timeout."""
+
+    async def main():
+        shard = BufferShard(1000)
+        ticks = [0]
+
+        async def busy_then_send(moves: int, step: int | None):
+            for _ in range(moves):
+                await asyncio.sleep(0.15)
+                ticks[0] += 1
+            if step is not None:
+                await shard.put(make_batch("p", 2), step=step, source="a", timeout=5)
+
+        t0 = time.monotonic()
+        producer = asyncio.create_task(busy_then_send(8, 0), name="busy-producer")  # 1.2 s of progress
+        got = await shard.take_step(0, ["a"], timeout=0.4, progress=lambda: ticks[0])
+        assert len(got) == 2 and time.monotonic() - t0 > 1.0
+        await producer
+        stuck = asyncio.create_task(busy_then_send(2, None), name="stuck-producer")  # moves for 0.3 s, then stops
+        t1 = time.monotonic()
+        with pytest.raises(TimeoutError, match="step 1 incomplete after 0.4s"):
+            await shard.take_step(1, ["a"], timeout=0.4, progress=lambda: ticks[0])
+        assert time.monotonic() - t1 < 1.5  # 0.3 s of moves + at most two timeouts
+        await stuck
+        with pytest.raises(TimeoutError):  # without progress: the plain deadline
+            await shard.take_step(2, ["a"], timeout=0.3)
+
+    run(main())

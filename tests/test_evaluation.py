@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,9 @@ import yaml
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config, ConfigError, load_config
 from distflow.preflight import check_dataset
-from distflow.rl.eval_report import eval_row, report_meta, report_problem, summarize
-from distflow.rollout.evaluation import due_point, eval_pipeline, eval_points, eval_shard, evaluate
+from distflow.launcher import eval_summary
+from distflow.rl.eval_report import due_point, eval_points, eval_progress, eval_row, report_meta, report_problem, summarize
+from distflow.rollout.evaluation import eval_pipeline, eval_shard, evaluate
 from distflow.trainer.evaluation import EvalBook
 from distflow.trainer.metrics import MetricsWriter, read_metrics
 
@@ -51,6 +53,8 @@ def write_config(tmp_path: Path, **update) -> Path:
     ({"eval_every": 0}, 0, 100, [0, 100]),
     ({"eval_every": 25, "eval_before_train": False}, 0, 100, [25, 50, 75, 100]),
     ({"eval_every": 25}, 40, 100, [40, 50, 75, 100]),  # a resumed run starts at its checkpoint's step
+    # resumed at a multiple: its row went with the later ones (trained again), so it is evaluated again
+    ({"eval_every": 25, "eval_before_train": False}, 50, 100, [50, 75, 100]),
     ({"eval_every": 25}, 0, 25, [0, 25]),
     ({"eval_dataset": None, "eval_every": 0}, 0, 100, []),
 ])
@@ -166,14 +170,52 @@ def test_book_writes_a_point_once_every_shard_reported_and_a_repeat_counts_once(
 
 def test_book_wait_is_bounded_and_ends_when_the_point_completes():
     async def main():
+        loop = asyncio.get_running_loop()
         book = EvalBook(1)
         assert not await book.wait_for(5, 0.3, lambda: True)  # nobody reports: the deadline
-        assert not await book.wait_for(5, 30, lambda: False)  # no rollout node left: at once
-        later = asyncio.get_running_loop().call_later(0.2, book.add, report(5, 0, 5, 2, 2, 1.0))
+        assert not await book.wait_for(5, 30, lambda: False)  # no rollout node left to report: at once
+        later = loop.call_later(0.2, book.add, report(5, 0, 5, 2, 2, 1.0))
         assert await asyncio.wait_for(book.wait_for(5, 30, lambda: True), 5)
         later.cancel()
+        # a long evaluation that keeps moving extends the deadline; the report then closes the point
+        ticks = [0]
+        moving = [loop.call_later(0.25 * k, lambda: ticks.__setitem__(0, ticks[0] + 1)) for k in range(1, 7)]
+        loop.call_later(1.6, book.add, report(6, 0, 6, 2, 2, 1.0))
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(book.wait_for(6, 0.6, lambda: True, lambda: ticks[0]), 10)
+        assert time.monotonic() - t0 > 1.5
+        for h in moving:
+            h.cancel()
 
     asyncio.run(main())
+
+
+def test_a_failed_shard_closes_its_point_and_missing_points_are_named(tmp_path, caplog):
+    book = EvalBook(2, MetricsWriter(tmp_path, name="eval.jsonl"))
+    book.add(report(0, 0, 0, 4, 4, 2.0))
+    failed = report_meta(0, 1, 0, None, 2, "ValueError: reward failed on sample x")
+    assert report_problem(failed, 2) == "" and failed["samples"] == 0
+    row = book.add(failed)
+    assert row is not None and row["eval_failed_shards"] == 1 and row["eval_reward_mean"] == pytest.approx(0.5)
+    assert "'error' must be a str" in report_problem({**failed, "error": 3}, 2)
+    with caplog.at_level("WARNING"):
+        book.finish(expected=[0, 3, 4])
+    assert "no report for the evaluation points at steps [3, 4]" in caplog.text
+
+
+def test_gossiped_progress_and_the_summary_line_read_rows_by_step(tmp_path):
+    class M:
+        def __init__(self, n):
+            self.meta = {"eval_progress": n} if n is not None else {}
+
+    members = {"r0": M(3), "r1": M(None)}
+    assert eval_progress(members.get, ["r0", "r1", "gone"]) == (3, 0, 0)
+    w = MetricsWriter(tmp_path, name="eval.jsonl")
+    for step, mean in ((0, 0.1), (50, 0.7), (100, 0.9), (25, 0.3)):  # a partial row (25) comes last
+        w.write({"step": step, "eval_reward_mean": mean})
+    w.write({"step": 60, "eval_reward_mean": None})  # no sample: left out
+    assert eval_summary(tmp_path / "eval.jsonl").startswith(", held-out eval 0.100 -> 0.900 (steps 0-100")
+    assert eval_summary(tmp_path / "none.jsonl") == ""
 
 
 # ------------------------------------------------------------------------------ a real evaluation
@@ -190,10 +232,31 @@ def test_evaluation_generates_greedily_and_scores_every_row_of_the_shard(toy_mod
     assert [n.id for n in eval_pipeline(pipeline)] == ["generate", "reward"]
     engine = make_engine("torch", cfg.model_path, device="cpu", dtype="float32")
     shard = eval_shard(cfg, 1)  # rows 1, 3, 5, 7, 9 of the file: the long one and 4 usable
-    a = evaluate(pipeline, engine, cfg, shard, seed=1)
-    b = evaluate(pipeline, engine, cfg, shard, seed=2)
+    chunks: list[int] = []
+    a = evaluate(pipeline, engine, cfg, shard, seed=1, on_chunk=chunks.append)
+    assert chunks == [1]  # rollout_batch (16) prompts per chunk
+    small = cfg.model_copy(update={"prompts_per_step": 4})  # rollout_batch 2: chunks of 2, 2 and 1 prompts
+    b = evaluate(pipeline, engine, small, shard, seed=2, on_chunk=chunks.append)
+    assert chunks == [1, 1, 2, 3]
+    assert {k: v for k, v in b.items() if k != "seconds"} == {k: v for k, v in a.items() if k != "seconds"}
     assert (a["samples"], a["prompts"], a["skipped_prompts"]) == (8, 4, 1)
     assert a["response_tokens"] == 8 * cfg.max_new_tokens == 24 and a["truncated"] == 8
     # greedy (eval_temperature 0): both responses of a prompt, and both runs, are the same
     assert a["reward_sum"] == b["reward_sum"] and a["best_sum"] * 2 == a["reward_sum"]
     engine.close()
+
+
+def test_points_in_the_last_steps_are_evaluated_while_the_nodes_wait_for_weights(toy_model, toy_data, tmp_path):
+    """In-process run, max_staleness 1: after generating its last step a node only waits for weights,
+    and the point one step before the end must still be evaluated then (it was lost before)."""
+    from tests.conftest import run_distflow
+
+    out = tmp_path / "run"
+    r = run_distflow(["run", str(QUICKSTART), "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
+                      f"dataset={toy_data}", "toy_model=false", "prompts_per_step=8", "group_size=2",
+                      "trainer_nodes=1", "max_steps=4", "eval_every=3", "max_staleness=1", "--in-process"],
+                     timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(out / "eval.jsonl")
+    assert [(e["step"], e["eval_shards"], e["eval_samples"]) for e in rows] == [(0, 2, 128), (3, 2, 128), (4, 2, 128)]
+    assert rows[1]["policy_version_min"] == 3 and rows[2]["policy_version_max"] == 4

@@ -134,8 +134,11 @@ class BufferShard:
         timeout: float,
         min_version: int | None = None,
         alive: Callable[[str], bool] | None = None,
+        progress: Callable[[], Any] | None = None,
     ) -> SampleBatch:
-        """Wait for every source's part of ``step``; return them concatenated in sorted-source order."""
+        """Wait for every source's part of ``step``; return them concatenated in sorted-source order.
+        ``timeout`` runs from the start or, with ``progress``, from the last change of its value (the
+        producers are busy with something else that moves, e.g. an evaluation)."""
         if isinstance(sources, str):
             raise TypeError("sources must be a collection of source names, not a single str")
         srcs = sorted(set(sources))
@@ -144,6 +147,7 @@ class BufferShard:
                 raise ValueError(f"{self.name}: step {step} from {s!r} was already taken")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        seen = None if progress is None else progress()
         async with self._cond:
             me = (step, tuple(srcs))
             self._takers.append(me)
@@ -159,6 +163,9 @@ class BufferShard:
                         if dead:
                             raise SourceLostError(step, dead, missing)
                     remaining = deadline - loop.time()
+                    if remaining <= 0 and progress is not None and (now := progress()) != seen:
+                        seen, deadline = now, loop.time() + timeout
+                        remaining = timeout
                     if remaining <= 0:
                         raise TimeoutError(f"{self.name}: step {step} incomplete after {timeout:g}s; "
                                            f"missing parts from {missing} (have {sorted(have)})")

@@ -9,13 +9,43 @@ a point's means are exact over every sample of every shard, not means of shard m
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from distflow.buffer.batch import SampleBatch
 from distflow.rl.shaping import group_index
 
 EVAL_KIND = "eval"  # the data-plane message kind of a shard's report
 SUMMARY_KEYS = ("samples", "prompts", "reward_sum", "best_sum", "truncated", "response_tokens", "skipped_prompts")
+
+
+def eval_points(cfg: Any, start: int, total: int) -> list[int]:
+    """The steps whose weights are evaluated, ascending: ``start`` (the run's first step) with
+    ``eval_before_train``, every multiple of ``eval_every`` from ``start`` on but 0 (a run resumed
+    at a multiple evaluates it again: its row was dropped with the later ones), and ``total`` (the
+    final weights). Empty without ``eval_dataset``."""
+    if cfg.eval_dataset is None:
+        return []
+    points = {total}
+    if cfg.eval_before_train:
+        points.add(start)
+    if every := cfg.eval_every:
+        first = -(-max(start, 1) // every) * every  # the first multiple >= start, and > 0
+        points.update(range(first, total, every))
+    return sorted(p for p in points if start <= p <= total)
+
+
+def eval_progress(member: Callable[[str], Any], node_ids: Sequence[str]) -> tuple:
+    """The nodes' gossiped ``eval_progress`` (chunks of held-out prompts each has evaluated; a
+    rollout node gossips it as it evaluates): a change is progress that extends a step's deadline.
+    ``member``: node id -> mesh member or None."""
+    return tuple((m.meta.get("eval_progress", 0) if (m := member(i)) is not None else 0) for i in node_ids)
+
+
+def due_point(points: list[int], version: int) -> int | None:
+    """The latest point ``version`` has reached (a node whose weights jumped past a point
+    evaluates the newest one only), or None; the caller drops the points up to it."""
+    reached = [p for p in points if p <= version]
+    return reached[-1] if reached else None
 
 
 def summarize(batch: SampleBatch) -> dict[str, float]:
@@ -34,9 +64,14 @@ def summarize(batch: SampleBatch) -> dict[str, float]:
             "response_tokens": int(t["response_lens"].sum())}
 
 
-def report_meta(point: int, shard: int, version: int, summary: dict[str, Any], num_shards: int) -> dict[str, Any]:
-    """The meta of a shard's ``eval`` message to trainer rank 0."""
-    return {"point": point, "shard": shard, "num_shards": num_shards, "version": version, **summary}
+def report_meta(point: int, shard: int, version: int, summary: dict[str, Any] | None, num_shards: int,
+                error: str = "") -> dict[str, Any]:
+    """The meta of a shard's ``eval`` message to trainer rank 0; a failed evaluation reports
+    ``error`` and no summary (so that its point still closes, with the shard counted as failed)."""
+    if summary is None:
+        summary = {**{k: 0 for k in SUMMARY_KEYS}, "seconds": 0.0}
+    meta = {"point": point, "shard": shard, "num_shards": num_shards, "version": version, **summary}
+    return {**meta, "error": error[:500]} if error else meta
 
 
 def report_problem(meta: Any, num_shards: int) -> str:
@@ -48,6 +83,8 @@ def report_problem(meta: Any, num_shards: int) -> str:
             return f"{key!r} must be an int >= 0, got {meta.get(key)!r}"
     if meta["shard"] >= num_shards:
         return f"shard {meta['shard']} is not one of the {num_shards} eval shards"
+    if not isinstance(meta.get("error", ""), str):
+        return f"'error' must be a str, got {type(meta['error']).__name__}"
     for key in (*SUMMARY_KEYS, "seconds"):
         v = meta.get(key)
         if type(v) not in (int, float) or not math.isfinite(v) or (key not in ("reward_sum", "best_sum") and v < 0):
@@ -70,4 +107,5 @@ def eval_row(point: int, reports: list[dict[str, Any]], num_shards: int) -> dict
             "eval_skipped_prompts": int(tot["skipped_prompts"]),
             "policy_version_min": min(versions), "policy_version_max": max(versions),
             "eval_time_s": max(r["seconds"] for r in reports),
-            "eval_shards": len(reports), "eval_num_shards": num_shards}
+            "eval_shards": len(reports), "eval_num_shards": num_shards,
+            "eval_failed_shards": sum(1 for r in reports if r.get("error"))}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Callable
 
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import PromptShard
@@ -32,27 +32,6 @@ from distflow.rollout.engine import RolloutEngine
 from distflow.rollout.stages import run_pipeline
 
 log = logging.getLogger(__name__)
-
-
-def eval_points(cfg: Config, start: int, total: int) -> list[int]:
-    """The steps whose weights are evaluated, ascending: ``start`` (the run's first step) with
-    ``eval_before_train``, every multiple of ``eval_every`` after it, and ``total`` (the final
-    weights). Empty without ``eval_dataset``."""
-    if cfg.eval_dataset is None:
-        return []
-    points = {total}
-    if cfg.eval_before_train:
-        points.add(start)
-    if cfg.eval_every:
-        points.update(range((start // cfg.eval_every + 1) * cfg.eval_every, total, cfg.eval_every))
-    return sorted(p for p in points if start <= p <= total)
-
-
-def due_point(points: list[int], version: int) -> int | None:
-    """The latest point ``version`` has reached (a node whose weights jumped past a point
-    evaluates the newest one only), or None; the caller drops the points up to it."""
-    reached = [p for p in points if p <= version]
-    return reached[-1] if reached else None
 
 
 def eval_config(cfg: Config) -> Config:
@@ -76,15 +55,25 @@ def eval_shard(cfg: Config, shard: int) -> PromptShard:
 
 
 def evaluate(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, loader: PromptShard,
-             seed: int) -> dict[str, float]:
+             seed: int, on_chunk: Callable[[int], None] | None = None) -> dict[str, float]:
     """Generate and score every row of ``loader`` (blocking: call in a thread); the summary,
-    with ``skipped_prompts`` (unusable or too long) and ``seconds``."""
+    with ``skipped_prompts`` (unusable or too long) and ``seconds``. The rows go in chunks of a
+    training step's prompts (``rollout_batch``), ``on_chunk(k)`` called after the k-th: a long
+    evaluation is then progress the others can see, one step's work at a time, never one
+    silence longer than a step (the trainers' and peers' deadlines count from the last progress)."""
     t0 = time.perf_counter()
     bad_before = loader.bad_rows_skipped
     rows = loader.batch(0, 0, max(1, len(loader.rank_rows(0))))  # the whole shard, in file order
+    out = {k: 0.0 for k in SUMMARY_KEYS}
     stats: dict[str, float] = {}
-    out = summarize(run_pipeline(eval_pipeline(pipeline), engine, eval_config(cfg), rows, seed, stats)) if rows \
-        else {k: 0 for k in SUMMARY_KEYS}
+    size = cfg.rollout_batch
+    for k, i in enumerate(range(0, len(rows), size)):
+        batch = run_pipeline(eval_pipeline(pipeline), engine, eval_config(cfg), rows[i:i + size], seed + k, stats)
+        for key, v in summarize(batch).items():  # a prompt's responses are all in its chunk: sums add up
+            out[key] += v
+        if on_chunk is not None:
+            on_chunk(k + 1)
     skipped = sum(stats.get(k, 0) for k in ("skipped_prompts", "bad_prompts", "bad_rows"))
-    return {**out, "skipped_prompts": skipped + loader.bad_rows_skipped - bad_before,
+    return {**{k: int(v) if k not in ("reward_sum", "best_sum") else v for k, v in out.items()},
+            "skipped_prompts": int(skipped + loader.bad_rows_skipped - bad_before),
             "seconds": time.perf_counter() - t0}

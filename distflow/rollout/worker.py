@@ -18,13 +18,15 @@ when the mesh has declared a trainer dead for a suspicion timeout while this nod
 sees other members alive (so it is not this node that is cut off), or when the other
 trainers left, the node stops at once instead of waiting ``step_timeout_s``.
 
-With ``eval_dataset`` a node also evaluates held-out prompts at the evaluation points, before
-the step it would generate next and after the final weights (:mod:`distflow.rollout.evaluation`).
+With ``eval_dataset`` a node also evaluates held-out prompts when its newest weights reach an
+evaluation point, whether it is about to generate or waiting for weights, and after the final
+weights (:mod:`distflow.rollout.evaluation`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Callable
@@ -35,8 +37,8 @@ from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.rollout.engine import make_engine
-from distflow.rl.eval_report import EVAL_KIND, report_meta
-from distflow.rollout.evaluation import due_point, eval_points, eval_shard, evaluate
+from distflow.rl.eval_report import EVAL_KIND, due_point, eval_points, eval_progress, report_meta
+from distflow.rollout.evaluation import eval_shard, evaluate
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION
 from distflow.rollout.stages import run_pipeline
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime
@@ -176,6 +178,7 @@ class RolloutLoop:
         self._first_batch = False
         self.eval_todo: list[int] | None = None  # evaluation points not reached yet; None until the start is known
         self.eval_loaders: dict[int, PromptShard] = {}
+        self.eval_chunks = 0  # chunks evaluated so far (gossiped as eval_progress)
         rt.on_data("weights", self.inbox.receive)
 
     def shard_loader(self, s: int) -> PromptShard:
@@ -226,15 +229,16 @@ class RolloutLoop:
         rank, total, loaders = groups.rank, self.total, self.loaders
         next_step = {rank: 0}  # per covered shard: the next step to generate
         stalled_since = time.monotonic()
-        progress = (-1, -1)  # (weights version, trainers' step) last seen: either moving is progress
+        progress: tuple = ()  # (weights version, trainers' step, evaluations) last seen: any moving is progress
         while inbox.version < total:  # until the trainers have published the final version
             rt.trainers_gone()  # raises when they are gone for good
             # Weights of version v are what v trained steps made: steps below it need no samples (the
             # gossiped step may lag behind them, e.g. right after a resume or on a node that was cut off).
             start = trainers_start_step(rt, groups)
             done = max(trainer_step(rt, groups), inbox.version, start or 0)
-            if (inbox.version, done) != progress:
-                progress, stalled_since = (inbox.version, done), time.monotonic()
+            now = (inbox.version, done, eval_progress(rt.node.member, [r.node_id for r in groups.rollout]))
+            if now != progress:  # (a node evaluating is progress too)
+                progress, stalled_since = now, time.monotonic()
             shards = covered_shards(rt, groups)
             for s in shards:
                 if s not in next_step:
@@ -245,6 +249,8 @@ class RolloutLoop:
             # A resumed run's trainers say their checkpoint's step (0 too) as start_step: until then (or a
             # version past 0) the step to generate is not known.
             resuming = bool(cfg.resume_from) and start is None and done == 0
+            if cfg.eval_dataset is not None and not resuming and await self.evaluate_if_due(start, done):
+                stalled_since = time.monotonic()
             if not todo or resuming or inbox.version < min(todo)[0] - cfg.max_staleness:
                 # Nothing to do, (staleness bound) weights too old, or a resumed run's step unknown: wait.
                 if time.monotonic() - stalled_since > cfg.step_timeout_s:
@@ -257,9 +263,6 @@ class RolloutLoop:
                 continue
             step, shard = min(todo)
             await self.load_fresh_weights()
-            if self.eval_todo is None and cfg.eval_dataset is not None:  # (a restarted node: the points ahead)
-                self.eval_todo = [p for p in eval_points(cfg, start or 0, total) if p >= engine.version]
-            await self.evaluate_due()
             epoch, in_epoch = divmod(step, self.per_epoch)
             bad_before = loaders[shard].bad_rows_skipped
             rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
@@ -302,6 +305,23 @@ class RolloutLoop:
         await asyncio.to_thread(self.engine.load_weights, update.version, update.buckets, update.is_delta)
         self.rt.node.set_meta(time_load_weights_s=round(time.perf_counter() - t0, 4))
 
+    async def evaluate_if_due(self, start: int | None, done: int) -> bool:
+        """Evaluate when the newest weights received have reached an evaluation point, whether
+        this node is about to generate or waiting for weights (the last steps' points come while
+        it waits); True if it evaluated. The points are fixed once this node holds current
+        weights (a restarted node evaluates only the points ahead of it)."""
+        if self.eval_todo is None:
+            if start is None and self.cfg.resume_from:
+                return False  # a resumed run's first step (its first point) is not known yet
+            if self.inbox.version < done - self.cfg.max_staleness:
+                return False  # catching up (a restarted node): its first weights are not current yet
+            self.eval_todo = [p for p in eval_points(self.cfg, start or 0, self.total) if p >= self.inbox.version]
+        if due_point(self.eval_todo, self.inbox.version) is None:
+            return False
+        await self.load_fresh_weights()
+        await self.evaluate_due()
+        return True
+
     async def evaluate_due(self) -> None:
         """Evaluate the newest evaluation point the engine's weights have reached on every eval
         shard this node covers, and report each shard's summary to trainer rank 0
@@ -313,29 +333,43 @@ class RolloutLoop:
         self.eval_todo = [p for p in self.eval_todo if p > point]
         cfg, rank, version = self.cfg, self.groups.rank, self.engine.version
         for shard in covered_shards(self.rt, self.groups):
+            summary, error = None, ""
             try:
                 loader = self.eval_loaders.get(shard)
                 if loader is None:
                     loader = self.eval_loaders[shard] = eval_shard(cfg, shard)
                 seed = (cfg.seed * 1_000_003 + shard) * 100_003 + point + 0xE7A1
                 summary = await asyncio.to_thread(call_on, chosen_device(), evaluate, self.pipeline, self.engine, cfg,
-                                                  loader, seed)
+                                                  loader, seed, self.progress_reporter())
             except Exception as e:  # noqa: BLE001 - an evaluation never stops training
-                log.error("rollout rank %d: evaluation at step %d of eval shard %d failed (%s: %s); skipped",
-                          rank, point, shard, type(e).__name__, e)
-                continue
-            n = summary["samples"]
-            log.info("rollout rank %d: eval at step %d (weights v%d), shard %d: reward_mean %s over %d samples "
-                     "in %.1fs", rank, point, version, shard, f"{summary['reward_sum'] / n:.4f}" if n else "-", n,
-                     summary["seconds"])
+                error = f"{type(e).__name__}: {e}"
+                log.error("rollout rank %d: evaluation at step %d of eval shard %d failed (%s); skipped", rank, point,
+                          shard, error)
+            if summary is not None:
+                n = summary["samples"]
+                log.info("rollout rank %d: eval at step %d (weights v%d), shard %d: reward_mean %s over %d samples "
+                         "in %.1fs", rank, point, version, shard, f"{summary['reward_sum'] / n:.4f}" if n else "-", n,
+                         summary["seconds"])
             target = self.groups.trainer[0].node_id
-            try:
+            try:  # a failure is reported too: the point then closes at once, naming the failed shard
                 await self.rt.channel.send(self.rt.endpoint(target), EVAL_KIND,
-                                           report_meta(point, shard, version, summary, cfg.rollout_nodes), {},
+                                           report_meta(point, shard, version, summary, cfg.rollout_nodes, error), {},
                                            timeout=min(EVAL_SEND_TIMEOUT_S, cfg.step_timeout_s))
             except Exception as e:  # noqa: BLE001 - a lost report loses one row of eval.jsonl, nothing else
                 log.warning("rollout rank %d: could not report the eval of step %d shard %d to %s (%s: %s)",
                             rank, point, shard, target, type(e).__name__, e)
+
+    def progress_reporter(self) -> Callable[[int], None]:
+        """``on_chunk`` for :func:`evaluate`, called from its worker thread: gossips this node's
+        evaluation progress (``eval_progress``, a count of evaluated chunks) from the loop, so the
+        trainers' and the other rollout nodes' deadlines run from the last chunk, not the start."""
+        loop, node = asyncio.get_running_loop(), self.rt.node
+
+        def on_chunk(_: int) -> None:
+            self.eval_chunks += 1
+            loop.call_soon_threadsafe(functools.partial(node.set_meta, eval_progress=self.eval_chunks))
+
+        return on_chunk
 
     def make_weights_update(self) -> Callable[[], object] | None:
         """Partial rollout: the engine polls this (from its worker thread) at decode-step

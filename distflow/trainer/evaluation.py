@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from distflow.core.channels import Envelope
 from distflow.rl.eval_report import eval_row, report_problem
@@ -58,12 +57,17 @@ class EvalBook:
         self.writer = writer
         self._flush()
 
-    async def wait_for(self, point: int, timeout: float, alive: Callable[[], bool]) -> bool:
-        """Until ``point``'s row is written (True), the deadline passes, or ``alive()`` turns false
-        (no rollout node left to report); False then."""
-        deadline = time.monotonic() + timeout
+    async def wait_for(self, point: int, timeout: float, alive: Callable[[], bool],
+                       progress: Callable[[], Any] | None = None) -> bool:
+        """Until ``point``'s row is written (True), ``timeout`` passes without a change of
+        ``progress()`` (the rollout nodes' gossiped evaluation progress), or ``alive()`` turns
+        false (no rollout node left that has still to report); False then."""
+        loop = asyncio.get_running_loop()
+        deadline, seen = loop.time() + timeout, None if progress is None else progress()
         while point not in self.written:
-            left = deadline - time.monotonic()
+            if progress is not None and (now := progress()) != seen:
+                seen, deadline = now, loop.time() + timeout
+            left = deadline - loop.time()
             if left <= 0 or not alive():
                 return False
             self._changed.clear()
@@ -73,13 +77,18 @@ class EvalBook:
                 pass
         return True
 
-    def finish(self) -> None:
-        """Write the points still missing shards, as partial rows (named in the log)."""
+    def finish(self, expected: Sequence[int] = ()) -> None:
+        """Write the points still missing shards, as partial rows, and name the ``expected``
+        points no shard reported at all (a node whose weights passed two points at once
+        evaluated the later one only)."""
         for point in sorted(set(self.points) - self.written):
             got = sorted(self.points[point])
             log.warning("eval at step %d: only eval shards %s of %d reported; writing a partial row",
                         point, got, self.num_shards)
             self._emit(point)
+        if missing := sorted(set(expected) - self.written):
+            log.warning("eval: no report for the evaluation points at steps %s (weights passed them together "
+                        "with a later point, or the nodes stopped first)", missing)
 
     def _emit(self, point: int) -> dict[str, Any]:
         row = eval_row(point, list(self.points[point].values()), self.num_shards)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from distflow.core.status import STAGE_TIME_KEYS
 
@@ -63,9 +63,9 @@ def with_generated_mean(stats: dict[str, float]) -> dict[str, float]:
     return stats
 
 
-def plot_reward_curve(metrics_path: Path, out_png: Path, evals: Sequence[dict[str, Any]] = ()) -> None:
+def plot_reward_curve(metrics_path: Path, out_png: Path, eval_path: Path | None = None) -> None:
     """The trained samples' mean reward per step (and its running mean), the generated one
-    where a filter dropped groups, and the held-out evaluation's (``evals``: eval.jsonl rows)."""
+    where a filter dropped groups, and the held-out evaluation's (``eval_path``: eval.jsonl)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,7 +84,7 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, evals: Sequence[dict[st
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, linewidth=2, label=f"mean of last {k}")
-    held_out = [(r["step"], r["eval_reward_mean"]) for r in evals if r.get("eval_reward_mean") is not None]
+    held_out = eval_curve(eval_path) if eval_path is not None else []
     if held_out:
         ax.plot(*zip(*held_out), marker="o", linewidth=1.5, label="held-out evaluation")
     if generated or held_out or len(rewards) >= 5:
@@ -97,6 +97,14 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, evals: Sequence[dict[st
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
+
+
+def eval_curve(path: Path) -> list[tuple[int, float]]:
+    """(step, eval_reward_mean) of eval.jsonl's rows, by step (partial rows are written last, and
+    a resumed run's rows follow the earlier run's); rows without a mean (no sample) left out."""
+    rows = [r for r in read_metrics(path) if isinstance(r.get("step"), int)
+            and isinstance(r.get("eval_reward_mean"), (int, float))]
+    return sorted((r["step"], float(r["eval_reward_mean"])) for r in rows)
 
 
 def plot_timings(metrics_path: Path, out_png: Path) -> None:

@@ -37,7 +37,7 @@ from distflow.rl.weight_transport import resolve_transport, serving_plan
 from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
-from distflow.rl.eval_report import EVAL_KIND
+from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
 from distflow.trainer.evaluation import EvalBook
 from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings, with_generated_mean
 from distflow.trace import Trace
@@ -244,6 +244,7 @@ async def run_trainer(rt: Runtime) -> None:
              mine)
 
     step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
+    start_step = step
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
@@ -252,6 +253,8 @@ async def run_trainer(rt: Runtime) -> None:
         inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         await publish(step)
     alive = rollout_liveness(rt, rollout_ids)
+    # A rollout node evaluating held-out prompts sends no step meanwhile: its progress extends the wait.
+    evaluating = (lambda: eval_progress(rt.node.member, rollout_ids)) if evals is not None else None
     startup: dict[str, float] | None = None
     # A resume's data order (actor.read_run_state checked the config): the rollout nodes' row count
     # is compared with the checkpoint's at the first step, before it is trained.
@@ -269,7 +272,7 @@ async def run_trainer(rt: Runtime) -> None:
         error: Exception | None = None
         try:
             batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
-                                             min_version=step - cfg.max_staleness, alive=alive)
+                                             min_version=step - cfg.max_staleness, alive=alive, progress=evaluating)
             if unchecked_rows and batch is not None and inbox.num_rows is not None:
                 unchecked_rows = False  # (every rank got a part from each rollout node: they all agree)
                 check_data_order(Path(cfg.resume_from), step, saved_order,
@@ -335,12 +338,18 @@ async def run_trainer(rt: Runtime) -> None:
     rt.node.set_meta(state="done")
     await on_gpu(dist.barrier)
     dist.destroy_process_group()
-    if evals is not None and rank == 0:  # the rollout nodes evaluate the final weights now
+    if evals is not None and rank == 0 and writer is not None:  # the rollout nodes evaluate the final weights now
         if inbox.total is not None and step == inbox.total:
-            if not await evals.wait_for(step, cfg.step_timeout_s, lambda: any(map(rt.node.is_alive, rollout_ids))):
+            def evaluating_nodes() -> bool:  # (a node that is done has sent its last report)
+                return any(rt.node.is_alive(i) and (m := rt.node.member(i)) is not None and m.meta.get("state") != "done"
+                           for i in rollout_ids)
+
+            if not await evals.wait_for(step, cfg.step_timeout_s, evaluating_nodes, evaluating):
                 log.warning("trainer rank 0: the evaluation of the final weights (step %d) did not complete", step)
-        evals.finish()
-        await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png", evals.rows)
+            evals.finish(eval_points(cfg, start_step, step))
+        else:
+            evals.finish()
+        await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png", evals.writer.path)
     log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, inbox.dropped)
 
 
