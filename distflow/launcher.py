@@ -403,6 +403,7 @@ class Progress:
         self.last: dict | None = None
         self.bad_rows = 0  # rows skipped (bad_rows: skip) over the run
         self.empty_steps = 0  # steps that trained on 0 samples while rows were skipped
+        self.eval_path, self.evals_seen = metrics_path.with_name("eval.jsonl"), 0  # held-out evaluation rows
 
     def poll(self) -> None:
         from distflow.core.status import format_stages
@@ -432,6 +433,15 @@ class Progress:
                 self.bar.write(f"distflow: WARNING: step {r['step'] + 1} trained on 0 samples: its {bad} bad rows "
                                f"were skipped (bad_rows: skip; the rollout logs name them)", file=sys.stderr)
         self.seen = len(rows)
+        evals = read_metrics(self.eval_path) if self.eval_path.is_file() else []
+        for e in evals[self.evals_seen:]:
+            mean, failed = e.get("eval_reward_mean"), e.get("eval_failed_shards")
+            self.bar.write(f"eval at step {e.get('step')}: reward {'-' if mean is None else f'{mean:.3f}'} over "
+                           f"{e.get('eval_samples')} held-out samples"
+                           + (f" ({failed} eval shard(s) failed: the rollout logs name the error)" if failed else "")
+                           + ("" if e.get("eval_shards") == e.get("eval_num_shards")
+                              else f" (partial: {e.get('eval_shards')} of {e.get('eval_num_shards')} shards)"))
+        self.evals_seen = len(evals)
 
     def summary(self) -> str:
         """The bad rows of the run, for the done message ("" when none)."""
@@ -468,8 +478,9 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     placement = plan_placement(cfg)  # refuses an impossible placement before anything starts
     secret = os.environ.get(SECRET_ENV) or new_secret()
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
-    if not cfg.resume_from:
+    if not cfg.resume_from:  # (a resumed run's trainer keeps the rows before its checkpoint)
         metrics.unlink(missing_ok=True)
+        metrics.with_name("eval.jsonl").unlink(missing_ok=True)  # never a previous run's evaluation
     from distflow.placement import describe
     from distflow.trainer.metrics import read_metrics
 

@@ -260,3 +260,22 @@ def test_points_in_the_last_steps_are_evaluated_while_the_nodes_wait_for_weights
     rows = read_metrics(out / "eval.jsonl")
     assert [(e["step"], e["eval_shards"], e["eval_samples"]) for e in rows] == [(0, 2, 128), (3, 2, 128), (4, 2, 128)]
     assert rows[1]["policy_version_min"] == 3 and rows[2]["policy_version_max"] == 4
+
+
+def test_progress_prints_each_evaluation_once_naming_partial_and_failed_points(tmp_path, capsys):
+    from distflow.launcher import Progress
+
+    bar = Progress(tmp_path / "metrics.jsonl", enabled=False)
+    w = MetricsWriter(tmp_path, name="eval.jsonl")
+    w.write(eval_row(0, [report(0, 0, 0, 4, 4, 1.0), report(0, 1, 0, 4, 4, 0.0)], 2))
+    bar.poll()
+    w.write(eval_row(25, [report(25, 0, 25, 4, 4, 3.0)], 2))
+    w.write(eval_row(50, [report(50, 0, 50, 4, 4, 2.0), report_meta(50, 1, 50, None, 2, "boom")], 2))
+    bar.poll()
+    bar.poll()
+    cap = capsys.readouterr()
+    lines = [x for x in (cap.out + cap.err).splitlines() if "eval at" in x]
+    assert lines == ["eval at step 0: reward 0.125 over 8 held-out samples",
+                     "eval at step 25: reward 0.750 over 4 held-out samples (partial: 1 of 2 shards)",
+                     "eval at step 50: reward 0.500 over 4 held-out samples (1 eval shard(s) failed: the rollout "
+                     "logs name the error)"], lines
