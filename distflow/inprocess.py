@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Callable
 
 from distflow.core.aio import cancel_and_wait, run_loop
 from distflow.core.auth import new_secret
@@ -63,7 +64,11 @@ async def _run(cfg: Config) -> int:
         producers |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
         producers |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
         tasks |= {trainer_task, *producers}
-        return await _supervise(cfg, interrupted, trainer_task, producers, rollouts + controllers + workers)
+        def stepped() -> bool:  # the trainer gossips `step` once it has trained one in this run
+            me = trainer.node.member(trainer.node.node_id)
+            return me is not None and "step" in me.meta
+
+        return await _supervise(cfg, interrupted, trainer_task, producers, rollouts + controllers + workers, stepped)
     finally:
         await cancel_and_wait(tasks, 10)
         for rt in started[1:] + started[:1]:  # the trainer last
@@ -71,10 +76,11 @@ async def _run(cfg: Config) -> int:
 
 
 async def _supervise(cfg: Config, interrupted: _Interrupt, trainer_task: asyncio.Task,
-                     producers: set[asyncio.Task], producer_rts: list) -> int:
+                     producers: set[asyncio.Task], producer_rts: list, stepped: Callable[[], bool]) -> int:
     """Wait for the run to end; returns the exit status. On the first stop signal the producers
     leave, as a cluster's on Ctrl-C, and the trainer saves a checkpoint at its last completed step,
-    given up to step_timeout_s (as `distflow run` gives the trainers)."""
+    given up to step_timeout_s (as `distflow run` gives the trainers); before the first step has
+    completed (``stepped``) there is nothing to save, and every task stops at once, as a cluster's."""
     watch = asyncio.create_task(interrupted.wait(), name="in-process-interrupt")
     loop = asyncio.get_running_loop()
     code, deadline = 0, None
@@ -87,6 +93,11 @@ async def _supervise(cfg: Config, interrupted: _Interrupt, trainer_task: asyncio
                 log.error("the trainer did not stop within %.0fs of the interrupt (step_timeout_s); stopping it",
                           cfg.step_timeout_s)
                 break
+            if watch in done and not stepped():  # nothing to save (a step-0 checkpoint would be the base model)
+                log.warning("interrupted (%s) before the first step completed (nothing to save); stopping every "
+                            "node now", interrupted.name)
+                await cancel_and_wait({trainer_task, *producers}, 10)
+                return 128 + interrupted.signum
             if watch in done:  # as a cluster's Ctrl-C: the producers leave, the trainer saves a checkpoint
                 log.warning("interrupted (%s): stopping the rollout nodes; the trainer saves a checkpoint (%s "
                             "again to stop at once)", interrupted.name, interrupted.name)

@@ -12,10 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from distflow.core.config import Config, ConfigError, load_config
 from distflow.trainer.metrics import read_metrics
@@ -355,6 +357,14 @@ def test_a_node_whose_launcher_died_before_it_started_exits_at_once():
     assert node(os.getpid()).returncode == 0  # its parent: this test
 
 
+def signal_and_wait(proc: subprocess.Popen, sig: int) -> tuple[str, float]:
+    """Send ``sig`` to a running `distflow run` and wait for it to exit (60 s at most): (stderr, seconds)."""
+    proc.send_signal(sig)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    return err, time.monotonic() - t0
+
+
 def stop_after_first_step(toy_model: Path, tmp_path: Path, sig: str, *extra: str):
     """Run the quickstart (small steps) with `distflow run`, send ``sig`` once its first step is in
     metrics.jsonl, and check that the run stopped as on Ctrl-C: exit 128 + the signal within 15 s,
@@ -373,10 +383,7 @@ def stop_after_first_step(toy_model: Path, tmp_path: Path, sig: str, *extra: str
         wait_for(lambda: read_metrics(out / "metrics.jsonl") or proc.poll() is not None, 90, "first step")
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         nodes = run_pids(out, skip_zombies=True)
-        proc.send_signal(getattr(signal, sig))
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
+        err, took = signal_and_wait(proc, getattr(signal, sig))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -405,3 +412,37 @@ def test_sigterm_stops_a_run_like_ctrl_c_with_a_checkpoint(toy_model, tmp_path):
     _, nodes = stop_after_first_step(toy_model, tmp_path, "SIGTERM")
     assert len(nodes) == 4
     assert not [pid for pid in nodes if alive(pid)] and not run_pids(tmp_path / "run", skip_zombies=True)
+
+
+def test_in_process_interrupt_before_the_first_step_saves_nothing_and_stops_at_once(toy_model, tmp_path):
+    """As `distflow run`: a stop before any step completed has nothing to save, so every node stops at
+    once (before, --in-process gave the trainer its step_timeout_s and saved the untrained model as a
+    step-0 checkpoint). The first step is held up in a reward that blocks (its first call marks a file)."""
+    (tmp_path / "slow_reward.py").write_text(textwrap.dedent(f"""
+        import pathlib, time
+        def reward(text, row, **kw):
+            pathlib.Path({str(tmp_path / "scoring")!r}).touch()
+            time.sleep(60)
+            return 0.0
+    """))
+    cfg = yaml.safe_load(Path(QUICKSTART).read_text())
+    for n in cfg["workflow"]:
+        if n["role"] == "REWARD":
+            n["fn"] = "slow_reward:reward"
+    out = tmp_path / "run"
+    cfg.update(output_dir=str(out), model_path=str(toy_model), toy_model=False, trainer_nodes=1, eval_dataset=None,
+               eval_every=0)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", "run", str(tmp_path / "cfg.yaml"), "--no-progress",
+                             "--in-process"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    try:
+        wait_for(lambda: (tmp_path / "scoring").exists() or proc.poll() is not None, 90, "the first reward call")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        err, took = signal_and_wait(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "before the first step completed (nothing to save)" in err, err[-3000:]
+    assert not (out / "checkpoint").exists() and took < 15, (took, err[-2000:])
