@@ -48,6 +48,8 @@ def test_gsm8k_gpu_examples_validate_with_real_model_settings(algo, update):
     # a pretrained model: small learning rates, real lengths, a micro-batch that fits next to the engine
     assert (cfg.device, cfg.dtype, cfg.lr, cfg.max_new_tokens) == ("cuda", "bfloat16", 1e-6, 512)
     assert cfg.micro_batch_size <= 8 and not cfg.toy_model
+    # held out: GSM8K's test split, next to the train split the docs' download gives
+    assert cfg.eval_dataset == cfg.dataset.replace("train-", "test-") and cfg.eval_every == 20
     if algo == "ppo":
         assert cfg.critic_lr == 1e-5 and cfg.kl_in_reward
     if algo == "dapo":
