@@ -394,16 +394,20 @@ def _error_line(path: Path) -> str:
 class Progress:
     """A progress bar fed by metrics.jsonl (or plain lines when not a terminal)."""
 
-    def __init__(self, metrics_path: Path, enabled: bool):
+    def __init__(self, metrics_path: Path, enabled: bool, skip_existing: bool = False):
         from tqdm import tqdm
 
-        self.path, self.seen = metrics_path, 0
+        from distflow.trainer.metrics import read_metrics
+
+        # skip_existing: a resumed run's rows before its checkpoint are not shown again
+        self.path, self.seen = metrics_path, len(read_metrics(metrics_path)) if skip_existing else 0
         self.bar = tqdm(total=None, unit="step", desc="training", disable=not enabled, dynamic_ncols=True)
         self.plain = not enabled
         self.last: dict | None = None
         self.bad_rows = 0  # rows skipped (bad_rows: skip) over the run
         self.empty_steps = 0  # steps that trained on 0 samples while rows were skipped
-        self.eval_path, self.evals_seen = metrics_path.with_name("eval.jsonl"), 0  # held-out evaluation rows
+        self.eval_path = metrics_path.with_name("eval.jsonl")  # held-out evaluation rows
+        self.evals_seen = len(read_metrics(self.eval_path)) if skip_existing else 0
 
     def poll(self) -> None:
         from distflow.core.status import format_stages
@@ -478,15 +482,19 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     placement = plan_placement(cfg)  # refuses an impossible placement before anything starts
     secret = os.environ.get(SECRET_ENV) or new_secret()
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
-    if not cfg.resume_from:  # (a resumed run's trainer keeps the rows before its checkpoint)
+    from distflow.placement import describe
+    from distflow.trainer.metrics import MetricsWriter, read_metrics
+
+    if not cfg.resume_from:
         metrics.unlink(missing_ok=True)
         metrics.with_name("eval.jsonl").unlink(missing_ok=True)  # never a previous run's evaluation
-    from distflow.placement import describe
-    from distflow.trainer.metrics import read_metrics
-
+    else:  # the rows before the checkpoint's step stay, as trainer rank 0 keeps them (later ones are trained again)
+        step = json.loads((Path(cfg.resume_from) / "distflow_state.json").read_text())["step"]
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            MetricsWriter(metrics.parent, resume_step=step, name=name)
     rows_at_start = len(read_metrics(metrics))  # a resumed run's earlier steps
     print(f"distflow: {describe(placement)}", file=sys.stderr)
-    bar = Progress(metrics, enabled=progress and sys.stderr.isatty())
+    bar = Progress(metrics, enabled=progress and sys.stderr.isatty(), skip_existing=True)
     children: list[Child] = []
     previous = catch_stop_signals()
     try:
@@ -524,11 +532,12 @@ def eval_summary(path: Path) -> str:
     """", held-out eval 0.12 -> 0.87 (steps 0-100)" from eval.jsonl, or "" without an evaluation."""
     from distflow.trainer.metrics import eval_curve
 
-    curve = eval_curve(path)
+    curve, incomplete = eval_curve(path)
+    left_out = f"; {incomplete} partial or failed row(s) left out" if incomplete else ""
     if not curve:
-        return ""
+        return f", held-out eval: no complete evaluation ({path}{left_out})" if incomplete else ""
     (s0, r0), (s1, r1) = curve[0], curve[-1]
-    return f", held-out eval {r0:.3f} -> {r1:.3f} (steps {s0}-{s1}, {path})"
+    return f", held-out eval {r0:.3f} -> {r1:.3f} (steps {s0}-{s1}, {path}{left_out})"
 
 
 def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt, checkpoint: bool) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 
 from distflow.buffer.shard import BufferShard
@@ -257,6 +258,15 @@ class Runtime:
             await asyncio.wait_for(self.node.stop(graceful=graceful), timeout=10)
         finally:
             await asyncio.wait_for(self.channel.close(), timeout=10)
+
+
+def shard_cover(rollout_ids: list[str], alive: Callable[[str], bool], shard: int) -> str | None:
+    """The rollout node that covers ``shard`` now: its owner (rank ``shard``) when alive, else the
+    next alive node in ring order (elasticity: it adopts the shard); None when none is alive.
+    The one rule both the rollout nodes (which shards to generate) and the trainers (whose
+    progress a missing shard waits on) apply."""
+    n = len(rollout_ids)
+    return next((rollout_ids[(shard + k) % n] for k in range(n) if alive(rollout_ids[(shard + k) % n])), None)
 
 
 def not_cut_off_witness(others: list, dead_at: float, now: float, settle_s: float) -> str | None:

@@ -385,16 +385,29 @@ def test_take_step_deadline_runs_from_the_producers_last_progress():
 
         t0 = time.monotonic()
         producer = asyncio.create_task(busy_then_send(8, 0), name="busy-producer")  # 1.2 s of progress
-        got = await shard.take_step(0, ["a"], timeout=0.4, progress=lambda: ticks[0])
+        asked: list[list[str]] = []
+        got = await shard.take_step(0, ["a"], timeout=0.4,
+                                    progress=lambda missing: asked.append(missing) or ticks[0])
+        assert asked and all(m == ["a"] for m in asked)  # asked about the parts still missing
         assert len(got) == 2 and time.monotonic() - t0 > 1.0
         await producer
         stuck = asyncio.create_task(busy_then_send(2, None), name="stuck-producer")  # moves for 0.3 s, then stops
         t1 = time.monotonic()
-        with pytest.raises(TimeoutError, match="step 1 incomplete after 0.4s"):
-            await shard.take_step(1, ["a"], timeout=0.4, progress=lambda: ticks[0])
+        with pytest.raises(TimeoutError, match=r"step 1 incomplete after \d+s, the last 0.4s without progress"):
+            await shard.take_step(1, ["a"], timeout=0.4, progress=lambda missing: ticks[0])
         assert time.monotonic() - t1 < 1.5  # 0.3 s of moves + at most two timeouts
         await stuck
-        with pytest.raises(TimeoutError):  # without progress: the plain deadline
+        with pytest.raises(TimeoutError, match="step 2 incomplete after 0.3s;"):  # without progress: the plain deadline
             await shard.take_step(2, ["a"], timeout=0.3)
 
     run(main())
+
+
+def test_a_shard_is_covered_by_its_owner_else_the_next_alive_node_in_ring_order():
+    from distflow.runtime import shard_cover
+
+    ids = ["r0", "r1", "r2"]
+    up = {"r0", "r2"}
+    assert [shard_cover(ids, up.__contains__, s) for s in range(3)] == ["r0", "r2", "r2"]
+    assert [shard_cover(ids, {"r1"}.__contains__, s) for s in range(3)] == ["r1", "r1", "r1"]
+    assert shard_cover(ids, set().__contains__, 0) is None

@@ -198,9 +198,12 @@ def test_a_failed_shard_closes_its_point_and_missing_points_are_named(tmp_path, 
     row = book.add(failed)
     assert row is not None and row["eval_failed_shards"] == 1 and row["eval_reward_mean"] == pytest.approx(0.5)
     assert "'error' must be a str" in report_problem({**failed, "error": 3}, 2)
+    book.add(report_meta(3, 0, 3, None, 2, "boom"))
+    book.add(report(3, 0, 3, 4, 4, 4.0))  # the adopter's successful copy replaces the failed one
+    assert book.add(report(3, 1, 3, 4, 4, 0.0))["eval_failed_shards"] == 0
     with caplog.at_level("WARNING"):
         book.finish(expected=[0, 3, 4])
-    assert "no report for the evaluation points at steps [3, 4]" in caplog.text
+    assert "no report for the evaluation points at steps [4]" in caplog.text
 
 
 def test_gossiped_progress_and_the_summary_line_read_rows_by_step(tmp_path):
@@ -211,10 +214,14 @@ def test_gossiped_progress_and_the_summary_line_read_rows_by_step(tmp_path):
     members = {"r0": M(3), "r1": M(None)}
     assert eval_progress(members.get, ["r0", "r1", "gone"]) == (3, 0, 0)
     w = MetricsWriter(tmp_path, name="eval.jsonl")
-    for step, mean in ((0, 0.1), (50, 0.7), (100, 0.9), (25, 0.3)):  # a partial row (25) comes last
-        w.write({"step": step, "eval_reward_mean": mean})
-    w.write({"step": 60, "eval_reward_mean": None})  # no sample: left out
-    assert eval_summary(tmp_path / "eval.jsonl").startswith(", held-out eval 0.100 -> 0.900 (steps 0-100")
+    whole = {"eval_shards": 2, "eval_num_shards": 2, "eval_failed_shards": 0}
+    for step, mean in ((0, 0.1), (50, 0.7), (100, 0.9), (25, 0.3)):  # a resumed run's row (25) comes last
+        w.write({"step": step, "eval_reward_mean": mean, **whole})
+    w.write({"step": 60, "eval_reward_mean": None, **whole})  # no sample: left out
+    w.write({"step": 110, "eval_reward_mean": 0.2, **whole, "eval_shards": 1})  # partial: left out, counted
+    w.write({"step": 120, "eval_reward_mean": 1.0, **whole, "eval_failed_shards": 1})  # a failed shard: the same
+    assert eval_summary(tmp_path / "eval.jsonl") == (f", held-out eval 0.100 -> 0.900 (steps 0-100, {tmp_path}/"
+                                                     "eval.jsonl; 2 partial or failed row(s) left out)")
     assert eval_summary(tmp_path / "none.jsonl") == ""
 
 
@@ -234,10 +241,10 @@ def test_evaluation_generates_greedily_and_scores_every_row_of_the_shard(toy_mod
     shard = eval_shard(cfg, 1)  # rows 1, 3, 5, 7, 9 of the file: the long one and 4 usable
     chunks: list[int] = []
     a = evaluate(pipeline, engine, cfg, shard, seed=1, on_chunk=chunks.append)
-    assert chunks == [1]  # rollout_batch (16) prompts per chunk
+    assert chunks == [0, 1]  # at the start, and after each chunk of rollout_batch (16) prompts
     small = cfg.model_copy(update={"prompts_per_step": 4})  # rollout_batch 2: chunks of 2, 2 and 1 prompts
     b = evaluate(pipeline, engine, small, shard, seed=2, on_chunk=chunks.append)
-    assert chunks == [1, 1, 2, 3]
+    assert chunks == [0, 1, 0, 1, 2, 3]
     assert {k: v for k, v in b.items() if k != "seconds"} == {k: v for k, v in a.items() if k != "seconds"}
     assert (a["samples"], a["prompts"], a["skipped_prompts"]) == (8, 4, 1)
     assert a["response_tokens"] == 8 * cfg.max_new_tokens == 24 and a["truncated"] == 8
@@ -265,8 +272,11 @@ def test_points_in_the_last_steps_are_evaluated_while_the_nodes_wait_for_weights
 def test_progress_prints_each_evaluation_once_naming_partial_and_failed_points(tmp_path, capsys):
     from distflow.launcher import Progress
 
-    bar = Progress(tmp_path / "metrics.jsonl", enabled=False)
     w = MetricsWriter(tmp_path, name="eval.jsonl")
+    w.write(eval_row(0, [report(0, 0, 0, 4, 4, 4.0)], 1))  # a resumed run's earlier row: not shown again
+    assert Progress(tmp_path / "metrics.jsonl", enabled=False, skip_existing=True).evals_seen == 1
+    w = MetricsWriter(tmp_path, name="eval.jsonl")  # a fresh run
+    bar = Progress(tmp_path / "metrics.jsonl", enabled=False, skip_existing=True)
     w.write(eval_row(0, [report(0, 0, 0, 4, 4, 1.0), report(0, 1, 0, 4, 4, 0.0)], 2))
     bar.poll()
     w.write(eval_row(25, [report(25, 0, 25, 4, 4, 3.0)], 2))

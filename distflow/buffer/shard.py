@@ -134,11 +134,12 @@ class BufferShard:
         timeout: float,
         min_version: int | None = None,
         alive: Callable[[str], bool] | None = None,
-        progress: Callable[[], Any] | None = None,
+        progress: Callable[[list[str]], Any] | None = None,
     ) -> SampleBatch:
         """Wait for every source's part of ``step``; return them concatenated in sorted-source order.
-        ``timeout`` runs from the start or, with ``progress``, from the last change of its value (the
-        producers are busy with something else that moves, e.g. an evaluation)."""
+        ``timeout`` runs from the start or, with ``progress``, from the last change of
+        ``progress(missing sources)`` (the producers of those parts are busy with something else that
+        moves, e.g. an evaluation; another producer's progress must not count)."""
         if isinstance(sources, str):
             raise TypeError("sources must be a collection of source names, not a single str")
         srcs = sorted(set(sources))
@@ -147,7 +148,7 @@ class BufferShard:
                 raise ValueError(f"{self.name}: step {step} from {s!r} was already taken")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        seen = None if progress is None else progress()
+        started, seen = loop.time(), None
         async with self._cond:
             me = (step, tuple(srcs))
             self._takers.append(me)
@@ -162,12 +163,17 @@ class BufferShard:
                         dead = [s for s in missing if not alive(s)]
                         if dead:
                             raise SourceLostError(step, dead, missing)
+                    if progress is not None and seen is None:
+                        seen = progress(missing)
                     remaining = deadline - loop.time()
-                    if remaining <= 0 and progress is not None and (now := progress()) != seen:
+                    if remaining <= 0 and progress is not None and (now := progress(missing)) != seen:
                         seen, deadline = now, loop.time() + timeout
                         remaining = timeout
                     if remaining <= 0:
-                        raise TimeoutError(f"{self.name}: step {step} incomplete after {timeout:g}s; "
+                        waited = loop.time() - started
+                        why = (f"{timeout:g}s" if progress is None
+                               else f"{waited:.0f}s, the last {timeout:g}s without progress")
+                        raise TimeoutError(f"{self.name}: step {step} incomplete after {why}; "
                                            f"missing parts from {missing} (have {sorted(have)})")
                     try:
                         await asyncio.wait_for(self._cond.wait(), min(remaining, self._poll) if alive else remaining)

@@ -6,15 +6,16 @@ held-out prompts at fixed points to tell learning from overfitting or noise (ver
 ``val_files``/``test_freq``, OpenRLHF's ``--eval_steps``).
 
 How it stays driverless: ``eval_dataset`` is sharded over the rollout ranks as the training
-prompts are. At each evaluation point (:func:`eval_points`: the starting step with
+prompts are. At each evaluation point (:func:`distflow.rl.eval_report.eval_points`: the start with
 ``eval_before_train``, every ``eval_every`` steps, and the last), every rollout node
 evaluates the eval shards it covers (its own and any it adopted from a node that is down)
-with the first weights it holds of at least that version: the rollout group's own generate
+with the newest weights it has received once they reach that version: the rollout group's own generate
 and REWARD stages (:func:`eval_pipeline`), ``eval_samples_per_prompt`` responses per prompt at
-``eval_temperature``. It sends one small summary per shard (:func:`summarize`: counts and
-sums, no tensors) to trainer rank 0, which writes one row of ``eval.jsonl`` per point once
-every shard has reported (:class:`distflow.trainer.evaluation.EvalBook`; the report: :mod:`distflow.rl.eval_report`). An evaluation that
-fails (a bad row, a reward that raises) is logged and skipped: it never stops training.
+``eval_temperature``, in chunks of a step's prompts (each gossiped as progress). It sends one
+small summary per shard (:func:`distflow.rl.eval_report.summarize`: counts and sums, no
+tensors) to trainer rank 0, which writes one row of ``eval.jsonl`` per point once every shard
+has reported (:class:`distflow.trainer.evaluation.EvalBook`). An evaluation that fails (a bad
+row, a reward that raises) is logged and reported as failed: it never stops training.
 """
 
 from __future__ import annotations
@@ -58,15 +59,18 @@ def evaluate(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, l
              seed: int, on_chunk: Callable[[int], None] | None = None) -> dict[str, float]:
     """Generate and score every row of ``loader`` (blocking: call in a thread); the summary,
     with ``skipped_prompts`` (unusable or too long) and ``seconds``. The rows go in chunks of a
-    training step's prompts (``rollout_batch``), ``on_chunk(k)`` called after the k-th: a long
-    evaluation is then progress the others can see, one step's work at a time, never one
-    silence longer than a step (the trainers' and peers' deadlines count from the last progress)."""
+    training step's prompts (``rollout_batch``), ``on_chunk(k)`` called before the first (k = 0)
+    and after the k-th: a long evaluation is then progress the others can see, a step's prompts
+    at a time (the trainers' and peers' deadlines, ``step_timeout_s``, count from the last chunk,
+    so each chunk must finish within it, as a step's generation must)."""
     t0 = time.perf_counter()
     bad_before = loader.bad_rows_skipped
     rows = loader.batch(0, 0, max(1, len(loader.rank_rows(0))))  # the whole shard, in file order
     out = {k: 0.0 for k in SUMMARY_KEYS}
     stats: dict[str, float] = {}
     size = cfg.rollout_batch
+    if on_chunk is not None:
+        on_chunk(0)
     for k, i in enumerate(range(0, len(rows), size)):
         batch = run_pipeline(eval_pipeline(pipeline), engine, eval_config(cfg), rows[i:i + size], seed + k, stats)
         for key, v in summarize(batch).items():  # a prompt's responses are all in its chunk: sums add up

@@ -41,7 +41,7 @@ from distflow.rl.eval_report import EVAL_KIND, due_point, eval_points, eval_prog
 from distflow.rollout.evaluation import eval_shard, evaluate
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION
 from distflow.rollout.stages import run_pipeline
-from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime
+from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime, shard_cover
 from distflow.trace import Trace
 from distflow.rl.weights import WeightInbox
 
@@ -65,14 +65,9 @@ def engine_max_length(cfg: Config) -> int | None:
 
 def covered_shards(rt: Runtime, groups: Groups) -> list[int]:
     """My shard plus every shard whose owner is down and whose next alive node (ring order) is me."""
-    ids = [m.node_id for m in groups.rollout]
-    alive = [rt.node.is_alive(i) or i == rt.node.node_id for i in ids]
-    mine = []
-    for shard in range(len(ids)):
-        cover = next(((shard + k) % len(ids) for k in range(len(ids)) if alive[(shard + k) % len(ids)]), None)
-        if cover == groups.rank:
-            mine.append(shard)
-    return mine
+    ids, me = [m.node_id for m in groups.rollout], rt.node.node_id
+    alive = {i for i in ids if i == me or rt.node.is_alive(i)}
+    return [shard for shard in range(len(ids)) if shard_cover(ids, alive.__contains__, shard) == me]
 
 
 def trainer_step(rt: Runtime, groups: Groups) -> int:
@@ -218,6 +213,8 @@ class RolloutLoop:
             stopped = True
         await self.load_fresh_weights()
         if not stopped:
+            if self.eval_todo is None and cfg.eval_dataset is not None:
+                self.eval_todo = [self.total]  # (restarted with the final weights: its loop never evaluated)
             await self.evaluate_due()  # the final weights
         rt.node.set_meta(policy_version=self.engine.version, state="done")
         self.engine.close()
@@ -325,7 +322,7 @@ class RolloutLoop:
     async def evaluate_due(self) -> None:
         """Evaluate the newest evaluation point the engine's weights have reached on every eval
         shard this node covers, and report each shard's summary to trainer rank 0
-        (:mod:`distflow.rollout.evaluation`). A failure is logged and skipped, never raised."""
+        (:mod:`distflow.rollout.evaluation`). A failure is logged and reported as failed, never raised."""
         point = due_point(self.eval_todo or [], self.engine.version)
         if point is None:
             return

@@ -47,7 +47,9 @@ class EvalBook:
         point, shard = meta["point"], meta["shard"]
         if point in self.written:
             return None
-        self.points.setdefault(point, {}).setdefault(shard, dict(meta))
+        reports = self.points.setdefault(point, {})
+        if shard not in reports or (reports[shard].get("error") and not meta.get("error")):
+            reports[shard] = dict(meta)  # the first report counts, but a success replaces a failure
         self._changed.set()
         if len(self.points[point]) < self.num_shards:
             return None

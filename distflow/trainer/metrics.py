@@ -84,7 +84,7 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, eval_path: Path | None 
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, linewidth=2, label=f"mean of last {k}")
-    held_out = eval_curve(eval_path) if eval_path is not None else []
+    held_out = eval_curve(eval_path)[0] if eval_path is not None else []
     if held_out:
         ax.plot(*zip(*held_out), marker="o", linewidth=1.5, label="held-out evaluation")
     if generated or held_out or len(rewards) >= 5:
@@ -99,12 +99,14 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, eval_path: Path | None 
     plt.close(fig)
 
 
-def eval_curve(path: Path) -> list[tuple[int, float]]:
-    """(step, eval_reward_mean) of eval.jsonl's rows, by step (partial rows are written last, and
-    a resumed run's rows follow the earlier run's); rows without a mean (no sample) left out."""
+def eval_curve(path: Path) -> tuple[list[tuple[int, float]], int]:
+    """(step, eval_reward_mean) of eval.jsonl's complete rows, by step (partial rows are written
+    last, and a resumed run's rows follow the earlier run's), and the number of rows left out:
+    partial or with a failed shard (their mean covers only some of the held-out prompts)."""
     rows = [r for r in read_metrics(path) if isinstance(r.get("step"), int)
             and isinstance(r.get("eval_reward_mean"), (int, float))]
-    return sorted((r["step"], float(r["eval_reward_mean"])) for r in rows)
+    complete = [r for r in rows if r.get("eval_shards") == r.get("eval_num_shards") and not r.get("eval_failed_shards")]
+    return sorted((r["step"], float(r["eval_reward_mean"])) for r in complete), len(rows) - len(complete)
 
 
 def plot_timings(metrics_path: Path, out_png: Path) -> None:

@@ -32,7 +32,7 @@ from distflow.buffer.redistribute import parse_part
 from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.core.channels import Envelope
 from distflow.device import call_on, node_device
-from distflow.runtime import Groups, Runtime
+from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.rl.weight_transport import resolve_transport, serving_plan
 from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
@@ -253,8 +253,12 @@ async def run_trainer(rt: Runtime) -> None:
         inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         await publish(step)
     alive = rollout_liveness(rt, rollout_ids)
+
     # A rollout node evaluating held-out prompts sends no step meanwhile: its progress extends the wait.
-    evaluating = (lambda: eval_progress(rt.node.member, rollout_ids)) if evals is not None else None
+    def evaluating(missing: list[str]) -> tuple:  # the evaluation progress of the nodes covering them
+        covers = [shard_cover(rollout_ids, rt.node.is_alive, int(m.removeprefix("shard-"))) for m in missing]
+        return eval_progress(rt.node.member, [c for c in covers if c is not None])
+
     startup: dict[str, float] | None = None
     # A resume's data order (actor.read_run_state checked the config): the rollout nodes' row count
     # is compared with the checkpoint's at the first step, before it is trained.
@@ -272,7 +276,8 @@ async def run_trainer(rt: Runtime) -> None:
         error: Exception | None = None
         try:
             batch = await rt.shard.take_step(step, sources, timeout=cfg.step_timeout_s,
-                                             min_version=step - cfg.max_staleness, alive=alive, progress=evaluating)
+                                             min_version=step - cfg.max_staleness, alive=alive,
+                                             progress=evaluating if evals is not None else None)
             if unchecked_rows and batch is not None and inbox.num_rows is not None:
                 unchecked_rows = False  # (every rank got a part from each rollout node: they all agree)
                 check_data_order(Path(cfg.resume_from), step, saved_order,
@@ -341,10 +346,12 @@ async def run_trainer(rt: Runtime) -> None:
     if evals is not None and rank == 0 and writer is not None:  # the rollout nodes evaluate the final weights now
         if inbox.total is not None and step == inbox.total:
             def evaluating_nodes() -> bool:  # (a node that is done has sent its last report)
-                return any(rt.node.is_alive(i) and (m := rt.node.member(i)) is not None and m.meta.get("state") != "done"
+                return any(rt.node.is_alive(i) and (m := rt.node.member(i)) is not None
+                           and m.meta.get("state") != "done"
                            for i in rollout_ids)
 
-            if not await evals.wait_for(step, cfg.step_timeout_s, evaluating_nodes, evaluating):
+            if not await evals.wait_for(step, cfg.step_timeout_s, evaluating_nodes,
+                                        lambda: eval_progress(rt.node.member, rollout_ids)):
                 log.warning("trainer rank 0: the evaluation of the final weights (step %d) did not complete", step)
             evals.finish(eval_points(cfg, start_step, step))
         else:
