@@ -156,3 +156,15 @@ def test_the_stop_hint_names_the_checkpoint_a_resumed_run_came_from(tmp_path, tr
     assert resume_hint(tmp_path, str(trained)) == f"no newer checkpoint was saved; continue with resume_from={trained}"
     newest = resume_hint(trained.parent, "/elsewhere")
     assert newest == f"newest checkpoint {trained}: continue with resume_from={trained}"
+
+
+def test_a_resumed_run_evaluates_its_start_on_every_node(trained, toy_model, toy_data, tmp_path):
+    """Resumed at step 1 with two rollout nodes, max_staleness 1: each node's first weights (v1) may
+    come before the trainers' start_step gossip; the start is still an evaluation point of both
+    (before, a node that learnt it late dropped it, and its row was partial)."""
+    out = tmp_path / "run"
+    r = run_distflow(ARGS + overrides(toy_model, toy_data, out, "max_steps=4", f"resume_from={trained}",
+                                      "rollout_nodes=2", "max_staleness=1", "eval_every=2"), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(out / "eval.jsonl")
+    assert [(e["step"], e["eval_shards"], e["eval_samples"]) for e in rows] == [(1, 2, 128), (2, 2, 128), (4, 2, 128)]

@@ -308,11 +308,12 @@ class RolloutLoop:
         it waits); True if it evaluated. The points are fixed once this node holds current
         weights (a restarted node evaluates only the points ahead of it)."""
         if self.eval_todo is None:
-            if start is None and self.cfg.resume_from:
-                return False  # a resumed run's first step (its first point) is not known yet
             if self.inbox.version < done - self.cfg.max_staleness:
                 return False  # catching up (a restarted node): its first weights are not current yet
-            self.eval_todo = [p for p in eval_points(self.cfg, start or 0, self.total) if p >= self.inbox.version]
+            # (the trainers' start_step may not have been gossiped yet: a resumed run's first weights,
+            # version R, already say where it starts)
+            first = start if start is not None else done
+            self.eval_todo = [p for p in eval_points(self.cfg, first, self.total) if p >= self.inbox.version]
         if due_point(self.eval_todo, self.inbox.version) is None:
             return False
         await self.load_fresh_weights()
