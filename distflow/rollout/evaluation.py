@@ -20,19 +20,23 @@ row, a reward that raises) is logged and reported as failed: it never stops trai
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
-from typing import Callable
+from typing import Any, Awaitable, Callable
 
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import PromptShard
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
-from distflow.rl.eval_report import SUMMARY_KEYS, summarize
+from distflow.device import call_on, chosen_device
+from distflow.rl.eval_report import EVAL_KIND, SUMMARY_KEYS, due_point, eval_points, report_meta, summarize
 from distflow.rollout.engine import RolloutEngine
 from distflow.rollout.stages import run_pipeline
 
 log = logging.getLogger(__name__)
+SEND_TIMEOUT_S = 30.0  # the longest a shard's report waits for trainer rank 0's ack
 
 
 def eval_config(cfg: Config) -> Config:
@@ -81,3 +85,92 @@ def evaluate(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, l
     return {**{k: int(v) if k not in ("reward_sum", "best_sum") else v for k, v in out.items()},
             "skipped_prompts": int(skipped + loader.bad_rows_skipped - bad_before),
             "seconds": time.perf_counter() - t0}
+
+
+class NodeEvaluator:
+    """One rollout node's evaluations: its points, its eval shards' loaders, its progress gossip.
+    The node's loop asks :meth:`if_due` at the top of every turn and :meth:`final` after the
+    final weights; the engine is the node's own (evaluation pauses the node's generation)."""
+
+    def __init__(self, rt: Any, pipeline: list[WorkflowNode], engine: RolloutEngine, inbox: Any, total: int,
+                 trainer0: str, covered: Callable[[], list[int]], load_weights: Callable[[], Awaitable[None]],
+                 rank: int):
+        self.rt, self.cfg, self.pipeline, self.engine, self.inbox = rt, rt.cfg, pipeline, engine, inbox
+        self.total, self.trainer0, self.rank = total, trainer0, rank
+        self.covered = covered  # the shards this node covers now (its own, and adopted ones)
+        self.load_weights = load_weights  # applies the newest weights received to the engine
+        self.todo: list[int] | None = None  # points not reached yet; None until this node holds current weights
+        self.loaders: dict[int, PromptShard] = {}
+        self.chunks = 0  # chunks evaluated so far (gossiped as eval_progress)
+
+    async def if_due(self, start: int | None, done: int) -> bool:
+        """Evaluate when the newest weights received have reached an evaluation point, whether the
+        node is about to generate or waiting for weights (the last steps' points come while it
+        waits); True if it evaluated. The points are fixed once the node holds current weights
+        (a restarted node evaluates only the points ahead of it). ``start``: the trainers' start
+        step (None until gossiped); ``done``: the steps the trainers need no more samples for."""
+        if self.todo is None:
+            if self.inbox.version < done - self.cfg.max_staleness:
+                return False  # catching up (a restarted node): its first weights are not current yet
+            # (the trainers' start_step may not have been gossiped yet: a resumed run's first weights,
+            # version R, already say where it starts)
+            first = start if start is not None else done
+            self.todo = [p for p in eval_points(self.cfg, first, self.total) if p >= self.inbox.version]
+        if due_point(self.todo, self.inbox.version) is None:
+            return False
+        await self.load_weights()
+        await self.evaluate_due()
+        return True
+
+    async def final(self) -> None:
+        """Evaluate the final weights (loaded by the caller)."""
+        if self.todo is None:
+            self.todo = [self.total]  # (restarted with the final weights: its loop never evaluated)
+        await self.evaluate_due()
+
+    async def evaluate_due(self) -> None:
+        """Evaluate the newest point the engine's weights have reached on every eval shard this
+        node covers, and report each shard's summary to trainer rank 0. A failure is logged and
+        reported as failed, never raised."""
+        point = due_point(self.todo or [], self.engine.version)
+        if point is None:
+            return
+        self.todo = [p for p in self.todo or [] if p > point]
+        cfg, rank, version = self.cfg, self.rank, self.engine.version
+        for shard in self.covered():
+            summary, error = None, ""
+            try:
+                loader = self.loaders.get(shard)
+                if loader is None:
+                    loader = self.loaders[shard] = eval_shard(cfg, shard)
+                seed = (cfg.seed * 1_000_003 + shard) * 100_003 + point + 0xE7A1
+                summary = await asyncio.to_thread(call_on, chosen_device(), evaluate, self.pipeline, self.engine, cfg,
+                                                  loader, seed, self._progress_reporter())
+            except Exception as e:  # noqa: BLE001 - an evaluation never stops training
+                error = f"{type(e).__name__}: {e}"
+                log.error("rollout rank %d: evaluation at step %d of eval shard %d failed (%s); reported as failed",
+                          rank, point, shard, error)
+            if summary is not None:
+                n = summary["samples"]
+                log.info("rollout rank %d: eval at step %d (weights v%d), shard %d: reward_mean %s over %d samples "
+                         "in %.1fs", rank, point, version, shard, f"{summary['reward_sum'] / n:.4f}" if n else "-", n,
+                         summary["seconds"])
+            try:  # a failure is reported too: the point then closes at once, naming the failed shard
+                await self.rt.channel.send(self.rt.endpoint(self.trainer0), EVAL_KIND,
+                                           report_meta(point, shard, version, summary, cfg.rollout_nodes, error), {},
+                                           timeout=min(SEND_TIMEOUT_S, cfg.step_timeout_s))
+            except Exception as e:  # noqa: BLE001 - a lost report loses one row of eval.jsonl, nothing else
+                log.warning("rollout rank %d: could not report the eval of step %d shard %d to %s (%s: %s)",
+                            rank, point, shard, self.trainer0, type(e).__name__, e)
+
+    def _progress_reporter(self) -> Callable[[int], None]:
+        """``on_chunk`` for :func:`evaluate`, called from its worker thread: gossips this node's
+        evaluation progress (``eval_progress``) from the loop, so the trainers' and the other rollout
+        nodes' deadlines run from the last chunk, not the start."""
+        loop, node = asyncio.get_running_loop(), self.rt.node
+
+        def on_chunk(_: int) -> None:
+            self.chunks += 1
+            loop.call_soon_threadsafe(functools.partial(node.set_meta, eval_progress=self.chunks))
+
+        return on_chunk

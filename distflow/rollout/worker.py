@@ -26,7 +26,6 @@ weights (:mod:`distflow.rollout.evaluation`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import Callable
@@ -37,8 +36,8 @@ from distflow.buffer.redistribute import ScatterError, scatter
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.rollout.engine import make_engine
-from distflow.rl.eval_report import EVAL_KIND, due_point, eval_points, eval_progress, report_meta
-from distflow.rollout.evaluation import eval_shard, evaluate
+from distflow.rl.eval_report import eval_progress
+from distflow.rollout.evaluation import NodeEvaluator
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION
 from distflow.rollout.stages import run_pipeline
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime, shard_cover
@@ -47,7 +46,6 @@ from distflow.rl.weights import WeightInbox
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits for the event loop
-EVAL_SEND_TIMEOUT_S = 30.0  # the longest an evaluation summary waits for trainer rank 0's ack
 
 
 def kv_cache_fraction(setting: float | None, sharers: int) -> float:
@@ -171,9 +169,7 @@ class RolloutLoop:
         # Buckets land on the engine's device (pinned-host staging is the sender's job).
         self.inbox = WeightInbox(device=node_device(self.cfg.device) if self.cfg.device == "cuda" else None)
         self._first_batch = False
-        self.eval_todo: list[int] | None = None  # evaluation points not reached yet; None until the start is known
-        self.eval_loaders: dict[int, PromptShard] = {}
-        self.eval_chunks = 0  # chunks evaluated so far (gossiped as eval_progress)
+        self.evaluator: NodeEvaluator | None = None  # with eval_dataset, once the engine is loaded
         rt.on_data("weights", self.inbox.receive)
 
     def shard_loader(self, s: int) -> PromptShard:
@@ -202,6 +198,10 @@ class RolloutLoop:
         self.engine = await loading
         self.weights_update = self.make_weights_update()
         self.pipeline = cfg.plan().pipeline("rollout")
+        if cfg.eval_dataset is not None:
+            self.evaluator = NodeEvaluator(rt, self.pipeline, self.engine, self.inbox, self.total,
+                                           groups.trainer[0].node_id, lambda: covered_shards(rt, groups),
+                                           self.load_fresh_weights, rank)
         self.trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
         log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank,
                  self.loaders[rank].num_rows, self.total, [n.id for n in self.pipeline])
@@ -212,10 +212,8 @@ class RolloutLoop:
             log.warning("rollout rank %d: %s; stopping", rank, e)
             stopped = True
         await self.load_fresh_weights()
-        if not stopped:
-            if self.eval_todo is None and cfg.eval_dataset is not None:
-                self.eval_todo = [self.total]  # (restarted with the final weights: its loop never evaluated)
-            await self.evaluate_due()  # the final weights
+        if not stopped and self.evaluator is not None:
+            await self.evaluator.final()
         rt.node.set_meta(policy_version=self.engine.version, state="done")
         self.engine.close()
         log.info("rollout rank %d: done; final weights v%d", rank, self.engine.version)
@@ -246,7 +244,7 @@ class RolloutLoop:
             # A resumed run's trainers say their checkpoint's step (0 too) as start_step: until then (or a
             # version past 0) the step to generate is not known.
             resuming = bool(cfg.resume_from) and start is None and done == 0
-            if cfg.eval_dataset is not None and not resuming and await self.evaluate_if_due(start, done):
+            if self.evaluator is not None and not resuming and await self.evaluator.if_due(start, done):
                 stalled_since = time.monotonic()
             if not todo or resuming or inbox.version < min(todo)[0] - cfg.max_staleness:
                 # Nothing to do, (staleness bound) weights too old, or a resumed run's step unknown: wait.
@@ -301,73 +299,6 @@ class RolloutLoop:
         t0 = time.perf_counter()
         await asyncio.to_thread(self.engine.load_weights, update.version, update.buckets, update.is_delta)
         self.rt.node.set_meta(time_load_weights_s=round(time.perf_counter() - t0, 4))
-
-    async def evaluate_if_due(self, start: int | None, done: int) -> bool:
-        """Evaluate when the newest weights received have reached an evaluation point, whether
-        this node is about to generate or waiting for weights (the last steps' points come while
-        it waits); True if it evaluated. The points are fixed once this node holds current
-        weights (a restarted node evaluates only the points ahead of it)."""
-        if self.eval_todo is None:
-            if self.inbox.version < done - self.cfg.max_staleness:
-                return False  # catching up (a restarted node): its first weights are not current yet
-            # (the trainers' start_step may not have been gossiped yet: a resumed run's first weights,
-            # version R, already say where it starts)
-            first = start if start is not None else done
-            self.eval_todo = [p for p in eval_points(self.cfg, first, self.total) if p >= self.inbox.version]
-        if due_point(self.eval_todo, self.inbox.version) is None:
-            return False
-        await self.load_fresh_weights()
-        await self.evaluate_due()
-        return True
-
-    async def evaluate_due(self) -> None:
-        """Evaluate the newest evaluation point the engine's weights have reached on every eval
-        shard this node covers, and report each shard's summary to trainer rank 0
-        (:mod:`distflow.rollout.evaluation`). A failure is logged and reported as failed, never raised."""
-        point = due_point(self.eval_todo or [], self.engine.version)
-        if point is None:
-            return
-        assert self.eval_todo is not None
-        self.eval_todo = [p for p in self.eval_todo if p > point]
-        cfg, rank, version = self.cfg, self.groups.rank, self.engine.version
-        for shard in covered_shards(self.rt, self.groups):
-            summary, error = None, ""
-            try:
-                loader = self.eval_loaders.get(shard)
-                if loader is None:
-                    loader = self.eval_loaders[shard] = eval_shard(cfg, shard)
-                seed = (cfg.seed * 1_000_003 + shard) * 100_003 + point + 0xE7A1
-                summary = await asyncio.to_thread(call_on, chosen_device(), evaluate, self.pipeline, self.engine, cfg,
-                                                  loader, seed, self.progress_reporter())
-            except Exception as e:  # noqa: BLE001 - an evaluation never stops training
-                error = f"{type(e).__name__}: {e}"
-                log.error("rollout rank %d: evaluation at step %d of eval shard %d failed (%s); skipped", rank, point,
-                          shard, error)
-            if summary is not None:
-                n = summary["samples"]
-                log.info("rollout rank %d: eval at step %d (weights v%d), shard %d: reward_mean %s over %d samples "
-                         "in %.1fs", rank, point, version, shard, f"{summary['reward_sum'] / n:.4f}" if n else "-", n,
-                         summary["seconds"])
-            target = self.groups.trainer[0].node_id
-            try:  # a failure is reported too: the point then closes at once, naming the failed shard
-                await self.rt.channel.send(self.rt.endpoint(target), EVAL_KIND,
-                                           report_meta(point, shard, version, summary, cfg.rollout_nodes, error), {},
-                                           timeout=min(EVAL_SEND_TIMEOUT_S, cfg.step_timeout_s))
-            except Exception as e:  # noqa: BLE001 - a lost report loses one row of eval.jsonl, nothing else
-                log.warning("rollout rank %d: could not report the eval of step %d shard %d to %s (%s: %s)",
-                            rank, point, shard, target, type(e).__name__, e)
-
-    def progress_reporter(self) -> Callable[[int], None]:
-        """``on_chunk`` for :func:`evaluate`, called from its worker thread: gossips this node's
-        evaluation progress (``eval_progress``, a count of evaluated chunks) from the loop, so the
-        trainers' and the other rollout nodes' deadlines run from the last chunk, not the start."""
-        loop, node = asyncio.get_running_loop(), self.rt.node
-
-        def on_chunk(_: int) -> None:
-            self.eval_chunks += 1
-            loop.call_soon_threadsafe(functools.partial(node.set_meta, eval_progress=self.eval_chunks))
-
-        return on_chunk
 
     def make_weights_update(self) -> Callable[[], object] | None:
         """Partial rollout: the engine polls this (from its worker thread) at decode-step

@@ -31,7 +31,6 @@ class EvalBook:
         self.writer = writer
         self.points: dict[int, dict[int, dict[str, Any]]] = {}  # point -> shard -> report
         self.written: set[int] = set()
-        self.rows: list[dict[str, Any]] = []  # every row made, in order
         self._unwritten: list[dict[str, Any]] = []
         self._changed = asyncio.Event()
 
@@ -95,7 +94,6 @@ class EvalBook:
     def _emit(self, point: int) -> dict[str, Any]:
         row = eval_row(point, list(self.points[point].values()), self.num_shards)
         self.written.add(point)
-        self.rows.append(row)
         self._unwritten.append(row)
         self._flush()
         mean = row["eval_reward_mean"]
