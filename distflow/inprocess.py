@@ -64,6 +64,7 @@ async def _run(cfg: Config) -> int:
         producers |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
         producers |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
         tasks |= {trainer_task, *producers}
+
         def stepped() -> bool:  # the trainer gossips `step` once it has trained one in this run
             me = trainer.node.member(trainer.node.node_id)
             return me is not None and "step" in me.meta

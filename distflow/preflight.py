@@ -87,7 +87,12 @@ def check_dataset(cfg: Config) -> str | None:
     (each step would train, or evaluate, on nothing); returns a note counting the bad rows
     ``skip`` will skip, else None."""
     from distflow.buffer.dataloader import DatasetError, PromptShard
+    from distflow.rollout.rewards import row_requirements
 
+    try:
+        requirements = row_requirements(cfg.workflow)  # (keys, checks) the rewards read of a row
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     notes = []
     for key in ("dataset", "eval_dataset"):
         path = getattr(cfg, key)
@@ -103,18 +108,13 @@ def check_dataset(cfg: Config) -> str | None:
                                  shard.num_rows)
         else:
             rows = list(range(min(shard.num_rows, CHECK_ROWS)))
-        if note := _check_rows(cfg, key, shard, rows):
+        if note := _check_rows(cfg, key, shard, rows, *requirements):
             notes.append(note)
     return "; ".join(notes) or None
 
 
-def _check_rows(cfg: Config, key: str, shard: Any, rows: list[int]) -> str | None:
-    from distflow.rollout.rewards import row_requirements
-
-    try:
-        keys, checks = row_requirements(cfg.workflow)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def _check_rows(cfg: Config, key: str, shard: Any, rows: list[int], keys: Any, checks: Any) -> str | None:
+    """:func:`check_dataset` for one file (``key``): its ``rows`` checked for the rewards' ``keys`` and ``checks``."""
     bad, first = 0, None
     try:
         for problem in shard.problems(rows, keys, checks):

@@ -72,11 +72,11 @@ def evaluate(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, l
     rows = loader.batch(0, 0, max(1, len(loader.rank_rows(0))))  # the whole shard, in file order
     out = {k: 0.0 for k in SUMMARY_KEYS}
     stats: dict[str, float] = {}
-    size = cfg.rollout_batch
+    nodes, eval_cfg, size = eval_pipeline(pipeline), eval_config(cfg), cfg.rollout_batch
     if on_chunk is not None:
         on_chunk(0)
     for k, i in enumerate(range(0, len(rows), size)):
-        batch = run_pipeline(eval_pipeline(pipeline), engine, eval_config(cfg), rows[i:i + size], seed + k, stats)
+        batch = run_pipeline(nodes, engine, eval_cfg, rows[i:i + size], seed + k, stats)
         for key, v in summarize(batch).items():  # a prompt's responses are all in its chunk: sums add up
             out[key] += v
         if on_chunk is not None:

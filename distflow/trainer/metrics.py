@@ -19,9 +19,10 @@ STAGE_KEYS = (*STAGE_TIME_KEYS, "tokens_per_s", "mfu")
 
 
 class MetricsWriter:
-    """``metrics.jsonl`` (or ``name``: ``eval.jsonl``) of a run. A fresh run starts it empty; a run resumed at step ``resume_step``
-    keeps the rows of the steps before it and drops the later ones (the run got further than its
-    checkpoint before it stopped: those steps are trained again, and would appear twice)."""
+    """``metrics.jsonl`` (or ``name``: ``eval.jsonl``) of a run. A fresh run starts it empty; a run
+    resumed at step ``resume_step`` keeps the rows of the steps before it and drops the later ones
+    (the run got further than its checkpoint before it stopped: those steps are trained again, and
+    would appear twice)."""
 
     def __init__(self, output_dir: Path, resume_step: int | None = None, name: str = "metrics.jsonl"):
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -230,6 +230,7 @@ async def run_trainer(rt: Runtime) -> None:
     rank, world = groups.rank, len(groups.trainer)
     peak = trainer_peak_flops(cfg)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
+    shard_of = {src: s for s, src in enumerate(sources)}
     rollout_ids = [m.node_id for m in groups.rollout]
     mine = serving_plan([(m.node_id, m.host, m.meta.get("gpu")) for m in groups.trainer],
                         [(m.node_id, m.host, m.meta.get("gpu")) for m in groups.rollout])[groups.trainer[rank].node_id]
@@ -256,7 +257,7 @@ async def run_trainer(rt: Runtime) -> None:
 
     # A rollout node evaluating held-out prompts sends no step meanwhile: its progress extends the wait.
     def evaluating(missing: list[str]) -> tuple:  # the evaluation progress of the nodes covering them
-        covers = [shard_cover(rollout_ids, rt.node.is_alive, int(m.removeprefix("shard-"))) for m in missing]
+        covers = [shard_cover(rollout_ids, rt.node.is_alive, shard_of[m]) for m in missing]
         return eval_progress(rt.node.member, [c for c in covers if c is not None])
 
     startup: dict[str, float] | None = None
@@ -343,7 +344,7 @@ async def run_trainer(rt: Runtime) -> None:
     rt.node.set_meta(state="done")
     await on_gpu(dist.barrier)
     dist.destroy_process_group()
-    if evals is not None and rank == 0 and writer is not None:  # the rollout nodes evaluate the final weights now
+    if evals is not None and writer is not None:  # rank 0: the rollout nodes evaluate the final weights now
         if inbox.total is not None and step == inbox.total:
             def evaluating_nodes() -> bool:  # (a node that is done has sent its last report)
                 return any(rt.node.is_alive(i) and (m := rt.node.member(i)) is not None
