@@ -246,6 +246,13 @@ def _two_rank_worker(rank: int, store: str, model: str, out: str) -> None:
         after = critic.values(batch_of(3, seed=1) if rank == 0 else SampleBatch.empty())
         if rank == 0:
             torch.save({"stats": stats, "values": after.tensors["values"]}, out)
+    # End the rank now, as a node does (exit_now): interpreter shutdown would destroy the FSDP
+    # modules and device meshes that still hold the destroyed gloo group, and gloo's threads then
+    # call std::terminate (SIGABRT, "terminate called without an active exception": 2 of 3 full
+    # suites on 2026-11-25, never alone).
+    from distflow.core.aio import exit_now
+
+    exit_now(0)
 
 
 def test_two_ranks_with_unequal_samples_match_one_rank(group, toy_model, tmp_path) -> None:
