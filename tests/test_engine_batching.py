@@ -433,6 +433,37 @@ def test_inverse_cdf_sampling_hand_computed() -> None:
     assert _inverse_cdf(probs, torch.tensor([0.7499999], dtype=torch.float64)).tolist() == [0]
 
 
+def test_draws_are_hashed_once_per_sync_block(model_dir: str, prompts: list[list[int]],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the host looks every ``sync_every`` (8) decode steps; the sampling draws of those
+    steps are hashed in one call (the hash is ~170 kernel launches), and give the same tokens as
+    hashing each step (``sync_every`` 1, CPU's setting), rows that stopped mid-block included."""
+    from distflow.rollout import torch_engine
+
+    calls: list[tuple[int, ...]] = []
+    real = torch_engine.counter_uniform
+
+    def counted(key: int, seq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(seq.shape))
+        return real(key, seq, step)
+
+    monkeypatch.setattr(torch_engine, "counter_uniform", counted)
+    many = [prompts[i % len(prompts)] for i in range(9)]
+    params = SamplingParams(max_new_tokens=17, temperature=0.9, top_p=0.95)
+    eng = TorchEngine(model_dir, max_slots=4)
+    ref = eng.generate(many, params, seed=3)
+    per_step = len(calls)
+    calls.clear()
+    eng.sync_every = 8
+    out = eng.generate(many, params, seed=3)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    assert _max_err([c.logprobs for c in out], [c.logprobs for c in ref]) < 1e-5  # other batch shapes
+    blocks = [s for s in calls if len(s) == 2]
+    assert blocks and max(s[1] for s in blocks) == 8  # [slots, steps] blocks of up to 8 steps
+    assert len(calls) < per_step / 3, (len(calls), per_step)
+    eng.close()
+
+
 def test_graph_shaped_decode_on_cpu(model_dir: str, prompts: list[list[int]]) -> None:
     """What a captured graph computes — a power-of-two bucket of rows (free slots decoding
     garbage) over a power-of-two bucket of the cache length (or all of it) — gives the eager

@@ -118,11 +118,14 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
-def sample_rows(logits: torch.Tensor, params: SamplingParams, key: int, seq: torch.Tensor,
-                step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(logits: torch.Tensor, params: SamplingParams,
+                u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from its own stream.
 
-    logits: [B, V] fp32; seq, step: [B] int64 (see :func:`counter_uniform`). Returns
+    logits: [B, V] fp32; u: [B] float64, each row's draw from :func:`counter_uniform` (None
+    when greedy). Callers compute the draws of several decode steps in one call: the hash is
+    ~170 elementwise ops, each a kernel launch per step on a GPU, more than the rest of
+    sampling. Returns
     (tokens [B] int64, logprobs [B] fp32), the logprob being log_softmax(logits / T) of the
     chosen token before top-k/top-p (T = 1 when greedy). top-k runs before the top-p sort,
     so with top_k set only k candidates per row are sorted.
@@ -131,9 +134,11 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, key: int, seq: tor
         tokens = torch.argmax(logits, dim=-1)
         scaled = logits
     else:
-        scaled = logits / params.temperature if params.temperature != 1 else logits
+        if u is None:
+            raise ValueError("sampling at temperature > 0 needs each row's draw u")
+        # times 1/T, as the trainer's head scales (logits / T rounds differently: ~1e-5 off parity)
+        scaled = logits * (1.0 / params.temperature) if params.temperature != 1 else logits
         vocab = scaled.shape[-1]
-        u = counter_uniform(key, seq, step)
         k = params.top_k if 0 < params.top_k < vocab else (vocab if params.top_p < 1.0 else 0)
         if k:
             vals, idx = torch.topk(scaled, k, dim=-1)  # [B, k], sorted descending

@@ -33,7 +33,7 @@ from distflow.hf import load_causal_lm, load_tokenizer
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION, LlamaRunner, empty_cache, unsupported_reason
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
-from distflow.rollout.sampling import sample_rows, seed_key
+from distflow.rollout.sampling import counter_uniform, sample_rows, seed_key
 from distflow.rollout.weight_loading import WeightTarget
 
 __all__ = ["TorchEngine"]
@@ -210,8 +210,10 @@ class TorchEngine:
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)
         next_pos = pos[:, -1:]
         seq = torch.arange(first_seq, first_seq + b, dtype=torch.int64, device=dev)
+        draws = None if params.temperature == 0 else counter_uniform(  # [b, n]: every step's draws at once
+            key, seq[:, None].expand(b, n), torch.arange(n, dtype=torch.int64, device=dev)[None, :].expand(b, n))
         for step in range(n):
-            tok, lp = sample_rows(logits, params, key, seq, torch.full_like(seq, step))
+            tok, lp = sample_rows(logits, params, None if draws is None else draws[:, step])
             tok = torch.where(stopped, self.pad_token_id, tok)
             tokens[:, step], logps[:, step] = tok, lp
             hit = torch.isin(tok, stop) & ~stopped
@@ -313,8 +315,10 @@ class _Batcher:
             if not self.n_active:
                 return [c for c in self.results if c is not None]
             remaining = min(self.params.max_new_tokens - g for g in self.slot_gen[:self.n_active])
-            for _ in range(min(self.eng.sync_every, remaining)):
-                self.step()
+            k = min(self.eng.sync_every, remaining)
+            draws = self._draws(k)
+            for j in range(k):
+                self.step(None if draws is None else draws[:, j])
             self.check()
             if self.eng._poll(self.weights_update):
                 self.eng.stats["weight_swaps"] += 1
@@ -327,9 +331,23 @@ class _Batcher:
             n -= 1
         return n
 
-    def _sample_into(self, slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Sample for ``slots`` [n] from ``logits`` [n, V]; record token/logprob/stop per slot."""
-        tok, lp = sample_rows(logits, self.params, self.key, self.seq[slots], self.gen[slots])
+    def _draws(self, k: int) -> torch.Tensor | None:
+        """[n_active, k] float64: the draws of the next ``k`` decode steps of slots [0, n_active)
+        (every one of them samples once a step, so step j's token index is gen + j). One hash of
+        ~170 elementwise ops per ``sync_every`` steps instead of per step: on a GPU each is a
+        kernel launch outside the captured graph. None when greedy."""
+        if self.params.temperature == 0:
+            return None
+        n = self.n_active
+        steps = self.gen[:n, None] + torch.arange(k, dtype=torch.int64, device=self.gen.device)
+        return counter_uniform(self.key, self.seq[:n, None].expand(n, k), steps)
+
+    def _sample_into(self, slots: torch.Tensor, logits: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+        """Sample for ``slots`` [n] from ``logits`` [n, V]; record token/logprob/stop per slot.
+        ``u``: the rows' draws when computed ahead (:meth:`_draws`), else computed here."""
+        if u is None and self.params.temperature != 0:
+            u = counter_uniform(self.key, self.seq[slots], self.gen[slots])
+        tok, lp = sample_rows(logits, self.params, u)
         g = self.gen[slots]
         self.out_tok[slots, g] = tok
         self.out_lp[slots, g] = lp
@@ -340,11 +358,11 @@ class _Batcher:
         self.r.tok_in[slots] = tok
         return tok
 
-    def step(self) -> None:
+    def step(self, u: torch.Tensor | None = None) -> None:
         n = self.n_active
         max_pos = max(len(self.prompts[q]) + self.slot_gen[i] - 1 for i, q in enumerate(self.slot_seq[:n]) if q >= 0)
         logits = self.r.decode(n, max_pos)
-        self._sample_into(torch.arange(n, device=self.r.device), logits)
+        self._sample_into(torch.arange(n, device=self.r.device), logits, u)
         self.r.pos[:n] += 1
         for i in range(n):
             self.slot_gen[i] += 1

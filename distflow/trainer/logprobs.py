@@ -89,7 +89,7 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, temper
     for s in range(0, b, rows):
         x = logits[s:s + rows, :-1].float()  # [r, L-1, V] fp32 (one chunk only)
         if temp != 1.0:
-            x = x / temp
+            x = x * (1.0 / temp)  # as the engines and the head scale (a division rounds differently)
         pieces.append(x.gather(-1, targets[s:s + rows]).squeeze(-1) - torch.logsumexp(x, dim=-1))
     lp = torch.cat(pieces, dim=0)  # [B, L-1]
     valid = (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
