@@ -7,6 +7,7 @@ full forward passes as the reference.
 from __future__ import annotations
 
 import json
+import os
 import math
 from pathlib import Path
 
@@ -265,6 +266,51 @@ def test_vllm_on_a_bare_cuda_device_is_the_nodes_gpu(model_dir: str, monkeypatch
     except ImportError:
         with pytest.raises(ImportError, match="vLLM"):  # past the check: cuda:0 is the first visible GPU
             make_engine("vllm", model_dir, device="cuda")
+
+
+def test_vllm_weight_loader_is_allowed_to_reach_the_engine_process(model_dir: str, monkeypatch) -> None:
+    """vLLM pins its own torch and cannot be installed here, so a stand-in ``vllm`` module records
+    what the adapter does. vLLM's V1 engine process refuses a function sent by ``collective_rpc``
+    unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 is in its environment when ``LLM`` starts it: the
+    first weight sync failed without it. A user's own setting is kept."""
+    import sys
+    import types
+
+    from distflow.rollout import vllm_engine
+
+    seen: dict = {"rpc": []}
+
+    class LLM:
+        def __init__(self, model: str, **kw):
+            seen["env_at_start"] = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+            seen["kw"] = kw
+            self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=96))
+
+        def get_tokenizer(self):
+            return None
+
+        def collective_rpc(self, fn, args=()):
+            seen["rpc"].append((fn, args))
+
+        def reset_prefix_cache(self):
+            seen["reset"] = True
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "")  # recorded, so the engine's setting is undone
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    monkeypatch.delenv("DISTFLOW_LOCAL_GPU", raising=False)
+    eng = vllm_engine.VLLMEngine(model_dir, device="cuda")
+    assert seen["env_at_start"] == "1" and eng.max_positions == 96
+    assert seen["kw"]["logprobs_mode"] == "processed_logprobs"
+    w = {"lm_head.weight": torch.ones(2, 3), "model.norm.weight": torch.zeros(3)}
+    eng.load_weights(4, iter([w, {"model.embed_tokens.weight": torch.ones(5, 3)}]))
+    assert [fn for fn, _ in seen["rpc"]] == [vllm_engine._vllm_load_weights] * 2
+    names = [[n for n, _ in args[0]] for _, args in seen["rpc"]]
+    assert names == [["lm_head.weight", "model.norm.weight"], ["model.embed_tokens.weight"]]
+    assert seen["reset"] and eng.version == 4
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")  # the user's choice stands
+    vllm_engine.VLLMEngine(model_dir, device="cuda")
+    assert seen["env_at_start"] == "0"
 
 
 def test_make_engine_and_protocol(model_dir: str) -> None:

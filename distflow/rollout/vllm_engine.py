@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 from typing import Any
 
 import torch
 
 from distflow.device import local_gpu_index
+from distflow.rl.weight_transport import to_host
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
 
@@ -40,9 +42,12 @@ class VLLMEngine:
       temperature; vLLM takes them *after* top-k/top-p too, so with those filters on they
       are the renormalised values, unlike :class:`TorchEngine` (identical when both are off).
     - Weights go to every worker with ``LLM.collective_rpc`` and the model's own
-      ``load_weights`` (which handles vLLM's fused/stacked parameters); with vLLM's V1
-      multiprocess engine, sending a function needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
-      The prefix cache is reset afterwards so no KV from old weights is reused.
+      ``load_weights`` (which handles vLLM's fused/stacked parameters), as host tensors (a
+      bucket may arrive as CUDA IPC views; some vLLM releases refuse to serialise CUDA tensors).
+      vLLM's V1 multiprocess engine sends a function only with
+      ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between this process and the engine
+      process it starts on this host), which the engine sets unless the environment already
+      says otherwise. The prefix cache is reset afterwards so no KV from old weights is reused.
     """
 
     def __init__(self, model_path: str, *, device: str = "cuda", dtype: torch.dtype | str = "bfloat16",
@@ -68,6 +73,11 @@ class VLLMEngine:
         path = check_model_dir(model_path)
         dt = parse_dtype(dtype)
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        # load_weights sends a function to the engine process, which V1 refuses without this
+        # (read there, when the LLM below starts it): without it the first weight sync fails
+        if os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1") != "1":
+            log.warning("VLLM_ALLOW_INSECURE_SERIALIZATION=%s: vLLM may refuse the weight loader that "
+                        "load_weights sends its workers", os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"])
         self.llm = LLM(model=str(path), dtype=str(dt).removeprefix("torch."), max_num_seqs=max_batch_size,
                        **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -113,7 +123,7 @@ class VLLMEngine:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"weights version must be an int >= 0, got {version!r}")
         for bucket in ([weights] if isinstance(weights, dict) or hasattr(weights, "items") else weights):
-            self.llm.collective_rpc(_vllm_load_weights, args=(list(bucket.items()),))
+            self.llm.collective_rpc(_vllm_load_weights, args=(list(to_host(bucket).items()),))
         self.llm.reset_prefix_cache()
         self.version = version
 
