@@ -577,6 +577,36 @@ def test_graph_capture_protocol_on_cpu(model_dir: str, prompts: list[list[int]],
     assert runner.graphs == {} and runner.k_cache is None and runner.logits_out is None
 
 
+def test_a_failed_graph_capture_falls_back_to_eager_decoding(model_dir: str, prompts: list[list[int]],
+                                                            monkeypatch, caplog) -> None:
+    """A capture that fails (an op a graph cannot hold, no memory left for its pool) used to fail
+    every generate that needed that shape, so the rollout node died. Now the runner says why,
+    once, decodes eagerly from then on (same tokens), and the inputs the warm-up overwrote are
+    restored first."""
+    def failing(self, b: int, length: int) -> None:
+        self.tok_in.fill_(7)
+        self.pos.fill_(3)  # what a warm-up does to the decode inputs before the capture fails
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(LlamaRunner, "_record", failing)
+    many = [prompts[i % len(prompts)] for i in range(7)]
+    params = SamplingParams(max_new_tokens=9, temperature=1.0)
+    ref = TorchEngine(model_dir, max_slots=4).generate(many, params, seed=2)
+    eng = TorchEngine(model_dir, max_slots=4)
+    runner = eng.runner
+    runner.use_graphs = True
+    with caplog.at_level("WARNING", logger="distflow.rollout.llama_forward"):
+        out = eng.generate(many, params, seed=2)
+        again = eng.generate(many, params, seed=2)
+    assert [c.tokens for c in out] == [c.tokens for c in ref] == [c.tokens for c in again]
+    assert _max_err([c.logprobs for c in out], [c.logprobs for c in ref]) < 1e-5
+    assert not runner.use_graphs and runner.graphs == {}
+    assert runner.graph_error == "RuntimeError: operation not permitted when stream is capturing"
+    warned = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    assert len(warned) == 1 and "decoding eagerly" in warned[0] and "engine_compile: false" in warned[0]
+    eng.close()
+
+
 def test_bench_engine_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.util
     import json

@@ -143,6 +143,7 @@ class LlamaRunner:
         self._cap_stream: Any = None  # this runner's capture stream (device.private_stream), made on first capture
         self._cap_stream_owner: Any = None
         self.capture_s = 0.0
+        self.graph_error: str | None = None  # why capturing failed (decoding is eager since)
         # Decode inputs (graph-static on CUDA): the token to feed and its position, per slot.
         self.tok_in = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.pos = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -368,7 +369,17 @@ class LlamaRunner:
             return self._decode(n, max_pos + 1)
         shape = self.graph_shape(n, max_pos)
         if shape not in self.graphs:
-            self._capture(*shape)
+            try:
+                self._capture(*shape)
+            except Exception as e:  # an op a graph cannot hold, no memory left for the graph pool, ...
+                # Eager decoding gives the same tokens, slower: the run goes on, the log says why.
+                self.graph_error = f"{type(e).__name__}: {e}"
+                log.warning("capturing the decode step as a CUDA graph (%d rows, %d positions) failed (%s); "
+                            "decoding eagerly from now on, which is several times slower (engine_compile: false "
+                            "to skip capturing)", shape[0], shape[1], self.graph_error)
+                self.use_graphs = False
+                self.graphs.clear()
+                return self._decode(n, max_pos + 1)
         self.graphs[shape].replay()
         return self.logits_out[:n]  # read (sampled) before the next decode step overwrites it
 
@@ -385,6 +396,18 @@ class LlamaRunner:
         it would in the default global mode. One capture at a time per process."""
         t0 = time.perf_counter()
         saved_tok, saved_pos = self.tok_in.clone(), self.pos.clone()
+        try:
+            self._record(b, length)
+        finally:
+            # Warm-up and capture wrote KV at the saved positions of rows [0, b); the real step
+            # rewrites those same positions before reading them, so only the inputs need restoring.
+            self.tok_in.copy_(saved_tok)
+            self.pos.copy_(saved_pos)
+        torch.cuda.current_stream(self.device).synchronize()  # not the device: another engine may be capturing
+        self.capture_s += time.perf_counter() - t0
+
+    def _record(self, b: int, length: int) -> None:
+        """Warm up and capture the graph of (b, length) into ``self.graphs`` (see :meth:`_capture`)."""
         with _CAPTURE_LOCK, torch.cuda.device(self.device):
             if self._cap_stream is None:  # not a pool stream: a trainer's NCCL stream (--in-process) may be one
                 self._cap_stream, self._cap_stream_owner = private_stream(self.device)
@@ -411,12 +434,6 @@ class LlamaRunner:
                     raise
                 graph.capture_end()
         self.graphs[(b, length)] = graph
-        # Warm-up and capture wrote KV at the saved positions of rows [0, b); the real step
-        # rewrites those same positions before reading them, so only the inputs need restoring.
-        self.tok_in.copy_(saved_tok)
-        self.pos.copy_(saved_pos)
-        torch.cuda.current_stream(self.device).synchronize()  # not the device: another engine may be capturing
-        self.capture_s += time.perf_counter() - t0
 
 
 def kind_uses_window(cfg: Any) -> bool:
