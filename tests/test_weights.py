@@ -212,6 +212,32 @@ def test_restarted_peer_or_refused_delta_gets_a_full_version() -> None:
     asyncio.run(main())
 
 
+def test_a_peer_whose_tier_changed_still_gets_every_version() -> None:
+    """A peer's tier follows what the mesh says of it (device, GPU, host), which changes when a
+    peer unknown at start shows up, or restarts elsewhere. The publisher decided where to keep
+    buckets once, at start: a peer that became ``cuda_ipc`` was handed host buckets, export_ipc
+    refused them, and the send was retried every 0.5 s for ever. Now each version is staged for
+    the tiers of that moment, and host buckets go to an IPC peer through the channel."""
+    async def main() -> None:
+        tier = {"rollout": "channel"}
+        inbox = WeightInbox()
+        async with _serving(inbox.receive, kind="shm", timeout=10, transport_of=lambda p: tier[p],
+                            bucket_bytes=2 * T_BYTES) as pub:
+            assert pub._need_host and not pub._keep_device
+            pub.offer(1, weights(1, {}))
+            await pub.flush(10)
+            assert inbox.take_update().version == 1
+            tier["rollout"] = "cuda_ipc"  # known now to share the trainer's GPU; the buckets are host ones
+            pub.offer(2, weights(2, {2: [1]}))
+            assert pub._keep_device and not pub._need_host
+            await pub.flush(10)
+            assert pub.sent["rollout"] == 2
+            v, got = inbox.take()
+            assert v == 2 and list(got) == NAMES and got[NAMES[1]][0].item() == 201.0
+
+    asyncio.run(main())
+
+
 def test_a_peer_restarted_before_it_was_declared_dead_gets_the_current_version() -> None:
     """A rollout node restarted faster than failure detection shows up as a metadata "update"
     with a new life ("boot"), never as dead then alive. Full sync only sends newer versions, so
@@ -281,6 +307,24 @@ def test_close_leaves_no_send_running() -> None:
             await asyncio.wait_for(pub.close(), 10)
             left = [t for t in asyncio.all_tasks() if t.get_name().startswith("weights-v")]
             assert left == []
+
+    asyncio.run(main())
+
+
+def test_close_stops_a_sender_woken_as_it_is_cancelled() -> None:
+    """A sender idles in ``wait_for(wake, 0.5)``; on Python 3.11 a cancellation that lands in the
+    loop turn its wake-up completes is swallowed (wait_for returns the result), and the sender
+    went on for ever: close() never returned. Now close() cancels again until it stops."""
+    async def main() -> None:
+        inbox = WeightInbox()
+        async with _serving(inbox.receive, timeout=10, bucket_bytes=2 * T_BYTES) as pub:
+            pub.offer(1, weights(1, {}))
+            await pub.flush(10)
+            assert pub.sent["rollout"] == 1
+            await asyncio.sleep(0.1)  # the sender is idle, waiting to be woken
+            pub.peer_up("rollout")  # wakes it ...
+            await asyncio.wait_for(pub.close(), 8)  # ... in the turn its cancellation lands
+            assert all(t.done() for t in pub._tasks)
 
     asyncio.run(main())
 

@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
+from distflow.core.aio import cancel_and_wait
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
 from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ipc, import_ipc,
                                          release_ipc, send_ipc, spill_needed, to_host)
@@ -329,9 +330,7 @@ class WeightPublisher:
         self.sync, self.bucket_bytes, self.max_delta_lag = sync, bucket_bytes, max_delta_lag
         self.transport_of = transport_of or (lambda _peer: "channel")
         self.peers = list(peers)
-        tiers = {self.transport_of(p) for p in self.peers}
-        self._keep_device = bool(tiers & {"cuda_ipc", "nccl"})  # GPU buckets stay on the GPU
-        self._need_host = "channel" in tiers or not self.peers
+        self._plan_staging({self.transport_of(p) for p in self.peers})  # an impossible tier fails here, at start
         self._pool = PinnedPool()
         self._latest: _Version | None = None
         self.sent = {p: 0 for p in peers}
@@ -351,6 +350,24 @@ class WeightPublisher:
         return None if v is None else (v.version, v.buckets)
 
     # ------------------------------------------------------------------ ingest
+    def _plan_staging(self, tiers: set[str]) -> None:
+        """Where a version's GPU buckets are kept: on the GPU for the CUDA tiers, staged in host
+        memory for the channel tier (both when the peers need both)."""
+        self._keep_device = bool(tiers & {"cuda_ipc", "nccl"})
+        self._need_host = "channel" in tiers or not self.peers
+
+    def _current_tiers(self) -> set[str]:
+        """The peers' tiers now: a peer's tier follows what the mesh says of it (its device, GPU and
+        host), which a peer unknown at start or restarted elsewhere changes. A peer whose tier
+        cannot be resolved now is left out here (its send fails, naming why, and is retried)."""
+        tiers = set()
+        for p in self.peers:
+            try:
+                tiers.add(self.transport_of(p))
+            except ValueError:
+                continue
+        return tiers
+
     def begin(self, version: int) -> _Version:
         prev = self._latest
         if prev is not None and version <= prev.version:
@@ -360,6 +377,7 @@ class WeightPublisher:
             prev._notify()
             self._release(prev)
             prev = None
+        self._plan_staging(self._current_tiers())
         ver = _Version(version, prev.floor if prev is not None and self.sync == "delta" else version)
         self._latest = ver
         if self.sync == "delta":
@@ -588,6 +606,8 @@ class WeightPublisher:
                 meta: dict[str, Any] = {"version": v, "bucket": sent, "base": base, "send": send_id}
                 if len(window) >= SEND_WINDOW:
                     done, window = await asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED)
+                    for t in done:  # every one looked at (no "exception never retrieved"), the first raised
+                        _ = t.cancelled() or t.exception()
                     for t in done:
                         t.result()
                 window.add(asyncio.create_task(self._send_bucket(endpoint, tier, meta, part)))
@@ -611,8 +631,10 @@ class WeightPublisher:
 
     async def _send_bucket(self, endpoint: Endpoint, tier: str, meta: dict[str, Any],
                            part: dict[str, torch.Tensor]) -> None:
-        # cuda_ipc: exported right before the send (who gives its counts back: weight_transport's docstring)
-        if tier == "cuda_ipc":
+        # cuda_ipc: exported right before the send (who gives its counts back: weight_transport's docstring).
+        # A version staged in host memory (the peer's tier was the channel's when it was ingested) goes
+        # through the channel: only CUDA memory has IPC handles.
+        if tier == "cuda_ipc" and all(t.is_cuda for t in part.values()):
             await send_ipc(self.channel, endpoint, "weights", meta, export_ipc(part), self.timeout)
         else:
             await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
@@ -626,10 +648,14 @@ class WeightPublisher:
                 return
             await asyncio.sleep(0.05)
 
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop every sender, bounded: a sender abandons its send in flight within 5 s. Cancelled
+        again until it stops (``cancel_and_wait``): on Python 3.11 the idle wait can swallow a
+        cancellation that lands as its wake-up does, and that sender would go on for ever."""
+        left = await cancel_and_wait(self._tasks, timeout)
+        if left:
+            log.warning("weights: %d sender(s) still running %.0fs after close: %s", len(left), timeout,
+                        sorted(t.get_name() for t in left))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
