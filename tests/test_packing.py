@@ -217,3 +217,32 @@ def test_packed_varlen_forward_reads_nothing_back(arch, toy_model):
         (lp.sum() + ent.sum()).backward()
     assert sum(reads.by_caller.values()) == 0, dict(reads.by_caller)
     assert torch.allclose(lp, ref, atol=1e-5)
+
+
+def test_a_model_whose_attention_the_trainer_cannot_compute_is_refused(tmp_path):
+    """Gemma 2 soft-caps its attention scores (``softcap=`` to its attention function). The
+    trainer's varlen attention took it in ``**kwargs`` and dropped it, so it trained on logprobs
+    of another model than the one the engine samples (0.02 off at Gemma 2's cap of 50, 2.3 at a
+    cap of 1). Now a config that says so is refused when the model is prepared, naming the key,
+    and an attention call carrying such an option fails instead of computing without it."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from distflow.trainer.attention import register_varlen_attention, use_varlen_attention
+
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, final_logit_softcapping=None)
+    capped = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=1.0))
+    with pytest.raises(ValueError, match=r"'gemma-dir'.*attn_logit_softcapping=1\.0.*no attention logit soft-capping"):
+        use_varlen_attention(capped, "gemma-dir")
+    capped.set_attn_implementation(register_varlen_attention())  # as it was before the check
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with pytest.raises(NotImplementedError, match=r"Gemma2Attention calls its attention with softcap="):
+        capped(input_ids=ids)
+    plain = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=None))
+    use_varlen_attention(plain, "gemma-dir")  # no soft-capping: trained as any other model
+    assert plain.config._attn_implementation == "distflow_varlen"
+    eager = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=None))
+    eager.load_state_dict(plain.state_dict())
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert torch.allclose(plain(input_ids=ids).logits, eager(input_ids=ids).logits, atol=1e-5)

@@ -41,9 +41,31 @@ import torch.nn.functional as F
 
 from distflow.trainer.packing import SEQ_LENS_KWARG
 
-__all__ = ["VARLEN", "model_attention_mask", "register_varlen_attention", "varlen_attention"]
+__all__ = ["VARLEN", "model_attention_mask", "register_varlen_attention", "unsupported_attention",
+           "use_varlen_attention", "varlen_attention"]
 
 VARLEN = "distflow_varlen"
+# Attention options some models pass that neither FlashAttention varlen nor SDPA take: refused, not dropped.
+UNSUPPORTED_KWARGS = {"softcap": "attention logit soft-capping, e.g. Gemma 2's attn_logit_softcapping",
+                      "s_aux": "attention sinks, e.g. gpt-oss"}
+
+
+def use_varlen_attention(model: Any, source: str) -> None:
+    """Give the Hugging Face ``model`` (loaded from ``source``) the trainer's attention; a model
+    whose attention it cannot compute (:func:`unsupported_attention`) is refused, naming why."""
+    if (why := unsupported_attention(model.config)) is not None:
+        raise ValueError(f"{source!r}: {why}")
+    model.set_attn_implementation(register_varlen_attention())
+
+
+def unsupported_attention(config: Any) -> str | None:
+    """Why the trainer's attention cannot train a model of ``config`` (known from its config
+    alone), or None. Checked when the trainer loads the model, before any step."""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        return (f"model config attn_logit_softcapping={cap!r}: the trainer's attention ({VARLEN}: FlashAttention "
+                f"varlen / SDPA) has no attention logit soft-capping, so its logprobs would not be the model's")
+    return None
 
 
 def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -58,6 +80,11 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     attention over each row; any other mask goes to transformers' SDPA as it is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    for opt, what in UNSUPPORTED_KWARGS.items():  # dropping them would train another model than the engine samples
+        if kwargs.get(opt) is not None:
+            raise NotImplementedError(f"{type(module).__name__} calls its attention with {opt}= ("
+                                      f"{what}), which the trainer's attention ({VARLEN}) does "
+                                      f"not implement: its logprobs would not be the model's")
     lens = kwargs.pop(SEQ_LENS_KWARG, None)  # packed rows: the sample lengths as host ints
     # transformers' sliding window: query i sees keys i - window + 1 .. i
     window = kwargs.get("sliding_window")

@@ -37,7 +37,7 @@ from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
 from distflow.trainer.actor import (DeviceSums, all_reduce, apply_optimizer_config, checkpoint_writer,
                                     ragged_in_batch_order, step_micro_batches)
-from distflow.trainer.attention import model_attention_mask, register_varlen_attention
+from distflow.trainer.attention import model_attention_mask, use_varlen_attention
 from distflow.trainer.model import (DTYPES, clip_and_step, disable_dropout, enable_activation_checkpointing,
                                     gather_full_state, shard_fp32)
 from distflow.trainer.packing import ModelInputs, split_mini_batches
@@ -144,7 +144,7 @@ class Critic:
         source = str(resume) if resume is not None and resume.is_dir() else (cfg.critic_path or cfg.model_path)
 
         def prepare(vm: ValueModel) -> None:
-            vm.model.set_attn_implementation(register_varlen_attention())  # packed rows: no cross-sample attention
+            use_varlen_attention(vm.model, source)  # packed rows: no cross-sample attention
             disable_dropout(vm)
             if cfg.activation_checkpointing:  # the critic is as large as the actor: the same memory rule
                 enable_activation_checkpointing(vm.model)

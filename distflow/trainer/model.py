@@ -34,7 +34,7 @@ import torch
 
 from distflow.device import COMPUTE_DTYPES
 from distflow.hf import load_causal_lm, meta_causal_lm
-from distflow.trainer.attention import register_varlen_attention
+from distflow.trainer.attention import use_varlen_attention
 from distflow.trainer.head import response_forward
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
 
     def prepare(model: Any) -> None:
         model.config.use_cache = False
-        model.set_attn_implementation(register_varlen_attention())
+        use_varlen_attention(model, path)
         disable_dropout(model)
         if activation_checkpointing and trainable:
             enable_activation_checkpointing(model)
