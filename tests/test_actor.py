@@ -573,3 +573,24 @@ def test_device_sums_take_what_float_takes(world1):
     assert sums.all_reduce() == pytest.approx({"a": 1.25, "b": 3.0, "c": 0.2})
     with pytest.raises(RuntimeError):
         sums.add("a", torch.tensor([1.0, 2.0]))  # not one number: refused, as float() refuses it
+
+
+def test_flat_to_padded_places_values_and_its_backward_reads_nothing_back():
+    """A micro-batch's flat per-token values go to a zero-padded [B, max len] layout for the loss.
+    With ``masked_scatter`` the backward was a ``masked_select``, which reads the selected count
+    back: on a GPU a host sync in every micro-batch's backward (HostReads, a dispatch mode, does
+    not see reads nested in a kernel; the profiler does). ``index_copy`` reads nothing back."""
+    from distflow.trainer.actor import flat_to_padded
+
+    x = torch.arange(1.0, 8.0, requires_grad=True)
+    values, mask = flat_to_padded(x, [3, 0, 4])
+    assert values.tolist() == [[1, 2, 3, 0], [0, 0, 0, 0], [4, 5, 6, 7]]
+    assert mask.tolist() == [[True, True, True, False], [False] * 4, [True] * 4]
+    weights = torch.arange(12.0).view(3, 4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (values * weights).sum().backward()
+    ops = {e.name for e in prof.events()}
+    assert not ops & {"aten::_local_scalar_dense", "aten::item", "aten::masked_select", "aten::nonzero"}, ops
+    assert x.grad.tolist() == [0, 1, 2, 8, 9, 10, 11]  # each value's weight at its padded place
+    empty, none = flat_to_padded(torch.zeros(0), [])
+    assert empty.shape == none.shape == (0, 0)

@@ -162,11 +162,21 @@ def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens:
 
 
 def flat_to_padded(flat: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """flat [sum(lens)] -> (values [B, max(lens)] zero-padded, mask [B, max(lens)] bool)."""
+    """flat [sum(lens)] -> (values [B, max(lens)] zero-padded, mask [B, max(lens)] bool).
+
+    The values go to their padded places by index (positions computed on the host from
+    ``lens``), not ``masked_scatter``: its backward is a ``masked_select``, which on CUDA reads
+    the selected count back, a host sync in every micro-batch's backward. ``index_copy``'s
+    backward is an ``index_select``: nothing is read back."""
     width = max(lens, default=0)
-    lengths = torch.tensor(lens, dtype=torch.int64).to(flat.device, non_blocking=True)  # no stream sync
-    mask = torch.arange(width, device=flat.device)[None, :] < lengths[:, None]
-    return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat), mask
+    lengths = torch.tensor(lens, dtype=torch.int64)
+    starts = torch.arange(len(lens), dtype=torch.int64) * width - torch.cumsum(lengths, 0) + lengths
+    total = sum(lens)  # host ints: nothing read back, not even from the host tensors
+    pos = torch.arange(total, dtype=torch.int64) + starts.repeat_interleave(lengths, output_size=total)
+    dev = flat.device  # host-built indices go over without a stream sync
+    mask = torch.arange(width, device=dev)[None, :] < lengths.to(dev, non_blocking=True)[:, None]
+    values = flat.new_zeros(len(lens) * width).index_copy(0, pos.to(dev, non_blocking=True), flat)
+    return values.view(len(lens), width), mask
 
 
 def _call_loss(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
