@@ -749,6 +749,31 @@ def test_ipc_blocks_never_opened_are_released(monkeypatch) -> None:
     assert opened == [b"h-a"] and list(got) == ["a", "b", "c"] and all(t.shape == (4,) for t in got.values())
     assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
 
+    # the exporter's "ready" event: waited on through an Event object (destroyed when dropped),
+    # before the block is opened, never by torch's own wait, which leaks the event it opens
+    steps: list[tuple] = []
+
+    class Ev:
+        @classmethod
+        def from_ipc_handle(cls, device, handle):
+            steps.append(("open_event", device, handle))
+            return cls()
+
+        def wait(self, stream):
+            steps.append(("wait", stream))
+
+    def rebuild_sync(*args):
+        steps.append(("rebuild", args[7], args[13], args[14]))
+        return torch.zeros(64, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "Event", Ev)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: f"stream-{d}")
+    monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", rebuild_sync)
+    weight_transport.import_ipc(_ipc(_block(b"h-e", 1, "a", device=2, event_handle=b"ev", event_sync=True),
+                                     _block(b"h-f", 2, "b")))
+    assert steps == [("open_event", 2, b"ev"), ("wait", "stream-2"), ("rebuild", b"h-e", b"ev", False),
+                     ("rebuild", b"h-f", None, False)]
+
 
 def test_ipc_export_is_one_block_per_storage() -> None:
     """A bucket (views of one flat buffer, as the gather makes it) is described as the storage it

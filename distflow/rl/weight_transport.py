@@ -306,10 +306,15 @@ def import_ipc(ipc: Any, device: torch.device | None = None) -> dict[str, torch.
         out: dict[str, torch.Tensor] = {}
         for b in ipc["blocks"]:
             dev = int(b["device"]) if device is None else (device.index or 0)
+            # torch's own wait on the exporter's event (event_sync) opens that event and never
+            # destroys it: one CUDA event leaked per block per version. Opened here instead, as an
+            # Event object, it is destroyed when dropped (CUDA frees it once the wait is done).
+            if b.get("event_sync") and b.get("event_handle"):
+                torch.cuda.Event.from_ipc_handle(dev, b["event_handle"]).wait(torch.cuda.current_stream(dev))
             flat = rebuild_cuda_tensor(
                 torch.Tensor, torch.Size([b["size_bytes"]]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
                 dev, b["handle"], b["size_bytes"], b["offset_bytes"], False, b["ref_handle"], b["ref_offset"],
-                b.get("event_handle"), bool(b.get("event_sync")))
+                b.get("event_handle"), False)
             opened += 1
             out.update(open_views(flat, b["tensors"]))
         for e in ipc["empty"]:
