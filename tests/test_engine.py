@@ -209,6 +209,23 @@ def test_load_weights_rejects_bad_state_dict(engine: TorchEngine, prompts: list[
     assert engine.generate(prompts, greedy) == ref
 
 
+def test_non_finite_check_finds_one_bad_element_without_a_full_size_mask() -> None:
+    """The load check reads each tensor's max and min (a NaN propagates through both; an inf is
+    one of them) instead of building an ``isfinite`` mask as large as the tensor (0.5 GB for a
+    big embedding on a GPU the KV cache filled): one bad element anywhere is still found."""
+    from distflow.rollout.weight_loading import _non_finite
+
+    def with_one(value: float, at: int, dtype=torch.float32) -> torch.Tensor:
+        t = torch.randn(4097, dtype=torch.float32).to(dtype)
+        t[at] = value
+        return t.view(17, 241)
+
+    items = [("ok", torch.randn(64, 8)), ("nan", with_one(float("nan"), 4096)), ("neg_inf", with_one(-math.inf, 0)),
+             ("inf_bf16", with_one(math.inf, 2000, torch.bfloat16)), ("empty", torch.zeros(0, 3)),
+             ("ints", torch.arange(5)), ("half", torch.randn(9).half())]
+    assert _non_finite(items) == ["inf_bf16", "nan", "neg_inf"]
+
+
 def test_missing_or_invalid_model_dir(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TorchEngine(str(tmp_path / "nope"))

@@ -92,6 +92,15 @@ class WeightTarget:
             # a device-wide one would break another engine's graph capture in this process)
 
 
+def _finite(v: torch.Tensor) -> torch.Tensor:
+    """Whether ``v`` holds no NaN/inf, as a device bool: from its max and min (a NaN propagates
+    through both, an inf is one of them), not ``isfinite(v).all()``, whose mask is one byte per
+    element (0.5 GB for a 152k x 3.5k embedding, on a GPU whose KV cache took most of it)."""
+    if v.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=v.device)
+    return torch.isfinite(torch.stack([v.amax(), v.amin()])).all()
+
+
 def _non_finite(items: list[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of floating tensors with a NaN/inf, with one host sync per device."""
     by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
@@ -100,6 +109,6 @@ def _non_finite(items: list[tuple[str, torch.Tensor]]) -> list[str]:
             by_dev.setdefault(v.device, []).append((k, v))
     bad: list[str] = []
     for entries in by_dev.values():
-        flags = torch.stack([torch.isfinite(v).all() for _, v in entries]).tolist()
+        flags = torch.stack([_finite(v) for _, v in entries]).tolist()
         bad.extend(k for (k, _), ok in zip(entries, flags) if not ok)
     return sorted(bad)
