@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: install the carried wheels (.whl/, see scripts/gpu_wheels.sh), then run
 # the GPU tests and/or the GPU benchmarks, each under a deadline, logs into $OUT (default
-# gpu-check/). Usage: scripts/gpu_check.sh [tests|engine|trainer|weights|all]...  (default: tests)
-# One device call runs at most 10 minutes: split the steps over calls where needed.
+# gpu-check/). Usage: scripts/gpu_check.sh [tests|engine|trainer|weights]...  (default: tests)
+# One device call runs at most 10 minutes: one step per call (each may take up to 9). PYTEST_ARGS
+# narrows the tests step (e.g. PYTEST_ARGS="tests/test_cluster.py tests/test_gsm8k.py" for the CLI
+# runs alone). Exits with the worst step's status. A step past its deadline gets SIGINT first, so
+# pytest still prints which test it was in and its summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check}
@@ -18,21 +21,30 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
 print([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 PY
 cat "$OUT/env.txt"
+worst=0
 step() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   echo "== $name (at most ${secs}s)"
-  timeout "$secs" "$@" >"$OUT/$name.txt" 2>&1
+  timeout -s INT -k 20 "$secs" "$@" >"$OUT/$name.txt" 2>&1
   local rc=$?
   tail -n 5 "$OUT/$name.txt"
   echo "== $name: exit $rc"
+  [ "$rc" -gt "$worst" ] && worst=$rc
+  return 0
 }
 for what in "${@:-tests}"; do
   case $what in
-    tests) step pytest-gpu 540 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 300 ;;
+    tests)
+      rm -rf /tmp/gpu-pytest
+      # shellcheck disable=SC2086  # PYTEST_ARGS: paths and options, split on purpose
+      step pytest-gpu 540 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 300 --durations=0 \
+        --basetemp=/tmp/gpu-pytest ${PYTEST_ARGS:-}
+      # the nodes' own logs (gone with the machine otherwise)
+      find /tmp/gpu-pytest -name '*.log' -size -4M 2>/dev/null | tar czf "$OUT/node-logs.tgz" -T - 2>/dev/null ;;
     engine) step bench-engine 540 python3 bench/engine.py --device cuda ;;
     trainer) step bench-trainer 540 python3 bench/trainer.py --device cuda --shape qwen0.5b ;;
     weights) step bench-weights 540 python3 bench/weights.py --mib 64 --reps 3 --kinds shm ;;
-    all) "$0" tests engine trainer weights ;;
-    *) echo "gpu_check: unknown step $what (tests|engine|trainer|weights|all)"; exit 2 ;;
+    *) echo "gpu_check: unknown step $what (tests|engine|trainer|weights; one per device call)"; exit 2 ;;
   esac
 done
+exit "$worst"

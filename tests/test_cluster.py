@@ -236,6 +236,7 @@ def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(480)  # past the run's own 420 s, so a slow run fails with its stderr, not pytest's kill
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quickstart_learns_on_one_gpu(tmp_path, dtype):

@@ -145,6 +145,7 @@ def test_grpo_gsm8k_tiny_example_runs(gsm8k_model, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(360)  # past the run's own 300 s, so a slow run fails with its stderr, not pytest's kill
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_grpo_gsm8k_tiny_on_one_gpu_colocated(gsm8k_model, tmp_path):
     """The same example on one GPU: trainer and both rollout nodes placed on GPU 0 (colocate)."""
