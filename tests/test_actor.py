@@ -329,15 +329,25 @@ def test_activation_checkpointing_gives_the_same_step(toy_model, world1):
 
 def _gpu_steps(rank: int, store: str, toy_model: str, dtype: str, out: str) -> None:
     with process_group(store, backend="nccl"):
+        from distflow.trainer import attention
         from distflow.trainer.actor import Actor
 
+        kernel = attention._flash_varlen()  # count the FlashAttention varlen calls: a torch whose kernel
+        calls = [0]  # cannot take this call falls back to per-sample SDPA silently
+        if kernel is not None:
+            def counted(*args, **kwargs):
+                calls[0] += 1
+                return kernel[0](*args, **kwargs)
+
+            attention._flash_varlen = lambda: (counted, kernel[1])
         stats = []
         for extra in ([], ["max_tokens_per_micro_batch=24"]):
             cfg = _cfg(toy_model, "device=cuda", f"dtype={dtype}", "lr=0.01", "kl_coef=0.01", *extra)
             actor = Actor(cfg, with_reference=True)
+            before = calls[0]
             batch = actor.reference_logprobs(make_batch(8, seed=5))
             assert batch.tensors["ref_logprobs"].device.type == "cpu"  # results leave the GPU
-            stats.append(actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch))
+            stats.append(dict(actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch), flash_calls=calls[0] - before))
         torch.save(stats, out)
 
 
@@ -351,6 +361,10 @@ def test_cuda_packed_varlen_update_matches_padded(toy_model, dtype, tmp_path):
     mp.start_processes(_gpu_steps, args=(str(tmp_path / "store"), str(toy_model), dtype, out), nprocs=1, join=True,
                        start_method="spawn")
     padded, packed = torch.load(out)
+    assert padded["flash_calls"] == 0  # padded rows: one causal SDPA
+    # packed rows: FlashAttention varlen in bf16 (the path the docs promise; torch.nn.attention.varlen
+    # on this torch must take the call), per-sample SDPA in fp32
+    assert (packed["flash_calls"] > 0) == (dtype == "bfloat16"), packed["flash_calls"]
     tol = 1e-4 if dtype == "float32" else 2e-2
     for key in ("loss", "entropy", "grad_norm"):
         assert packed[key] == pytest.approx(padded[key], rel=tol, abs=tol), key
