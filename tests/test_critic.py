@@ -277,12 +277,24 @@ def _cuda_worker(rank: int, store: str, model: str, out: str) -> None:
     with process_group(store, backend="nccl"):
         cfg = make_cfg(Path(model), device="cuda", dtype="bfloat16")
         critic = Critic(cfg)
+        seen: dict[str, set] = {"layer": set(), "head_in": set(), "head_out": set()}  # what the forwards compute in
+
+        def layer_hook(module, args, output) -> None:  # returns None: the output stays as it is
+            seen["layer"].add(str((output[0] if isinstance(output, tuple) else output).dtype))
+
+        def head_hook(module, args, output) -> None:
+            seen["head_in"].add(str(args[0].dtype))
+            seen["head_out"].add(str(output.dtype))
+
+        critic.model.model.layers[0].register_forward_hook(layer_hook)
+        critic.model.value_head.register_forward_hook(head_hook)
         b = critic.values(batch_of(4))
         b.set_ragged("returns", torch.ones_like(b.tensors["values"]))
         stats = critic.update(cfg.plan().node("critic_update"), b)
         masters = [p.dtype for p in critic.model.parameters()]
         after = critic.values(batch_of(4, seed=1)).tensors["values"]
-        torch.save({"stats": stats, "values": after, "fp32_master": all(d == torch.float32 for d in masters)}, out)
+        torch.save({"stats": stats, "values": after, "fp32_master": all(d == torch.float32 for d in masters),
+                    "seen": seen}, out)
 
 
 @pytest.mark.gpu
@@ -295,7 +307,12 @@ def test_critic_on_cuda_bf16_compute_fp32_master(toy_model, tmp_path) -> None:
     got = torch.load(out)
     assert got["fp32_master"]
     assert got["values"].device.type == "cpu" and torch.isfinite(got["values"]).all()
-    assert got["stats"]["critic_steps"] == 1.0 and got["stats"]["vf_loss"] > 0
+    # a zero value head against returns of 1: the first loss is 0.5 * (0 - 1)^2 = 0.5 exactly;
+    # the step moved the head (the values after it are no longer 0)
+    assert got["stats"]["critic_steps"] == 1.0 and got["stats"]["vf_loss"] == pytest.approx(0.5, abs=1e-6)
+    assert got["values"].abs().max() > 0
+    # the decoder computes in bf16 over fp32 masters; the value head takes and gives fp32
+    assert got["seen"] == {"layer": {"torch.bfloat16"}, "head_in": {"torch.float32"}, "head_out": {"torch.float32"}}
 
 
 def _cuda_packed_worker(rank: int, store: str, model: str, ckpt: str, out: str) -> None:
