@@ -608,3 +608,45 @@ def test_flat_to_padded_places_values_and_its_backward_reads_nothing_back():
     assert x.grad.tolist() == [0, 1, 2, 8, 9, 10, 11]  # each value's weight at its padded place
     empty, none = flat_to_padded(torch.zeros(0), [])
     assert empty.shape == none.shape == (0, 0)
+
+
+def _gpu_sync_counts(rank: int, store: str, toy_model: str, out: str) -> None:
+    with process_group(store, backend="nccl"):
+        import warnings
+
+        from distflow.trainer.actor import Actor
+
+        seen = []
+        for budget in (10_000, 12):  # 2 padded micro-batches vs >= 4 packed ones, as on CPU
+            cfg = _cfg(toy_model, "device=cuda", "dtype=bfloat16", "kl_coef=0.01", "lr=0.01",
+                       "recompute_old_logprobs=true", f"max_tokens_per_micro_batch={budget}")
+            actor = Actor(cfg, with_reference=True)
+            node = cfg.node("ACTOR", "MODEL_TRAIN")
+            actor.update(node, actor.reference_logprobs(make_batch(8, seed=4)))  # lazy inits: not counted
+            batch = make_batch(8, seed=5)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    actor.update(node, actor.reference_logprobs(batch))
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+            seen.append((len(list(actor._micro_batches(batch))), syncs))
+        torch.save(seen, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_update_syncs_do_not_grow_with_micro_batches(toy_model, tmp_path):
+    """What tests/host_reads.py counts on CPU, measured where it matters: torch's sync debug mode
+    warns at every CUDA call that makes the host wait for the GPU (a read-back, a blocking copy,
+    a kernel's own read such as masked_select's count, which the CPU count cannot see). A logprob
+    pass and an update make as many with 2 micro-batches as with 4 or more."""
+    out = str(tmp_path / "syncs.pt")
+    mp.start_processes(_gpu_sync_counts, args=(str(tmp_path / "store"), str(toy_model), out), nprocs=1, join=True,
+                       start_method="spawn")
+    (n1, few), (n2, many) = torch.load(out)
+    assert n2 >= 2 * n1
+    assert len(many) == len(few), (few, many)
