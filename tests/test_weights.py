@@ -775,6 +775,39 @@ def test_ipc_blocks_never_opened_are_released(monkeypatch) -> None:
                      ("rebuild", b"h-f", None, False)]
 
 
+def test_an_ipc_export_waits_for_its_bucket_only(monkeypatch) -> None:
+    """torch records an export's event on the current stream, so a rollout importing the bucket
+    waited for everything the trainer had queued when the send ran (its next step). The export
+    now runs on the publisher's own stream, after that stream waited on the event recorded when
+    the bucket was gathered (recorders: no GPU here; the cuda_ipc GPU tests run the real path)."""
+    from distflow.rl import weight_transport
+
+    steps: list[tuple] = []
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            steps.append(("wait", event))
+
+    @contextlib.contextmanager
+    def current(stream):
+        steps.append(("enter", stream))
+        yield
+        steps.append(("exit", stream))
+
+    def export(bucket):
+        steps.append(("export", list(bucket)))
+        return {"blocks": [], "empty": []}
+
+    monkeypatch.setattr(torch.cuda, "stream", current)
+    monkeypatch.setattr(weight_transport, "export_ipc", export)
+    side = Stream()
+    assert weight_transport.export_ready({"a": torch.zeros(1)}, "gathered", side) == {"blocks": [], "empty": []}
+    assert steps == [("wait", "gathered"), ("enter", side), ("export", ["a"]), ("exit", side)]
+    steps.clear()
+    weight_transport.export_ready({"b": torch.zeros(1)}, None, None)  # no event: torch's own way
+    assert steps == [("export", ["b"])]
+
+
 def test_ipc_export_is_one_block_per_storage() -> None:
     """A bucket (views of one flat buffer, as the gather makes it) is described as the storage it
     views: one block per storage, whatever the tensors' dtypes, offsets and strides; the views

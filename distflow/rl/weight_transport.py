@@ -202,6 +202,21 @@ def export_ipc(bucket: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {"blocks": blocks, "empty": empty}
 
 
+def export_ready(bucket: dict[str, torch.Tensor], ready: Any, stream: Any) -> dict[str, Any]:
+    """:func:`export_ipc`, with the event the importer waits on ordered after ``ready`` only.
+
+    torch records an export's event on the exporter's current stream, so the importer waits for
+    everything queued there when the export runs: on a trainer, by then, its next step's kernels,
+    and the rollout engine's weight load (and the decoding after it, on the same stream) would
+    wait for them. Here the export runs on ``stream`` (the exporter's own), which first waits
+    on ``ready``, an event recorded when the bucket was gathered. ``ready`` None: torch's way."""
+    if ready is None:
+        return export_ipc(bucket)
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):  # synchronous: no other coroutine sees this stream as current
+        return export_ipc(bucket)
+
+
 def _release_counter(ref_handle: bytes, ref_offset: int) -> None:
     """Give back one count of an exporter's IPC reference counter (what torch's rebuild does
     for a storage it already has open)."""

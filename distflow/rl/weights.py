@@ -55,7 +55,8 @@ import torch
 
 from distflow.core.aio import cancel_and_wait
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
-from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ipc, import_ipc,
+from distflow.device import private_stream
+from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ready, import_ipc,
                                          release_ipc, send_ipc, spill_needed, to_host)
 
 BUCKET_BYTES = 64 << 20
@@ -289,6 +290,7 @@ class _Version:
         self.changed: dict[str, int] = {}  # tensor name -> version its bytes last changed in
         self.index: dict[str, torch.Tensor] = {}
         self.bufs: list[torch.Tensor] = []  # pinned staging buffers to give back
+        self.ready: list[Any] = []  # per bucket: a CUDA event recorded once it was gathered (None: host bucket)
         self.nbytes = 0
         self.done = False
         self.aborted = False
@@ -332,6 +334,7 @@ class WeightPublisher:
         self.peers = list(peers)
         self._plan_staging({self.transport_of(p) for p in self.peers})  # an impossible tier fails here, at start
         self._pool = PinnedPool()
+        self._streams: dict[str, tuple[Any, Any]] = {}  # device -> (export stream, owner)
         self._latest: _Version | None = None
         self.sent = {p: 0 for p in peers}
         self.stats: Counter[str] = Counter()  # bytes/tensors/messages sent, full and delta versions
@@ -388,12 +391,18 @@ class WeightPublisher:
         return ver
 
     def _prepare(self, ver: _Version, bucket: dict[str, torch.Tensor]
-                 ) -> tuple[dict, dict | None, torch.Tensor | None, dict]:
-        """Blocking part of ingesting one bucket (any thread): staging and change marks."""
-        host, buf = None, None
-        cuda = any(t.is_cuda for t in bucket.values())
+                 ) -> tuple[dict, dict | None, torch.Tensor | None, dict, Any]:
+        """Blocking part of ingesting one bucket (the gather's thread): staging, change marks, and
+        for a bucket kept on the GPU an event recorded on the stream that gathered it, which a
+        CUDA IPC export waits on (:func:`weight_transport.export_ready`) instead of everything the
+        trainer has queued by the time the send runs (its next step, as a rule)."""
+        host, buf, ready = None, None, None
+        cuda = [t for t in bucket.values() if t.is_cuda]
         if cuda and self._need_host:
             host, buf = self._pool.stage(bucket)
+        if cuda and self._keep_device:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda[0].device))
         kept = bucket if (self._keep_device or not cuda) else host
         assert kept is not None
         prev = ver.prev
@@ -402,15 +411,16 @@ class WeightPublisher:
             p = prev.index.get(name) if (prev is not None and self.sync == "delta") else None
             same = p is not None and p.shape == t.shape and p.dtype == t.dtype and _same_bytes(p, t)
             marks[name] = prev.changed.get(name, ver.version) if same else ver.version
-        return kept, (host if kept is not host else None), buf, marks
+        return kept, (host if kept is not host else None), buf, marks, ready
 
     def _append(self, ver: _Version, prepared: tuple) -> None:
-        kept, host, buf, marks = prepared
+        kept, host, buf, marks, ready = prepared
         if ver.aborted:
             if buf is not None:
                 self._pool.give_back(buf)
             return
         ver.buckets.append(kept)
+        ver.ready.append(ready)
         if host is not None:
             ver.host = ver.host or [None] * (len(ver.buckets) - 1)  # type: ignore[list-item]
             ver.host.append(host)
@@ -478,7 +488,7 @@ class WeightPublisher:
         if ver.readers == 0 and ver.bufs:
             for b in ver.bufs:
                 self._pool.give_back(b)
-            ver.bufs, ver.buckets, ver.host, ver.index = [], [], None, {}
+            ver.bufs, ver.buckets, ver.host, ver.index, ver.ready = [], [], None, {}, []
 
     def gather_alloc(self) -> Callable[[int], torch.Tensor | None] | None:
         """An ``alloc`` for ``iter_weight_buckets``: bucket buffers lent by the channel (shared
@@ -610,7 +620,8 @@ class WeightPublisher:
                         _ = t.cancelled() or t.exception()
                     for t in done:
                         t.result()
-                window.add(asyncio.create_task(self._send_bucket(endpoint, tier, meta, part)))
+                ready = ver.ready[k] if src is ver.buckets[k] else None
+                window.add(asyncio.create_task(self._send_bucket(endpoint, tier, meta, part, ready)))
                 sent += 1
                 self.stats["tensors"] += len(names)
                 self.stats["bytes"] += sum(_nbytes(src[n]) for n in names)
@@ -630,14 +641,25 @@ class WeightPublisher:
             self._release(ver)
 
     async def _send_bucket(self, endpoint: Endpoint, tier: str, meta: dict[str, Any],
-                           part: dict[str, torch.Tensor]) -> None:
+                           part: dict[str, torch.Tensor], ready: Any = None) -> None:
         # cuda_ipc: exported right before the send (who gives its counts back: weight_transport's docstring).
         # A version staged in host memory (the peer's tier was the channel's when it was ingested) goes
         # through the channel: only CUDA memory has IPC handles.
         if tier == "cuda_ipc" and all(t.is_cuda for t in part.values()):
-            await send_ipc(self.channel, endpoint, "weights", meta, export_ipc(part), self.timeout)
+            ipc = export_ready(part, ready, self._export_stream(next(iter(part.values())).device, ready))
+            await send_ipc(self.channel, endpoint, "weights", meta, ipc, self.timeout)
         else:
             await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
+
+    def _export_stream(self, device: torch.device, ready: Any) -> Any:
+        """This publisher's own stream on ``device`` for IPC exports (made once; None without a
+        ready event: the export then records on the current stream, as torch does)."""
+        if ready is None:
+            return None
+        key = str(device)
+        if key not in self._streams:
+            self._streams[key] = private_stream(device)  # (stream, its owner: kept with it)
+        return self._streams[key][0]
 
     async def flush(self, timeout: float) -> None:
         """Wait (bounded) until every alive peer has the newest version."""
