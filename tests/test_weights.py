@@ -238,6 +238,36 @@ def test_a_peer_whose_tier_changed_still_gets_every_version() -> None:
     asyncio.run(main())
 
 
+def test_a_peer_gone_from_the_mesh_does_not_stop_publishing() -> None:
+    """A peer's tier is looked up per version. The trainer's lookup raises for a member the mesh
+    has dropped (PeerLostError, 5 minutes after a death): that must not fail ``begin`` (the rank
+    would skip the gather's collectives, and its peers would hang in them). The plan of the last
+    version that resolved stands; the sends to that peer fail and are retried as before."""
+    from distflow.runtime import PeerLostError
+
+    async def main() -> None:
+        gone = {"rollout": False}
+
+        def transport_of(peer: str) -> str:
+            if gone[peer]:
+                raise PeerLostError(f"{peer} is not a member")
+            return "channel"
+
+        inbox = WeightInbox()
+        async with _serving(inbox.receive, kind="shm", timeout=10, transport_of=transport_of,
+                            bucket_bytes=2 * T_BYTES) as pub:
+            pub.offer(1, weights(1, {}))
+            await pub.flush(10)
+            gone["rollout"] = True
+            pub.offer(2, weights(2, {}))  # raised PeerLostError
+            assert pub._need_host and not pub._keep_device and pub.latest[0] == 2
+            gone["rollout"] = False
+            await pub.flush(10)
+            assert pub.sent["rollout"] == 2 and inbox.take_update().version == 2
+
+    asyncio.run(main())
+
+
 def test_a_peer_restarted_before_it_was_declared_dead_gets_the_current_version() -> None:
     """A rollout node restarted faster than failure detection shows up as a metadata "update"
     with a new life ("boot"), never as dead then alive. Full sync only sends newer versions, so

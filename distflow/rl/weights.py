@@ -367,7 +367,7 @@ class WeightPublisher:
         for p in self.peers:
             try:
                 tiers.add(self.transport_of(p))
-            except ValueError:
+            except Exception:  # noqa: BLE001 - a peer gone from the mesh (PeerLostError), an impossible tier
                 continue
         return tiers
 
@@ -380,7 +380,9 @@ class WeightPublisher:
             prev._notify()
             self._release(prev)
             prev = None
-        self._plan_staging(self._current_tiers())
+        tiers = self._current_tiers()
+        if tiers:  # none resolves now (every peer gone or unplaceable): the last plan stands
+            self._plan_staging(tiers)
         ver = _Version(version, prev.floor if prev is not None and self.sync == "delta" else version)
         self._latest = ver
         if self.sync == "delta":
@@ -409,7 +411,9 @@ class WeightPublisher:
         marks = {}
         for name, t in kept.items():
             p = prev.index.get(name) if (prev is not None and self.sync == "delta") else None
-            same = p is not None and p.shape == t.shape and p.dtype == t.dtype and _same_bytes(p, t)
+            # (a previous version staged for another tier lives on another device: changed, sent whole once)
+            same = (p is not None and p.shape == t.shape and p.dtype == t.dtype and p.device == t.device
+                    and _same_bytes(p, t))
             marks[name] = prev.changed.get(name, ver.version) if same else ver.version
         return kept, (host if kept is not host else None), buf, marks, ready
 
@@ -568,10 +572,11 @@ class WeightPublisher:
             ver = self._latest
             if ver is None or ver.aborted or ver.version <= self.sent[peer] or not self.is_alive(peer):
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    pass
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:  # asyncio.wait, not wait_for: on 3.11 wait_for swallows a cancel that lands with the wake-up
+                    await asyncio.wait({woken}, timeout=0.5)
+                finally:
+                    woken.cancel()
                 continue
             send = asyncio.create_task(self._send_version(peer, ver, self._delta_base(peer, ver)),
                                        name=f"weights-v{ver.version}->{peer}")
@@ -671,13 +676,17 @@ class WeightPublisher:
             await asyncio.sleep(0.05)
 
     async def close(self, timeout: float = 10.0) -> None:
-        """Stop every sender, bounded: a sender abandons its send in flight within 5 s. Cancelled
-        again until it stops (``cancel_and_wait``): on Python 3.11 the idle wait can swallow a
-        cancellation that lands as its wake-up does, and that sender would go on for ever."""
-        left = await cancel_and_wait(self._tasks, timeout)
+        """Stop every sender, bounded: a sender abandons its send in flight within 5 s; one still
+        running after that is cancelled again (``cancel_and_wait``: a cancellation swallowed on
+        Python 3.11, as ``wait_for`` did when it landed with the sender's wake-up, is not final)."""
+        # every 6 s: past the 5 s a sender gives its send in flight to stop
+        left = await cancel_and_wait(self._tasks, timeout, every=6.0)
         if left:
             log.warning("weights: %d sender(s) still running %.0fs after close: %s", len(left), timeout,
                         sorted(t.get_name() for t in left))
+        for t in self._tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                log.warning("weights: sender %s had failed: %r", t.get_name(), t.exception())
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

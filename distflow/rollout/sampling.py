@@ -56,7 +56,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         logp = torch.log_softmax(logits, dim=-1)
         tokens = torch.argmax(logits, dim=-1)
     else:
-        scaled = logits / params.temperature
+        scaled = logits * (1.0 / params.temperature)  # as sample_rows and the trainer's head scale
         logp = torch.log_softmax(scaled, dim=-1)
         filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
         probs = torch.softmax(filtered, dim=-1)
