@@ -37,13 +37,13 @@ for what in "${@:-tests}"; do
     tests)
       rm -rf /tmp/gpu-pytest
       # shellcheck disable=SC2086  # PYTEST_ARGS: paths and options, split on purpose
-      step pytest-gpu 540 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 300 --durations=0 \
+      step pytest-gpu 520 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 300 --durations=0 \
         --basetemp=/tmp/gpu-pytest ${PYTEST_ARGS:-}
       # the nodes' own logs (gone with the machine otherwise)
       find /tmp/gpu-pytest -name '*.log' -size -4M 2>/dev/null | tar czf "$OUT/node-logs.tgz" -T - 2>/dev/null ;;
-    engine) step bench-engine 540 python3 bench/engine.py --device cuda ;;
-    trainer) step bench-trainer 540 python3 bench/trainer.py --device cuda --shape qwen0.5b ;;
-    weights) step bench-weights 540 python3 bench/weights.py --mib 64 --reps 3 --kinds shm ;;
+    engine) step bench-engine 520 python3 bench/engine.py --device cuda ;;
+    trainer) step bench-trainer 520 python3 bench/trainer.py --device cuda --shape qwen0.5b ;;
+    weights) step bench-weights 520 python3 bench/weights.py --mib 64 --reps 3 --kinds shm ;;
     *) echo "gpu_check: unknown step $what (tests|engine|trainer|weights; one per device call)"; exit 2 ;;
   esac
 done
