@@ -562,9 +562,11 @@ def test_rollout_nodes_are_served_from_their_own_host_with_the_load_even() -> No
 
 
 # ----------------------------------------------------------------------------- GPU tiers
-def _gpu_rollout(kind: str, device: int, q_out, out_path: str) -> None:
-    """The rollout end of a GPU tier in its own process (NCCL ranks may not share a GPU, and a
-    blocking NCCL call must never stall the other end's loop): receive v1, copy it, save it."""
+def _gpu_rollout(kind: str, device: int, q_out, out_path: str, tier: str = "cuda_ipc") -> None:
+    """The rollout end of a weight tier in its own process (NCCL ranks may not share a GPU, and a
+    blocking NCCL call must never stall the other end's loop): receive v1, copy it into CUDA
+    tensors (as the engine does), save it. The GPU tiers deliver CUDA tensors on ``device``; the
+    channel tier delivers host ones (staged from the trainer's GPU through pinned memory)."""
     from distflow.core.aio import run_loop
 
     async def main() -> None:
@@ -578,7 +580,11 @@ def _gpu_rollout(kind: str, device: int, q_out, out_path: str) -> None:
         engine = {n: torch.empty_like(t) for bk in upd.buckets for n, t in bk.items()}
         for bk in upd.buckets:  # device-to-device copy (out of the exporter's memory, for cuda_ipc)
             for n, t in bk.items():
-                assert t.is_cuda and t.device.index == device, t.device
+                if tier == "channel":
+                    assert t.device.type == "cpu", t.device
+                    engine[n] = engine[n].to(torch.device("cuda", device))
+                else:
+                    assert t.is_cuda and t.device.index == device, t.device
                 engine[n].copy_(t)
         del upd
         torch.cuda.synchronize(device)
@@ -595,7 +601,7 @@ def _gpu_tier_between_processes(tmp_path, kind: str, tier: str, rollout_device: 
     ctx = multiprocessing.get_context("spawn")
     q_out = ctx.Queue()
     out = str(tmp_path / f"{tier}.pt")
-    proc = ctx.Process(target=_gpu_rollout, args=(kind, rollout_device, q_out, out), daemon=True)
+    proc = ctx.Process(target=_gpu_rollout, args=(kind, rollout_device, q_out, out, tier), daemon=True)
     proc.start()
     state = {n: t.cuda(0) for n, t in weights(1, {}).items()}
     try:
@@ -632,6 +638,14 @@ def _gpu_tier_between_processes(tmp_path, kind: str, tier: str, rollout_device: 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_ipc_tier_between_processes(tmp_path) -> None:
     _gpu_tier_between_processes(tmp_path, "shm", "cuda_ipc", 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_channel_tier_stages_cuda_weights_through_host_memory(tmp_path) -> None:
+    """GPU weights to a peer on the channel tier (another host without NCCL, or weight_transport:
+    channel): each bucket is staged into the publisher's pinned buffers and arrives byte-exact."""
+    _gpu_tier_between_processes(tmp_path, "shm", "channel", 0)
 
 
 @pytest.mark.gpu
