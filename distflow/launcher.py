@@ -166,14 +166,22 @@ def process_start_time() -> float:
         return time.time()
 
 
+STATE_FILE = "distflow_state.json"  # written last by trainer rank 0 (distflow.trainer.actor.STATE_FILE; no torch here)
+
+
+def checkpoint_version(ckpt: Path) -> int:
+    """The policy version (= trained steps) checkpoint ``ckpt`` holds; raises OSError, ValueError,
+    KeyError or TypeError when it is no complete checkpoint."""
+    return int(json.loads((ckpt / STATE_FILE).read_text())["policy_version"])
+
+
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint of ``output_dir`` with the highest policy version (``checkpoint``,
     ``checkpoint-N``), complete enough to ``resume_from``; None when there is none."""
     best: tuple[int, float, Path] | None = None
     for d in Path(output_dir).glob("checkpoint*"):
-        state = d / "distflow_state.json"  # written last by trainer rank 0 (distflow.trainer.actor.STATE_FILE)
         try:
-            key = (int(json.loads(state.read_text())["policy_version"]), state.stat().st_mtime, d)
+            key = (checkpoint_version(d), (d / STATE_FILE).stat().st_mtime, d)
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if best is None or key[:2] > best[:2]:
@@ -186,7 +194,7 @@ def resume_hint(output_dir: str | Path, resume_from: str | None = None) -> str:
     this run resumed from (``resume_from``, when it is a checkpoint: it holds distflow_state.json),
     else none."""
     ckpt = newest_checkpoint(output_dir)
-    if ckpt is None and resume_from and (Path(resume_from) / "distflow_state.json").is_file():
+    if ckpt is None and resume_from and (Path(resume_from) / STATE_FILE).is_file():
         return f"no newer checkpoint was saved; continue with resume_from={resume_from}"
     if ckpt is None:
         return "no checkpoint was saved yet (save_every: N saves one every N steps); restart from scratch"
@@ -489,12 +497,12 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         metrics.unlink(missing_ok=True)
         metrics.with_name("eval.jsonl").unlink(missing_ok=True)  # never a previous run's evaluation
     else:  # the rows before the checkpoint's step stay, as trainer rank 0 keeps them (later ones are trained again)
-        step = json.loads((Path(cfg.resume_from) / "distflow_state.json").read_text())["step"]
+        step = checkpoint_version(Path(cfg.resume_from))  # the resume_step the trainer uses (its version)
         for name in ("metrics.jsonl", "eval.jsonl"):
             MetricsWriter(metrics.parent, resume_step=step, name=name)
-    rows_at_start = len(read_metrics(metrics))  # a resumed run's earlier steps
     print(f"distflow: {describe(placement)}", file=sys.stderr)
     bar = Progress(metrics, enabled=progress and sys.stderr.isatty(), skip_existing=True)
+    rows_at_start = bar.seen  # a resumed run's earlier steps
     children: list[Child] = []
     previous = catch_stop_signals()
     try:

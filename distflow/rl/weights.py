@@ -651,16 +651,14 @@ class WeightPublisher:
         # A version staged in host memory (the peer's tier was the channel's when it was ingested) goes
         # through the channel: only CUDA memory has IPC handles.
         if tier == "cuda_ipc" and all(t.is_cuda for t in part.values()):
-            ipc = export_ready(part, ready, self._export_stream(next(iter(part.values())).device, ready))
+            stream = None if ready is None else self._export_stream(next(iter(part.values())).device)
+            ipc = export_ready(part, ready, stream)
             await send_ipc(self.channel, endpoint, "weights", meta, ipc, self.timeout)
         else:
             await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
 
-    def _export_stream(self, device: torch.device, ready: Any) -> Any:
-        """This publisher's own stream on ``device`` for IPC exports (made once; None without a
-        ready event: the export then records on the current stream, as torch does)."""
-        if ready is None:
-            return None
+    def _export_stream(self, device: torch.device) -> Any:
+        """This publisher's own stream on ``device`` for IPC exports (made once)."""
         key = str(device)
         if key not in self._streams:
             self._streams[key] = private_stream(device)  # (stream, its owner: kept with it)
