@@ -852,6 +852,48 @@ def test_an_ipc_export_waits_for_its_bucket_only(monkeypatch) -> None:
     assert steps == [("export", ["b"])]
 
 
+def test_an_nccl_weight_send_waits_for_its_bucket_only(monkeypatch) -> None:
+    """The NCCL channel ordered every send after the device's whole current stream: a bucket sent
+    while the trainer had queued its next step waited for that step. The publisher names the
+    bucket's gather event for its own send (a contextvar: concurrent sends each see theirs), and
+    the channel's stream waits on that event alone, unless a tensor needed a contiguous() copy
+    (queued on the current stream). Recorders: no GPU here; the two-GPU nccl tests run the real path."""
+    from distflow.core.channels import nccl_channel
+
+    steps: list[tuple] = []
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            steps.append(("wait_event", event))
+
+        def wait_stream(self, stream) -> None:
+            steps.append(("wait_stream", stream))
+
+    class Channel:  # what the publisher sees of the NCCL channel: which event its sends are under
+        async def send(self, peer, kind, meta, tensors, timeout) -> None:
+            await asyncio.sleep(0.01 * meta["bucket"])  # interleaved with the other send
+            steps.append(("send", meta["bucket"], nccl_channel._READY.get()))
+
+    async def main() -> None:
+        pub = WeightPublisher(Channel(), [], lambda _: None, lambda _: True, 5.0)  # type: ignore[arg-type]
+        part = {"w": torch.zeros(1)}
+        await asyncio.gather(pub._send_bucket("ep", "nccl", {"bucket": 2}, part, "gathered-0"),
+                             pub._send_bucket("ep", "nccl", {"bucket": 1}, part, "gathered-1"),
+                             pub._send_bucket("ep", "channel", {"bucket": 0}, part, None))
+        assert nccl_channel._READY.get() is None
+        await pub.close()
+
+    asyncio.run(main())
+    assert sorted(steps) == [("send", 0, None), ("send", 1, "gathered-1"), ("send", 2, "gathered-0")]
+    steps.clear()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: f"stream-{d}")
+    with nccl_channel.sends_ready_after("gathered"):
+        nccl_channel._after_producer(Stream(), 0, contiguous=True)
+        nccl_channel._after_producer(Stream(), 0, contiguous=False)  # a copy was queued on the current stream
+    nccl_channel._after_producer(Stream(), 0, contiguous=True)  # nobody named an event
+    assert steps == [("wait_event", "gathered"), ("wait_stream", "stream-0"), ("wait_stream", "stream-0")]
+
+
 def test_ipc_export_is_one_block_per_storage() -> None:
     """A bucket (views of one flat buffer, as the gather makes it) is described as the storage it
     views: one block per storage, whatever the tensors' dtypes, offsets and strides; the views

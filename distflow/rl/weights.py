@@ -55,6 +55,7 @@ import torch
 
 from distflow.core.aio import cancel_and_wait
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
+from distflow.core.channels.nccl_channel import sends_ready_after
 from distflow.device import private_stream
 from distflow.rl.weight_transport import (GPU_HOLD_RESERVE, SYNC_MODES, PinnedPool, export_ready, import_ipc,
                                          release_ipc, send_ipc, spill_needed, to_host)
@@ -654,8 +655,9 @@ class WeightPublisher:
             stream = None if ready is None else self._export_stream(next(iter(part.values())).device)
             ipc = export_ready(part, ready, stream)
             await send_ipc(self.channel, endpoint, "weights", meta, ipc, self.timeout)
-        else:
-            await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
+        else:  # an NCCL send waits for this bucket's gather only, as the IPC export does
+            with sends_ready_after(ready):
+                await self.channel.send(endpoint, "weights", meta, part, timeout=self.timeout)
 
     def _export_stream(self, device: torch.device) -> Any:
         """This publisher's own stream on ``device`` for IPC exports (made once)."""

@@ -26,7 +26,9 @@ threads for at most the close timeout and names, in the log, the calls still run
 Each communicator has its own CUDA stream on the channel's device (``device``, else
 :func:`distflow.device.node_device`), so NCCL traffic neither queues behind nor holds up
 training or generation kernels: the stream first waits for the device's current stream
-(the producer's work; memory the allocator just reused), sent buffers are marked as used
+(the producer's work; memory the allocator just reused), or on the sending side only for the
+event a caller named with :func:`sends_ready_after` (the weight publisher: the event recorded
+when a bucket was gathered, not the trainer's next step), sent buffers are marked as used
 on it (``record_stream``), and the receiver waits for its receives (an event, under the
 deadline) before it hands the tensors over.
 
@@ -49,12 +51,14 @@ constructing the channel then raises a clear error. Tests skip without a GPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import zmq
@@ -78,6 +82,37 @@ CONSUMED_CODES = frozenset({"handler_error", "no_handler"})  # refusals after th
 # destroyed stream fails in a destructor, or lands on a new stream that reused the handle. One
 # stream handle per dropped communicator (a peer's failure or restart) is all this keeps.
 _RETIRED_STREAMS: dict[int, tuple[Any, Any]] = {}
+
+
+# The CUDA event after which the tensors of the sends made in this context are ready (None: all the
+# device's current stream has queued). A contextvar, so it follows one task across its awaits.
+_READY: contextvars.ContextVar[Any] = contextvars.ContextVar("distflow_nccl_ready", default=None)
+
+
+@contextlib.contextmanager
+def sends_ready_after(event: Any) -> Iterator[None]:
+    """Sends made within this block (in this task) need only ``event`` done before their NCCL
+    calls run, not all the device's current stream has queued by then.
+
+    Why: a weight bucket is gathered, an event recorded, and its send runs later, when the
+    trainer has usually queued its next step on the current stream; waiting for that stream
+    would hold the rollout node's weights back by a step. ``event`` None: the default."""
+    token = _READY.set(event)
+    try:
+        yield
+    finally:
+        _READY.reset(token)
+
+
+def _after_producer(stream: Any, device: int, contiguous: bool) -> None:
+    """Order a communicator's stream after the work that made a send's tensors: the event given
+    to :func:`sends_ready_after`, else (or when a tensor needed a ``contiguous()`` copy, queued on
+    the current stream) the device's whole current stream."""
+    ready = _READY.get()
+    if ready is not None and contiguous:
+        stream.wait_event(ready)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(device))
 
 
 def _import_nccl() -> Any:
@@ -354,6 +389,7 @@ class NcclChannel(ShmChannel):
             await super()._send(peer, kind, meta, tensors)
             return
         headers = [codec.tensor_header(k, t) for k, t in cuda.items()]
+        contiguous = all(t.is_contiguous() for t in cuda.values())
         bufs = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in cuda.values()]
         out = await self._inline_outgoing(*codec.encode(cpu))  # CPU side-tensors go inline
         out.pay = "nccl"
@@ -368,7 +404,7 @@ class NcclChannel(ShmChannel):
                 posted = True  # from here on a failure leaves the comm's message count or sends behind
                 out.header["nccl"] = {"comm": comm.comm_id, "n": comm.next_n, "tens": headers}
                 comm.next_n += 1
-                comm.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer's work first
+                _after_producer(comm.stream, self.device, contiguous)  # the producer's work first
                 for b in bufs:
                     b.record_stream(comm.stream)  # freed blocks are not reused before the sends ran
                 await self._post_in_thread(comm, bufs, True)
