@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from distflow.buffer.shard import BufferShard
+from distflow.core.aio import woken
 from distflow.core.channels import Endpoint, Envelope, TensorChannel, make_channel
 from distflow.core.config import Config
 from distflow.core.node import MeshConfig, Member, Node
@@ -101,10 +102,7 @@ class Runtime:
         deadline = asyncio.get_running_loop().time() + HANDLER_WAIT_S
         while env.kind not in self.handlers and asyncio.get_running_loop().time() < deadline:
             self._registered.clear()
-            try:
-                await asyncio.wait_for(self._registered.wait(), timeout=0.2)
-            except asyncio.TimeoutError:
-                pass
+            await woken(self._registered.wait(), 0.2)
         handler = self.handlers.get(env.kind)
         if handler is None:
             raise ValueError(f"{self.node.node_id}: no handler for data message kind {env.kind!r}")

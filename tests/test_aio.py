@@ -205,3 +205,50 @@ def test_cancel_and_wait_cancels_again_a_task_that_swallowed_its_cancellation():
         assert never.cancelled() or never.done()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["event", "condition"])
+def test_woken_never_swallows_a_cancellation_that_lands_with_the_wake_up(kind: str) -> None:
+    """An idle loop waits with ``woken`` and re-checks. ``asyncio.wait_for`` on Python 3.11 returns
+    the waiter's result when a cancellation lands in the same loop pass as the wake-up, and the loop
+    then goes on polling as if never cancelled; ``woken`` lets the cancellation through. Also: a
+    wake-up gives True, a timeout False, and a Condition's lock is held again either way."""
+    from distflow.core.aio import woken
+
+    async def main() -> None:
+        cond = asyncio.Condition()
+        event = asyncio.Event()
+
+        async def idle() -> None:
+            while True:  # the callers' shape: wait a while, then look again
+                if kind == "event":
+                    event.clear()
+                    await woken(event.wait(), 5.0)
+                else:
+                    async with cond:
+                        await woken(cond.wait(), 5.0)
+                        assert cond.locked()
+
+        task = asyncio.create_task(idle())
+        await asyncio.sleep(0.01)
+        if kind == "event":
+            event.set()
+        else:
+            async with cond:
+                cond.notify_all()
+        task.cancel()  # same loop pass as the wake-up
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        assert done and task.cancelled(), "the cancellation was swallowed: the loop polls on"
+
+        assert await woken(asyncio.sleep(0.01), 1.0) is True
+        event.clear()
+        t0 = asyncio.get_running_loop().time()
+        assert await woken(event.wait() if kind == "event" else _cond_wait(cond), 0.05) is False
+        assert 0.04 < asyncio.get_running_loop().time() - t0 < 1.0
+        assert not cond.locked()
+
+    async def _cond_wait(cond: asyncio.Condition) -> None:
+        async with cond:
+            await cond.wait()
+
+    asyncio.run(main())

@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any, Callable, Collection
 
 from distflow.buffer.batch import SampleBatch
+from distflow.core.aio import woken
 
 
 class SourceLostError(RuntimeError):
@@ -86,10 +87,9 @@ class BufferShard:
             if key in self._reserved:  # a first copy still waits for room: its fate decides this one's
                 self._waiting += 1  # (its admission or failure then wakes us)
                 try:
-                    await asyncio.wait_for(self._cond.wait_for(lambda: key not in self._reserved), timeout)
-                except TimeoutError:
-                    raise TimeoutError(f"{self.name}: put of step {step} from {source!r} waited {timeout:g}s for "
-                                       f"an earlier copy of the same part to be stored or given up") from None
+                    if not await woken(self._cond.wait_for(lambda: key not in self._reserved), timeout):
+                        raise TimeoutError(f"{self.name}: put of step {step} from {source!r} waited {timeout:g}s "
+                                           "for an earlier copy of the same part to be stored or given up")
                 finally:
                     self._waiting -= 1
             if key in self._taken or source in self._parts.get(step, {}):
@@ -100,11 +100,10 @@ class BufferShard:
                 if not self._admissible(n, step):
                     self._waiting += 1
                     try:
-                        await asyncio.wait_for(self._cond.wait_for(lambda: self._admissible(n, step)), timeout)
-                    except TimeoutError:
-                        raise TimeoutError(
-                            f"{self.name}: put of step {step} from {source!r} ({n} samples) waited {timeout:g}s "
-                            f"for capacity (holding {self._held_samples}/{self.capacity} samples)") from None
+                        if not await woken(self._cond.wait_for(lambda: self._admissible(n, step)), timeout):
+                            raise TimeoutError(
+                                f"{self.name}: put of step {step} from {source!r} ({n} samples) waited {timeout:g}s "
+                                f"for capacity (holding {self._held_samples}/{self.capacity} samples)")
                     finally:
                         self._waiting -= 1
                 self._parts.setdefault(step, {})[source] = batch
@@ -175,10 +174,7 @@ class BufferShard:
                                else f"{waited:.0f}s, the last {timeout:g}s without progress")
                         raise TimeoutError(f"{self.name}: step {step} incomplete after {why}; "
                                            f"missing parts from {missing} (have {sorted(have)})")
-                    try:
-                        await asyncio.wait_for(self._cond.wait(), min(remaining, self._poll) if alive else remaining)
-                    except TimeoutError:
-                        pass
+                    await woken(self._cond.wait(), min(remaining, self._poll) if alive else remaining)
                 parts = [have[s] for s in srcs]
                 nonempty = [p for p in parts if len(p)]
                 # one non-empty part is returned as is (no copy); else concat raises, keeping the

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Coroutine, Iterable, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("distflow.aio")
@@ -125,10 +125,11 @@ def _run_job(job: tuple[Future, Callable[..., Any], tuple, dict], me: threading.
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float, every: float = 0.2) -> set[asyncio.Task]:
     """Cancel ``tasks`` and wait for them, at most ``timeout`` seconds; the tasks still running.
 
-    Why not one ``cancel()`` and a wait: on Python 3.11 ``asyncio.wait_for`` and ``asyncio.timeout``
-    can swallow a cancellation that arrives as their own timeout fires (they raise TimeoutError
-    instead; fixed in 3.12), and a loop that treats that TimeoutError as "poll again" goes on as
-    if never cancelled. So the tasks still running are cancelled again every ``every`` seconds."""
+    Why not one ``cancel()`` and a wait: a task may swallow a cancellation (on Python 3.11
+    ``asyncio.wait_for`` returns its waiter's result when a cancellation lands with the wake-up;
+    this code base's idle waits use :func:`woken`, which does not, but a library's may), and a
+    loop that polls on then goes on as if never cancelled. So the tasks still running are
+    cancelled again every ``every`` seconds."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     left = {t for t in tasks if not t.done()}
@@ -140,6 +141,24 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float, every: 
             break
         _, left = await asyncio.wait(left, timeout=wait)
     return left
+
+
+async def woken(waiter: Awaitable[Any], timeout: float) -> bool:
+    """Await ``waiter`` (an Event's or a Condition's ``wait()``) for at most ``timeout`` seconds:
+    True if it finished, False if the time ran out. The one idle wait of the code base.
+
+    Why not ``asyncio.wait_for``: on Python 3.11 it runs the waiter as a task of its own and, when
+    a cancellation lands in the same loop pass as the wake-up, returns the result instead of
+    raising, so a loop that polls with it goes on as if never cancelled. ``asyncio.timeout``
+    cancels the caller itself and tells its own cancellation from another's by count, so a
+    cancellation always propagates (a wake-up that races the timeout may read as False: the
+    callers re-check their condition)."""
+    try:
+        async with asyncio.timeout(max(0.0, timeout)):
+            await waiter
+        return True
+    except TimeoutError:
+        return False
 
 
 def describe_call(fn: Callable[..., Any]) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import zmq
 import zmq.asyncio
 
-from distflow.core.aio import cancel_and_wait
+from distflow.core.aio import cancel_and_wait, woken
 from distflow.core.auth import Authenticator
 from distflow.core.mesh import ALIVE, DEAD, LEFT, SUSPECT, Member, MeshConfig, Membership, check_meta
 from distflow.core.out_sockets import acquire_pool, endpoint, parse_address, release_pool, shared_context
@@ -252,10 +252,7 @@ class Node(SwimDriver):
                 seen = ", ".join(f"{m.node_id}({m.role},{m.state})" for m in ms)
                 raise TimeoutError(f"node {self.node_id}: timed out after {timeout:.3g}s waiting for {what}; "
                                    f"live members: [{seen}]")
-            try:
-                await asyncio.wait_for(ev.wait(), timeout=min(remaining, 0.25))  # type: ignore[union-attr]
-            except asyncio.TimeoutError:
-                pass
+            await woken(ev.wait(), min(remaining, 0.25))  # type: ignore[union-attr]
 
     def on(self, msg_type: str, handler: Handler) -> None:
         """Register ``handler(sender_id, body) -> reply body | None`` for ``msg_type``."""

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from distflow.core.aio import woken
 from distflow.core.auth import secret_from_env
 from distflow.core.mesh import MeshConfig, Member
 from distflow.core.node import JoinTimeout, Node, parse_address
@@ -135,11 +136,8 @@ async def _run(args: argparse.Namespace, secret: str) -> int:
                 print(format_table(rows), flush=True)
             if not args.watch:
                 return 0
-            try:
-                await asyncio.wait_for(stop.wait(), args.watch)
+            if await woken(stop.wait(), args.watch):
                 return 0  # SIGINT/SIGTERM: leave gracefully
-            except asyncio.TimeoutError:
-                pass
     finally:
         await node.stop(graceful=True)
 

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
-from distflow.core.aio import cancel_and_wait
+from distflow.core.aio import cancel_and_wait, woken
 from distflow.core.channels import Endpoint, Envelope, RemoteError, TensorChannel
 from distflow.core.channels.nccl_channel import sends_ready_after
 from distflow.device import private_stream
@@ -262,10 +262,7 @@ class WeightInbox:
             if left <= 0:
                 raise TimeoutError(f"no weights of version {version} within {timeout:.0f}s (have {self.version})")
             async with self._changed:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
-                except asyncio.TimeoutError:
-                    pass
+                await woken(self._changed.wait(), min(left, 1.0))
 
 
 def _merge(first: list[dict[str, torch.Tensor]], then: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import Any, Callable, Sequence
 
+from distflow.core.aio import woken
 from distflow.core.channels import Envelope
 from distflow.rl.eval_report import eval_row, report_problem
 from distflow.trainer.metrics import MetricsWriter
@@ -72,10 +73,7 @@ class EvalBook:
             if left <= 0 or not alive():
                 return False
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-            except TimeoutError:
-                pass
+            await woken(self._changed.wait(), min(left, 1.0))
         return True
 
     def finish(self, expected: Sequence[int] = ()) -> None:
