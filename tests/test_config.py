@@ -115,6 +115,19 @@ def test_kl_in_reward_needs_a_token_level_estimator():
     assert ppo.kl_in_reward and ppo.kl_coef > 0 and ppo.kl_reward_estimator == "k1"
 
 
+def test_k1_is_refused_as_a_kl_loss_term():
+    """As a loss term only log pi of the sampled token is differentiated, and the mean of k1's
+    gradient (the score function's) is zero: kl_coef > 0 with k1 would regularise nothing. In
+    the reward (kl_in_reward) k1 is the usual penalty, and kl_estimator is not read there."""
+    ppo = ROOT / "examples" / "ppo_quickstart.yaml"
+    with pytest.raises(ConfigError, match="kl_estimator: k1 as a KL loss term") as e:
+        load_config(ppo, ["kl_in_reward=false", "kl_estimator=k1"])
+    assert "k3" in str(e.value) and "k2" in str(e.value)
+    assert load_config(ppo, ["kl_in_reward=false", "kl_estimator=k2"]).kl_estimator == "k2"
+    assert load_config(ppo, ["kl_estimator=k1"]).kl_in_reward  # in the reward: not read
+    assert load_config(ppo, ["kl_in_reward=false", "kl_estimator=k1", "kl_coef=0"]).kl_coef == 0
+
+
 def test_kl_coef_needs_a_reference_node():
     """Without a reference node there are no reference logprobs, and the trainer applied no KL at all."""
     raw = base()

@@ -87,10 +87,21 @@ def test_kl_estimators_by_hand() -> None:
 
 
 def test_low_var_kl_is_clamped_where_k3_is_not() -> None:
-    lp, ref = torch.tensor([0.0]), torch.tensor([-30.0])
-    # d = ref - lp = -30, clamped to -20: k3 = expm1(-20) + 20 = 19 (to 2e-9); low_var clamps to 10
-    close(kl_k3(lp, ref), [19.0])
-    close(kl_low_var(lp, ref), [10.0])
+    """A token the reference finds 30 nats less likely than the policy: k3 = e^-30 + 30 - 1 = 29
+    and its gradient in logp is 1 - e^-30 = 1, the strongest pull back (a clamp of d at -20 had
+    made it 19 with gradient 0); verl's low_var_kl clamps to 10 and has no gradient there."""
+    lp, ref = torch.tensor([0.0], requires_grad=True), torch.tensor([-30.0])
+    k3 = kl_k3(lp, ref)
+    close(k3, [29.0])
+    k3.sum().backward()
+    close(lp.grad, [1.0])
+    lp.grad = None
+    low = kl_low_var(lp, ref)
+    close(low, [10.0])
+    low.sum().backward()
+    close(lp.grad, [0.0])
+    d = torch.tensor([40.0])  # the top stays clamped: exp(20) is the largest term
+    assert torch.isfinite(kl_k3(torch.zeros(1), d)).all()
 
 
 def test_kl_gradient_flows_through_logprobs_only() -> None:

@@ -204,7 +204,10 @@ class Config(BaseModel):
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="how per-token losses become one scalar; seq-mean-token-sum-norm is Dr. GRPO's "
                                   "constant normaliser (max_new_tokens)")
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description="KL(pi || ref) estimator")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3", description="estimator of the KL loss term (kl_coef, kl_in_reward false); as a loss its gradient is "
+                          "KL(pi || ref)'s with k2, KL(ref || pi)'s with k3 and low_var_kl (GRPO's usual), zero with "
+                          "k1 (refused)")
     kl_in_reward: bool = Field(False, description="kl_coef penalises the per-token reward (a gae or "
                                                   "reinforce_pp_token node) instead of adding a KL loss term")
     kl_reward_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
@@ -247,6 +250,11 @@ class Config(BaseModel):
                              f"estimator ({', '.join(TOKEN_ESTIMATOR_NAMES)}) reads; this workflow has none, so the "
                              "run would train with no KL at all. Use kl_in_reward: false (a KL loss term), or a gae "
                              "or reinforce_pp_token node")
+        if self.kl_coef > 0 and not self.kl_in_reward and self.kl_estimator == "k1":
+            raise ValueError("kl_estimator: k1 as a KL loss term (kl_coef > 0, kl_in_reward false) regularises nothing: "
+                             "only log pi of the sampled token is differentiated, and the mean of that gradient is "
+                             "zero. Use k3 (the default) or k2 (the gradient of KL(pi || ref)), or kl_in_reward: "
+                             "true, where k1 is the usual penalty (kl_reward_estimator)")
         for n in self.workflow:  # a loss's own clip range and aggregation where the config leaves them unset
             if n.role.value != "ACTOR" or n.type.value != "MODEL_TRAIN":
                 continue

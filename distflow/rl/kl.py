@@ -9,7 +9,14 @@ the reward, and every framework picks a different Monte-Carlo estimator of
 * ``k2 = r^2 / 2``                   biased, low variance, >= 0;
 * ``k3 = exp(-r) - 1 + r``           unbiased, >= 0 (GRPO's choice);
 * ``low_var_kl`` = k3 with ``r`` clamped to [-20, 20] and the result clamped to
-  [-10, 10] (verl's ``low_var_kl``): bounded under large policy drift.
+  [-10, 10] (verl's ``low_var_kl``): bounded under large policy drift, but with no gradient
+  where a clamp holds (a token the reference finds over ~11 nats less likely than the policy
+  is not pulled back at all).
+
+As a loss term only ``log pi`` of the sampled token is differentiated, so what each estimator
+optimises in expectation is not always the KL its value estimates: k2's gradient is that of
+``KL(pi || ref)``; k3's is that of the reverse ``KL(ref || pi)`` (the usual GRPO behaviour);
+k1's is zero (the score function's mean), which is why the config refuses k1 as a loss term.
 
 All take ``logprobs`` and ``ref_logprobs`` of one shape (``[B, T]``) and return that shape
 in fp32; gradients flow through ``logprobs`` only (the reference is a constant). Used as a
@@ -50,11 +57,14 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = ``exp(d) - d - 1`` with ``d = ref - logp`` (clamped to [-20, 20]). [*S] -> [*S] fp32, >= 0.
+    """k3 = ``exp(d) - d - 1`` with ``d = ref - logp`` (at most 20). [*S] -> [*S] fp32, >= 0.
 
-    Computed as ``expm1(d) - d``: accurate for small ``d`` and never rounds below 0.
+    Computed as ``expm1(d) - d``: accurate for small ``d`` and never rounds below 0. Only the
+    top is clamped, so ``exp`` stays finite; below, ``exp(d)`` just tends to 0 and the value
+    grows as ``-d - 1`` with gradient 1: a token the reference finds far less likely than the
+    policy is pulled back hardest, not ignored (a clamp at -20 gave it no gradient).
     """
-    d = torch.clamp(-_log_ratio(logprobs, ref_logprobs, "kl_k3"), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d = torch.clamp(-_log_ratio(logprobs, ref_logprobs, "kl_k3"), max=LOG_RATIO_CLAMP)
     return torch.expm1(d) - d
 
 
