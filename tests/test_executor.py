@@ -447,6 +447,46 @@ def test_reinforce_pp_token_without_kl_is_the_outcome_estimator() -> None:
     assert torch.allclose(b.tensors["advantage"], per_sample, atol=1e-5)
 
 
+@pytest.mark.parametrize("group", ["rollout", "trainer"])
+def test_outcome_reinforce_pp_leaves_truncated_samples_out_of_its_statistics(group: str) -> None:
+    """overlong: mask takes a truncated sample out of the loss and out of the token form's
+    whitening; the outcome form kept it in its mean and std, then zeroed its advantage. Here the
+    two samples trained on both have reward 1 and the truncated two 0: the outcome form gave the
+    trained ones +1.354 (pushed up although they do not differ), the token form 0."""
+    from distflow.rollout.stages import RolloutContext, run_stages
+
+    def batch() -> SampleBatch:
+        b = SampleBatch.from_lists(["a:s0", "a:s1", "b:s0", "b:s1"], ["a", "a", "b", "b"], [[1]] * 4,
+                                   [[2, 3], [2, 3, 4, 5], [6, 7], [6, 7, 8, 9]], [[-1.0] * 2, [-1.0] * 4] * 2)
+        b.set_scalar("reward", torch.tensor([1.0, 0.0, 1.0, 0.0]))
+        b.set_scalar("truncated", torch.tensor([0, 1, 0, 1]))
+        return b
+
+    token = make_cfg(workflow=[GEN, REWARD, {**RPP_TOKEN, "deps": ["reward"]}, UPDATE], overlong="mask")
+    b = batch()
+    run_trainer_pipeline([token.plan().node("advantage")], TrainerContext(token), b)
+    assert torch.equal(b.tensors["advantage"], torch.zeros(4))
+    for fn in ("reinforce_pp", "reinforce_pp_baseline"):
+        cfg = make_cfg(workflow=[GEN, REWARD, {**ADV, "fn": fn, "group": group}, UPDATE], overlong="mask")
+        b = batch()
+        if group == "trainer":
+            run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg), b)
+        else:
+            run_stages([cfg.plan().node("advantage")], RolloutContext(None, cfg, [], 0), b)
+        assert torch.allclose(b.tensors["advantage"], torch.zeros(4), atol=1e-6), (fn, b.tensors["advantage"])
+    # without the mask every sample trains and counts: rewards 1, 0, 1, 0 over 2, 4, 2, 4 tokens
+    cfg = make_cfg(workflow=[GEN, REWARD, {**ADV, "fn": "reinforce_pp", "group": group}, UPDATE])
+    b = batch()
+    if group == "trainer":
+        run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg), b)
+    else:
+        run_stages([cfg.plan().node("advantage")], RolloutContext(None, cfg, [], 0), b)
+    mean, n = 4 / 12, 12
+    std = math.sqrt((4 * (1 - mean) ** 2 + 8 * mean ** 2) / (n - 1))
+    expect = torch.tensor([(1 - mean) / std, -mean / std] * 2)
+    assert torch.allclose(b.tensors["advantage"], expect, atol=1e-5)
+
+
 def test_token_level_estimators_are_placed_on_the_trainer() -> None:
     with pytest.raises(ConfigError, match=r"reinforce_pp_token is a token-level estimator and runs on the trainer "
                                           r"group, not on 'rollout' \(key 'group'\)"):

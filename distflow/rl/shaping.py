@@ -5,7 +5,7 @@ Why this module exists: the rollout group (outcome estimators) and the trainer g
 punishment is added to the outcome reward that feeds the advantage (the logged
 ``reward`` stays the task score), and ``overlong: mask`` removes truncated samples from
 the policy loss: zero advantage, no tokens in the loss mask, none in its normalisers, none
-in GAE's whitening statistics. Both groups import this module; neither imports the other.
+in the whitening statistics (GAE's, REINFORCE++'s token and outcome forms). Both groups import this module; neither imports the other.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.rl.advantages import overlong_penalty
 
-__all__ = ["group_index", "outcome_rewards", "mask_truncated", "trained_samples"]
+__all__ = ["group_index", "outcome_rewards", "mask_truncated", "trained_samples", "trained_token_counts"]
 
 
 def group_index(prompt_ids: Sequence[str]) -> Tensor:
@@ -53,6 +53,15 @@ def trained_samples(batch: SampleBatch, cfg: Config) -> Tensor:
     not diluted by the text that was cut off)."""
     n = len(batch)
     if cfg.overlong != "mask" or "truncated" not in batch.tensors:
-        return torch.ones(n, dtype=torch.bool)
+        lens = batch.tensors.get("response_lens")
+        return torch.ones(n, dtype=torch.bool, device=None if lens is None else lens.device)
     return batch.tensors["truncated"].reshape(n) == 0
+
+
+def trained_token_counts(batch: SampleBatch, cfg: Config) -> Tensor:
+    """[n] int64: each sample's response tokens that the policy loss trains on (0 for a sample
+    :func:`trained_samples` leaves out). The weights of a token-weighted whitening (outcome
+    REINFORCE++), so a truncated sample is out of its statistics as it is out of the token form's."""
+    lens = batch.tensors["response_lens"]
+    return lens * trained_samples(batch, cfg).to(lens.device)
 

@@ -46,7 +46,7 @@ from distflow.hf import chat_prompt_ids
 from distflow.rl.advantages import nonconstant_groups
 from distflow.rl.reward_model import score_batch
 from distflow.rl.registry import TOKEN_ESTIMATORS, outcome_advantages
-from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards
+from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_token_counts
 from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import RowCheck, resolve_reward
 from distflow.rollout.rewards import row_requirements as rewards_row_requirements
@@ -235,7 +235,7 @@ def _estimate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> Sa
         raise StageError(f"workflow node {node.id!r}: {node.fn!r} is a token-level estimator and runs on the "
                          f"trainer group (key 'group')")
     adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", outcome_rewards(batch, ctx.cfg),
-                             group_index(batch.prompt_ids), batch.tensors["response_lens"], node.args)
+                             group_index(batch.prompt_ids), trained_token_counts(batch, ctx.cfg), node.args)
     batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
     return batch
 

@@ -43,7 +43,7 @@ from distflow.core.dag import WorkflowNode
 from distflow.device import collective_device, node_device
 from distflow.hf import load_tokenizer, meta_causal_lm
 from distflow.rl.registry import POLICY_LOSSES, resolve
-from distflow.rl.shaping import trained_samples
+from distflow.rl.shaping import trained_samples, trained_token_counts
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
@@ -319,7 +319,7 @@ class Actor:
     def _optimizer_step(self, loss_fn, batch: SampleBatch, kl_coef: float) -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's part of a mini-batch; every rank calls it)."""
         cfg = self.cfg
-        lens = batch.tensors["response_lens"] * trained_samples(batch, cfg)  # overlong: mask drops truncated ones
+        lens = trained_token_counts(batch, cfg)  # overlong: mask drops truncated ones
         global_tokens, global_seqs, global_all = self._all_reduce(
             [float(lens.sum()), float((lens > 0).sum()), float(batch.num_tokens().sum()) if len(batch) else 0.0])
         # FSDP averages gradients over ranks: normalise by the global count / world.

@@ -41,7 +41,7 @@ from distflow.rl.advantages import token_rewards
 from distflow.rl.kl import kl_estimate
 from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, outcome_advantages, resolve
 from distflow.rl.reward_model import score_batch
-from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_samples
+from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_samples, trained_token_counts
 
 __all__ = ["TrainerContext", "STAGES", "register_stage", "run_pipeline", "build_context", "save_checkpoint",
            "padded", "flat"]
@@ -211,7 +211,7 @@ def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: Sam
     all ranks in rank order, computes the estimator and keeps its own slice."""
     resolve(ADVANTAGE_ESTIMATORS, node.fn, f"workflow node {node.id!r} advantage estimator")  # before the gather
     mine = (list(batch.prompt_ids), (outcome_rewards(batch, ctx.cfg) if len(batch) else torch.zeros(0)).tolist(),
-            batch.tensors["response_lens"].tolist())
+            trained_token_counts(batch, ctx.cfg).tolist())
     parts = ctx.gather(mine)
     offset = sum(len(p[0]) for p in parts[:ctx.rank])
     pids = [x for p in parts for x in p[0]]
