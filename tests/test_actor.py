@@ -520,6 +520,8 @@ def test_a_non_finite_gradient_skips_the_optimizer_step(toy_model, world1):
     stats = actor.update(cfg1.node("ACTOR", "MODEL_TRAIN"), make_batch(8, seed=4))
     assert stats["skipped_steps"] == 0 and math.isfinite(stats["grad_norm"])
     assert any(not torch.equal(before[n], t) for n, t in actor.full_state_dict().items())
+    # a step frees its gradients: none held through the weight publish, checkpoint and next passes
+    assert all(p.grad is None for p in actor.model.parameters())
 
 
 def test_full_state_gathers_a_tied_embedding_once(toy_model, world1):

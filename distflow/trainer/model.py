@@ -207,13 +207,16 @@ def clip_and_step(model: torch.nn.Module, optim: torch.optim.Optimizer, max_norm
     and drops the gradients instead: clipping by it makes every update NaN, which AdamW writes
     into the fp32 masters on every rank and the next weight sync ships to every rollout node, for
     the rest of the run. The norm is replicated (``full_tensor``), so every rank skips alike; it
-    is read on the host, one sync per optimizer step. ``what`` names the model in the warning."""
+    is read on the host, one sync per optimizer step. ``what`` names the model in the warning.
+    The gradients are freed either way: kept, they would hold a sharded fp32 copy of the model
+    on every GPU through the weight publish, the checkpoint and the next step's forward passes."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if math.isfinite(value):
+    finite = math.isfinite(value)
+    if finite:
         optim.step()
-    else:
-        optim.zero_grad(set_to_none=True)
+    optim.zero_grad(set_to_none=True)
+    if not finite:
         log.warning("%s: gradient norm is %s: optimizer step skipped (weights and optimizer state unchanged)",
                     what, value)
     return value
