@@ -414,7 +414,7 @@ class Actor:
         the CPU, never sharing memory with the live parameters; ``{}`` on the other ranks. A
         collective: every rank calls it (:func:`~distflow.trainer.model.gather_full_state`).
         Publishing to rollout nodes streams buckets instead (``gather.iter_weight_buckets``)."""
-        return gather_full_state(self.model, keep=self.rank == 0)
+        return gather_full_state(self.model, keep=self.rank == 0, device=self.device)
 
     def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
         """A Hugging Face directory (model + tokenizer, loadable with from_pretrained, written by

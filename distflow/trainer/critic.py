@@ -230,7 +230,7 @@ class Critic:
 
         out = Path(ckpt_dir) / CRITIC_DIR
         out.mkdir(parents=True, exist_ok=True)
-        full = gather_full_state(self.model, keep=self.rank == 0)  # every rank gathers, rank 0 keeps
+        full = gather_full_state(self.model, keep=self.rank == 0, device=self.device)  # rank 0 keeps
         dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)},
                  storage_writer=checkpoint_writer(out / OPTIM_DIR))
         if self.rank == 0:

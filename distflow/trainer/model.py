@@ -170,35 +170,29 @@ def load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, mesh: 
         dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
 
 
-def gather_full_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device | str) -> dict[str, torch.Tensor]:
     """``model``'s unsharded state dict on the CPU where ``keep`` (e.g. rank 0, which writes the
-    checkpoint), never sharing memory with the live parameters; ``{}`` elsewhere.
+    checkpoint), never sharing memory with the live parameters; ``{}`` elsewhere. ``device``:
+    the model's (:func:`distflow.device.node_device`).
 
-    A collective: EVERY rank must call it (each DTensor's ``full_tensor()`` is an all-gather),
-    but only a keeping rank copies the gathered tensors to host memory and holds them: the
-    others drop each one right away (one parameter's worth of device memory at a time).
-    A tied parameter (an LM head that is the embedding) is gathered once: its other names get
-    the same host tensor (``tied_names``; the same on every rank, so the collectives match)."""
+    A collective: EVERY rank must call it. It is the weight publisher's gather
+    (:func:`~distflow.trainer.gather.iter_weight_buckets`): each shard owner sends its rows to the
+    keeping ranks only, two tensors in flight, where ``full_tensor()`` on every rank had sent the
+    whole model to every rank. One tensor per bucket, so each has a storage of its own, which
+    safetensors requires. A tied parameter (an LM head that is the embedding) is gathered once:
+    its other names get the same host tensor (``tied_names``)."""
     from distflow.rl.weights import tied_names
+    from distflow.trainer.gather import iter_weight_buckets
 
-    alias = {n: names[0] for names in tied_names(model) for n in names[1:]}
     out: dict[str, torch.Tensor] = {}
-    done: set[str] = set()
-    for name, t in model.state_dict().items():
-        if alias.get(name) in done:
-            if keep:
-                out[name] = out[alias[name]]
-            continue
-        done.add(name)
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        if not keep:
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        full = full.detach().to("cpu").contiguous()
-        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-            full = full.clone()  # one rank on CPU: the "gather" is the live parameter itself
-        out[name] = full
-    return out
+    for bucket in iter_weight_buckets(model, 1, keep, device, place="cpu"):
+        out.update(bucket)
+    if not keep:
+        return out
+    for names in tied_names(model):
+        for alias in names[1:]:
+            out[alias] = out[names[0]]
+    return {name: out[name] for name in model.state_dict() if name in out}  # the model's order
 
 
 def clip_and_step(model: torch.nn.Module, optim: torch.optim.Optimizer, max_norm: float, what: str) -> float:
