@@ -177,15 +177,16 @@ def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device |
 
     A collective: EVERY rank must call it. It is the weight publisher's gather
     (:func:`~distflow.trainer.gather.iter_weight_buckets`): each shard owner sends its rows to the
-    keeping ranks only, two tensors in flight, where ``full_tensor()`` on every rank had sent the
-    whole model to every rank. One tensor per bucket, so each has a storage of its own, which
-    safetensors requires. A tied parameter (an LM head that is the embedding) is gathered once:
+    keeping ranks only, a bucket's transfers batched and two buckets in flight, where
+    ``full_tensor()`` on every rank had sent the whole model to every rank, one tensor at a time.
+    The tensors are views of their bucket's buffer (``save_pretrained`` and safetensors take
+    them as they are). A tied parameter (an LM head that is the embedding) is gathered once:
     its other names get the same host tensor (``tied_names``)."""
-    from distflow.rl.weights import tied_names
+    from distflow.rl.weights import BUCKET_BYTES, tied_names
     from distflow.trainer.gather import iter_weight_buckets
 
     out: dict[str, torch.Tensor] = {}
-    for bucket in iter_weight_buckets(model, 1, keep, device, place="cpu"):
+    for bucket in iter_weight_buckets(model, BUCKET_BYTES, keep, device, place="cpu"):
         out.update(bucket)
     if not keep:
         return out
