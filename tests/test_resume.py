@@ -64,12 +64,23 @@ def test_resume_from_a_step_0_checkpoint_trains(toy_model, toy_data, tmp_path):
         save_checkpoint(ctx, out / "checkpoint", actor.full_state_dict(),
                         {"step": 0, "total_steps": None, "seed": cfg.seed, "dataset": cfg.dataset,
                          "data_order": data_order(cfg, None)})
+        # The optimizer never stepped: nothing saved, and no state made up in the live one either
+        # (torch's get_optimizer_state_dict would have run a fake step: the first real update
+        # would then have taken step 2's bias correction, 0.74x the step).
+        assert actor.optim.state == {} and (out / "checkpoint" / "optimizer" / "never_stepped").is_file()
+        resumed = Actor(load_config(ROOT / "examples" / "grpo_quickstart.yaml",
+                                    overrides(toy_model, toy_data, out, f"resume_from={out / 'checkpoint'}")),
+                        with_reference=False)
+        assert resumed.optim.state == {}
     assert state_of(out / "checkpoint")["policy_version"] == 0
     r = run_distflow(ARGS + overrides(toy_model, toy_data, out, "max_steps=2", f"resume_from={out / 'checkpoint'}"),
                      timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [(m["step"], m["policy_version"]) for m in read_metrics(out / "metrics.jsonl")] == [(0, 1), (1, 2)]
     assert state_of(out / "checkpoint")["data_order"]["num_rows"] == 48  # learnt from the rollout node
+    # rewritten in place after real steps: the state is saved and the marker gone
+    assert not (out / "checkpoint" / "optimizer" / "never_stepped").exists()
+    assert (out / "checkpoint" / "optimizer" / ".metadata").is_file()
 
 
 def test_trainers_start_step_is_unknown_until_a_trainer_gossips_it():

@@ -226,13 +226,8 @@ class Actor:
             self._resume(Path(cfg.resume_from), self.resumed)
 
     def _resume(self, ckpt: Path, state: dict[str, Any]) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
         self.version = int(state["policy_version"])
-        optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
-        dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
-        set_optimizer_state_dict(self.model, self.optim, optim["optim"])
+        load_optimizer(self.model, self.optim, ckpt / OPTIM_DIR)
         apply_optimizer_config(self.optim, self.cfg)
         log.info("resumed from %s at policy version %d", ckpt, self.version)
 
@@ -426,12 +421,8 @@ class Actor:
 
         Rank 0 writes ``state`` through a model built on the meta device, not a second full
         fp32 copy loaded from ``model_path`` (that doubled host memory at every checkpoint)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         out_dir.mkdir(parents=True, exist_ok=True)
-        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)},
-                 storage_writer=checkpoint_writer(out_dir / OPTIM_DIR))
+        save_optimizer(self.model, self.optim, out_dir / OPTIM_DIR, self.rank)
         if self.rank != 0:
             return
         model = meta_causal_lm(self.cfg.model_path, torch.float32)
@@ -470,6 +461,43 @@ def checkpoint_writer(path: Path) -> Any:
         return FileSystemWriter(str(path), overwrite=True)
     return FileSystemWriter(str(path))  # pragma: no cover - a torch that always overwrites
 
+
+
+NEVER_STEPPED = "never_stepped"  # in an optimizer directory: saved before any optimizer step, no state
+
+
+def save_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path, rank: int) -> None:
+    """The sharded optimizer state into ``path`` (torch.distributed.checkpoint, every rank its
+    shard). A collective. An optimizer that never stepped (a stop before the first update, or
+    every step skipped as non-finite) has no state, and ``get_optimizer_state_dict`` would make
+    some with a fake step at lr 0, in the live optimizer too: the first real update would then
+    take step 2's bias correction (0.74x the step with betas 0.9/0.999). So nothing is saved
+    and a marker says so (the same on every rank: skipped steps are skipped everywhere)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    marker = path / NEVER_STEPPED
+    if not all_reduce([0.0 if optim.state else 1.0], dist.ReduceOp.MAX)[0]:
+        if rank == 0:
+            marker.unlink(missing_ok=True)  # a directory rewritten in place (checkpoint/)
+        dcp.save({"optim": get_optimizer_state_dict(model, optim)}, storage_writer=checkpoint_writer(path))
+    elif rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
+def load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path) -> bool:
+    """Restore what :func:`save_optimizer` wrote (a collective); False for a checkpoint saved
+    before any optimizer step (the optimizer starts fresh, as it did then)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    if (path / NEVER_STEPPED).is_file():
+        return False
+    state = {"optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(model, optim, state["optim"])
+    return True
 
 def read_run_state(ckpt: Path, cfg: Config) -> dict[str, Any]:
     """``resume_from``'s run state (``distflow_state.json``), refused (ValueError naming the keys)

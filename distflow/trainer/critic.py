@@ -35,8 +35,8 @@ from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
-from distflow.trainer.actor import (DeviceSums, all_reduce, apply_optimizer_config, checkpoint_writer,
-                                    ragged_in_batch_order, step_micro_batches)
+from distflow.trainer.actor import (DeviceSums, all_reduce, apply_optimizer_config, load_optimizer,
+                                    ragged_in_batch_order, save_optimizer, step_micro_batches)
 from distflow.trainer.attention import model_attention_mask, use_varlen_attention
 from distflow.trainer.model import (DTYPES, clip_and_step, disable_dropout, enable_activation_checkpointing,
                                     gather_full_state, shard_fp32)
@@ -224,27 +224,19 @@ class Critic:
     def save_checkpoint(self, ckpt_dir: Path) -> None:
         """``<ckpt_dir>/critic/``: config + full fp32 weights (rank 0) and the sharded optimizer
         state (every rank, torch.distributed.checkpoint). A collective: call on every rank."""
-        import torch.distributed.checkpoint as dcp
         from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         out = Path(ckpt_dir) / CRITIC_DIR
         out.mkdir(parents=True, exist_ok=True)
         full = gather_full_state(self.model, keep=self.rank == 0, device=self.device)  # rank 0 keeps
-        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optim)},
-                 storage_writer=checkpoint_writer(out / OPTIM_DIR))
+        save_optimizer(self.model, self.optim, out / OPTIM_DIR, self.rank)
         if self.rank == 0:
             save_file(full, str(out / WEIGHTS_FILE))
             self.config.save_pretrained(str(out))
             (out / "critic_state.json").write_text(json.dumps({"steps": self.steps}))
 
     def _resume(self, ckpt: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        optim = {"optim": get_optimizer_state_dict(self.model, self.optim)}
-        dcp.load(optim, checkpoint_id=str(ckpt / OPTIM_DIR))
-        set_optimizer_state_dict(self.model, self.optim, optim["optim"])
+        load_optimizer(self.model, self.optim, ckpt / OPTIM_DIR)
         apply_optimizer_config(self.optim, self.cfg, lr=self.cfg.critic_lr or self.cfg.lr)
         state = ckpt / "critic_state.json"
         self.steps = int(json.loads(state.read_text())["steps"]) if state.is_file() else 0
