@@ -163,6 +163,14 @@ def test_gspo_gets_its_own_clip_range_unless_set():
     raw["clip_high"] = 1e-3
     cfg = load_config_dict(raw)
     assert (cfg.clip_low, cfg.clip_high) == (3e-4, 1e-3)
+    # ... and recomputes the old logprobs unless told: the engine's differ from the trainer's by
+    # ~1e-3 per token in bf16, which a 3e-4 clip range would clip on-policy
+    assert cfg.recompute_old_logprobs
+    raw["recompute_old_logprobs"] = False
+    assert not load_config_dict(raw).recompute_old_logprobs
+    update["fn"] = "grpo"
+    raw.pop("recompute_old_logprobs")
+    assert not load_config_dict(raw).recompute_old_logprobs
 
 
 def load_config_dict(raw: dict):

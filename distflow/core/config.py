@@ -21,8 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, _suggest, load_workflow, plan
-from distflow.rl.names import (LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS, SURROGATE_LOSS_NAMES,  # torch-free names
-                               TOKEN_ESTIMATOR_NAMES)
+from distflow.rl.names import (LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free names
+                               LOSS_RECOMPUTE_DEFAULTS, SURROGATE_LOSS_NAMES, TOKEN_ESTIMATOR_NAMES)
 from distflow.rl.node_args import check_node_args  # torch-free
 
 
@@ -266,6 +266,8 @@ class Config(BaseModel):
                     self.clip_high = high
             if n.fn in LOSS_AGG_DEFAULTS and "loss_agg" not in self.model_fields_set:
                 self.loss_agg = LOSS_AGG_DEFAULTS[n.fn]
+            if n.fn in LOSS_RECOMPUTE_DEFAULTS and "recompute_old_logprobs" not in self.model_fields_set:
+                self.recompute_old_logprobs = True
             if self.dual_clip is not None and ":" not in n.fn and n.fn not in SURROGATE_LOSS_NAMES:
                 raise ValueError(f"dual_clip: workflow node {n.id!r} trains with {n.fn!r}, which has no token "
                                  f"ratio to dual-clip (dual_clip applies to {', '.join(SURROGATE_LOSS_NAMES)}); "

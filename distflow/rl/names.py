@@ -25,6 +25,12 @@ LOSS_CLIP_DEFAULTS = {"gspo": (3e-4, 4e-4)}
 # sequences by their length.
 LOSS_AGG_DEFAULTS = {"gspo": "seq-mean-token-mean"}
 
+# ... and recomputes the old (proximal) logprobs where ``recompute_old_logprobs`` is unset: with a
+# clip range of 3e-4 the engine's logprobs are not close enough to the trainer's (bf16 engines and
+# trainers commonly differ by ~1e-3 per token), so most on-policy sequences would clip. verl
+# recomputes them for every loss.
+LOSS_RECOMPUTE_DEFAULTS = ("gspo",)
+
 # The losses built on PPO's token-level clipped surrogate (``losses.policy_loss``): those a
 # ``dual_clip`` applies to.
 SURROGATE_LOSS_NAMES = ("grpo", "ppo", "dapo", "reinforce_pp")
