@@ -179,3 +179,24 @@ def test_a_resumed_run_evaluates_its_start_on_every_node(trained, toy_model, toy
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(out / "eval.jsonl")
     assert [(e["step"], e["eval_shards"], e["eval_samples"]) for e in rows] == [(1, 2, 128), (2, 2, 128), (4, 2, 128)]
+
+
+def test_the_checkpoint_write_allowance_grows_with_the_model(tmp_path):
+    """While rank 0 alone writes the fp32 checkpoint the other ranks wait in the next collective:
+    its timeout leaves room for the write, 30 min at least, more for a model whose fp32 bytes
+    (twice its bf16 files; twice again with a critic) would take longer at 50 MB/s."""
+    from distflow.trainer.worker import checkpoint_write_allowance
+
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "model.safetensors").write_bytes(b"\0" * 1024)
+    assert checkpoint_write_allowance(str(small), critic=True) == 1800.0
+    big = tmp_path / "big"  # 140 GB of bf16 shards (a 70B model), sparse files: no disk used
+    big.mkdir()
+    for i in range(2):
+        with open(big / f"model-0000{i}.safetensors", "wb") as f:
+            f.truncate(70 * 10**9)
+    (big / "config.json").write_text("{}")
+    assert checkpoint_write_allowance(str(big), critic=False) == pytest.approx(280e9 / 50e6)  # 93 min
+    assert checkpoint_write_allowance(str(big), critic=True) == pytest.approx(560e9 / 50e6)
+    assert checkpoint_write_allowance(str(tmp_path / "missing"), critic=False) == 1800.0

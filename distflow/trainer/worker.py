@@ -49,10 +49,23 @@ log = logging.getLogger(__name__)
 # generation batch and of their last weight load.
 ROLLOUT_TIME_KEYS = ("time_generate_s", "time_load_weights_s")
 # Beyond step_timeout_s, how long a collective may wait: while rank 0 alone writes the Hugging
-# Face checkpoint (4 bytes a parameter: 28 GB for 7B) the other ranks wait in the next collective,
-# and the NCCL watchdog would kill the run at the timeout. A rank that dies is named by the mesh
-# within seconds (Runtime.watch_group), whatever this says.
+# Face checkpoint (4 bytes a parameter: 28 GB for 7B, and as much again for a critic) the other
+# ranks wait in the next collective, and the NCCL watchdog would kill the run at the timeout. At
+# least this long, more for a model whose checkpoint would take longer at CHECKPOINT_WRITE_BPS
+# (checkpoint_write_allowance). A rank that dies is named by the mesh within seconds
+# (Runtime.watch_group), whatever this says.
 CHECKPOINT_WRITE_ALLOWANCE_S = 1800.0
+CHECKPOINT_WRITE_BPS = 50e6  # a slow shared file system's write rate, bytes per second
+
+
+def checkpoint_write_allowance(model_path: str, critic: bool) -> float:
+    """Seconds a collective may wait beyond ``step_timeout_s`` for rank 0's checkpoint write: at
+    least :data:`CHECKPOINT_WRITE_ALLOWANCE_S`, else the fp32 bytes written (twice the weight
+    files of ``model_path`` when they are bf16, as a rule; twice again with a critic) at
+    :data:`CHECKPOINT_WRITE_BPS`. A 70B model: 560 GB, about 3 h."""
+    files = [p for p in Path(model_path or ".").glob("*") if p.suffix in (".safetensors", ".bin", ".pt")]
+    written = 2 * sum(p.stat().st_size for p in files if p.is_file()) * (2 if critic else 1)
+    return max(CHECKPOINT_WRITE_ALLOWANCE_S, written / CHECKPOINT_WRITE_BPS)
 
 
 async def init_process_group(rt: Runtime, groups: Groups) -> None:
@@ -60,7 +73,7 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
     any free port and gossips it; the others read it from rank 0's metadata. On CUDA the
     group is bound to this node's GPU (``device_id``), so device-less collectives such as
     ``barrier`` use it from any thread. Collectives may wait ``step_timeout_s`` plus
-    :data:`CHECKPOINT_WRITE_ALLOWANCE_S`."""
+    :func:`checkpoint_write_allowance`."""
     head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
     if groups.rank == 0:
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, rt.cfg.rendezvous_port, world, is_master=True,
@@ -74,7 +87,8 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
                                                                 timeout=timeout))
     cuda = rt.cfg.device == "cuda"
     extra = {"device_id": node_device("cuda")} if cuda else {}
-    collective = timeout + timedelta(seconds=CHECKPOINT_WRITE_ALLOWANCE_S)
+    critic = any(n.role.value == "CRITIC" for n in rt.cfg.workflow)
+    collective = timeout + timedelta(seconds=checkpoint_write_allowance(rt.cfg.model_path, critic))
     await asyncio.to_thread(dist.init_process_group, "nccl" if cuda else "gloo", store=store, rank=groups.rank,
                             world_size=world, timeout=collective, **extra)
 
