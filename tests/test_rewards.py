@@ -73,6 +73,17 @@ def test_successor(response: str, expected: float) -> None:
         # a box with braces inside: matched, not skipped for the last number of the text
         ("Half of it: \\boxed{\\frac{1}{2}} of 4 pies", "0.5", 1.0),
         ("So \\boxed{1{,}000} dollars, 2 weeks", "1000", 1.0),
+        # a fraction as the row's answer is its value, not its denominator (3/4 read as 4)
+        ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
+        ("\\boxed{0.75}", "\\frac{3}{4}", 1.0),
+        ("4", "3/4", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "$1/2$", 1.0),
+        ("so \\boxed{6}", "blah \\boxed{6}", 1.0),
+        # a sign set apart, and the typeset minus (U+2212)
+        ("\\boxed{- 7}", "-7", 1.0),
+        ("\\boxed{- 7}", "7", 0.0),
+        ("The answer is \u22125.", "-5", 1.0),
+        ("\\boxed{3 - 5}", "3", 1.0),  # not a sign: the first number of the box, as before
     ],
 )
 def test_gsm8k(response: str, answer: object, expected: float) -> None:

@@ -44,6 +44,7 @@ _REGISTRY: dict[str, RewardFn] = {}
 # A minus sign right after a digit or ')' is subtraction, not a sign: "8-5" -> 8, 5.
 _NUMBER = re.compile(r"(?:(?<![\d)])-)?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 _BOX_OPEN = re.compile(r"\\boxed\s*\{")
+_SPACED_SIGN = re.compile(r"^(\s*)-\s+(?=[\d.\\])")  # a box that opens with "- 7" or "- \frac"
 _BRACE = re.compile(r"\\\\|\\[{}]|[{}]")  # an escaped backslash or brace (not grouping), or a brace
 _THIN_SPACE = re.compile(r"\\[,!;]")  # LaTeX spacing, also a thousands separator: 1\,000
 _NUM_GROUP = r"\{\s*(" + _NUMBER.pattern + r")\s*\}|(\d)"  # {12} or, LaTeX's shorthand, a single digit
@@ -184,6 +185,7 @@ def _boxed_number(box: str) -> float | None:
     number ``2\frac{1}{2}`` = 2.5), after ``{,}`` and ``\,`` are read as LaTeX's thousands separators
     (``1{,}000`` = 1000)."""
     s = _THIN_SPACE.sub("", box.replace("{,}", ",")).rsplit("=", 1)[-1]  # an equation's result: after its last =
+    s = _SPACED_SIGN.sub(r"\1-", s)  # "- 7": a sign set apart, still a sign
     whole = _RATIO.fullmatch(s)
     if whole:
         return _ratio(whole.group(1), whole.group(2))
@@ -209,7 +211,7 @@ def extract_final_number(text: str) -> float | None:
        or when that sentence goes on to an ``=``, the number after its last one (``answer is 5 + 3 = 8``);
     4. the last number in the text.
     """
-    text = text.replace("\\$", "").replace("$", "")
+    text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-")  # U+2212, the typeset minus
     boxed = _last_boxed(text)
     value = _boxed_number(boxed) if boxed is not None else None
     if value is not None:
@@ -244,13 +246,18 @@ def successor(response: str, row: dict) -> float:
 
 
 def _expected_number(raw: Any) -> float | None:
-    """A gsm8k row's answer as a number: a bare number (``"1,234"``, ``"$5"``, 72) or a full
-    solution ending in ``#### 72``; None when it is none of these."""
+    r"""A gsm8k row's answer as a number: a bare number (``"1,234"``, ``"$5"``, 72), a fraction
+    (``"3/4"``, ``"rac{3}{4}"``, read as a box's content is), or a full solution ending in
+    ``#### 72`` or a ``oxed{}``; None when it is none of these. (A fraction went to the
+    last-number rule and was read as its denominator: 3/4 as 4.)"""
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
         return None
     expected = _to_float(str(raw))
     if expected is None and isinstance(raw, str):
-        expected = extract_final_number(raw)
+        if "####" in raw or "\\boxed" in raw:
+            expected = extract_final_number(raw)
+        else:
+            expected = _boxed_number(raw.replace("\\$", "").replace("$", "").replace("\u2212", "-"))
     return expected
 
 
