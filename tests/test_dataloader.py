@@ -155,12 +155,14 @@ def test_rows_the_json_parser_refuses_otherwise_are_bad_rows_too(tmp_path, text)
 
 def test_line_numbers_count_blank_lines_and_crlf(tmp_path):
     path = tmp_path / "blank.jsonl"
-    path.write_bytes(b'{"prompt": "a"}\r\n\r\n\n{"prompt": "b"}\n   \n{"prompt": "c"}')  # no final newline
+    # no final newline; lines 5 and 7 hold only spaces and a tab: blank, as the docs say, not bad rows
+    path.write_bytes(b'{"prompt": "a"}\r\n\r\n\n{"prompt": "b"}\n   \n{"prompt": "c"}\n\t \r\n x\n{"prompt": "d"}')
     s = PromptShard(str(path), 0, 1, shuffle=False)
-    with pytest.raises(DatasetError, match=r"blank\.jsonl:5: invalid JSON"):  # whitespace-only line
-        s.batch(0, 0, 4)
+    assert s.num_rows == 5
+    with pytest.raises(DatasetError, match=r"blank\.jsonl:8: invalid JSON"):  # " x": not blank, and no JSON
+        s.batch(0, 0, 5)
     rows = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip").batch(0, 0, 10)
-    assert [r.data["prompt"] for r in rows] == ["a", "b", "c"]
+    assert [r.data["prompt"] for r in rows] == ["a", "b", "c", "d"]
 
 
 def test_skip_mode_counts_bad_rows_on_this_rank_only(tmp_path):

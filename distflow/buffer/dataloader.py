@@ -136,8 +136,12 @@ class _JsonlSource:
             cr = np.zeros_like(nonempty)
             cr[nonempty] = data[ends[nonempty] - 1] == 13
             lengths = lengths - cr
+            keep = lengths > 0
+            # a line of only spaces or tabs is blank too: checked where a line starts with one (rare)
+            for i in np.flatnonzero(keep & np.isin(data[np.minimum(starts, size - 1)], (9, 32))):
+                keep[i] = bool(mm[starts[i]:starts[i] + lengths[i]].strip())
             del data
-        keep = lengths > 0
+
         self.starts = starts[keep]
         self.lengths = lengths[keep]
         self.lines = (np.flatnonzero(keep) + 1).astype(np.int64)
