@@ -180,6 +180,29 @@ def check_model(cfg: Config, role: str | None = None) -> None:
     toy_pending = role is not None and cfg.toy_model and not (Path(cfg.model_path) / "config.json").is_file()
     if role in (None, "rollout", "trainer") and not toy_pending and (problem := model_dir_problem(cfg.model_path)):
         raise ConfigError(f"model_path: {problem}")
+    if role in (None, "rollout") and not toy_pending:
+        check_lengths(cfg)
+
+
+def check_lengths(cfg: Config) -> None:
+    """``max_new_tokens`` (and ``max_prompt_length`` with it) fit the model's positions
+    (``max_position_embeddings`` in its config.json): otherwise every prompt is skipped as too
+    long and the run trains on nothing, while it reports success."""
+    try:
+        mc = json.loads((Path(cfg.model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # model_dir_problem names what is wrong with the directory
+    mc = mc.get("text_config", mc) if isinstance(mc.get("text_config"), dict) else mc
+    positions = mc.get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return
+    if cfg.max_new_tokens >= positions:
+        raise ConfigError(f"max_new_tokens: {cfg.max_new_tokens} leaves no room for a prompt in the model's "
+                          f"{positions} positions (max_position_embeddings in {cfg.model_path}/config.json)")
+    if cfg.max_prompt_length is not None and cfg.max_prompt_length + cfg.max_new_tokens > positions:
+        raise ConfigError(f"max_prompt_length: {cfg.max_prompt_length} + max_new_tokens: {cfg.max_new_tokens} is "
+                          f"over the model's {positions} positions (max_position_embeddings in "
+                          f"{cfg.model_path}/config.json)")
 
 
 def check_inputs(cfg: Config, role: str | None = None) -> list[str]:

@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 class MeshSettings(BaseModel):
     """Failure-detector and deadline settings of the control plane (see docs/configuration.md)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     protocol_period_s: float = Field(0.2, gt=0)
     suspicion_timeout_s: float = Field(1.5, gt=0)
     request_timeout_s: float = Field(10.0, gt=0)
@@ -48,11 +48,11 @@ class MeshSettings(BaseModel):
 class Config(BaseModel):
     """A DistFlow run. See docs/configuration.md for every key."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)  # .inf crashed at start
 
     name: str = "distflow"
     seed: int = Field(0, ge=0)
-    output_dir: str = "outputs/run"
+    output_dir: str = Field("outputs/run", min_length=1)
 
     # -- cluster ---------------------------------------------------------------
     rollout_nodes: int = Field(1, ge=1, description="rollout worker processes (data-parallel size)")
@@ -83,7 +83,7 @@ class Config(BaseModel):
                                                                  "send and apply one bucket at a time)")
 
     # -- model -----------------------------------------------------------------
-    model_path: str
+    model_path: str = Field(min_length=1)
     toy_model: bool = Field(False, description="build the tiny toy model at model_path if it is missing")
     toy_kind: Literal["successor", "gsm8k"] = Field(
         "successor", description="which toy model toy_model builds: successor = the character-level Llama of the "
@@ -133,8 +133,8 @@ class Config(BaseModel):
         return v
 
     # -- data ------------------------------------------------------------------
-    dataset: str
-    prompt_key: str = "prompt"
+    dataset: str = Field(min_length=1)
+    prompt_key: str = Field("prompt", min_length=1)
     chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
     shuffle: bool = True
     bad_rows: Literal["error", "skip"] = "error"
@@ -142,7 +142,7 @@ class Config(BaseModel):
     max_steps: int | None = Field(None, ge=1, description="stop after this many trainer steps")
 
     # -- evaluation on held-out prompts (distflow/rollout/evaluation.py) -----------------
-    eval_dataset: str | None = Field(None, description="held-out prompts (JSONL/Parquet, the keys of dataset), "
+    eval_dataset: str | None = Field(None, min_length=1, description="held-out prompts (JSONL/Parquet, the keys of dataset), "
                                                        "scored by the workflow's rewards and never trained on; "
                                                        "results in output_dir/eval.jsonl")
     eval_every: int = Field(0, ge=0, description="evaluate every N trainer steps (0: only before training and "
@@ -241,6 +241,10 @@ class Config(BaseModel):
             if n.type.value == "COMPUTE" and n.fn in group_estimators and self.group_size < 2:
                 raise ValueError(f"group_size: {self.group_size} gives workflow node {n.id!r} ({n.fn}, a group "
                                  f"baseline) all-zero advantages; use group_size >= 2")
+            if n.type.value == "COMPUTE" and n.fn == "dynamic_sampling" and self.group_size < 2:
+                raise ValueError(f"group_size: {self.group_size} makes every group of workflow node {n.id!r} "
+                                 "(dynamic_sampling) constant: each step would be regenerated max_retries times "
+                                 "for nothing; use group_size >= 2")
         if self.temperature == 0:
             raise ValueError("temperature: 0 (greedy) makes every sample of a prompt identical and the policy "
                              "gradient zero; training needs temperature > 0")
