@@ -85,6 +85,24 @@ def chat_prompt_ids(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
+def end_of_turn(tokenizer: Any) -> tuple[int, tuple[int, ...]] | None:
+    """(end-of-turn id, the ids after it) of the tokenizer's chat template: the last special token
+    it writes after an assistant turn (Qwen: ``<|im_end|>`` then ``\n``; Llama 3: ``<|eot_id|>``,
+    nothing after it). None without a template, for one that refuses a plain user/assistant
+    exchange, or that ends the turn on no special token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # a template that wants other roles (a system turn) or refuses this shape
+        return None
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    last = next((k for k in range(len(ids) - 1, -1, -1) if ids[k] in special), None)
+    return None if last is None else (ids[last], tuple(ids[last + 1:]))
+
+
 def chat_messages(value: Any) -> list[dict[str, str]]:
     """``value`` checked as a non-empty list of ``{"role", "content"}`` messages (str values)."""
     if not isinstance(value, list) or not value:

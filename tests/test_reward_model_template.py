@@ -92,3 +92,28 @@ def test_finished_response_is_scored_at_the_end_of_the_template(tok_dir, rm_dir)
         reference.save_pretrained(str(with_tok))
         tok.save_pretrained(str(with_tok))
     assert rm.suffix is not None and rmod.load_reward_model(str(with_tok)).suffix == rm.suffix
+
+
+def test_a_chat_prompted_response_stops_at_the_templates_end_of_turn(tok_dir) -> None:
+    """A base model prompted in a chat template ends its turn with the template's end-of-turn token
+    (Qwen's <|im_end|>), which need not be one of its EOS ids (Qwen2.5 base: <|endoftext|>): without
+    it in the stop set every response ran to max_new_tokens, truncated. The config's own
+    stop_token_ids are added too; without a chat template only those."""
+    from distflow.core.config import load_config
+    from distflow.hf import end_of_turn, load_tokenizer
+    from distflow.rollout.stages import sampling_params
+
+    tok = load_tokenizer(tok_dir)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    quickstart = Path(__file__).resolve().parents[1] / "examples" / "grpo_quickstart.yaml"
+    chat = load_config(quickstart, ["chat_template=true", "stop_token_ids=[3, 4]"])
+    assert sampling_params(chat, tok).stop_token_ids == (3, 4, end)
+    assert sampling_params(load_config(quickstart, ["stop_token_ids=[3]"]), tok).stop_token_ids == (3,)
+    assert sampling_params(load_config(quickstart, ["chat_template=true", f"stop_token_ids=[{end}]"]),
+                           tok).stop_token_ids == (end,)
+    # Llama 3 style: the turn ends on the special token itself, nothing after it
+    tok.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                         "'<|im_end|>' }}{%- endfor %}")
+    assert end_of_turn(tok) == (end, ())
+    tok.chat_template = None
+    assert end_of_turn(tok) is None

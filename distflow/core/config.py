@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, _suggest, load_workflow, plan
 from distflow.rl.names import (LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free names
@@ -136,6 +136,8 @@ class Config(BaseModel):
     dataset: str = Field(min_length=1)
     prompt_key: str = Field("prompt", min_length=1)
     chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list, description="token ids that end a response besides the "
+                                      "model's EOS ids (with chat_template, the template's end-of-turn id is one)")
     shuffle: bool = True
     bad_rows: Literal["error", "skip"] = "error"
     epochs: int = Field(1, ge=1)

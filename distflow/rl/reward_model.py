@@ -140,19 +140,10 @@ def turn_suffix(tokenizer: Any) -> tuple[int, tuple[int, ...]] | None:
     last assistant turn with a special token and then more (Qwen: ``<|im_end|>``, ``\n``); None when
     it ends on the special token itself (Llama 3's ``<|eot_id|>``), has no template, or is unusual
     (no special token at the end, or more than 4 ids after it)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-    except Exception:  # a template that wants other roles (a system turn) or refuses this shape
-        return None
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    last = next((k for k in range(len(ids) - 1, -1, -1) if ids[k] in special), None)
-    if last is None or not 0 < len(ids) - 1 - last <= 4:
-        return None
-    return ids[last], tuple(ids[last + 1:])
+    from distflow.hf import end_of_turn
+
+    end = end_of_turn(tokenizer)
+    return end if end is not None and 0 < len(end[1]) <= 4 else None
 
 
 def load_reward_model(path: str, device: Any = "cpu", dtype: torch.dtype = torch.float32,

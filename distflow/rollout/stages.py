@@ -42,7 +42,7 @@ from distflow.buffer.dataloader import BadRowPolicy, PromptRow, keep_row
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.core.executor import StageRegistry
-from distflow.hf import chat_prompt_ids
+from distflow.hf import chat_prompt_ids, end_of_turn
 from distflow.rl.advantages import nonconstant_groups
 from distflow.rl.reward_model import score_batch
 from distflow.rl.registry import TOKEN_ESTIMATORS, outcome_advantages
@@ -85,9 +85,17 @@ STAGES = REGISTRY.stages
 register_stage = REGISTRY.register
 
 
-def sampling_params(cfg: Config) -> SamplingParams:
+def sampling_params(cfg: Config, tokenizer: Any = None) -> SamplingParams:
+    """The config's sampling, with its ``stop_token_ids`` and, with ``chat_template``, the
+    template's end-of-turn id: a base model (Qwen2.5's EOS is ``<|endoftext|>``) prompted in a chat
+    template ends its turn with ``<|im_end|>``, which is no EOS of its, and would otherwise write
+    made-up turns up to ``max_new_tokens``, every sample truncated."""
+    stop = list(cfg.stop_token_ids)
+    end = end_of_turn(tokenizer) if cfg.chat_template and tokenizer is not None else None
+    if end is not None:
+        stop.append(end[0])
     return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, top_k=cfg.top_k)
+                          top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=tuple(dict.fromkeys(stop)))
 
 
 def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) -> list[list[int] | str]:
@@ -178,7 +186,7 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     g = cfg.group_size
     flat_prompts = [p for p in prompts for _ in range(g)]
     kw = {"weights_update": weights_update} if weights_update is not None else {}
-    comps = engine.generate(flat_prompts, sampling_params(cfg), seed=seed, **kw) if flat_prompts else []
+    comps = engine.generate(flat_prompts, sampling_params(cfg, engine.tokenizer), seed=seed, **kw) if flat_prompts else []
     sample_ids, prompt_ids, extras = [], [], []
     for r in rows:
         for j in range(g):
