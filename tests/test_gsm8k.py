@@ -103,6 +103,16 @@ def test_prompts_may_be_chat_messages_and_unusable_ones_are_skipped_and_counted(
     plain = encode_prompts(tok, rows[:2], "prompt", chat=False)
     assert plain[0] == tok(text)["input_ids"] and plain[1] == (
         "prompt e0:1: key 'prompt' is list, expected a string (chat messages need chat_template: true)")
+    # a tokenizer that adds a BOS (Llama's): a prompt rendered already, its BOS in it, gets no second one
+    from tokenizers.processors import TemplateProcessing
+
+    bos_tok = AutoTokenizer.from_pretrained(gsm8k_model, local_files_only=True)
+    bos_tok.add_special_tokens({"bos_token": "<s>"})
+    bos = bos_tok.bos_token_id
+    bos_tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    body = bos_tok(text, add_special_tokens=False)["input_ids"]
+    rendered = PromptRow("e0:10", 10, {"prompt": "<s>" + text})
+    assert encode_prompts(bos_tok, [rows[0], rendered], "prompt", chat=False) == [[bos, *body], [bos, *body]]
 
 
 def test_grpo_gsm8k_tiny_example_runs(gsm8k_model, tmp_path):

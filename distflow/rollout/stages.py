@@ -108,8 +108,9 @@ def encode_prompts(tokenizer: Any, rows: list[PromptRow], key: str, chat: bool) 
         try:
             if isinstance(value, str) and chat:
                 ids = chat_prompt_ids(tokenizer, value)
-            elif isinstance(value, str):
-                ids = list(tokenizer(value)["input_ids"])
+            elif isinstance(value, str):  # a prompt rendered already (its template's BOS in it) gets no second BOS
+                bos = getattr(tokenizer, "bos_token", None)
+                ids = list(tokenizer(value, add_special_tokens=not (bos and value.startswith(bos)))["input_ids"])
             elif isinstance(value, list) and chat:
                 ids = chat_prompt_ids(tokenizer, value)
             else:
