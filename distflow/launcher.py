@@ -201,6 +201,16 @@ def resume_hint(output_dir: str | Path, resume_from: str | None = None) -> str:
     return f"newest checkpoint {ckpt}: continue with resume_from={ckpt}"
 
 
+def check_bind_host(host: str) -> None:
+    """A ConfigError naming ``bind_host`` when this machine cannot bind ``host`` (not one of its
+    addresses, a name that does not resolve): the search for free ports retried it for ever."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, 0))
+        except OSError as e:  # socket.gaierror included
+            raise ConfigError(f"bind_host: cannot bind {host!r} on this machine ({e})") from None
+
+
 def _free_ports(host: str, n: int) -> list[int]:
     """n bindable ports BELOW the kernel's ephemeral range, so that no outgoing connection
     (which takes an ephemeral port) can grab one before its node binds it."""
@@ -208,9 +218,12 @@ def _free_ports(host: str, n: int) -> list[int]:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    check_bind_host(host)
     rng = random.Random()
     ports: list[int] = []
-    while len(ports) < n:
+    for _ in range(100_000):  # bounded: a range with no free port is an error, not a hang
+        if len(ports) == n:
+            return ports
         port = rng.randrange(max(1024, low - 12000), low)
         if port in ports:
             continue
@@ -220,7 +233,8 @@ def _free_ports(host: str, n: int) -> list[int]:
             except OSError:
                 continue
         ports.append(port)
-    return ports
+    raise ConfigError(f"bind_host: found {len(ports)} of the {n} free ports the nodes need on {host!r} below the "
+                      f"ephemeral range ({low})")
 
 
 def _node_command() -> list[str]:
@@ -261,6 +275,7 @@ def prepare(cfg: Config) -> Path:
     if cfg.bind_host in ("0.0.0.0", "::", "") and not cfg.advertise_host:
         raise ConfigError(f"bind_host: {cfg.bind_host or '(empty)'} binds every interface, but the nodes need an "
                           f"address to reach each other: set advertise_host too (or bind_host: 127.0.0.1)")
+    check_bind_host(cfg.bind_host)
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir: {str(out)!r} is a file, not a directory")

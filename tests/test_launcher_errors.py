@@ -55,6 +55,8 @@ def good_rows(n: int) -> list[str]:
     ("good", ["prompt_key=question", "bad_rows=skip", "max_steps=2"],
      "every step would train on 0 samples (bad_rows: skip)"),
     ("good", ["bind_host=0.0.0.0"], "bind_host: 0.0.0.0 binds every interface"),
+    ("good", ["bind_host=192.0.2.1"], "bind_host: cannot bind '192.0.2.1' on this machine"),  # TEST-NET-1: hung
+    ("good", ["bind_host=no-such-host.invalid"], "bind_host: cannot bind 'no-such-host.invalid' on this machine"),
     ("good", ["output_dir={tmp}/afile"], "output_dir: '{tmp}/afile' is a file"),
     ("good", ["output_dir={tmp}/afile/run"], "output_dir: cannot create '{tmp}/afile/run/logs': '{tmp}/afile' is a file"),
     ("good", ["workflow.1.fn=exact_matchh"], "workflow node 'reward': unknown reward 'exact_matchh'"),
