@@ -136,17 +136,19 @@ class Config(BaseModel):
     dataset: str = Field(min_length=1)
     prompt_key: str = Field("prompt", min_length=1)
     chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
-    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list, description="token ids that end a response besides the "
-                                      "model's EOS ids (with chat_template, the template's end-of-turn id is one)")
+    stop_token_ids: list[NonNegativeInt] = Field(
+        default_factory=list, description="token ids that end a response besides the model's EOS ids (with "
+                                          "chat_template, the template's end-of-turn id is one)")
     shuffle: bool = True
     bad_rows: Literal["error", "skip"] = "error"
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many trainer steps")
 
     # -- evaluation on held-out prompts (distflow/rollout/evaluation.py) -----------------
-    eval_dataset: str | None = Field(None, min_length=1, description="held-out prompts (JSONL/Parquet, the keys of dataset), "
-                                                       "scored by the workflow's rewards and never trained on; "
-                                                       "results in output_dir/eval.jsonl")
+    eval_dataset: str | None = Field(None, min_length=1,
+                                     description="held-out prompts (JSONL/Parquet, the keys of dataset), "
+                                                 "scored by the workflow's rewards and never trained on; "
+                                                 "results in output_dir/eval.jsonl")
     eval_every: int = Field(0, ge=0, description="evaluate every N trainer steps (0: only before training and "
                                                  "after the last step)")
     eval_before_train: bool = Field(True, description="evaluate the starting weights (step 0, or the step a "
@@ -257,8 +259,8 @@ class Config(BaseModel):
                              "run would train with no KL at all. Use kl_in_reward: false (a KL loss term), or a gae "
                              "or reinforce_pp_token node")
         if self.kl_coef > 0 and not self.kl_in_reward and self.kl_estimator == "k1":
-            raise ValueError("kl_estimator: k1 as a KL loss term (kl_coef > 0, kl_in_reward false) regularises nothing: "
-                             "only log pi of the sampled token is differentiated, and the mean of that gradient is "
+            raise ValueError("kl_estimator: k1 as a KL loss term (kl_coef > 0, kl_in_reward false) regularises "
+                             "nothing: only log pi of the sampled token is differentiated, and the mean of that gradient is "
                              "zero. Use k3 (the default) or k2 (the gradient of KL(pi || ref)), or kl_in_reward: "
                              "true, where k1 is the usual penalty (kl_reward_estimator)")
         for n in self.workflow:  # a loss's own clip range and aggregation where the config leaves them unset

@@ -412,8 +412,9 @@ def plan(nodes: Sequence[WorkflowNode] | Sequence[Mapping[str, Any]], group_size
     for role in (Role.ACTOR, Role.CRITIC):  # two updates would step twice a step (versions count steps)
         updates = [n for n in wf if n.role is role and n.type is NodeType.MODEL_TRAIN]
         if len(updates) > 1:
+            ids = ", ".join(repr(n.id) for n in updates)
             raise WorkflowError(f"at most one {role.value} MODEL_TRAIN node is allowed (one optimizer step per "
-                                f"mini-batch; policy versions count steps), got {', '.join(repr(n.id) for n in updates)}")
+                                f"mini-batch; policy versions count steps), got {ids}")
     if not any(n.type is NodeType.MODEL_TRAIN for n in wf):
         raise WorkflowError(f"workflow has no MODEL_TRAIN node (nodes: {', '.join(repr(n.id) for n in wf)}): "
                             f"nothing would be trained")

@@ -5,7 +5,8 @@ Why this module exists: the rollout group (outcome estimators) and the trainer g
 punishment is added to the outcome reward that feeds the advantage (the logged
 ``reward`` stays the task score), and ``overlong: mask`` removes truncated samples from
 the policy loss: zero advantage, no tokens in the loss mask, none in its normalisers, none
-in the whitening statistics (GAE's, REINFORCE++'s token and outcome forms). Both groups import this module; neither imports the other.
+in the whitening statistics (GAE's, REINFORCE++'s token and outcome forms). Both groups
+import this module; neither imports the other.
 """
 
 from __future__ import annotations

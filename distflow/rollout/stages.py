@@ -187,7 +187,8 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     g = cfg.group_size
     flat_prompts = [p for p in prompts for _ in range(g)]
     kw = {"weights_update": weights_update} if weights_update is not None else {}
-    comps = engine.generate(flat_prompts, sampling_params(cfg, engine.tokenizer), seed=seed, **kw) if flat_prompts else []
+    params = sampling_params(cfg, engine.tokenizer)
+    comps = engine.generate(flat_prompts, params, seed=seed, **kw) if flat_prompts else []
     sample_ids, prompt_ids, extras = [], [], []
     for r in rows:
         for j in range(g):

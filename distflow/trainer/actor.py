@@ -462,7 +462,6 @@ def checkpoint_writer(path: Path) -> Any:
     return FileSystemWriter(str(path))  # pragma: no cover - a torch that always overwrites
 
 
-
 NEVER_STEPPED = "never_stepped"  # in an optimizer directory: saved before any optimizer step, no state
 
 
@@ -498,6 +497,7 @@ def load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: P
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optim, state["optim"])
     return True
+
 
 def read_run_state(ckpt: Path, cfg: Config) -> dict[str, Any]:
     """``resume_from``'s run state (``distflow_state.json``), refused (ValueError naming the keys)
