@@ -570,11 +570,7 @@ class WeightPublisher:
             ver = self._latest
             if ver is None or ver.aborted or ver.version <= self.sent[peer] or not self.is_alive(peer):
                 self._wake.clear()
-                woken = asyncio.ensure_future(self._wake.wait())
-                try:  # asyncio.wait, not wait_for: on 3.11 wait_for swallows a cancel that lands with the wake-up
-                    await asyncio.wait({woken}, timeout=0.5)
-                finally:
-                    woken.cancel()
+                await woken(self._wake.wait(), 0.5)
                 continue
             send = asyncio.create_task(self._send_version(peer, ver, self._delta_base(peer, ver)),
                                        name=f"weights-v{ver.version}->{peer}")
