@@ -141,7 +141,6 @@ class _JsonlSource:
             for i in np.flatnonzero(keep & np.isin(data[np.minimum(starts, size - 1)], (9, 32))):
                 keep[i] = bool(mm[starts[i]:starts[i] + lengths[i]].strip())
             del data
-
         self.starts = starts[keep]
         self.lengths = lengths[keep]
         self.lines = (np.flatnonzero(keep) + 1).astype(np.int64)

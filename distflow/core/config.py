@@ -260,9 +260,9 @@ class Config(BaseModel):
                              "or reinforce_pp_token node")
         if self.kl_coef > 0 and not self.kl_in_reward and self.kl_estimator == "k1":
             raise ValueError("kl_estimator: k1 as a KL loss term (kl_coef > 0, kl_in_reward false) regularises "
-                             "nothing: only log pi of the sampled token is differentiated, and the mean of that gradient is "
-                             "zero. Use k3 (the default) or k2 (the gradient of KL(pi || ref)), or kl_in_reward: "
-                             "true, where k1 is the usual penalty (kl_reward_estimator)")
+                             "nothing: only log pi of the sampled token is differentiated, and the mean of that "
+                             "gradient is zero. Use k3 (the default) or k2 (the gradient of KL(pi || ref)), or "
+                             "kl_in_reward: true, where k1 is the usual penalty (kl_reward_estimator)")
         for n in self.workflow:  # a loss's own clip range and aggregation where the config leaves them unset
             if n.role.value != "ACTOR" or n.type.value != "MODEL_TRAIN":
                 continue
