@@ -77,7 +77,7 @@ def worker_main() -> None:
     keep_freed_memory()  # as a node does at start-up (DISTFLOW_MALLOC_TUNING=0 for the A/B)
 
     from distflow.buffer.batch import SampleBatch
-    from distflow.buffer.redistribute import gather_step, scatter, shard_receiver
+    from distflow.buffer.redistribute import gather_step, open_ingress, scatter, shard_receiver
     from distflow.buffer.shard import BufferShard
     from distflow.core.aio import run_loop
     from distflow.core.channels import Endpoint, make_channel
@@ -144,6 +144,8 @@ def worker_main() -> None:
                 else:
                     ch.set_handler(shard_receiver(shard, put_timeout=120))
                 await ch.start()
+                if not req.get("sink"):
+                    open_ingress(ch, shard)  # same-host producers post their parts (no-op without posting)
                 state.update(ch=ch, shard=shard, node=req["node"])
                 if req.get("batch"):
                     state["batch"] = make_batch(PER_PRODUCER, req["seed"])
@@ -445,14 +447,19 @@ def handoff_figures(cluster: Cluster, n: int, reps: int, cores: int, figures: di
     ctrl = med("single", lambda c: c["ctrl"][0])
     ceiling = cores * single / total["p2p"]
     prod, cons = med("p2p", lambda c: statistics.mean(c["prod"])), med("p2p", lambda c: statistics.mean(c["cons"]))
+    sprod, scons = (med("single", lambda c: statistics.mean(c["prod"])),
+                    med("single", lambda c: statistics.mean(c["cons"])))
     print(f"      CPU per handoff: peer-to-peer {total['p2p']:.1f} ms in all (producer {prod:.1f}, consumer "
-          f"{cons:.1f} each); single {total['single']:.1f} ms in all, controller {ctrl:.1f}; of which "
+          f"{cons:.1f} each); single {total['single']:.1f} ms in all (producer {sprod:.1f}, consumer {scons:.1f} "
+          f"each, controller {ctrl:.1f}); of which "
           f"non-main threads (zmq I/O) p2p {threads['p2p']:.1f}, single {threads['single']:.1f}")
     print(f"      ceiling on {cores} cores = cores x single / p2p CPU = {ceiling:.2f}x; busiest process "
           f"{busiest['single']:.1f} vs {busiest['p2p']:.1f} ms = {busiest['single'] / busiest['p2p']:.2f}x "
           f"(one core per process)")
     figures.update({f"p2p_cpu_ms_{n}": round(total["p2p"], 1), f"single_cpu_ms_{n}": round(total["single"], 1),
-                    f"controller_cpu_ms_{n}": round(ctrl, 1), f"p2p_thread_cpu_ms_{n}": round(threads["p2p"], 1),
+                    f"controller_cpu_ms_{n}": round(ctrl, 1), f"p2p_producer_cpu_ms_{n}": round(prod, 2),
+                    f"p2p_consumer_cpu_ms_{n}": round(cons, 2), f"single_producer_cpu_ms_{n}": round(sprod, 2),
+                    f"single_consumer_cpu_ms_{n}": round(scons, 2), f"p2p_thread_cpu_ms_{n}": round(threads["p2p"], 1),
                     f"single_thread_cpu_ms_{n}": round(threads["single"], 1),
                     f"p2p_vs_single_ceiling_{n}": round(ceiling, 3),
                     f"busiest_cpu_ms_p2p_{n}": round(busiest["p2p"], 1),

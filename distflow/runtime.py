@@ -70,7 +70,8 @@ class Runtime:
             from distflow.core.channels.shm_channel import shm_available
 
             kind = "shm" if shm_available() else "zmq"
-        channel = make_channel(kind, node_id, secret, host=host, port=data_port)
+        channel = make_channel(kind, node_id, secret, host=host, port=data_port,
+                               **({} if kind == "zmq" else {"posting": cfg.posting}))
         m = cfg.mesh
         mesh_cfg = MeshConfig(protocol_period_s=m.protocol_period_s, suspicion_timeout_s=m.suspicion_timeout_s,
                               request_timeout_s=m.request_timeout_s, join_timeout_s=m.join_timeout_s,

@@ -28,7 +28,7 @@ WORKER = textwrap.dedent("""
     import asyncio, json, sys, threading, time
     import torch
     from distflow.buffer.batch import SampleBatch
-    from distflow.buffer.redistribute import gather_step, scatter, shard_receiver
+    from distflow.buffer.redistribute import gather_step, open_ingress, scatter, shard_receiver
     from distflow.buffer.shard import BufferShard
     from distflow.core.channels import Endpoint, make_channel
 
@@ -60,11 +60,14 @@ WORKER = textwrap.dedent("""
     async def node(nid, capacity=None, channel=None):
         if nid not in nodes:
             kw = dict(channel or {"kind": "zmq"})
+            ingress = kw.pop("ingress", False)
             ch = make_channel(kw.pop("kind"), nid, SECRET, **kw)
             shard = BufferShard(capacity) if capacity else None
             if shard is not None:
                 ch.set_handler(shard_receiver(shard, put_timeout=60))
             await ch.start()
+            if shard is not None and ingress:
+                assert open_ingress(ch, shard)  # same-host producers post their parts
             nodes[nid] = (ch, shard)
         return nodes[nid]
 
@@ -87,7 +90,8 @@ WORKER = textwrap.dedent("""
                     times.append(time.monotonic() - t0)
                     assert sum(r["samples"]) == n
                 st = ch.stats()
-                reply(rid, sums=sums, times=times, sent=st["sent_msgs"], shm_sends=st.get("shm_sends", 0))
+                reply(rid, sums=sums, times=times, sent=st["sent_msgs"], shm_sends=st.get("shm_sends", 0),
+                      posts=st.get("mailbox", {}).get("posts", 0))
             elif cmd == "take":
                 ch, shard = await node(req["node"])
                 got, max_waiting, max_held = {}, 0, 0
@@ -188,10 +192,13 @@ SIZES = [7, 0, 13, 4]
 
 # The zmq channel, and the shm channel (what "auto" picks on one host) both copying small parts out of
 # shared memory and handing out zero-copy views of it.
+# shm-post: the consumers open a mailbox for samples (open_ingress), so same-host parts are posted.
 CHANNELS = {"zmq": {"kind": "zmq"}, "shm-copy": {"kind": "shm", "shm_min_bytes": 0},
-            "shm-view": {"kind": "shm", "shm_min_bytes": 0, "shm_copy_below": 0}}
+            "shm-view": {"kind": "shm", "shm_min_bytes": 0, "shm_copy_below": 0},
+            "shm-post": {"kind": "shm", "ingress": True}}
 CASES = ([("zmq", p, c) for p, c in [(1, 2), (2, 2), (3, 2), (4, 3), (2, 5)]]
-         + [(k, p, c) for k in ("shm-copy", "shm-view") for p, c in [(2, 2), (4, 3)]])
+         + [(k, p, c) for k in ("shm-copy", "shm-view") for p, c in [(2, 2), (4, 3)]]
+         + [("shm-post", p, c) for p, c in [(2, 2), (4, 3), (3, 1), (2, 5)]])
 
 
 @pytest.mark.parametrize("channel, num_producers, num_consumers", CASES)
@@ -212,8 +219,12 @@ def test_every_sample_arrives_exactly_once_at_its_owner(workers, channel, num_pr
     for (p, _), fut in zip(prods, produced):
         r = result(fut)
         assert len(r["sums"]) == sum(sizes[p])
-        assert r["sent"] == len(steps) * num_consumers  # one message per consumer per step, empty or not
-        if chan["kind"] == "shm":  # every non-empty part went through shared memory
+        if chan.get("ingress"):  # every part, empty or not, is posted: no message at all
+            assert (r["posts"], r["sent"]) == (len(steps) * num_consumers, 0)
+        else:
+            assert r["sent"] == len(steps) * num_consumers  # one message per consumer per step, empty or not
+            assert r["posts"] == 0
+        if chan["kind"] == "shm" and not chan.get("ingress"):  # every non-empty part went through shared memory
             assert r["shm_sends"] > 0
         sent.update(r["sums"])
     received: dict[str, list] = {}
@@ -262,7 +273,7 @@ def test_shm_scatter_writes_parts_straight_into_lent_slots():
     import torch
 
     from distflow.buffer.batch import SampleBatch
-    from distflow.buffer.redistribute import gather_step, scatter, shard_receiver
+    from distflow.buffer.redistribute import gather_step, open_ingress, scatter, shard_receiver
     from distflow.buffer.routing import split_by_owner, token_partition
     from distflow.buffer.shard import BufferShard
     from distflow.core.channels import Endpoint, make_channel

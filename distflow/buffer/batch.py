@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
 # Flat fields aligned with prompt tokens / response tokens, keyed by their lengths tensor.
@@ -152,21 +153,44 @@ class SampleBatch:
                            [self.extras[i] for i in il])
 
     @classmethod
-    def concat(cls, batches: Iterable["SampleBatch"]) -> "SampleBatch":
+    def concat(cls, batches: Iterable["SampleBatch | PackedPart"]) -> "SampleBatch":
+        """One batch of every sample of ``batches`` (SampleBatches or packed parts), in order: one
+        copy of each field's bytes, straight out of a packed part's buffer (no per-part views)."""
         batches = [b for b in batches if len(b)]
         if not batches:
             return cls.empty()
-        names = set(batches[0].tensors)
-        for b in batches[1:]:
-            if set(b.tensors) != names:
-                raise ValueError(f"cannot concat batches with fields {sorted(names)} and {sorted(b.tensors)}")
-        tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in batches[0].tensors}
+        views = [b.field_bytes() for b in batches]
+        names = set(views[0])
+        for v in views[1:]:
+            if set(v) != names:
+                raise ValueError(f"cannot concat batches with fields {sorted(names)} and {sorted(v)}")
+        tensors = {}
+        for name, (dtype, _) in views[0].items():
+            parts = [v[name][1] for v in views]
+            if any(v[name][0] != dtype for v in views):
+                raise ValueError(f"cannot concat field {name!r} of different dtypes")
+            out = torch.empty(sum(p.nbytes for p in parts) // dtype.itemsize, dtype=dtype)
+            if out.numel():
+                np.concatenate(parts, out=out.view(torch.uint8).numpy())
+            tensors[name] = out
         return cls(
             [s for b in batches for s in b.sample_ids],
             [p for b in batches for p in b.prompt_ids],
             tensors,
             [e for b in batches for e in b.extras],
         )
+
+    def field_bytes(self) -> dict[str, tuple[torch.dtype, np.ndarray]]:
+        """{field: (dtype, its bytes as a uint8 numpy view)} (CPU fields; what :meth:`concat` copies)."""
+        out = {}
+        for name, t in self.tensors.items():
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            out[name] = (t.dtype, t.reshape(-1).view(torch.uint8).numpy())
+        return out
 
     # ------------------------------------------------------------------ wire
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -194,17 +218,21 @@ class PackedPart:
     sample_ids: list[str]
     prompt_ids: list[str]
     extras: list[dict[str, Any]]
-    buf: torch.Tensor
+    buf: torch.Tensor | np.ndarray  # uint8 (numpy: a same-host post's view of its producer's buffer)
     layout: list[list[Any]]
+    size: int | None = None  # the fields' bytes, when known (check_packed computes it)
+    post: Any = None  # the same-host post ``buf`` views (core.channels.posting.Post): release() when done
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     def nbytes(self) -> int:
         """The fields' bytes (alignment padding not counted)."""
-        from distflow.core.channels.codec import DTYPES
+        if self.size is None:
+            from distflow.core.channels.codec import DTYPES
 
-        return sum(count * DTYPES[dname].itemsize for _, dname, _, count in self.layout)
+            self.size = sum(count * DTYPES[dname].itemsize for _, dname, _, count in self.layout)
+        return self.size
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         meta = {"sample_ids": self.sample_ids, "prompt_ids": self.prompt_ids, "extras": self.extras,
@@ -212,35 +240,123 @@ class PackedPart:
         return meta, {PACKED: self.buf}
 
     def to_batch(self) -> SampleBatch:
-        """A SampleBatch whose fields view ``buf`` (no copy)."""
-        return SampleBatch(self.sample_ids, self.prompt_ids, unpack_fields(self.layout, {PACKED: self.buf}),
-                           self.extras)
+        """A SampleBatch whose fields view ``buf`` (no copy; a post is released when they all die)."""
+        buf = self.post.keep() if self.post is not None else self.buf
+        buf = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+        return SampleBatch(self.sample_ids, self.prompt_ids, unpack_fields(self.layout, {PACKED: buf}), self.extras)
+
+    def release(self) -> None:
+        """Done with ``buf`` (its fields were copied out): a post's producer may reuse the memory."""
+        if self.post is not None:
+            self.post.release()
+
+    def field_bytes(self) -> dict[str, tuple[torch.dtype, np.ndarray]]:
+        """{field: (dtype, its bytes in ``buf``)}: uint8 numpy slices, no tensor per field (see
+        :meth:`SampleBatch.concat`). The layout must have been checked (:func:`check_packed`)."""
+        from distflow.core.channels.codec import DTYPES
+
+        arr = self.buf if isinstance(self.buf, np.ndarray) else self.buf.numpy()
+        out = {}
+        for name, dname, off, count in self.layout:
+            dtype = DTYPES[dname]
+            out[name] = (dtype, arr[off:off + count * dtype.itemsize])
+        return out
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """What a packed layout's field names and dtypes imply, checked once per distinct layout shape."""
+
+    dtypes: tuple[torch.dtype, ...]
+    itemsizes: tuple[int, ...]
+    lens: tuple[int, ...]  # per field: the index of its lengths field, -1 for a per-sample field
+
+
+_SCHEMAS: dict[tuple, _Schema] = {}
+
+
+def _schema(names: tuple, dnames: tuple) -> _Schema:
+    from distflow.core.channels.codec import DTYPES
+
+    if len(names) > MAX_FIELDS or len(set(names)) != len(names) or not all(type(n) is str for n in names):
+        raise ValueError(f"packed layout: field names must be distinct strings, got {list(names)[:8]}")
+    dtypes = [DTYPES.get(d) if type(d) is str else None for d in dnames]
+    if None in dtypes:
+        raise ValueError(f"packed layout: unknown dtype in {list(dnames)[:8]}")
+    index = {n: i for i, n in enumerate(names)}
+    lens = []
+    for name in names:
+        lens_name = LENGTHS.get(name)
+        if lens_name is None:
+            lens.append(-1)
+            continue
+        if lens_name not in index:
+            raise ValueError(f"SampleBatch field {name!r} needs {lens_name!r}")
+        if dtypes[index[lens_name]] != torch.int64:
+            raise ValueError(f"SampleBatch field {lens_name!r} must be int64")
+        lens.append(index[lens_name])
+    schema = _Schema(tuple(dtypes), tuple(d.itemsize for d in dtypes), tuple(lens))  # type: ignore[union-attr,arg-type]
+    if len(_SCHEMAS) < 1024:  # (a run has a handful of shapes; never grow without bound)
+        _SCHEMAS[(names, dnames)] = schema
+    return schema
+
+
+def _checked(layout: Any, buf: Any) -> tuple[tuple, tuple, tuple, _Schema]:
+    """(names, byte offsets, counts, schema) of an (untrusted) packed layout, every entry checked to
+    fit ``buf`` (a contiguous 1-D uint8 tensor, or a same-host post's numpy view); raises ValueError
+    naming what is wrong. What the names and dtypes imply is worked out once per layout shape: this
+    runs for every part a shard takes in."""
+    if isinstance(buf, np.ndarray):
+        size = buf.nbytes if buf.dtype == np.uint8 and buf.ndim == 1 else -1
+    elif isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous():
+        size = buf.numel()
+    else:
+        size = -1
+    if size < 0:
+        raise ValueError("the packed buffer must be a contiguous 1-D uint8 tensor")
+    if type(layout) is not list or not all(type(e) is list and len(e) == 4 for e in layout):
+        raise ValueError("packed layout must be a list of [name, dtype, offset, count] entries")
+    names, dnames, offs, counts = zip(*layout) if layout else ((), (), (), ())
+    try:
+        schema = _SCHEMAS.get((names, dnames)) or _schema(names, dnames)
+    except TypeError:  # an unhashable name or dtype
+        raise ValueError("packed layout: field names and dtypes must be strings") from None
+    for off, count, item in zip(offs, counts, schema.itemsizes):
+        if type(off) is not int or type(count) is not int or off < 0 or count < 0 or off % item \
+                or off + count * item > size:
+            raise ValueError(f"packed layout: offset {off!r} / count {count!r} do not fit the {size}-byte buffer")
+    return names, offs, counts, schema
+
+
+def check_packed(layout: Any, buf: Any, num_samples: int) -> int:
+    """Check an (untrusted) packed part without building a tensor: its layout fits ``buf``, each
+    ragged field's count is the sum of its lengths field, each per-sample field has one value per
+    sample (what :class:`SampleBatch` checks). Returns its fields' bytes; raises ValueError naming
+    what is wrong."""
+    names, offs, counts, schema = _checked(layout, buf)
+    arr = None
+    totals: dict[int, int] = {}
+    for i, li in enumerate(schema.lens):
+        if li < 0:
+            if counts[i] != num_samples:
+                raise ValueError(f"SampleBatch field {names[i]!r}: expected shape [{num_samples}], got [{counts[i]}]")
+            continue
+        total = totals.get(li)
+        if total is None:
+            if arr is None:
+                arr = buf if isinstance(buf, np.ndarray) else buf.numpy()
+            total = totals[li] = sum(arr[offs[li]:offs[li] + 8 * counts[li]].view(np.int64).tolist())
+        if counts[i] != total:
+            raise ValueError(f"SampleBatch field {names[i]!r}: expected {total} flat values, got [{counts[i]}]")
+    return sum([c * i for c, i in zip(counts, schema.itemsizes)])
 
 
 def unpack_fields(layout: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Field tensors viewing the one packed buffer; checks the (untrusted) layout against it."""
-    from distflow.core.channels.codec import DTYPES
-
     buf = tensors.get(PACKED)
     if len(tensors) != 1 or buf is None:
         raise ValueError(f"a packed batch carries one tensor {PACKED!r}, got {sorted(tensors)}")
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError(f"the packed buffer must be a contiguous 1-D uint8 tensor, got {buf.dtype} {list(buf.shape)}")
-    if not isinstance(layout, list) or len(layout) > MAX_FIELDS:
-        raise ValueError(f"packed layout must be a list of at most {MAX_FIELDS} fields")
-    size = buf.numel()
-    arr = buf.numpy() if size else None
-    out: dict[str, torch.Tensor] = {}
-    for entry in layout:
-        if not (isinstance(entry, list) and len(entry) == 4):
-            raise ValueError(f"packed layout entry {entry!r} is not [name, dtype, offset, count]")
-        name, dname, off, count = entry
-        dtype = DTYPES.get(dname) if isinstance(dname, str) else None
-        if not isinstance(name, str) or name in out or dtype is None:
-            raise ValueError(f"packed field {name!r}: bad or repeated name, or unknown dtype {dname!r}")
-        if not (type(off) is int and type(count) is int and off >= 0 and count >= 0
-                and off % dtype.itemsize == 0 and off + count * dtype.itemsize <= size):
-            raise ValueError(f"packed field {name!r}: offset {off!r} / count {count!r} do not fit the "
-                             f"{size}-byte buffer")
-        out[name] = torch.frombuffer(arr, dtype=dtype, count=count, offset=off) if count else torch.empty(0, dtype=dtype)
-    return out
+    names, offs, counts, schema = _checked(layout, buf)
+    arr = buf.numpy() if buf.numel() else None
+    return {name: torch.frombuffer(arr, dtype=dtype, count=count, offset=off) if count else torch.empty(0, dtype=dtype)
+            for name, dtype, off, count in zip(names, schema.dtypes, offs, counts)}

@@ -23,10 +23,13 @@ import asyncio
 import time
 from typing import Any, Callable, Collection, Sequence
 
-from distflow.buffer.batch import PACKED, SampleBatch
-from distflow.buffer.routing import owner_groups, owners, split_parts, token_partition
+import msgpack
+
+from distflow.buffer.batch import PACKED, PackedPart, SampleBatch, check_packed
+from distflow.buffer.routing import Packer, owner_groups, owners, split_parts, token_partition
 from distflow.buffer.shard import BufferShard
 from distflow.core.channels import Endpoint, Envelope, TensorChannel
+from distflow.core.channels.posting import UNKNOWN, Post
 
 BALANCE_MODES = ("owner", "tokens")
 RESERVED_META = frozenset({"sample_ids", "prompt_ids", "extras", "step", "source_rank", "num_sources", "part",
@@ -89,42 +92,127 @@ async def scatter(
         raise ValueError(f"duplicate consumer node ids in {[c.node_id for c in consumers]}")
     t0 = time.perf_counter()
     groups = groups_for(batch, len(consumers), balance)
+    common = {**(extra_meta or {}), "step": step, "source_rank": source_rank, "num_sources": num_sources,
+              "num_parts": len(consumers), "balance": balance}
+    wanted = [k for k in range(len(consumers)) if only is None or k in only]
+    posted, nbytes = await _post(channel, batch, groups, consumers, wanted, kind, common)
+    rest = set(wanted) - posted
     lend = getattr(channel, "lend", None)
-    parts = split_parts(batch, groups, None if lend is None else (lambda k, n: lend(consumers[k], n)), only)
+    parts = split_parts(batch, groups, None if lend is None else (lambda k, n: lend(consumers[k], n)), rest) \
+        if rest else []
     sends: dict[str, asyncio.Task] = {}
     for rank, (consumer, part) in enumerate(zip(consumers, parts)):
         if part is None:
             continue
         wire_meta, tensors = part.to_wire()
-        meta = {**(extra_meta or {}), **wire_meta, "step": step, "source_rank": source_rank,
-                "num_sources": num_sources, "part": rank, "num_parts": len(consumers), "balance": balance}
+        meta = {**common, **wire_meta, "part": rank}
         sends[consumer.node_id] = asyncio.create_task(
             channel.send(consumer, kind, meta, tensors, timeout=timeout),
             name=f"scatter-{kind}-s{step}-r{source_rank}->{consumer.node_id}")
-    nbytes = sum(p.nbytes() for p in parts if p is not None)
+    nbytes += sum(p.nbytes() for p in parts if p is not None)
     results = await asyncio.gather(*sends.values(), return_exceptions=True)
     parts.clear()  # lent slots are reused once every view of them is gone
     failed = {k: r for k, r in zip(sends, results) if isinstance(r, BaseException)}
     if failed:
-        raise ScatterError(step, failed, [k for k in sends if k not in failed])
-    return {"step": step, "samples": [len(g) for g in groups], "bytes": nbytes,
+        raise ScatterError(step, failed, [consumers[k].node_id for k in posted] + [k for k in sends if k not in failed])
+    return {"step": step, "samples": [len(g) for g in groups], "bytes": nbytes, "posted": len(posted),
             "seconds": time.perf_counter() - t0}
+
+
+async def _post(channel: TensorChannel, batch: SampleBatch, groups: list[list[int]], consumers: list[Endpoint],
+                wanted: list[int], kind: str, common: dict[str, Any]) -> tuple[set[int], int]:
+    """Post the wanted parts whose consumers take ``kind`` by mailbox on this host: the batch is
+    packed once into a buffer shared with them (every part's samples, field by field), and each gets
+    a record naming its span. Returns (the parts posted, their bytes); the others go as messages."""
+    known = getattr(channel, "known_poster", None)
+    if known is None:
+        return set(), 0
+    posters = {k: known(consumers[k], kind) for k in wanted}
+    unknown = [k for k, p in posters.items() if p is UNKNOWN]
+    if unknown:
+        found = await asyncio.gather(*(channel.poster(consumers[k], kind) for k in unknown))  # type: ignore[attr-defined]
+        posters.update(zip(unknown, found))
+    local = [k for k in wanted if posters[k] is not None]
+    if not local:
+        return set(), 0
+    packer = Packer(batch)
+    order = [i for k in local for i in groups[k]]
+    layout, total = packer.layout(order)
+    spans = packer.spans([groups[k] for k in local], layout)
+    ids, prompt_ids, extras = batch.sample_ids, batch.prompt_ids, batch.extras
+    metas = [msgpack.packb({**common, "sample_ids": [ids[i] for i in groups[k]],
+                            "prompt_ids": [prompt_ids[i] for i in groups[k]],
+                            "extras": [extras[i] for i in groups[k]], PACKED: part_layout, "part": k},
+                           use_bin_type=True) for k, (_, _, part_layout) in zip(local, spans)]
+    buf = await channel.shared_buffer(total, sum(len(m) + 8 for m in metas))  # type: ignore[attr-defined]
+    if buf is None:
+        return set(), 0
+    posted: set[int] = set()
+    nbytes = 0
+    try:
+        if total:
+            packer.fill(order, layout, buf.data)
+        for k, (lo, hi, _), meta in zip(local, spans, metas):
+            if channel.post(posters[k], buf, common["step"], meta, lo, hi):  # type: ignore[attr-defined]
+                posted.add(k)
+                nbytes += hi - lo
+    finally:
+        channel.finish(buf)  # type: ignore[attr-defined]
+    return posted, nbytes
 
 
 def parse_part(env: Envelope) -> tuple[int, SampleBatch]:
     """(step, batch) of a scatter message; raises ValueError naming what is malformed or misrouted."""
+    step = _step_of(env)
+    batch = SampleBatch.from_wire(env.meta, env.tensors)
+    _check_owners(env, batch.sample_ids)
+    return step, batch
+
+
+def parse_packed(env: Envelope | Post) -> tuple[int, SampleBatch | PackedPart]:
+    """:func:`parse_part` for a part that goes straight into a shard (a message, or a same-host
+    :class:`Post`): a packed part stays packed, its layout checked but no tensor built
+    (``SampleBatch.concat`` copies its fields out of the buffer when the step is taken), at a
+    fraction of the Python cost of building a batch of views."""
     meta = env.meta
-    step = meta.get("step")
+    if isinstance(env, Post):
+        buf = env.data
+    elif meta.get(PACKED) is None:
+        return parse_part(env)
+    else:
+        buf = env.tensors.get(PACKED)
+        if len(env.tensors) != 1 or buf is None:
+            raise ValueError(f"a packed batch carries one tensor {PACKED!r}, got {sorted(env.tensors)}")
+    step = _step_of(env)
+    try:
+        ids, prompt_ids, extras = list(meta["sample_ids"]), list(meta["prompt_ids"]), list(meta.get("extras") or [])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"SampleBatch wire meta lacks or mistypes {e}") from None
+    if len(prompt_ids) != len(ids) or (extras and len(extras) != len(ids)):
+        raise ValueError(f"SampleBatch: {len(ids)} sample_ids but {len(prompt_ids)} prompt_ids, {len(extras)} extras")
+    nbytes = check_packed(meta.get(PACKED), buf, len(ids))
+    _check_owners(env, ids)
+    return step, PackedPart(ids, prompt_ids, extras or [{} for _ in ids], buf, meta[PACKED], nbytes,
+                            env if isinstance(env, Post) else None)
+
+
+def _step_of(env: Envelope | Post) -> int:
+    step = env.meta.get("step")
     if not isinstance(step, int) or step < 0:
-        raise ValueError(f"{env.kind} message from {env.sender}: 'step' must be a non-negative int, got {step!r}")
-    batch = SampleBatch.from_wire(meta, env.tensors)
+        kind = "posted part" if isinstance(env, Post) else f"{env.kind} message"
+        raise ValueError(f"{kind} from {env.sender}: 'step' must be a non-negative int, got {step!r}")
+    return step
+
+
+def _check_owners(env: Envelope | Post, sample_ids: list[str]) -> None:
+    meta = env.meta
     part, num_parts = meta.get("part"), meta.get("num_parts")
-    if meta.get("balance") == "owner" and isinstance(part, int) and isinstance(num_parts, int) and num_parts > 0:
-        for sid, o in zip(batch.sample_ids, owners(batch.sample_ids, num_parts)):
+    # (one consumer owns every sample: nothing to check)
+    if meta.get("balance") == "owner" and isinstance(part, int) and isinstance(num_parts, int) and num_parts > 1:
+        for sid, o in zip(sample_ids, owners(sample_ids, num_parts)):
             if o != part:
                 raise ValueError(f"sample {sid!r} from {env.sender} was routed to consumer {part} of {num_parts}, "
                                  f"but its owner is {o} (inconsistent consumer lists?)")
-    return step, batch
 
 
 def shard_receiver(shard: BufferShard, *, put_timeout: float) -> Callable[[Envelope], Any]:
@@ -134,10 +222,30 @@ def shard_receiver(shard: BufferShard, *, put_timeout: float) -> Callable[[Envel
     """
 
     async def handler(env: Envelope) -> None:
-        step, batch = parse_part(env)
+        step, batch = parse_packed(env)
         await shard.put(batch, step=step, source=env.sender, timeout=put_timeout)
 
     return handler
+
+
+def open_ingress(channel: TensorChannel, shard: BufferShard, accept: Callable[[Post], None] | None = None,
+                 kind: str = "samples") -> bool:
+    """Let same-host producers post ``kind`` parts straight into ``shard`` (no message per part: a
+    record in this channel's mailbox, read when the shard is; see ``core/channels/posting.py``).
+    ``accept(post)`` stores a posted part with ``shard.put_nowait`` or drops it (default: under
+    (step, sender node id), as :func:`shard_receiver` stores messages, which keep arriving from
+    other hosts). False when the channel cannot take posts (not shared memory)."""
+    open_mailbox = getattr(channel, "open_mailbox", None)
+    inbox = open_mailbox(kind) if open_mailbox is not None else None
+    if inbox is None:
+        return False
+
+    def store(post: Post) -> None:
+        step, batch = parse_packed(post)
+        shard.put_nowait(batch, step=step, source=post.sender)
+
+    shard.attach(inbox, accept or store)
+    return True
 
 
 async def gather_step(

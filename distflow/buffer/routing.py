@@ -13,7 +13,7 @@ import functools
 import hashlib
 import heapq
 import itertools
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
@@ -52,6 +52,8 @@ def take(batch: SampleBatch, indices: list[int]) -> SampleBatch:
 
 def owner_groups(batch: SampleBatch, num_consumers: int) -> list[list[int]]:
     """Sample indices per consumer rank (each sample at its owner, order kept)."""
+    if num_consumers == 1:  # (owners() checks the count; one consumer owns every sample: no hashing)
+        return [list(range(len(batch)))]
     groups: list[list[int]] = [[] for _ in range(num_consumers)]
     for i, r in enumerate(owners(batch.sample_ids, num_consumers)):
         groups[r].append(i)
@@ -72,7 +74,8 @@ class Packer:
     def __init__(self, batch: SampleBatch):
         self.batch = batch
         t = batch.tensors
-        self.lens = {ln: t[ln].tolist() for ln in {LENGTHS[n] for n in t if n in LENGTHS}}
+        self.lens_np = {ln: t[ln].numpy() for ln in {LENGTHS[n] for n in t if n in LENGTHS}}
+        self.lens = {ln: v.tolist() for ln, v in self.lens_np.items()}
         self.starts = {ln: list(itertools.accumulate(v, initial=0)) for ln, v in self.lens.items()}
         self.fields: list[tuple[str, str, int, np.ndarray, str | None]] = []
         for name, x in t.items():
@@ -82,9 +85,8 @@ class Packer:
             src = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()  # numpy has no bfloat16
             self.fields.append((name, DTYPE_NAMES[x.dtype], x.element_size(), src, LENGTHS.get(name)))
 
-    def pack(self, indices: list[int], alloc: Callable[[int], torch.Tensor | None] | None = None) -> PackedPart:
-        """The samples ``indices`` (in order) packed into ``alloc(nbytes)`` (a uint8 tensor of at
-        least nbytes), or a private buffer when ``alloc`` is None or gives None."""
+    def layout(self, indices: list[int]) -> tuple[list[list[Any]], int]:
+        """([name, dtype, offset, count] per field, total bytes) of the samples ``indices`` packed."""
         counts: dict[str | None, int] = {None: len(indices)}
         for ln, lens in self.lens.items():
             counts[ln] = sum([lens[i] for i in indices])
@@ -93,25 +95,58 @@ class Packer:
             pos = (pos + ALIGN - 1) // ALIGN * ALIGN
             layout.append([name, dname, pos, counts[ln]])
             pos += counts[ln] * size
+        return layout, pos
+
+    def pack(self, indices: list[int], alloc: Callable[[int], torch.Tensor | None] | None = None) -> PackedPart:
+        """The samples ``indices`` (in order) packed into ``alloc(nbytes)`` (a uint8 tensor of at
+        least nbytes), or a private buffer when ``alloc`` is None or gives None."""
+        layout, pos = self.layout(indices)
         buf = alloc(pos) if alloc is not None and pos else None
         buf = torch.empty(pos, dtype=torch.uint8) if buf is None else buf[:pos]
         if pos:
-            dst = buf.numpy()
-            idx = None
-            for (_, _, size, src, ln), (_, _, off, n) in zip(self.fields, layout):
-                if not n:
-                    continue
-                out = dst[off:off + n * size].view(src.dtype)
-                if ln is None:
-                    if idx is None:
-                        idx = np.array(indices, dtype=np.int64)
-                    np.take(src, idx, out=out)
-                else:
-                    starts, lens = self.starts[ln], self.lens[ln]
-                    np.concatenate([src[starts[i]:starts[i] + lens[i]] for i in indices], out=out)
+            self.fill(indices, layout, buf.numpy())
         b = self.batch
         return PackedPart([b.sample_ids[i] for i in indices], [b.prompt_ids[i] for i in indices],
                           [b.extras[i] for i in indices], buf, layout)
+
+    def fill(self, indices: list[int], layout: list[list[Any]], dst: np.ndarray) -> None:
+        """Copy the samples ``indices`` into ``dst`` (uint8) at ``layout`` (from :meth:`layout`)."""
+        idx = None
+        for (_, _, size, src, ln), (_, _, off, n) in zip(self.fields, layout):
+            if not n:
+                continue
+            out = dst[off:off + n * size].view(src.dtype)
+            if ln is None:
+                if idx is None:
+                    idx = np.array(indices, dtype=np.int64)
+                np.take(src, idx, out=out)
+            else:
+                starts, lens = self.starts[ln], self.lens[ln]
+                np.concatenate([src[starts[i]:starts[i] + lens[i]] for i in indices], out=out)
+
+    def spans(self, groups: list[list[int]], layout: list[list[Any]]) -> list[tuple[int, int, list[list[Any]]]]:
+        """Where each group lies when ``groups`` are packed one after the other (``layout`` of their
+        concatenation, field by field): per group (lo, hi, its own layout relative to lo), lo 64-byte
+        aligned, so a group is read as the packed part ``buf[lo:hi]`` (alignment kept)."""
+        counts: dict[str | None, list[int]] = {None: [len(g) for g in groups]}
+        if self.lens:  # tokens per group: one bincount per lengths field (a Python sum per group costs more)
+            gid = np.full(len(self.batch), len(groups), dtype=np.int64)  # (samples of no group: a bin of their own)
+            for k, g in enumerate(groups):
+                gid[g] = k
+            for ln in self.lens:
+                bins = np.bincount(gid, weights=self.lens_np[ln], minlength=len(groups) + 1)
+                counts[ln] = bins[:len(groups)].astype(np.int64).tolist()
+        fields = [(name, dname, size, off, counts[ln], list(itertools.accumulate(counts[ln], initial=0)))
+                  for (name, dname, size, _, ln), (_, _, off, _) in zip(self.fields, layout)]
+        out = []
+        for k in range(len(groups)):
+            starts = [(name, dname, off + first[k] * size, n[k], size) for name, dname, size, off, n, first in fields]
+            used = [(start, start + count * size) for _, _, start, count, size in starts if count]
+            lo = min(a for a, _ in used) // ALIGN * ALIGN if used else 0
+            hi = max(b for _, b in used) if used else lo
+            out.append((lo, hi, [[name, dname, start - lo if count else 0, count]
+                                 for name, dname, start, count, _ in starts]))
+        return out
 
 
 def split_parts(batch: SampleBatch, groups: list[list[int]],

@@ -13,16 +13,26 @@ data. Two rules keep waiting from turning into deadlock:
 
 ``take_step`` enforces the staleness bound (``min_version``) and notices dead producers
 through an ``alive`` callback instead of waiting for its deadline.
+
+Same-host producers may *post* their parts instead (:meth:`BufferShard.attach`: a channel mailbox,
+``core/channels/posting.py``): a posted part is delivered once its record is in the mailbox, and
+enters the shard when the shard reads the mailbox (every ``take_step`` and ``put`` does, and the
+mailbox's doorbell wakes a waiting ``take_step`` only once the records it waits for are all
+there). Posted parts skip the capacity wait: the mailbox bounds how far a producer runs ahead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from typing import Any, Callable, Collection
 
-from distflow.buffer.batch import SampleBatch
+from distflow.buffer.batch import PackedPart, SampleBatch
 from distflow.core.aio import woken
+from distflow.core.channels.posting import Post
+
+log = logging.getLogger(__name__)
 
 
 class SourceLostError(RuntimeError):
@@ -71,12 +81,75 @@ class BufferShard:
         self._held_bytes = 0
         self._waiting = 0
         self._c: Counter[str] = Counter()
+        self._inbox: Any = None  # a channel mailbox (posting.Inbox) whose posts enter through ``_accept``
+        self._accept: Callable[[Post], None] | None = None
+        self._kick: asyncio.Task | None = None
+        self._stored: Any = None  # the post the last put_nowait stored
+
+    def attach(self, inbox: Any, accept: Callable[[Post], None]) -> None:
+        """Read same-host posts from ``inbox`` (``ShmChannel.open_mailbox``): ``accept(post)`` stores
+        each with :meth:`put_nowait` (or drops it; what it raises is logged and counted)."""
+        self._inbox, self._accept = inbox, accept
+        inbox.waker = self._rang
+
+    def _rang(self) -> None:
+        """The mailbox's doorbell: what a waiting taker armed for is there; wake it (one task per ring)."""
+        if self._kick is None or self._kick.done():
+            self._kick = asyncio.get_running_loop().create_task(self._notify(), name=f"{self.name}-posts")
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._pump()
+            self._cond.notify_all()
+
+    def _pump(self) -> None:
+        """Move every part posted to the attached mailbox into the shard (synchronous: callers hold
+        the condition's lock or run between awaits)."""
+        if self._inbox is None:
+            return
+        for post in self._inbox.drain():
+            self._stored = None
+            try:
+                self._accept(post)  # type: ignore[misc]
+            except Exception as e:  # noqa: BLE001 - a bad post is dropped, never the taker
+                self._c["posts_refused"] += 1
+                if self._c["posts_refused"] <= 3 or self._c["posts_refused"] % 1000 == 0:
+                    log.warning("%s: refused a post from %s (%s: %s)", self.name, post.sender, type(e).__name__, e)
+            if self._stored is not post:  # dropped (late, duplicate, malformed): the producer may reuse it
+                post.release()
+        self._stored = None
+
+    def _arm(self) -> bool:
+        """Ask the mailbox to ring once the posts the waiting takers miss are there; True if they are
+        already (read them instead of sleeping)."""
+        if self._inbox is None or not self._takers:
+            return False
+        if len(self._takers) > 1:  # several steps awaited: any post wakes
+            return self._inbox.arm(None, 1)
+        step, srcs = self._takers[0]
+        have = self._parts.get(step, {})
+        missing = sum(1 for x in srcs if x not in have)
+        return missing > 0 and self._inbox.arm(step, missing)
+
+    def put_nowait(self, batch: Any, *, step: int, source: str) -> None:
+        """Store a posted part now (no capacity wait); DuplicatePartError for a second part of (step, source)."""
+        key = (step, source)
+        if key in self._taken or key in self._reserved or source in self._parts.get(step, {}):
+            raise DuplicatePartError(f"{self.name}: duplicate part for step {step} from {source!r}")
+        self._parts.setdefault(step, {})[source] = batch
+        n = len(batch)
+        self._held_samples += n
+        self._held_bytes += batch.nbytes()
+        self._c["in"] += n
+        self._c["puts"] += 1
+        self._c["posted_parts"] += 1
+        self._stored = getattr(batch, "post", None)  # (what _pump must not release)
 
     # ------------------------------------------------------------------ producer side
     async def put(self, batch: SampleBatch, *, step: int, source: str, timeout: float) -> None:
         """Add ``source``'s part of ``step``; waits (up to ``timeout``) while the shard is full."""
-        if not isinstance(batch, SampleBatch):
-            raise TypeError(f"BufferShard.put expects a SampleBatch, got {type(batch).__name__}")
+        if not isinstance(batch, (SampleBatch, PackedPart)):
+            raise TypeError(f"BufferShard.put expects a SampleBatch (or a PackedPart), got {type(batch).__name__}")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not isinstance(source, str) or not source:
@@ -84,6 +157,7 @@ class BufferShard:
         key = (step, source)
         n = len(batch)
         async with self._cond:
+            self._pump()  # posted parts first: this part may complete a step together with them
             if key in self._reserved:  # a first copy still waits for room: its fate decides this one's
                 self._waiting += 1  # (its admission or failure then wakes us)
                 try:
@@ -115,7 +189,8 @@ class BufferShard:
                 # wake takers only when this part completes a step one of them waits for (a step's N
                 # parts would otherwise wake each taker N times), or producers waiting for room
                 have = self._parts[step]
-                if self._waiting or any(s == step and all(x in have for x in srcs) for s, srcs in self._takers):
+                if self._waiting or any(s == step and all(x in have for x in srcs) for s, srcs in self._takers) \
+                        or self._arm():  # (re-armed: a taker's missing posts are fewer now, or all there)
                     self._cond.notify_all()
             finally:
                 self._reserved.discard(key)
@@ -154,6 +229,7 @@ class BufferShard:
             self._cond.notify_all()  # producers blocked on this step may enter now
             try:
                 while True:
+                    self._pump()
                     have = self._parts.get(step, {})
                     missing = [s for s in srcs if s not in have]
                     if not missing:
@@ -174,12 +250,20 @@ class BufferShard:
                                else f"{waited:.0f}s, the last {timeout:g}s without progress")
                         raise TimeoutError(f"{self.name}: step {step} incomplete after {why}; "
                                            f"missing parts from {missing} (have {sorted(have)})")
+                    if self._arm():
+                        continue  # the missing parts were posted meanwhile
                     await woken(self._cond.wait(), min(remaining, self._poll) if alive else remaining)
                 parts = [have[s] for s in srcs]
                 nonempty = [p for p in parts if len(p)]
-                # one non-empty part is returned as is (no copy); else concat raises, keeping the
-                # parts, if their fields disagree
-                batch = nonempty[0] if len(nonempty) == 1 else SampleBatch.concat(parts)
+                # one non-empty part is returned as is (no copy: a packed one as views of its buffer);
+                # else concat raises, keeping the parts, if their fields disagree
+                if len(nonempty) == 1:
+                    batch = nonempty[0].to_batch() if isinstance(nonempty[0], PackedPart) else nonempty[0]
+                else:
+                    batch = SampleBatch.concat(parts)
+                for p in parts:
+                    if isinstance(p, PackedPart) and p is not (nonempty[0] if len(nonempty) == 1 else None):
+                        p.release()  # copied out (or empty): its producer may reuse the memory
                 for s in srcs:
                     del have[s]
                     self._taken.add((step, s))
@@ -215,12 +299,15 @@ class BufferShard:
         knew that would hold capacity for the whole run). Returns the number of parts dropped;
         a later copy of one of them counts as a duplicate."""
         async with self._cond:
+            self._pump()
             dropped = 0
             for s in [s for s in self._parts if s < step]:
                 for source, part in self._parts.pop(s).items():
                     self._held_samples -= len(part)
                     self._held_bytes -= part.nbytes()
                     self._taken.add((s, source))
+                    if isinstance(part, PackedPart):
+                        part.release()
                     dropped += 1
             if dropped:
                 self._c["discarded_parts"] += dropped
@@ -245,4 +332,6 @@ class BufferShard:
             "bytes_held": self._held_bytes,
             "parts_held": sum(len(p) for p in self._parts.values()),
             "stale_rejected": self._c["stale_rejected"],
+            "posted_parts": self._c["posted_parts"],
+            "posts_refused": self._c["posts_refused"],
         }

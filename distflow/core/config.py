@@ -73,6 +73,9 @@ class Config(BaseModel):
         "owner", description="owner = hash(sample_id) mod trainers; tokens = balance each step's tokens across trainers")
     channel: Literal["zmq", "shm", "auto"] = Field(
         "auto", description="data-plane transport; auto = shm to peers on this host, zmq to others")
+    posting: bool = Field(
+        True, description="with shared memory, rollout nodes post each step's parts to the trainers on their host "
+                          "(a record in the trainer's mailbox, no message per part); false = a message per part")
     weight_transport: Literal["auto", "channel", "cuda_ipc", "nccl"] = Field(
         "auto", description="how weights reach rollout nodes: auto = cuda_ipc when trainer and rollout share a GPU, "
                             "nccl between different GPUs (with the NCCL channel), the data channel otherwise")

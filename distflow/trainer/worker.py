@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from distflow.buffer.batch import SampleBatch
-from distflow.buffer.redistribute import parse_part
+from distflow.buffer.redistribute import open_ingress, parse_packed
 from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.core.channels import Envelope
+from distflow.core.channels.posting import Post
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.rl.weight_transport import resolve_transport, serving_plan
@@ -152,7 +153,9 @@ class SampleInbox:
     shard (its node was down) can arrive twice, or after its step was trained: the first part
     wins, repeats are acknowledged and dropped (counted). The rollout stages' counters
     (skipped / resampled / dropped prompts) ride on each shard's part 0 and are summed per step.
-    ``num_rows``: the prompt set's row count, as the rollout nodes read it (a resume compares it)."""
+    ``num_rows``: the prompt set's row count, as the rollout nodes read it (a resume compares it).
+    Parts come as messages (:meth:`receive`) or, from rollout nodes on this host, as posts the
+    shard reads when it takes a step (:meth:`accept`; ``buffer.redistribute.open_ingress``)."""
 
     def __init__(self, rt: Runtime):
         self.rt, self.cfg = rt, rt.cfg
@@ -162,10 +165,12 @@ class SampleInbox:
         self.dropped = {"late": 0, "duplicate": 0}
         self.stage_stats: dict[int, dict[str, float]] = {}
         rt.on_data("samples", self.receive)
+        open_ingress(rt.channel, rt.shard, self.accept)
 
-    async def receive(self, env: Envelope) -> None:
+    def _admit(self, env: Envelope | Post) -> tuple[int, str, Any] | None:
+        """(step, source, part) of a received part, or None when it is late (counted)."""
         cfg = self.cfg
-        step, batch = parse_part(env)
+        step, batch = parse_packed(env)
         shard = env.meta.get("source_rank")
         if not isinstance(shard, int) or not 0 <= shard < cfg.rollout_nodes:
             raise ValueError(f"samples from {env.sender}: source_rank {shard!r} is not a shard of "
@@ -176,14 +181,36 @@ class SampleInbox:
             self.num_rows = env.meta["num_rows"]
         if step < self.consumed:
             self.dropped["late"] += 1
+            return None
+        return step, f"shard-{shard}", batch
+
+    async def receive(self, env: Envelope) -> None:
+        got = self._admit(env)
+        if got is None:
             return
+        step, source, batch = got
         try:
-            await self.rt.shard.put(batch, step=step, source=f"shard-{shard}", timeout=cfg.step_timeout_s)
+            await self.rt.shard.put(batch, step=step, source=source, timeout=self.cfg.step_timeout_s)
         except DuplicatePartError:  # two copies arrived at once
             self.dropped["duplicate"] += 1
             return
-        counts = env.meta.get("stage_stats")
-        if env.meta.get("part") == 0 and isinstance(counts, dict):
+        self._count(step, env.meta)
+
+    def accept(self, post: Post) -> None:
+        got = self._admit(post)
+        if got is None:
+            return
+        step, source, batch = got
+        try:
+            self.rt.shard.put_nowait(batch, step=step, source=source)
+        except DuplicatePartError:
+            self.dropped["duplicate"] += 1
+            return
+        self._count(step, post.meta)
+
+    def _count(self, step: int, meta: dict[str, Any]) -> None:
+        counts = meta.get("stage_stats")
+        if meta.get("part") == 0 and isinstance(counts, dict):
             mine = self.stage_stats.setdefault(step, {})
             for k, v in counts.items():
                 if isinstance(k, str) and type(v) in (int, float) and math.isfinite(v):
@@ -372,7 +399,10 @@ async def run_trainer(rt: Runtime) -> None:
         else:
             evals.finish()
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png", evals.writer.path)
-    log.info("trainer rank %d: done after %d steps (dropped parts: %s)", rank, step, inbox.dropped)
+    st = rt.shard.stats()
+    log.info("trainer rank %d: done after %d steps (dropped parts: %s; parts taken in %d, of them posted by "
+             "same-host nodes %d, posts refused %d)", rank, step, inbox.dropped, st["puts"], st["posted_parts"],
+             st["posts_refused"])
 
 
 def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:

@@ -27,7 +27,7 @@ from distflow.core.channels.zmq_channel import ZmqChannel
 
 KINDS = ("zmq", "shm", "nccl", "auto")
 _SHM_KW = frozenset({"shm_min_bytes", "shm_copy_below", "shm_release_delay", "max_free_slots", "mapping_idle_s",
-                     "sweep_min_age", "local_socket"})
+                     "sweep_min_age", "local_socket", "posting", "max_shared_buffers"})
 _NCCL_KW = frozenset({"device", "nccl_timeout"})
 
 __all__ = [

@@ -9,7 +9,8 @@ so callers depend on nothing transport-specific.
 Delivery contract (all backends):
 
 * ``send`` returns only after the receiver's handler has *accepted* the message (the
-  ack is sent after the handler returns), so an awaiting handler is backpressure.
+  ack is sent after the handler returns), so an awaiting handler is backpressure. What the
+  handler returned (a small msgpack-able value) rides on the ack and ``send`` returns it.
 * A handler that raises makes the receiver NACK with the error text; the sender
   raises :class:`RemoteError`. No answer before the deadline: :class:`TimeoutError`
   naming the peer and the kind.
@@ -105,8 +106,9 @@ class TensorChannel(ABC):
         meta: dict[str, Any],
         tensors: dict[str, torch.Tensor],
         timeout: float,
-    ) -> None:
-        """Deliver one message; returns once the peer's handler accepted it."""
+    ) -> Any:
+        """Deliver one message; returns once the peer's handler accepted it, with what the handler
+        returned (None for most handlers; a channel's own internal kinds answer with a small map)."""
 
     @abstractmethod
     async def close(self) -> None:

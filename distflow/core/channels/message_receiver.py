@@ -148,7 +148,7 @@ class MessageReceiver:
         return self._start_handler(ident, header, frames[4:])
 
     def _start_handler(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool:
-        self._counters["recv_msgs"] += 1
+        self._counters["internal_msgs_in" if header["kind"].startswith("__") else "recv_msgs"] += 1
         task = asyncio.create_task(self._handle(ident, header, payload),
                                    name=f"channel-handle-{self.node_id}<-{header['from']}#{header['seq']}")
         self._handler_tasks.add(task)
@@ -182,18 +182,16 @@ class MessageReceiver:
         return True
 
     async def _handle(self, ident: bytes, header: dict[str, Any], payload: list[zmq.Frame]) -> None:
-        code, err = "ok", ""
+        code, err, reply = "ok", "", None
         try:
             tensors = await self._receive_payload(header, payload, ident)
             self._counters["recv_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
-            if self._handler is None:
-                raise PayloadError("no_handler", f"node {self.node_id} has no handler installed")
             env = Envelope(header["from"], header["kind"], header["meta"], tensors)
             del tensors
             try:
-                await self._handler(env)
+                reply = await self._call_handler(env)
                 del env  # tensors the handler did not keep die now, before the ack (shm: release rides on it)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, PayloadError):  # (no handler, or a refused internal message)
                 raise
             except Exception as e:
                 self._counters["handler_errors"] += 1
@@ -210,7 +208,14 @@ class MessageReceiver:
             log.exception("channel %s: failed to unpack %r from %s", self.node_id, header["kind"], header["from"])
             self._drop("internal_error", repr(e))
             code, err = "internal_error", f"{type(e).__name__}: {e}"
-        await self._send_ack(ident, header, code, err)
+        await self._send_ack(ident, header, code, err, reply)
+
+    async def _call_handler(self, env: Envelope) -> Any:
+        """The user's handler (subclasses answer their own internal kinds first). What it returns
+        (a small msgpack-able value, or None) rides on the ack and is what ``send`` returns."""
+        if self._handler is None:
+            raise PayloadError("no_handler", f"node {self.node_id} has no handler installed")
+        return await self._handler(env)
 
     async def _receive_payload(self, header: dict[str, Any], payload: list[Any],
                                ident: bytes) -> dict[str, torch.Tensor]:
@@ -243,12 +248,14 @@ class MessageReceiver:
         self._handler_tasks.add(t)
         t.add_done_callback(self._handler_tasks.discard)
 
-    async def _send_ack(self, ident: bytes, header: dict[str, Any], code: str, err: str) -> None:
+    async def _send_ack(self, ident: bytes, header: dict[str, Any], code: str, err: str, reply: Any = None) -> None:
         if self._closed or self._router is None:
             return
         ack = {"t": "ack", "from": self.node_id, "to": header["from"], "sess": header["sess"],
                "seq": header["seq"], "ok": code == "ok", "code": code, "err": err[:4000],
                **self._ack_extra(ident, header)}
+        if reply is not None:
+            ack["reply"] = reply
         if code != "ok":
             self._counters["nacks_sent"] += 1
         body = msgpack.packb(ack, use_bin_type=True)

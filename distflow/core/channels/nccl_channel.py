@@ -236,13 +236,13 @@ class NcclChannel(ShmChannel):
                 "nccl_comms": len(self._out) + len(self._in)}
 
     # ------------------------------------------------------------------ communicators
-    async def _dispatch(self, env: Envelope) -> None:
+    async def _dispatch(self, env: Envelope) -> Any:
         if env.kind == INIT_KIND:
             await self._accept_comm(env)
-            return
+            return None
         if self._user_handler is None:
             raise PayloadError("no_handler", f"node {self.node_id} has no handler installed")
-        await self._user_handler(env)
+        return await self._user_handler(env)
 
     async def _accept_comm(self, env: Envelope) -> None:
         uid, comm_id, replaces = env.meta.get("uid"), env.meta.get("comm"), env.meta.get("replaces")
@@ -369,11 +369,10 @@ class NcclChannel(ShmChannel):
             return c
 
     # ------------------------------------------------------------------ send
-    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
         cuda = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_cuda}
         if not cuda or self._no_nccl.get(peer, 0.0) > time.monotonic():
-            await super()._send(peer, kind, meta, tensors)  # CUDA tensors, if any, go through host memory
-            return
+            return await super()._send(peer, kind, meta, tensors)  # CUDA tensors, if any, go through host memory
         self._check_send_args(peer, kind, meta, tensors)
         for k, t in cuda.items():
             if t.device.index != self.device:
@@ -386,8 +385,7 @@ class NcclChannel(ShmChannel):
             log.warning("channel %s: no NCCL to %s (%s); CUDA tensors go through host memory for %.0f s",
                         self.node_id, peer.node_id, e.message, NO_NCCL_RETRY_S)
             self._no_nccl[peer] = time.monotonic() + NO_NCCL_RETRY_S
-            await super()._send(peer, kind, meta, tensors)
-            return
+            return await super()._send(peer, kind, meta, tensors)
         headers = [codec.tensor_header(k, t) for k, t in cuda.items()]
         contiguous = all(t.is_contiguous() for t in cuda.values())
         bufs = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in cuda.values()]

@@ -43,6 +43,10 @@ Payload bytes in shared memory are not MACed (the signed header names the segmen
 the same uid, and any process of that uid can read the cluster secret anyway).
 Peers on another host, or payloads under ``shm_min_bytes``, travel as inline frames.
 
+Posting (:mod:`.posting`, same host, kinds a peer opened a mailbox for): a part is a record in the
+peer's shared-memory mailbox pointing into a buffer both map, with no message, ack or wake-up per
+part; the stage handoff uses it (``buffer.redistribute.scatter``).
+
 Zero-copy sends (``lend``): a producer that writes its payload itself (the weight gather) can
 ask for a slot first and fill it in place; the first send of tensors viewing that slot copies
 nothing. A lent slot is reused only after the receiver released it *and* the lender freed every
@@ -68,9 +72,10 @@ import torch
 import zmq
 
 from distflow.core.channels import codec
-from distflow.core.channels.base import Endpoint, RemoteError, log
+from distflow.core.channels.base import Endpoint, Envelope, RemoteError, log
 from distflow.core.channels.copy_pool import CopyPool, size_class
 from distflow.core.channels.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
+from distflow.core.channels.posting import MBOX_KIND, Posting
 from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
     _NAME_RE,
     MIN_SEGMENT,
@@ -139,8 +144,9 @@ class _Mapping:
     last_used: float
 
 
-class ShmChannel(ZmqChannel):
-    """ZmqChannel whose payloads to same-host peers go through reused shared memory."""
+class ShmChannel(Posting, ZmqChannel):
+    """ZmqChannel whose payloads to same-host peers go through reused shared memory (and, for kinds a
+    peer opened a mailbox for, may be posted without a message: :mod:`.posting`)."""
 
     transport = "shm"
 
@@ -158,12 +164,19 @@ class ShmChannel(ZmqChannel):
         mapping_idle_s: float = 300.0,
         sweep_min_age: float = 2.0,
         local_socket: bool = True,
+        posting: bool = True,
+        max_shared_buffers: int = 16,
         **kw: Any,
     ) -> None:
         super().__init__(node_id, secret, host, port, **kw)
         if not isinstance(local_socket, bool):
             raise ValueError(f"local_socket must be a bool, got {local_socket!r}")
+        if not isinstance(posting, bool):
+            raise ValueError(f"posting must be a bool, got {posting!r}")
         self._use_local = local_socket and local_available()
+        self._use_posting = posting and self._use_local
+        self._init_posting(max_shared_buffers)
+        self._peer_bufs.idle_s = mapping_idle_s
         self._local: LocalRouter | None = None
         if not shm_available():
             raise OSError(f"shared memory directory {SHM_DIR} is not available; use the zmq channel")
@@ -204,9 +217,12 @@ class ShmChannel(ZmqChannel):
                 log.warning("channel %s: no same-host socket (%s); same-host peers use TCP", self.node_id, e)
             else:
                 self._serve(self._local, "recv-local")
+                if self._use_posting:
+                    self._start_posting(self.port)
 
     async def close(self) -> None:
         await super().close()
+        self._close_posting()
         for h in (self._rel_timer, self._rel_soon):
             if h is not None:
                 h.cancel()
@@ -233,7 +249,13 @@ class ShmChannel(ZmqChannel):
             "local_socket": self._local is not None,
             "local_connects": self._counters["local_connects"],
             "local_refused": self._local.refused if self._local is not None else 0,  # another user's connections
+            "mailbox": self._posting_stats(),
         }
+
+    async def _call_handler(self, env: Envelope) -> Any:
+        if env.kind == MBOX_KIND:  # a same-host producer introducing itself or a new buffer (posting.py)
+            return await self._answer_intro(env)
+        return await super()._call_handler(env)
 
     def is_local(self, peer: Endpoint) -> bool:
         return peer.host in self._local_hosts
@@ -256,14 +278,13 @@ class ShmChannel(ZmqChannel):
         return self._local if ident[:1] == IDENT_TAG and self._local is not None else self._router
 
     # ------------------------------------------------------------------ send
-    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
         # These NACKs mean the handler did not run. "shm_unavailable": the receiver could not open
         # the segment; retry once with a fresh one (the failed one is retired), then go inline.
         # "unsupported_payload": the receiver is a plain zmq channel; go inline at once.
         for attempt in range(3):
             try:
-                await super()._send(peer, kind, meta, tensors)
-                return
+                return await super()._send(peer, kind, meta, tensors)
             except RemoteError as e:
                 if e.code not in ("shm_unavailable", "unsupported_payload") or attempt == 2:
                     raise

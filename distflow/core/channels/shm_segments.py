@@ -158,17 +158,27 @@ def _map_segment(path: str, size: int | None = None, create: bool = False) -> mm
             os.close(fd)
 
 
-def create_segment(size: int) -> tuple[str, mmap.mmap]:
-    """A new segment of ``size`` bytes (name, mapping), registered for cleanup until unlinked."""
+def reserve_name() -> tuple[str, str]:
+    """A fresh segment name and its path, registered for cleanup (atexit, SIGTERM, the sweep after a
+    crash) until :func:`_unlink`; :func:`release_name` forgets one whose creation failed."""
     global _counter
     _counter += 1
     name = f"{PREFIX}.{_MY_TAG}.{os.urandom(4).hex()}.{_counter}"
-    path = os.path.join(SHM_DIR, name)
     with _owned_lock:
         _owned.add(name)
+    return name, os.path.join(SHM_DIR, name)
+
+
+def release_name(name: str) -> None:
+    with _owned_lock:
+        _owned.discard(name)
+
+
+def create_segment(size: int) -> tuple[str, mmap.mmap]:
+    """A new segment of ``size`` bytes (name, mapping), registered for cleanup until unlinked."""
+    name, path = reserve_name()
     try:
         return name, _map_segment(path, size, create=True)
     except BaseException:
-        with _owned_lock:
-            _owned.discard(name)
+        release_name(name)
         raise

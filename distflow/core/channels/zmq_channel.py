@@ -259,6 +259,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
             "sent_msgs": c["sent_msgs"],
             "sent_bytes": c["sent_bytes"],
             "recv_msgs": c["recv_msgs"],
+            "internal_msgs": c["internal_msgs_out"] + c["internal_msgs_in"],  # (channel-to-channel, e.g. posting)
             "recv_bytes": c["recv_bytes"],
             "handler_errors": c["handler_errors"],
             "nacks_sent": c["nacks_sent"],
@@ -290,10 +291,10 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         meta: dict[str, Any],
         tensors: dict[str, torch.Tensor],
         timeout: float,
-    ) -> None:
+    ) -> Any:
         try:
             async with asyncio.timeout(timeout):
-                await self._send(peer, kind, meta, tensors)
+                return await self._send(peer, kind, meta, tensors)
         except TimeoutError:
             self._counters["send_timeouts"] += 1
             self._reset_peer(peer)
@@ -316,18 +317,19 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         if not isinstance(tensors, dict):
             raise TypeError(f"tensors must be a dict of name -> torch.Tensor, got {type(tensors).__name__}")
 
-    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
         self._check_send_args(peer, kind, meta, tensors)
         out = await self._prepare_payload(peer, tensors)
         acked = False
         try:
-            await self._send_prepared(peer, kind, meta, out)
+            reply = await self._send_prepared(peer, kind, meta, out)
             acked = True
+            return reply
         finally:
             if out.release is not None:
                 out.release(acked)
 
-    async def _send_prepared(self, peer: Endpoint, kind: str, meta: dict[str, Any], out: Outgoing) -> None:
+    async def _send_prepared(self, peer: Endpoint, kind: str, meta: dict[str, Any], out: Outgoing) -> Any:
         p = self._peer_out(peer)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
@@ -365,8 +367,12 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         if not ack.get("ok"):
             self._counters["remote_errors"] += 1
             raise RemoteError(peer.node_id, kind, str(ack.get("code", "error")), str(ack.get("err", "")))
-        self._counters["sent_msgs"] += 1
-        self._counters["sent_bytes"] += out.nbytes
+        if kind.startswith("__"):  # the channel's own (a same-host introduction): not the caller's traffic
+            self._counters["internal_msgs_out"] += 1
+        else:
+            self._counters["sent_msgs"] += 1
+            self._counters["sent_bytes"] += out.nbytes
+        return ack.get("reply")
 
     async def _send_chunks(self, p: _PeerOut, seq: int, out: Outgoing, answered: asyncio.Future) -> None:
         """Stream chunk messages ``[MAGIC_CHUNK, (seq, index), tag, data]``: while libzmq's I/O thread
