@@ -134,8 +134,12 @@ def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
         b = other["stats"]
         for key in ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        # Adam's first step moves each weight by lr * g / (|g| + eps): lr (0.01) whatever g is, except for a
+        # gradient near eps, whose update amplifies the reduction-order rounding of a packed two-rank
+        # gradient (seen: 2.8e-6 on one weight in 4096, torch 2.13 on AMD EPYC). 1e-5 is 0.1% of a step;
+        # a wrong gradient moves weights by a whole step.
         for name, t in one["state"].items():
-            assert torch.allclose(t, other["state"][name], atol=1e-6), name
+            assert torch.allclose(t, other["state"][name], atol=1e-5), name
 
 
 def test_grad_sync_mode():
