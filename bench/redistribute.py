@@ -10,7 +10,9 @@ the raw transport. Everything is measured in one run, on this machine, with real
    Both modes use the channel ``make_channel(kind)`` gives (default ``auto``: shared memory
    between processes of one host, as a real node would use) on the event loop nodes run
    (uvloop, ``distflow.core.aio.run_loop``), the same library calls
-   (``scatter`` / ``shard_receiver`` / ``gather_step``), every byte delivered and acked:
+   (``scatter`` / ``shard_receiver`` + ``open_ingress`` / ``gather_step``), every byte delivered:
+   on shared memory a part is *posted* (a record in the consumer's mailbox, no message or ack per
+   part: ``core/channels/posting.py``), unless ``--posting off`` makes it an acked message:
    * peer-to-peer: every producer ``scatter``s its batch straight to the owners (DistFlow);
    * single controller (baseline): every producer sends its whole batch to one controller
      process, which gathers the step, splits it by owner and sends each consumer its part
@@ -27,7 +29,8 @@ the raw transport. Everything is measured in one run, on this machine, with real
      i.e. the speed-up when every process has its own core, as on a cluster;
    * ``*_thread_cpu_ms``: the part of the total spent outside the processes' main threads (the
      zmq I/O threads), which tells Python work from transport work.
-   ``--shm-copy-below`` / ``--shm-release-delay`` set those shm channel keywords for an A/B run.
+   ``--shm-copy-below`` / ``--shm-release-delay`` / ``--posting`` set those shm channel keywords
+   for an A/B run.
 2. Channel bandwidth, one sender process and one receiver process, 16 MiB messages (``--bw-mib``), each
    acknowledged (``--window`` messages in flight, same for channel and baseline):
    * zmq channel (signed header; 16 MiB is streamed in 1 MiB chunks, each AES-GMAC'd; acked) vs a plain TCP socket
@@ -521,6 +524,8 @@ def main() -> None:
                     help="handoff: the shm channel's shm_copy_below (bytes; default: the channel's own)")
     ap.add_argument("--shm-release-delay", type=float, default=None,
                     help="handoff: the shm channel's shm_release_delay (seconds; default: the channel's own)")
+    ap.add_argument("--posting", choices=["on", "off"], default=None,
+                    help="handoff: same-host parts posted to mailboxes (on, the default) or sent as messages")
     args = ap.parse_args()
     if args.worker:
         worker_main()
@@ -539,7 +544,11 @@ def main() -> None:
         ap.error(f"--parts: unknown part(s) {sorted(parts - {'handoff', 'bandwidth'})} (known: handoff, bandwidth)")
     if "handoff" in parts:
         chan_kw = {k: v for k, v in (("shm_copy_below", args.shm_copy_below),
-                                     ("shm_release_delay", args.shm_release_delay)) if v is not None}
+                                     ("shm_release_delay", args.shm_release_delay),
+                                     ("posting", None if args.posting is None else args.posting == "on"))
+                   if v is not None}
+        if chan_kw and args.channel == "zmq":
+            ap.error("--shm-copy-below, --shm-release-delay and --posting are shared-memory channel options")
         figures.update(chan_kw)
         run_handoff(sizes, reps, cores, args.channel, per_sample, figures, chan_kw)
     if "bandwidth" in parts:
