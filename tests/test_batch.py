@@ -72,7 +72,7 @@ def test_concat_of_packed_parts_and_batches_equals_concat_of_batches():
     (lambda lay: [e for e in lay if e[0] != "prompt_lens"], "needs 'prompt_lens'"),
     (lambda lay: [[*e[:3], e[3] - 1] if e[0] == "response_tokens" else e for e in lay], "flat values"),
     (lambda lay: [[*e[:3], e[3] - 1] if e[0] == "policy_version" else e for e in lay], "expected shape"),
-    (lambda lay: [[["x"], *lay[0][1:]], *lay[1:]], "strings"),
+    (lambda lay: [[["x"], *lay[0][1:]], *lay[1:]], "entries"),
 ])
 def test_check_packed_names_what_is_wrong(bad, match):
     from distflow.buffer.batch import check_packed

@@ -159,6 +159,8 @@ class SampleBatch:
         batches = [b for b in batches if len(b)]
         if not batches:
             return cls.empty()
+        if all(type(b) is PackedPart for b in batches):
+            return _concat_packed(batches)
         views = [b.field_bytes() for b in batches]
         names = set(views[0])
         for v in views[1:]:
@@ -301,6 +303,45 @@ def _schema(names: tuple, dnames: tuple) -> _Schema:
     return schema
 
 
+_PAD = np.zeros(ALIGN_BYTES := 64, dtype=np.uint8)
+
+
+def _concat_packed(parts: list[PackedPart]) -> SampleBatch:
+    """SampleBatch.concat of checked packed parts, as one packed buffer: every field's bytes out of
+    every part's buffer in ONE numpy copy (a call per field and part costs more than the bytes of a
+    small step), then a view per field."""
+    from distflow.core.channels.codec import DTYPES
+
+    first = parts[0].layout
+    shape = [(e[0], e[1]) for e in first]
+    for p in parts[1:]:
+        if len(p.layout) != len(first) or any(e[0] != n or e[1] != d for e, (n, d) in zip(p.layout, shape)):
+            raise ValueError(f"cannot concat packed parts with fields {shape} and {[e[:2] for e in p.layout]}")
+    arrs = [p.buf if isinstance(p.buf, np.ndarray) else p.buf.numpy() for p in parts]
+    layouts = [p.layout for p in parts]
+    srcs: list[np.ndarray] = []
+    fields = []
+    pos = 0
+    for i, (name, dname) in enumerate(shape):
+        dtype = DTYPES[dname]
+        size, start = dtype.itemsize, pos
+        for a, lay in zip(arrs, layouts):
+            off, n = lay[i][2], lay[i][3] * size
+            srcs.append(a[off:off + n])
+            pos += n
+        fields.append((name, dtype, start, (pos - start) // size))
+        if pos % ALIGN_BYTES:
+            srcs.append(_PAD[:ALIGN_BYTES - pos % ALIGN_BYTES])
+            pos += ALIGN_BYTES - pos % ALIGN_BYTES
+    out = np.empty(pos, dtype=np.uint8)
+    if pos:
+        np.concatenate(srcs, out=out)
+    tensors = {name: torch.frombuffer(out, dtype=dtype, count=n, offset=start) if n else torch.empty(0, dtype=dtype)
+               for name, dtype, start, n in fields}
+    return SampleBatch([s for p in parts for s in p.sample_ids], [q for p in parts for q in p.prompt_ids], tensors,
+                       [e for p in parts for e in p.extras])
+
+
 def _checked(layout: Any, buf: Any) -> tuple[tuple, tuple, tuple, _Schema]:
     """(names, byte offsets, counts, schema) of an (untrusted) packed layout, every entry checked to
     fit ``buf`` (a contiguous 1-D uint8 tensor, or a same-host post's numpy view); raises ValueError
@@ -314,13 +355,14 @@ def _checked(layout: Any, buf: Any) -> tuple[tuple, tuple, tuple, _Schema]:
         size = -1
     if size < 0:
         raise ValueError("the packed buffer must be a contiguous 1-D uint8 tensor")
-    if type(layout) is not list or not all(type(e) is list and len(e) == 4 for e in layout):
-        raise ValueError("packed layout must be a list of [name, dtype, offset, count] entries")
-    names, dnames, offs, counts = zip(*layout) if layout else ((), (), (), ())
     try:
-        schema = _SCHEMAS.get((names, dnames)) or _schema(names, dnames)
-    except TypeError:  # an unhashable name or dtype
-        raise ValueError("packed layout: field names and dtypes must be strings") from None
+        if type(layout) is not list:
+            raise TypeError
+        names, dnames, offs, counts = zip(*layout) if layout else ((), (), (), ())  # (an entry not of 4: ValueError)
+        schema = _SCHEMAS.get((names, dnames)) or _schema(names, dnames)  # (unhashable names: TypeError)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"packed layout must be a list of [name, dtype, offset, count] entries "
+                         f"({e or 'not a list'})") from None
     for off, count, item in zip(offs, counts, schema.itemsizes):
         if type(off) is not int or type(count) is not int or off < 0 or count < 0 or off % item \
                 or off + count * item > size:

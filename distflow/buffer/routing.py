@@ -129,23 +129,25 @@ class Packer:
         concatenation, field by field): per group (lo, hi, its own layout relative to lo), lo 64-byte
         aligned, so a group is read as the packed part ``buf[lo:hi]`` (alignment kept)."""
         counts: dict[str | None, list[int]] = {None: [len(g) for g in groups]}
-        if self.lens:  # tokens per group: one bincount per lengths field (a Python sum per group costs more)
-            gid = np.full(len(self.batch), len(groups), dtype=np.int64)  # (samples of no group: a bin of their own)
-            for k, g in enumerate(groups):
-                gid[g] = k
-            for ln in self.lens:
-                bins = np.bincount(gid, weights=self.lens_np[ln], minlength=len(groups) + 1)
-                counts[ln] = bins[:len(groups)].astype(np.int64).tolist()
+        for ln, lens in self.lens.items():
+            get = lens.__getitem__
+            counts[ln] = [sum(map(get, g)) for g in groups]
         fields = [(name, dname, size, off, counts[ln], list(itertools.accumulate(counts[ln], initial=0)))
                   for (name, dname, size, _, ln), (_, _, off, _) in zip(self.fields, layout)]
         out = []
-        for k in range(len(groups)):
-            starts = [(name, dname, off + first[k] * size, n[k], size) for name, dname, size, off, n, first in fields]
-            used = [(start, start + count * size) for _, _, start, count, size in starts if count]
-            lo = min(a for a, _ in used) // ALIGN * ALIGN if used else 0
-            hi = max(b for _, b in used) if used else lo
-            out.append((lo, hi, [[name, dname, start - lo if count else 0, count]
-                                 for name, dname, start, count, _ in starts]))
+        for k in range(len(groups)):  # (a group's fields lie in field order: the first and last used bound it)
+            entries, lo, hi = [], -1, 0
+            for name, dname, size, off, n, first in fields:
+                c = n[k]
+                if c:
+                    start = off + first[k] * size
+                    if lo < 0:
+                        lo = start // ALIGN * ALIGN
+                    hi = start + c * size
+                    entries.append([name, dname, start - lo, c])
+                else:
+                    entries.append([name, dname, 0, 0])
+            out.append((max(lo, 0), hi, entries))
         return out
 
 
