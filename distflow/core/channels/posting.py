@@ -230,7 +230,7 @@ class Inbox:
                 meta = e
             if not isinstance(meta, dict) or not (0 <= doff and 0 <= dlen <= room - doff) or cell >= MAX_CELLS:
                 bufs.release(reg.node, name, cell, use)
-                self._drop("bad_post", f"from {reg.node}: {meta if isinstance(meta, dict) else repr(meta)[:200]}")
+                self._drop("bad_post", f"from {reg.node}: {'data outside its buffer' if isinstance(meta, dict) else meta}")
                 continue
             out.append(Post(reg.node, meta, m, HEADER + doff, HEADER + doff + dlen, cell, use))
         self.counters["read"] += len(out)
