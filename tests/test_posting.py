@@ -409,3 +409,51 @@ def test_a_scatter_posts_to_local_consumers_and_sends_to_the_others():
             await c.close()
 
     run(main())
+
+
+def test_parts_of_discarded_or_duplicate_steps_are_released():
+    """A resumed consumer discards steps below its start; a part posted twice is kept once: what the
+    shard drops goes back to its producer, whose buffer is reused (one buffer for the whole run)."""
+
+    async def main():
+        ((c, shard),) = await consumers(1)
+        p = make_channel("shm", "p", SECRET)
+        await p.start()
+        for step in range(3):
+            await scatter(p, batch("p", step, 4, step), [ep(c)], step=step, source_rank=0, timeout=10)
+        assert p.stats()["mailbox"]["shared_buffers"] == 3  # three steps in flight, none taken yet
+        assert await shard.discard_before(2) == 2  # steps 0 and 1, read from the mailbox first
+        assert len(await gather_step(shard, 2, ["p"], timeout=10)) == 4
+        gc.collect()
+        await scatter(p, batch("p", 3, 4, 3), [ep(c)], step=3, source_rank=0, timeout=10)
+        await scatter(p, batch("p", 3, 4, 3), [ep(c)], step=3, source_rank=0, timeout=10)  # a repeat
+        got = await gather_step(shard, 3, ["p"], timeout=10)
+        assert len(got) == 4 and shard.stats()["posts_refused"] == 1  # (DuplicatePartError, logged)
+        del got
+        gc.collect()
+        for step in range(4, 8):
+            await scatter(p, batch("p", step, 4, step), [ep(c)], step=step, source_rank=0, timeout=10)
+            await gather_step(shard, step, ["p"], timeout=10)
+        assert p.stats()["mailbox"]["shared_buffers"] == 3  # the discarded, repeated and taken parts came back
+        await p.close()
+        await c.close()
+
+    run(main())
+
+
+def test_two_takers_of_different_steps_are_both_woken():
+    async def main():
+        ((c, shard),) = await consumers(1)
+        p = make_channel("shm", "p", SECRET)
+        await p.start()
+        takes = [asyncio.create_task(gather_step(shard, s, ["p"], timeout=10)) for s in (1, 0)]
+        await asyncio.sleep(0.05)
+        for step in (0, 1):
+            await scatter(p, batch("p", step, 3, step), [ep(c)], step=step, source_rank=0, timeout=10)
+        t0 = time.monotonic()
+        assert [len(b) for b in await asyncio.gather(*takes)] == [3, 3]
+        assert time.monotonic() - t0 < 1.0
+        await p.close()
+        await c.close()
+
+    run(main())
