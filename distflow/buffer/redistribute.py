@@ -130,7 +130,8 @@ async def _post(channel: TensorChannel, batch: SampleBatch, groups: list[list[in
     posters = {k: known(consumers[k], kind) for k in wanted}
     unknown = [k for k, p in posters.items() if p is UNKNOWN]
     if unknown:
-        found = await asyncio.gather(*(channel.poster(consumers[k], kind) for k in unknown))  # type: ignore[attr-defined]
+        poster = channel.poster  # type: ignore[attr-defined]
+        found = await asyncio.gather(*(poster(consumers[k], kind) for k in unknown))
         posters.update(zip(unknown, found))
     local = [k for k in wanted if posters[k] is not None]
     if not local:

@@ -84,11 +84,14 @@ class BufferShard:
         self._inbox: Any = None  # a channel mailbox (posting.Inbox) whose posts enter through ``_accept``
         self._accept: Callable[[Post], None] | None = None
         self._kick: asyncio.Task | None = None
-        self._stored: Any = None  # the post the last put_nowait stored
+        self._post: Post | None = None  # the post _accept is looking at
+        self._stored = False  # ... and whether it stored it
 
     def attach(self, inbox: Any, accept: Callable[[Post], None]) -> None:
         """Read same-host posts from ``inbox`` (``ShmChannel.open_mailbox``): ``accept(post)`` stores
-        each with :meth:`put_nowait` (or drops it; what it raises is logged and counted)."""
+        each with :meth:`put_nowait`, as ``redistribute.parse_packed(post)`` returns it (a packed part
+        that views the producer's buffer: the shard releases it when the part leaves), or drops it;
+        what it raises is logged and counted, and a post not stored is released at once."""
         self._inbox, self._accept = inbox, accept
         inbox.waker = self._rang
 
@@ -108,16 +111,16 @@ class BufferShard:
         if self._inbox is None:
             return
         for post in self._inbox.drain():
-            self._stored = None
+            self._post, self._stored = post, False
             try:
                 self._accept(post)  # type: ignore[misc]
             except Exception as e:  # noqa: BLE001 - a bad post is dropped, never the taker
                 self._c["posts_refused"] += 1
                 if self._c["posts_refused"] <= 3 or self._c["posts_refused"] % 1000 == 0:
                     log.warning("%s: refused a post from %s (%s: %s)", self.name, post.sender, type(e).__name__, e)
-            if self._stored is not post:  # dropped (late, duplicate, malformed): the producer may reuse it
+            if not self._stored:  # dropped (late, duplicate, malformed): the producer may reuse it
                 post.release()
-        self._stored = None
+        self._post = None
 
     def _arm(self) -> bool:
         """Ask the mailbox to ring once the posts the waiting takers miss are there; True if they are
@@ -131,8 +134,10 @@ class BufferShard:
         missing = sum(1 for x in srcs if x not in have)
         return missing > 0 and self._inbox.arm(step, missing)
 
-    def put_nowait(self, batch: Any, *, step: int, source: str) -> None:
+    def put_nowait(self, batch: PackedPart, *, step: int, source: str) -> None:
         """Store a posted part now (no capacity wait); DuplicatePartError for a second part of (step, source)."""
+        if self._post is None or not isinstance(batch, PackedPart) or batch.post is not self._post:
+            raise TypeError("put_nowait stores the post being accepted, as parse_packed returns it")
         key = (step, source)
         if key in self._taken or key in self._reserved or source in self._parts.get(step, {}):
             raise DuplicatePartError(f"{self.name}: duplicate part for step {step} from {source!r}")
@@ -143,7 +148,7 @@ class BufferShard:
         self._c["in"] += n
         self._c["puts"] += 1
         self._c["posted_parts"] += 1
-        self._stored = getattr(batch, "post", None)  # (what _pump must not release)
+        self._stored = True  # (released when it leaves the shard)
 
     # ------------------------------------------------------------------ producer side
     async def put(self, batch: SampleBatch, *, step: int, source: str, timeout: float) -> None:
@@ -255,14 +260,15 @@ class BufferShard:
                     await woken(self._cond.wait(), min(remaining, self._poll) if alive else remaining)
                 parts = [have[s] for s in srcs]
                 nonempty = [p for p in parts if len(p)]
-                # one non-empty part is returned as is (no copy: a packed one as views of its buffer);
-                # else concat raises, keeping the parts, if their fields disagree
-                if len(nonempty) == 1:
-                    batch = nonempty[0].to_batch() if isinstance(nonempty[0], PackedPart) else nonempty[0]
+                # one non-empty part is returned as is (no copy: a packed one as views of its buffer,
+                # released when they die); else concat raises, keeping the parts, if their fields disagree
+                kept = nonempty[0] if len(nonempty) == 1 else None
+                if kept is not None:
+                    batch = kept.to_batch() if isinstance(kept, PackedPart) else kept
                 else:
                     batch = SampleBatch.concat(parts)
                 for p in parts:
-                    if isinstance(p, PackedPart) and p is not (nonempty[0] if len(nonempty) == 1 else None):
+                    if p is not kept and isinstance(p, PackedPart):
                         p.release()  # copied out (or empty): its producer may reuse the memory
                 for s in srcs:
                     del have[s]

@@ -169,14 +169,6 @@ class Mailbox:
         finally:
             seg.unlock()
 
-    def disarm(self) -> None:
-        seg = self._seg
-        seg.lock()
-        try:
-            _ARMED.pack_into(seg.mm, _ARMED_OFF, 0, 0, 0)
-        finally:
-            seg.unlock()
-
     def close(self) -> None:
         """Drops the mapping and the liveness lock: writers see the owner gone from now on."""
         self._seg.close()

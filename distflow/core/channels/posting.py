@@ -8,14 +8,15 @@ per part) pointing into a buffer the producer shares with every local consumer
 :class:`~.shm_channel.ShmChannel` both ends:
 
 * consumer: ``open_mailbox(kind)`` returns an :class:`Inbox`; ``Inbox.drain()`` turns every new
-  record into an :class:`Envelope` (verified; its tensors view the producer's buffer, whose release
-  cell is stored once they die), ``Inbox.arm(tag, need)`` asks for the doorbell once ``need``
-  records tagged ``tag`` are there, and ``Inbox.waker`` is called when it rings.
+  record into a :class:`Post` (verified: its sender, its meta, a view of its bytes in the
+  producer's buffer, released explicitly or when kept views die), ``Inbox.arm(tag, need)`` asks for
+  the doorbell once ``need`` records tagged ``tag`` are there, and ``Inbox.waker`` is called when
+  it rings.
 * producer: ``await poster(peer, kind)`` (None when ``peer`` has no mailbox for ``kind`` on this
   host; asked again after ``RETRY_S``), ``await shared_buffer(nbytes, reserve)`` (a free pool
   buffer, else a new one, introduced to every consumer before use), ``post(poster, buf, tag, meta,
-  tensors)`` (False: send that part as a message instead: the ring is full, the mailbox's owner is
-  gone, or the buffer's meta area is), then ``finish(buf)``.
+  lo, hi)`` (bytes [lo, hi) of the buffer; False: send that part as a message instead: the ring is
+  full, the mailbox's owner is gone, or the buffer's meta area is), then ``finish(buf)``.
 
 Introductions are signed channel messages of the internal kind ``__mbox``, acked after the consumer
 mapped the buffers they name; the first one's reply names the mailbox, a writer cell, the owner's
@@ -159,7 +160,7 @@ class _Writer:
 
 
 class Inbox:
-    """A consumer's mailbox of one kind, read into Envelopes (see the module docstring)."""
+    """A consumer's mailbox of one kind, read into :class:`Post` s (see the module docstring)."""
 
     def __init__(self, ch: "Posting", kind: str):
         self._ch = ch
@@ -195,9 +196,6 @@ class Inbox:
         """See :meth:`Mailbox.arm`: True when ``need`` undrained records tagged ``tag`` are there now."""
         return self.mailbox.arm(tag, need)
 
-    def disarm(self) -> None:
-        self.mailbox.disarm()
-
     def drain(self) -> list[Post]:
         """Every record posted since the last drain, as :class:`Post` s (what does not verify is
         dropped and counted)."""
@@ -230,7 +228,8 @@ class Inbox:
                 meta = e
             if not isinstance(meta, dict) or not (0 <= doff and 0 <= dlen <= room - doff) or cell >= MAX_CELLS:
                 bufs.release(reg.node, name, cell, use)
-                self._drop("bad_post", f"from {reg.node}: {'data outside its buffer' if isinstance(meta, dict) else meta}")
+                why = "data outside its buffer" if isinstance(meta, dict) else meta
+                self._drop("bad_post", f"from {reg.node}: {why}")
                 continue
             out.append(Post(reg.node, meta, m, HEADER + doff, HEADER + doff + dlen, cell, use))
         self.counters["read"] += len(out)
