@@ -101,8 +101,7 @@ class BufferShard:
             self._kick = asyncio.get_running_loop().create_task(self._notify(), name=f"{self.name}-posts")
 
     async def _notify(self) -> None:
-        async with self._cond:
-            self._pump()
+        async with self._cond:  # (the taker reads the mailbox itself when it wakes)
             self._cond.notify_all()
 
     def _pump(self) -> None:
