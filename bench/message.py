@@ -1,11 +1,14 @@
 """Benchmark: the fixed CPU cost of one data-plane message against a raw socket round trip.
 
-Why it exists: a peer-to-peer stage handoff sends one message per (producer, consumer) pair,
-P x C messages a step, where a single controller sends P + C. Whether moving each byte once
-also costs less CPU than routing it through one process (``bench/redistribute.py``'s
-``p2p_cpu_ms_N`` vs ``single_cpu_ms_N``) is therefore decided by the fixed cost of one
-message: its signed header, the receiver's checks and handler task, the signed ack and the
-sender's wake-up on it. This measures that cost alone, next to its floor on the same machine.
+Why it exists: a peer-to-peer stage handoff has one part per (producer, consumer) pair, P x C
+parts a step, where a single controller handles P + C. Sent as messages, whether moving each byte
+once also cost less CPU than routing it through one process (``bench/redistribute.py``'s
+``p2p_cpu_ms_N`` vs ``single_cpu_ms_N``) was decided by the fixed cost of one message: its signed
+header, the receiver's checks and handler task, the signed ack and the sender's wake-up on it.
+This measures that cost alone, next to its floor on the same machine. Parts for consumers on the
+same host are now posted instead (a record in the consumer's mailbox, ``core/channels/posting.py``;
+``bench/redistribute.py --posting off`` times them as messages); parts to other hosts, and every
+other kind of message, still pay this.
 
 Two processes, a sender and a receiver, one message in flight (each send awaits its ack):
 * channel: ``make_channel(kind)`` on both ends (default ``auto``: shared memory on one host, as
