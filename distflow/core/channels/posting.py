@@ -51,17 +51,11 @@ from distflow.core.channels import codec
 from distflow.core.channels.base import Endpoint, Envelope, log
 from distflow.core.channels.mailbox import DEAD, FULL, MAX_WRITERS, RANG, RECORD, Doorbell, Mailbox, MailboxWriter
 from distflow.core.channels.payload_mac import PayloadError
-from distflow.core.channels.shared_buffers import (
-    HEADER,
-    MAX_CELLS,
-    PeerBuffers,
-    SharedBuffer,
-    SharedBufferPool,
-    release_cell,
-)
+from distflow.core.channels.shared_buffers import HEADER, MAX_CELLS, SharedBuffer, SharedBufferPool, release_cell
 from distflow.core.channels.shm_segments import (
     _NAME_RE,
     SHM_DIR,
+    Mappings,
     _proc_start_ticks,
     _unlink,
     release_name,
@@ -203,7 +197,7 @@ class Inbox:
         if not raw:
             return []
         ch = self._ch
-        bufs, digest, unpack = ch._peer_bufs, ch._auth.digest, msgpack.unpackb
+        maps, digest, unpack = ch._maps, ch._auth.digest, msgpack.unpackb
         out = []
         for w, seq, rec in raw:
             reg = self._writers[w]
@@ -212,7 +206,7 @@ class Inbox:
                 self._drop("bad_record", f"cell {w}")
                 continue
             name = rec[NAME_OFF:NAME_OFF + nlen].decode("ascii", "replace")
-            m = bufs.get(reg.node, name)
+            m = maps.get(reg.node, name)
             room = -1 if m is None else m.size - HEADER  # the buffer's data bytes
             if not (0 <= moff and 0 < mlen <= room - moff):
                 self._drop("unmapped_buffer", f"{name} from {reg.node}")
@@ -227,13 +221,14 @@ class Inbox:
             except (ValueError, msgpack.UnpackException) as e:
                 meta = e
             if not isinstance(meta, dict) or not (0 <= doff and 0 <= dlen <= room - doff) or cell >= MAX_CELLS:
-                bufs.release(reg.node, name, cell, use)
+                if cell < MAX_CELLS:
+                    release_cell(m.mm, cell, use)
                 why = "data outside its buffer" if isinstance(meta, dict) else meta
                 self._drop("bad_post", f"from {reg.node}: {why}")
                 continue
             out.append(Post(reg.node, meta, m, HEADER + doff, HEADER + doff + dlen, cell, use))
         self.counters["read"] += len(out)
-        bufs.expire()
+        maps.expire()
         return out
 
     def _drop(self, reason: str, detail: str) -> None:
@@ -255,6 +250,7 @@ class Posting:
     _auth: Authenticator
     _session: bytes
     _counters: Counter[str]
+    _maps: Mappings
 
     if TYPE_CHECKING:
         def is_local(self, peer: Endpoint) -> bool: ...
@@ -264,7 +260,6 @@ class Posting:
     def _init_posting(self, max_shared_buffers: int) -> None:
         self._bell: Doorbell | None = None
         self._inboxes: dict[str, Inbox] = {}
-        self._peer_bufs = PeerBuffers()
         self._posters: dict[tuple[Endpoint, str], Poster | float] = {}  # a float: no mailbox, ask after it
         self._intro_locks: dict[tuple[Endpoint, str], asyncio.Lock] = {}
         self._shared = SharedBufferPool(max_shared_buffers)
@@ -288,7 +283,6 @@ class Posting:
                 p.writer.close()
         self._posters.clear()
         self._shared.close()
-        self._peer_bufs.clear()
 
     def _rang(self) -> None:
         for inbox in list(self._inboxes.values()):
@@ -303,7 +297,7 @@ class Posting:
                                                                         for p in self._posters.values()),
                 "shared_buffers": len(self._shared.buffers),
                 "shared_bytes": sum(b.capacity for b in self._shared.buffers),
-                "peer_buffers": len(self._peer_bufs), "inboxes": inboxes,
+                "inboxes": inboxes,
                 "rings_sent": self._bell.rings_sent if self._bell else 0,
                 "rings_received": self._bell.rings_received if self._bell else 0}
 
@@ -326,9 +320,12 @@ class Posting:
             raise PayloadError("bad_header", "introduction: 'maps' must be a list of segment names")
         for name in maps:
             try:
-                self._peer_bufs.map(env.sender, name)
+                m = self._maps.open(env.sender, name, unlink=False)
             except (OSError, ValueError) as e:
                 raise PayloadError("shm_unavailable", f"cannot map shared buffer {name}: {e}") from None
+            if m.size <= HEADER:
+                self._maps.drop(env.sender, name)
+                raise PayloadError("shm_unavailable", f"shared buffer {name} is too small ({m.size} bytes)")
         if want is None:
             return {}
         session, pid, ticks = meta.get("session"), meta.get("pid"), meta.get("ticks")

@@ -18,16 +18,14 @@ comes later maps the same buffers) and go at exit like every segment of :mod:`.s
 from __future__ import annotations
 
 import mmap
-import os
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from distflow.core.channels.copy_pool import size_class
-from distflow.core.channels.shm_segments import SHM_DIR, _map_segment, _unlink, reserve_name, release_name
+from distflow.core.channels.shm_segments import _map_segment, _unlink, release_name, reserve_name
 
 HEADER = 4096  # release cells, then the data (64-byte aligned)
 CELLS_OFF = 64
@@ -121,66 +119,6 @@ class SharedBufferPool:
         for b in self.buffers:
             b.close()
         self.buffers.clear()
-
-
-@dataclass(eq=False)
-class _Mapped:
-    mm: mmap.mmap
-    size: int
-    last_used: float
-
-    def __post_init__(self) -> None:
-        self.arr = np.frombuffer(self.mm, dtype=np.uint8)  # the whole segment (release cells, then data)
-
-
-class PeerBuffers:
-    """A consumer's mappings of its producers' buffers, keyed by (producer node id, name)."""
-
-    def __init__(self, idle_s: float = 300.0):
-        self._maps: dict[tuple[str, str], _Mapped] = {}
-        self.idle_s = idle_s
-        self._expired_at = 0.0
-
-    def map(self, sender: str, name: str) -> None:
-        """Map a buffer a producer introduced (raises OSError/ValueError when it cannot be mapped)."""
-        key = (sender, name)
-        if key in self._maps:
-            return
-        mm = _map_segment(os.path.join(SHM_DIR, name))
-        if len(mm) <= HEADER:
-            mm.close()
-            raise ValueError(f"shared buffer {name} is too small ({len(mm)} bytes)")
-        self._maps[key] = _Mapped(mm, len(mm), time.monotonic())
-
-    def get(self, sender: str, name: str) -> _Mapped | None:
-        m = self._maps.get((sender, name))
-        if m is not None:
-            m.last_used = time.monotonic()
-        return m
-
-    def release(self, sender: str, name: str, cell: int, use: int) -> None:
-        """Release a part of a mapped buffer (its consumer is done with it)."""
-        m = self._maps.get((sender, name))
-        if m is not None and 0 <= cell < MAX_CELLS:
-            release_cell(m.mm, cell, use)
-
-    def mapped(self, sender: str, name: str) -> bool:
-        return (sender, name) in self._maps
-
-    def expire(self) -> None:
-        """Unmap (once no view is left) buffers unused for ``idle_s`` (a dead or retired producer's)."""
-        now = time.monotonic()
-        if now - self._expired_at < 1.0:
-            return
-        self._expired_at = now
-        for key in [k for k, m in self._maps.items() if now - m.last_used > self.idle_s]:
-            del self._maps[key]
-
-    def __len__(self) -> int:
-        return len(self._maps)
-
-    def clear(self) -> None:
-        self._maps.clear()
 
 
 def _free(b: SharedBuffer, gone: Callable[[Any], bool]) -> bool:

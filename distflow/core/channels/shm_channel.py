@@ -56,12 +56,9 @@ view of it (a ``weakref.finalize`` on the lent array), so the lender may keep it
 from __future__ import annotations
 
 import asyncio
-import errno
 import mmap
-import os
 import socket
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +78,8 @@ from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (t
     MIN_SEGMENT,
     PREFIX,
     SHM_DIR,
+    Mapped,
+    Mappings,
     _map_segment,
     _unlink,
     cleanup_owned,
@@ -137,13 +136,6 @@ class _Pool:
     shm_ok: bool = True
 
 
-@dataclass(eq=False)
-class _Mapping:
-    mm: mmap.mmap
-    size: int
-    last_used: float
-
-
 class ShmChannel(Posting, ZmqChannel):
     """ZmqChannel whose payloads to same-host peers go through reused shared memory (and, for kinds a
     peer opened a mailbox for, may be posted without a message: :mod:`.posting`)."""
@@ -176,7 +168,6 @@ class ShmChannel(Posting, ZmqChannel):
         self._use_local = local_socket and local_available()
         self._use_posting = posting and self._use_local
         self._init_posting(max_shared_buffers)
-        self._peer_bufs.idle_s = mapping_idle_s
         self._local: LocalRouter | None = None
         if not shm_available():
             raise OSError(f"shared memory directory {SHM_DIR} is not available; use the zmq channel")
@@ -192,7 +183,7 @@ class ShmChannel(Posting, ZmqChannel):
         self._mapping_idle_s = mapping_idle_s
         self._sweep_min_age = sweep_min_age
         self._pools: dict[Endpoint, _Pool] = {}
-        self._maps: dict[tuple[str, str], _Mapping] = {}  # (sender, segment name) -> mapping
+        self._maps = Mappings(mapping_idle_s)  # senders' message slots and producers' shared buffers
         self._local_hosts = _local_addresses(host)
         self._rel_pending: dict[bytes, tuple[str, bytes, list[list[Any]]]] = {}  # ident -> (sender, sess, slots)
         self._rel_timer: asyncio.TimerHandle | None = None  # flushes what is still deferred (shm_release_delay)
@@ -201,7 +192,6 @@ class ShmChannel(Posting, ZmqChannel):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._rx_pool = CopyPool()  # private copies of payloads under shm_copy_below
-        self._expired_at = 0.0
 
     async def start(self) -> None:
         install_hooks()
@@ -230,7 +220,7 @@ class ShmChannel(Posting, ZmqChannel):
             for s in pool.slots:
                 s.close()
         self._pools.clear()
-        self._maps.clear()  # a mapping still viewed by live tensors is unmapped when they die
+        self._maps.clear()
         self._rx_pool.clear()
 
     def _extra_stats(self) -> dict[str, Any]:
@@ -443,8 +433,8 @@ class ShmChannel(Posting, ZmqChannel):
         sender = header["from"]
         for name in info.get("retire") or []:
             if isinstance(name, str):
-                self._maps.pop((sender, name), None)
-        self._expire_mappings()
+                self._maps.drop(sender, name)
+        self._maps.expire()
         headers = codec.validate_headers(header.get("tens"), self._max_message_bytes)
         name, use, offsets = info.get("seg"), info.get("use"), info.get("offsets")
         if not isinstance(name, str) or not _NAME_RE.match(name):
@@ -452,10 +442,7 @@ class ShmChannel(Posting, ZmqChannel):
         if (not isinstance(offsets, list) or len(offsets) != len(headers) or not isinstance(use, int)
                 or not all(isinstance(o, int) and o >= 0 and o % codec.ALIGN == 0 for o in offsets)):
             raise PayloadError("bad_header", "shm offsets do not match the tensor headers")
-        m = self._maps.get((sender, name))
-        if m is None:
-            m = self._open(sender, name)
-        m.last_used = time.monotonic()
+        m = self._maps.get(sender, name) or self._open(sender, name)
         if any(o + h["nbytes"] > m.size for o, h in zip(offsets, headers)):
             raise PayloadError("bad_payload", f"tensor extends past the end of segment {name} ({m.size} bytes)")
         spans = [(o, o + h["nbytes"]) for o, h in zip(offsets, headers) if h["nbytes"]]
@@ -483,30 +470,13 @@ class ShmChannel(Posting, ZmqChannel):
         self._counters["shm_recvs"] += 1
         return {h["name"]: out[h["name"]] for h in headers}
 
-    def _open(self, sender: str, name: str) -> _Mapping:
-        path = os.path.join(SHM_DIR, name)
+    def _open(self, sender: str, name: str) -> Mapped:
         try:
-            mm = _map_segment(path)
+            return self._maps.open(sender, name, unlink=True)
         except FileNotFoundError:
             raise PayloadError("shm_unavailable", f"segment {name} does not exist on {self.node_id}'s host") from None
         except (OSError, ValueError) as e:
             raise PayloadError("shm_unavailable", f"cannot map segment {name}: {e}") from None
-        try:
-            os.unlink(path)  # the mapping keeps the memory; the name must not outlive us
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                log.warning("channel %s: could not unlink %s: %s", self.node_id, name, e)
-        m = _Mapping(mm, len(mm), time.monotonic())
-        self._maps[(sender, name)] = m
-        return m
-
-    def _expire_mappings(self) -> None:
-        now = time.monotonic()
-        if now - self._expired_at < 1.0:  # a scan per message would cost more than the mappings
-            return
-        self._expired_at = now
-        for key in [k for k, m in self._maps.items() if now - m.last_used > self._mapping_idle_s]:
-            del self._maps[key]  # unmapped once no tensor views it
 
     # ------------------------------------------------------------------ releases (receiver side)
     def _release_threadsafe(self, ident: bytes, sender: str, sess: bytes, name: str, use: int,

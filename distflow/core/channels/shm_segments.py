@@ -8,12 +8,15 @@ from leaking (see :mod:`.shm_channel` for how the channel uses them):
   ``posix_fallocate`` (a full tmpfs is a clean error, never SIGBUS);
 * the process remembers the names it created until they are unlinked; ``atexit`` and a SIGTERM
   hook (installed only if SIGTERM still has the default action) unlink what is left;
-* :func:`sweep_stale_segments` removes segments whose owner pid is gone or was reused (SIGKILL).
+* :func:`sweep_stale_segments` removes segments whose owner pid is gone or was reused (SIGKILL);
+* a receiver keeps what it mapped in a :class:`Mappings` table (a sender's message slots, a
+  producer's shared buffers), dropped after ``idle_s`` unused (the memory goes with the last view).
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import os
 import re
@@ -21,7 +24,10 @@ import signal
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from distflow.core.channels.base import log
 
@@ -182,3 +188,68 @@ def create_segment(size: int) -> tuple[str, mmap.mmap]:
     except BaseException:
         release_name(name)
         raise
+
+
+@dataclass(eq=False)
+class Mapped:
+    """One mapped segment: its mapping, its size, a uint8 view of all of it, when it was last used."""
+
+    mm: mmap.mmap
+    size: int
+    last_used: float
+
+    def __post_init__(self) -> None:
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+
+
+class Mappings:
+    """A receiver's mappings of other processes' segments, keyed by (sender node id, name): mapped
+    once, reused by every later message or post naming them, dropped after ``idle_s`` unused (a
+    dead or idle sender's; the memory goes when the last tensor viewing it does)."""
+
+    def __init__(self, idle_s: float = 300.0):
+        self._maps: dict[tuple[str, str], Mapped] = {}
+        self.idle_s = idle_s
+        self._expired_at = 0.0
+
+    def open(self, sender: str, name: str, *, unlink: bool) -> Mapped:
+        """Map ``name`` (a regular 0600 file of this user in SHM_DIR; OSError/ValueError otherwise);
+        ``unlink``: remove the name at once (a message slot: only this receiver maps it), else
+        leave it (a shared buffer: other consumers map it too; its owner removes it)."""
+        m = self._maps.get((sender, name))
+        if m is not None:
+            return m
+        path = os.path.join(SHM_DIR, name)
+        mm = _map_segment(path)
+        if unlink:
+            try:
+                os.unlink(path)  # the mapping keeps the memory; the name must not outlive us
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    log.warning("shm: could not unlink %s: %s", name, e)
+        m = self._maps[(sender, name)] = Mapped(mm, len(mm), time.monotonic())
+        return m
+
+    def get(self, sender: str, name: str) -> Mapped | None:
+        m = self._maps.get((sender, name))
+        if m is not None:
+            m.last_used = time.monotonic()
+        return m
+
+    def drop(self, sender: str, name: str) -> None:
+        self._maps.pop((sender, name), None)
+
+    def expire(self) -> None:
+        """Drop mappings unused for ``idle_s`` (at most one scan a second)."""
+        now = time.monotonic()
+        if now - self._expired_at < 1.0:  # a scan per message would cost more than the mappings
+            return
+        self._expired_at = now
+        for key in [k for k, m in self._maps.items() if now - m.last_used > self.idle_s]:
+            del self._maps[key]  # unmapped once no tensor views it
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def clear(self) -> None:
+        self._maps.clear()  # a mapping still viewed by live tensors is unmapped when they die
