@@ -36,6 +36,7 @@ import struct
 from typing import Callable
 
 from distflow.core.channels.base import log
+from distflow.core.channels.shm_segments import open_segment
 
 MAGIC = b"DFMB"
 VERSION = 1
@@ -95,13 +96,11 @@ class Mailbox:
     """The owner's side: created at ``path`` (an absent /dev/shm file), read by :meth:`drain`."""
 
     def __init__(self, path: str):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        mm, fd = open_segment(path, SIZE, create=True)
         try:
-            os.posix_fallocate(fd, 0, SIZE)  # a full tmpfs is a clean error here, never SIGBUS later
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _lock_struct(fcntl.F_WRLCK))  # held for life: liveness
-            mm = mmap.mmap(fd, SIZE)
         except BaseException:
-            os.close(fd)
+            _Segment(fd, mm).close()
             os.unlink(path)
             raise
         self._seg = _Segment(fd, mm)
@@ -184,20 +183,12 @@ class MailboxWriter:
     def __init__(self, path: str, writer: int, owner_pid: int):
         if not 0 <= writer < MAX_WRITERS:
             raise ValueError(f"mailbox writer cell {writer} out of range")
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid() or st.st_size != SIZE:
-                raise PermissionError(f"{path} is not a mailbox of this user ({st.st_size} bytes)")
-            mm = mmap.mmap(fd, SIZE)
-        except BaseException:
-            os.close(fd)
-            raise
-        if bytes(mm[:4]) != MAGIC or _HDR.unpack_from(mm, 0)[2] != owner_pid:
-            mm.close()
-            os.close(fd)
-            raise ValueError(f"{path} is not the mailbox of process {owner_pid}")
-        self._seg = _Segment(fd, mm)
+        mm, fd = open_segment(path)  # (a regular file of this user)
+        seg = _Segment(fd, mm)
+        if len(mm) != SIZE or bytes(mm[:4]) != MAGIC or _HDR.unpack_from(mm, 0)[2] != owner_pid:
+            seg.close()
+            raise ValueError(f"{path} is not the mailbox of process {owner_pid} ({len(mm)} bytes)")
+        self._seg = seg
         self.writer = writer
         self.owner_pid = owner_pid
         self.posted = 0  # my records so far (only I advance my cell's count)

@@ -140,28 +140,34 @@ def sweep_stale_segments(min_age_s: float = 2.0) -> list[str]:
     return removed
 
 
-def _map_segment(path: str, size: int | None = None, create: bool = False) -> mmap.mmap:
+def open_segment(path: str, size: int | None = None, create: bool = False) -> tuple[mmap.mmap, int]:
+    """(mapping, open fd) of a segment: created 0600 with ``posix_fallocate`` (``create``: a full
+    tmpfs is a clean OSError, never SIGBUS later; the file is removed again on failure), else an
+    existing regular file of this user, mapped whole. The caller owns the fd (locks are taken on it)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
             assert size is not None
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.close(fd)
-                fd = -1
-                os.unlink(path)
-                raise
+            os.posix_fallocate(fd, 0, size)
         else:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
                 raise PermissionError(f"{path} is not a regular file owned by this user")
             size = st.st_size
-        return mmap.mmap(fd, size)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+        return mmap.mmap(fd, size), fd
+    except BaseException:
+        os.close(fd)
+        if create:
+            os.unlink(path)
+        raise
+
+
+def _map_segment(path: str, size: int | None = None, create: bool = False) -> mmap.mmap:
+    """:func:`open_segment` without the fd (the mapping keeps the memory)."""
+    mm, fd = open_segment(path, size, create)
+    os.close(fd)
+    return mm
 
 
 def reserve_name() -> tuple[str, str]:
