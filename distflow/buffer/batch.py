@@ -159,28 +159,7 @@ class SampleBatch:
         batches = [b for b in batches if len(b)]
         if not batches:
             return cls.empty()
-        if all(type(b) is PackedPart for b in batches):
-            return _concat_packed(batches)
-        views = [b.field_bytes() for b in batches]
-        names = set(views[0])
-        for v in views[1:]:
-            if set(v) != names:
-                raise ValueError(f"cannot concat batches with fields {sorted(names)} and {sorted(v)}")
-        tensors = {}
-        for name, (dtype, _) in views[0].items():
-            parts = [v[name][1] for v in views]
-            if any(v[name][0] != dtype for v in views):
-                raise ValueError(f"cannot concat field {name!r} of different dtypes")
-            out = torch.empty(sum(p.nbytes for p in parts) // dtype.itemsize, dtype=dtype)
-            if out.numel():
-                np.concatenate(parts, out=out.view(torch.uint8).numpy())
-            tensors[name] = out
-        return cls(
-            [s for b in batches for s in b.sample_ids],
-            [p for b in batches for p in b.prompt_ids],
-            tensors,
-            [e for b in batches for e in b.extras],
-        )
+        return _join(batches)
 
     def field_bytes(self) -> dict[str, tuple[torch.dtype, np.ndarray]]:
         """{field: (dtype, its bytes as a uint8 numpy view)} (CPU fields; what :meth:`concat` copies)."""
@@ -258,11 +237,8 @@ class PackedPart:
         from distflow.core.channels.codec import DTYPES
 
         arr = self.buf if isinstance(self.buf, np.ndarray) else self.buf.numpy()
-        out = {}
-        for name, dname, off, count in self.layout:
-            dtype = DTYPES[dname]
-            out[name] = (dtype, arr[off:off + count * dtype.itemsize])
-        return out
+        return {name: (DTYPES[dname], arr[off:off + count * DTYPES[dname].itemsize])
+                for name, dname, off, count in self.layout}
 
 
 @dataclass(frozen=True)
@@ -303,43 +279,41 @@ def _schema(names: tuple, dnames: tuple) -> _Schema:
     return schema
 
 
-_PAD = np.zeros(ALIGN_BYTES := 64, dtype=np.uint8)
+_ALIGN = 64
+_PAD = np.zeros(_ALIGN, dtype=np.uint8)
 
 
-def _concat_packed(parts: list[PackedPart]) -> SampleBatch:
-    """SampleBatch.concat of checked packed parts, as one packed buffer: every field's bytes out of
-    every part's buffer in ONE numpy copy (a call per field and part costs more than the bytes of a
-    small step), then a view per field."""
-    from distflow.core.channels.codec import DTYPES
-
-    first = parts[0].layout
-    shape = [(e[0], e[1]) for e in first]
-    for p in parts[1:]:
-        if len(p.layout) != len(first) or any(e[0] != n or e[1] != d for e, (n, d) in zip(p.layout, shape)):
-            raise ValueError(f"cannot concat packed parts with fields {shape} and {[e[:2] for e in p.layout]}")
-    arrs = [p.buf if isinstance(p.buf, np.ndarray) else p.buf.numpy() for p in parts]
-    layouts = [p.layout for p in parts]
+def _join(batches: list[SampleBatch | PackedPart]) -> SampleBatch:
+    """:meth:`SampleBatch.concat` of non-empty batches: every field's bytes out of every batch (a
+    packed part's straight out of its buffer) into ONE buffer in ONE numpy copy (a call per field and
+    part costs more than the bytes of a small step), then a 64-byte aligned view per field."""
+    views = [b.field_bytes() for b in batches]
+    first = views[0]
+    for v in views[1:]:
+        if v.keys() != first.keys():
+            raise ValueError(f"cannot concat batches with fields {sorted(first)} and {sorted(v)}")
     srcs: list[np.ndarray] = []
     fields = []
     pos = 0
-    for i, (name, dname) in enumerate(shape):
-        dtype = DTYPES[dname]
-        size, start = dtype.itemsize, pos
-        for a, lay in zip(arrs, layouts):
-            off, n = lay[i][2], lay[i][3] * size
-            srcs.append(a[off:off + n])
-            pos += n
-        fields.append((name, dtype, start, (pos - start) // size))
-        if pos % ALIGN_BYTES:
-            srcs.append(_PAD[:ALIGN_BYTES - pos % ALIGN_BYTES])
-            pos += ALIGN_BYTES - pos % ALIGN_BYTES
+    for name, (dtype, _) in first.items():
+        start = pos
+        for v in views:
+            d, a = v[name]
+            if d != dtype:
+                raise ValueError(f"cannot concat field {name!r} of different dtypes ({dtype} and {d})")
+            srcs.append(a)
+            pos += a.nbytes
+        fields.append((name, dtype, start, (pos - start) // dtype.itemsize))
+        if pos % _ALIGN:
+            srcs.append(_PAD[:_ALIGN - pos % _ALIGN])
+            pos += _ALIGN - pos % _ALIGN
     out = np.empty(pos, dtype=np.uint8)
     if pos:
         np.concatenate(srcs, out=out)
     tensors = {name: torch.frombuffer(out, dtype=dtype, count=n, offset=start) if n else torch.empty(0, dtype=dtype)
                for name, dtype, start, n in fields}
-    return SampleBatch([s for p in parts for s in p.sample_ids], [q for p in parts for q in p.prompt_ids], tensors,
-                       [e for p in parts for e in p.extras])
+    return SampleBatch([s for b in batches for s in b.sample_ids], [q for b in batches for q in b.prompt_ids],
+                       tensors, [e for b in batches for e in b.extras])
 
 
 def _checked(layout: Any, buf: Any) -> tuple[tuple, tuple, tuple, _Schema]:
