@@ -424,10 +424,10 @@ class Posting:
         bytes for the posts' meta, mapped by every active poster's consumer; None when the pool is
         full of busy buffers or /dev/shm has no room. Call :meth:`finish` when done posting."""
         need = _align(nbytes) + reserve
-        buf = self._shared.acquire(need, lambda p: p.gone())
+        buf = self._shared.acquire(need, Poster.gone)
         if buf is None:
             try:
-                buf = self._shared.create(need, lambda p: p.gone())
+                buf = self._shared.create(need, Poster.gone)
             except OSError as e:
                 log.warning("channel %s: no shared buffer of %d bytes (%s); parts travel as messages",
                             self.node_id, need, e)
