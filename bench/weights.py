@@ -66,7 +66,7 @@ def rollout_main(kind: str, layers: int, q_out, q_in, cuda: bool = False) -> Non
     from distflow.core.aio import run_loop
     from distflow.core.channels import HandlerMux, make_channel
     from distflow.device import node_device
-    from distflow.rl.weights import WeightInbox
+    from distflow.weights import WeightInbox
 
     torch.set_num_threads(1)
     dev = node_device("cuda" if cuda else "cpu")
@@ -137,7 +137,7 @@ def trainer_main(rank: int, pg_port: int, kind: str, layers: int, reps: int, por
     from distflow.core.aio import run_loop
     from distflow.core.channels import Endpoint, make_channel
     from distflow.device import node_device
-    from distflow.rl.weights import BUCKET_BYTES, WeightPublisher, buckets
+    from distflow.weights import BUCKET_BYTES, WeightPublisher, buckets
     from distflow.trainer.gather import iter_weight_buckets
 
     torch.set_num_threads(1)

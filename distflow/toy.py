@@ -15,10 +15,11 @@ builds them from scratch, deterministically for a seed:
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
+
+from distflow.toy_gsm8k import build_gsm8k_model, write_rows  # write_rows: the one writer of generated datasets
 
 __all__ = [
     "TOY_CHARS",
@@ -152,8 +153,6 @@ def ensure_toy_model(out_dir: str | os.PathLike[str], *, seed: int = 0, kind: st
         if kind == "reward":
             build_toy_reward_model(out_dir, seed=seed)
         elif kind == "gsm8k":
-            from distflow.toy_gsm8k import build_gsm8k_model
-
             build_gsm8k_model(out_dir, seed=seed)
         else:
             build_toy_model(out_dir, seed=seed)
@@ -186,15 +185,3 @@ def make_toy_dataset(path: str | os.PathLike[str], n_rows: int, seed: int = 0) -
     return write_rows(path, n_rows, seed, row)
 
 
-def write_rows(path: str | os.PathLike[str], n_rows: int, seed: int, row) -> str:
-    """Write ``n_rows`` JSONL rows ``row(rng)`` with one ``random.Random(seed)``; returns the path.
-    The one writer of the generated toy datasets (successor, gsm8k)."""
-    if n_rows < 0:
-        raise ValueError(f"n_rows must be >= 0, got {n_rows}")
-    rng = random.Random(seed)
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with open(p, "w", encoding="utf-8") as f:
-        for _ in range(n_rows):
-            f.write(json.dumps(row(rng)) + "\n")
-    return str(p)

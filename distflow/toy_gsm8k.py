@@ -22,6 +22,7 @@ config on a real model directory.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -73,7 +74,6 @@ def make_problem(rng: random.Random) -> tuple[str, str, int]:
 
 def make_gsm8k_dataset(path: str | os.PathLike[str], n_rows: int, seed: int = 0) -> str:
     """Write ``n_rows`` JSONL rows ``{"question": ..., "answer": "... #### N"}``; deterministic for ``seed``."""
-    from distflow.toy import write_rows
 
     def row(rng: random.Random) -> dict:
         q, a, _ = make_problem(rng)
@@ -131,3 +131,17 @@ def build_gsm8k_model(out_dir: str | os.PathLike[str], *, seed: int = 0, hidden_
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out_dir), safe_serialization=True)
     return str(out_dir)
+
+
+def write_rows(path: str | os.PathLike[str], n_rows: int, seed: int, row) -> str:
+    """Write ``n_rows`` JSONL rows ``row(rng)`` with one ``random.Random(seed)``; returns the path.
+    The one writer of the generated toy datasets (successor, gsm8k)."""
+    if n_rows < 0:
+        raise ValueError(f"n_rows must be >= 0, got {n_rows}")
+    rng = random.Random(seed)
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w", encoding="utf-8") as f:
+        for _ in range(n_rows):
+            f.write(json.dumps(row(rng)) + "\n")
+    return str(p)

@@ -532,7 +532,7 @@ def test_full_state_gathers_a_tied_embedding_once(toy_model, world1):
     """The toy model's LM head is its embedding: the checkpoint gather gathers it once and
     keeps one host copy under both names (for a tied 0.5B-3B model, 0.5-1.2 GB less on rank 0).
     No tensor shares memory with the live parameters."""
-    from distflow.rl.weights import tied_names
+    from distflow.weights import tied_names
     from distflow.trainer import gather
     from distflow.trainer.actor import Actor
 

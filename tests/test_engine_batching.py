@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distflow.rl.weights import buckets
+from distflow.weights import buckets
 from distflow.rollout.engine import Completion, SamplingParams, TorchEngine
 from distflow.rollout import llama_forward
 from distflow.rollout.llama_forward import LlamaRunner, unsupported_reason
@@ -395,7 +395,7 @@ def test_partial_weights_delta(model_dir: str, other_dir: str, prompts: list[lis
     eng = TorchEngine(model_dir)
     other = TorchEngine(other_dir)
     norm = other.model.model.norm.weight.clone()
-    from distflow.rl.weights import WeightUpdate
+    from distflow.weights import WeightUpdate
 
     with pytest.raises(ValueError, match=r"missing \d+ key"):
         eng.load_weights(1, {"model.norm.weight": norm})

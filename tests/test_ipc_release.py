@@ -1,6 +1,6 @@
 """Who gives a CUDA IPC export's counts back when the importer never will: the exporter, for a
 message the receiving channel refused before any handler saw it, and for nothing else (see
-distflow/rl/weight_transport.py). Over real channels on a CPU, torch's release of a count
+distflow/weights/tiers.py). Over real channels on a CPU, torch's release of a count
 replaced by a recorder (CUDA cannot run here); the GPU test checks that torch then frees the
 trainer's block."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from distflow.core.channels import Endpoint, RemoteError, make_channel
-from distflow.rl import weight_transport
-from distflow.rl.weight_transport import send_ipc
+from distflow.weights import tiers as weight_transport
+from distflow.weights.tiers import send_ipc
 
 SECRET = "test-ipc-release-secret-0123456789abcdef"
 
@@ -75,7 +75,7 @@ def test_an_export_refused_before_any_handler_saw_it_is_released_by_the_exporter
 def test_a_refused_export_no_longer_pins_the_trainers_gpu_memory() -> None:
     """An exported block whose count nobody gives back stays allocated after the trainer frees it
     (torch keeps it in its IPC limbo); one refused before any handler saw it is freed."""
-    from distflow.rl.weight_transport import export_ipc, release_ipc
+    from distflow.weights.tiers import export_ipc, release_ipc
 
     def settled() -> int:
         gc.collect()

@@ -13,7 +13,7 @@ from unittest import mock
 import torch
 
 from distflow.buffer.batch import SampleBatch
-from distflow.rl.weights import WeightInbox, WeightUpdate
+from distflow.weights import WeightInbox, WeightUpdate
 from distflow.rollout import worker
 from distflow.rollout.worker import RolloutLoop
 

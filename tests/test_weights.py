@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distflow.core.channels import Endpoint, Envelope, make_channel
-from distflow.rl.weights import WeightInbox, WeightPublisher, buckets
+from distflow.weights import WeightInbox, WeightPublisher, buckets
 
 SECRET = "test-weights-secret-0123456789abcdef"
 T_BYTES = 64 << 10  # each toy tensor: 16384 fp32 = 64 KiB
@@ -494,7 +494,7 @@ def test_delta_compares_bytes_not_values() -> None:
 
 
 def test_resolve_transport_by_locality() -> None:
-    from distflow.rl.weight_transport import resolve_transport
+    from distflow.weights.tiers import resolve_transport
 
     assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=True) == "cuda_ipc"
     assert resolve_transport("auto", same_host=False, trainer_cuda=True, rollout_cuda=True) == "nccl"
@@ -524,7 +524,7 @@ def test_resolve_transport_by_locality() -> None:
 
 
 def test_rollout_nodes_are_served_from_their_own_host_with_the_load_even() -> None:
-    from distflow.rl.weight_transport import serving_plan
+    from distflow.weights.tiers import serving_plan
 
     # one host (distflow run): round-robin by rank
     one = [("t0", "h"), ("t1", "h")]
@@ -653,7 +653,7 @@ def test_channel_tier_stages_cuda_weights_through_host_memory(tmp_path) -> None:
 def test_cuda_ipc_exports_a_bucket_as_one_block() -> None:
     """A bucket gathered into one flat CUDA buffer is exported with one IPC handle (one event, one
     reference count), its tensors described as views; the count goes back with release_ipc."""
-    from distflow.rl.weight_transport import export_ipc, release_ipc
+    from distflow.weights.tiers import export_ipc, release_ipc
 
     flat = torch.zeros(4096, dtype=torch.uint8, device="cuda")
     bucket = {"w": flat[:1024].view(torch.bfloat16).view(16, 32), "b": flat[1024:1088].view(torch.float32),
@@ -735,7 +735,7 @@ def _ipc(*blocks: dict, empty: list | None = None) -> dict:
 def test_ipc_blocks_never_opened_are_released(monkeypatch) -> None:
     """Every exported block holds one count of the exporter's IPC counter: the inbox gives back
     the ones of an old version it drops; a failed import gives back the ones it did not open."""
-    from distflow.rl import weight_transport
+    from distflow.weights import tiers as weight_transport
 
     released: list[tuple[bytes, int]] = []
     monkeypatch.setattr(weight_transport, "_release_counter", lambda h, o: released.append((h, o)))
@@ -824,7 +824,7 @@ def test_an_ipc_export_waits_for_its_bucket_only(monkeypatch) -> None:
     waited for everything the trainer had queued when the send ran (its next step). The export
     now runs on the publisher's own stream, after that stream waited on the event recorded when
     the bucket was gathered (recorders: no GPU here; the cuda_ipc GPU tests run the real path)."""
-    from distflow.rl import weight_transport
+    from distflow.weights import tiers as weight_transport
 
     steps: list[tuple] = []
 
@@ -898,7 +898,7 @@ def test_ipc_export_is_one_block_per_storage() -> None:
     """A bucket (views of one flat buffer, as the gather makes it) is described as the storage it
     views: one block per storage, whatever the tensors' dtypes, offsets and strides; the views
     rebuilt from the flat bytes equal the originals. An empty tensor has no storage to share."""
-    from distflow.rl.weight_transport import open_views, storage_views
+    from distflow.weights.tiers import open_views, storage_views
 
     flat = torch.zeros(1024, dtype=torch.uint8)
     w = flat[0:96].view(torch.float32).view(4, 6)
@@ -922,7 +922,7 @@ def test_ipc_export_is_one_block_per_storage() -> None:
 
 def test_ipc_export_of_an_empty_tensor_shares_nothing(monkeypatch) -> None:
     """An empty storage has no IPC handle (torch returns None): it is described, not shared."""
-    from distflow.rl import weight_transport
+    from distflow.weights import tiers as weight_transport
 
     class EmptyCuda:  # what export_ipc reads of a zero-size CUDA tensor
         is_cuda, dtype, shape, device = True, torch.bfloat16, torch.Size([0, 8]), torch.device("cuda", 1)
@@ -943,7 +943,7 @@ def test_pinned_pool_reuses_the_smallest_fitting_buffer() -> None:
     """The staging pool (CUDA buckets -> host) takes the smallest free buffer that fits, wherever it
     sits in the free list, and hands it out once (it found it with list.remove, which compares
     tensors elementwise and raised on a buffer of another size before it)."""
-    from distflow.rl.weight_transport import PinnedPool
+    from distflow.weights.tiers import PinnedPool
 
     pool = PinnedPool()
     big = pool.stage({"w": torch.zeros(1024)})[1]
@@ -1061,7 +1061,7 @@ def test_a_spilled_bucket_is_copied_off_the_event_loop(monkeypatch) -> None:
     runs the real ones)."""
     import threading
 
-    from distflow.rl import weights as weights_mod
+    from distflow.weights import inbox as weights_mod
 
     copied_on: list[int] = []
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from distflow.device import local_gpu_index
-from distflow.rl.weight_transport import to_host
+from distflow.weights.tiers import to_host
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
 

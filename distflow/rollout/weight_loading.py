@@ -1,7 +1,7 @@
 """In-place, bucket-by-bucket weight loading into a live model.
 
 Why it exists: a rollout node receives a new weight version as a stream of buckets (see
-:mod:`distflow.rl.weights`). Loading must be all or nothing (a bad name, shape or dtype
+:mod:`distflow.weights`). Loading must be all or nothing (a bad name, shape or dtype
 anywhere leaves the current weights untouched), accept a tied parameter under any of its
 names, and copy each bucket straight into the model's parameters on the engine's device
 without ever building a second full copy of the model.
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from distflow.rl.weights import tied_names
+from distflow.weights import tied_names
 from distflow.rollout.protocol import Weights, head
 
 __all__ = ["WeightTarget"]

@@ -42,7 +42,7 @@ from distflow.rollout.llama_forward import KV_CACHE_FRACTION
 from distflow.rollout.stages import run_pipeline
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime, shard_cover
 from distflow.trace import Trace
-from distflow.rl.weights import WeightInbox
+from distflow.weights import WeightInbox
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits for the event loop

@@ -207,7 +207,7 @@ def tied_duplicates(model: torch.nn.Module) -> list[str]:
     """Names of parameters that are another parameter under a second name (a tied LM head), all
     but the first name of each: publishing those would move the same matrix twice (for a 0.5B
     model with a 136M-parameter tied embedding, over a quarter of the bytes of every sync)."""
-    from distflow.rl.weights import tied_names
+    from distflow.weights import tied_names
 
     return [name for names in tied_names(model) for name in names[1:]]
 

@@ -182,7 +182,7 @@ def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device |
     The tensors are views of their bucket's buffer (``save_pretrained`` and safetensors take
     them as they are). A tied parameter (an LM head that is the embedding) is gathered once:
     its other names get the same host tensor (``tied_names``)."""
-    from distflow.rl.weights import BUCKET_BYTES, tied_names
+    from distflow.weights import BUCKET_BYTES, tied_names
     from distflow.trainer.gather import iter_weight_buckets
 
     out: dict[str, torch.Tensor] = {}

@@ -34,7 +34,7 @@ from distflow.core.channels import Envelope
 from distflow.core.channels.posting import Post
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
-from distflow.rl.weight_transport import resolve_transport, serving_plan
+from distflow.weights.tiers import resolve_transport, serving_plan
 from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
@@ -42,7 +42,7 @@ from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
 from distflow.trainer.evaluation import EvalBook
 from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings, with_generated_mean
 from distflow.trace import Trace
-from distflow.rl.weights import WeightPublisher
+from distflow.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
