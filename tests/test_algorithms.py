@@ -1,4 +1,4 @@
-"""Tests for distflow.rl.algorithms against hand-computed numbers.
+"""Tests for the RL maths (distflow.rl) against hand-computed numbers.
 
 Every expected value is a literal worked out by hand (the arithmetic is in the comments),
 never by calling the function under test.
@@ -13,20 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distflow.rl.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    POLICY_LOSSES,
-    compute_gae,
-    group_advantages,
-    kl_k3,
-    masked_mean,
-    masked_sum,
-    masked_whiten,
-    policy_loss,
-    resolve,
-    rloo_advantages,
-    value_loss,
-)
+from distflow.rl.advantages import group_advantages, rloo_advantages
+from distflow.rl.gae import compute_gae, value_loss
+from distflow.rl.kl import kl_k3
+from distflow.rl.losses import policy_loss
+from distflow.rl.masked import masked_mean, masked_sum, masked_whiten
+from distflow.rl.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
 
 
 def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
@@ -402,7 +394,7 @@ def test_registries_and_resolve() -> None:
     assert resolve(ADVANTAGE_ESTIMATORS, "grpo", "advantage estimator") is group_advantages
     assert resolve(POLICY_LOSSES, "ppo", "policy loss") is policy_loss
     assert POLICY_LOSSES["grpo"] is policy_loss
-    fn = resolve(ADVANTAGE_ESTIMATORS, "distflow.rl.algorithms:rloo_advantages", "advantage estimator")
+    fn = resolve(ADVANTAGE_ESTIMATORS, "distflow.rl.advantages:rloo_advantages", "advantage estimator")
     assert fn is rloo_advantages
     assert resolve({}, "math:sqrt", "x")(9.0) == 3.0
 

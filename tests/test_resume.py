@@ -53,7 +53,7 @@ def test_resume_from_a_step_0_checkpoint_trains(toy_model, toy_data, tmp_path):
     resume at version 0 and gossip nothing that moves past 0, so the rollout nodes must learn
     the step some other way (``start_step``) instead of waiting for it until step_timeout_s."""
     from distflow.trainer.actor import Actor, data_order
-    from distflow.trainer.executor import build_context, save_checkpoint
+    from distflow.trainer.stages import build_context, save_checkpoint
     from tests.process_group import process_group, store_path
 
     out = tmp_path / "run"

@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, _suggest, load_workflow, plan
-from distflow.rl.names import (LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free names
+from distflow.rl.names import (GROUP_ESTIMATORS, LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free, from the catalog
                                LOSS_RECOMPUTE_DEFAULTS, SURROGATE_LOSS_NAMES, TOKEN_ESTIMATOR_NAMES)
 from distflow.rl.node_args import check_node_args  # torch-free
 
@@ -241,11 +241,10 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _algorithm(self) -> "Config":
-        group_estimators = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # = distflow.rl.GROUP_ESTIMATORS
         for n in self.workflow:  # what each stage reads of its node's args (a dotted fn: preflight)
             check_node_args(n, type(self).model_fields)
         for n in self.workflow:
-            if n.type.value == "COMPUTE" and n.fn in group_estimators and self.group_size < 2:
+            if n.type.value == "COMPUTE" and n.fn in GROUP_ESTIMATORS and self.group_size < 2:
                 raise ValueError(f"group_size: {self.group_size} gives workflow node {n.id!r} ({n.fn}, a group "
                                  f"baseline) all-zero advantages; use group_size >= 2")
             if n.type.value == "COMPUTE" and n.fn == "dynamic_sampling" and self.group_size < 2:

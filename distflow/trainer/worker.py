@@ -36,7 +36,8 @@ from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.weights.tiers import resolve_transport, serving_plan
 from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
-from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
+from distflow.step import train_half
+from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
 from distflow.trainer.evaluation import EvalBook
@@ -350,7 +351,7 @@ async def run_trainer(rt: Runtime) -> None:
         actor.total_steps = inbox.total
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
-        stats = await on_gpu(run_pipeline, pipeline, ctx, batch)
+        stats = await on_gpu(train_half, pipeline, ctx, batch)
         n, reward, stale, truncated, resp_tokens = await on_gpu(step_summary, actor, batch, step)
         t_weights = time.perf_counter()
         await publish(actor.version)
