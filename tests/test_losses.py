@@ -376,3 +376,46 @@ def test_torch_free_names_match_the_registries() -> None:
 
     assert sorted(COMPUTE_NAMES) == sorted(COMPUTE_FUNCTIONS)
     assert sorted(POLICY_LOSS_NAMES) == sorted(POLICY_LOSSES)
+
+
+# Two samples of 3 tokens where every option key changes a loss that reads it (worked by hand):
+# log ratios row 0 [0.5, -0.5, 0.3] (A = +1), row 1 [-0.7, 0.4, -0.6] (A = -1).
+#   clip_high: row 0's ratio e^0.5 = 1.65 (A > 0) is cut at 1 + clip_high, 1.01 or 1.2; GSPO's
+#     sequence ratio e^0.1 = 1.105 at 1.01 or not at 1.2; CISPO's weight min(1.65, 1 + clip_high).
+#   clip_low: row 1's ratio e^-0.7 = 0.50 (A < 0) is raised to 1 - clip_low, 0.99 or 0.8; GSPO's
+#     e^-0.3 = 0.74 likewise; CISPO has no lower bound: the same loss.
+#   dual_clip: row 1's ratio e^0.4 = 1.49 (A < 0) is bounded by c = 1.3 (PPO's token surrogate only).
+KEYS_LP_OLD = torch.tensor([[0.5, -0.5, 0.3], [-0.7, 0.4, -0.6]])
+KEYS_BASE = {"clip_low": 0.01, "clip_high": 0.01}
+KEYS_ALT = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 1.3}
+
+
+def _loss_and_grad(fn, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    lp = KEYS_LP_OLD.clone().requires_grad_(True)
+    loss, _ = fn(lp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3), **kw)
+    loss.backward()
+    return loss.detach(), lp.grad
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "reinforce_pp", "gspo", "cispo"])
+def test_the_loss_key_table_is_what_each_loss_reads(name: str) -> None:
+    """distflow.rl.names.POLICY_LOSS_KEYS, against the code: changing a key a loss reads changes its
+    loss or gradient on this batch; a key it ignores changes neither (or the loss does not take it:
+    a TypeError from finish_loss). Every ignored key has the reason the config's refusal gives."""
+    from distflow.rl.names import (LOSS_IGNORES, LOSS_OPTION_KEYS, LOSS_SHARED_KEYS, POLICY_LOSS_KEYS,
+                                   POLICY_LOSS_NAMES, SURROGATE_LOSS_NAMES)
+
+    assert sorted(POLICY_LOSS_KEYS) == sorted(POLICY_LOSS_NAMES)
+    assert set(LOSS_SHARED_KEYS) <= set(POLICY_LOSS_KEYS[name])
+    assert SURROGATE_LOSS_NAMES == ("grpo", "ppo", "dapo", "reinforce_pp")
+    fn = POLICY_LOSSES[name]
+    base_loss, base_grad = _loss_and_grad(fn, **KEYS_BASE)
+    for key in LOSS_OPTION_KEYS:
+        try:
+            loss, grad = _loss_and_grad(fn, **{**KEYS_BASE, key: KEYS_ALT[key]})
+        except TypeError:
+            changed = False
+        else:
+            changed = not (torch.allclose(loss, base_loss) and torch.allclose(grad, base_grad))
+        assert changed == (key in POLICY_LOSS_KEYS[name]), (name, key, changed)
+        assert ((name, key) in LOSS_IGNORES) == (not changed), (name, key)

@@ -238,9 +238,11 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask:
 
     per token ``pg = -sg(min(ratio, 1 + clip_high)) * A * logprobs``: every token keeps its
     gradient (none is dropped by clipping, unlike PPO); only the weight is bounded. As in the
-    CISPO paper there is no lower bound on the weight (``clip_low`` is accepted for a common
-    signature and not used). Metrics: ``clip_frac`` (tokens whose weight hit the bound),
-    ``ratio_mean``, ``approx_kl``, plus :func:`finish_loss`'s.
+    CISPO paper there is no lower bound on the weight: ``clip_low`` is accepted for a common
+    signature (the trainer passes it to every loss) and not used, and the config refuses a
+    ``clip_low`` set with ``cispo`` (:data:`distflow.rl.names.POLICY_LOSS_KEYS`). Metrics:
+    ``clip_frac`` (tokens whose weight hit the bound), ``ratio_mean``, ``approx_kl``, plus
+    :func:`finish_loss`'s.
     """
     adv = _check_common(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
     log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)
