@@ -9,9 +9,11 @@ loads, and so does the resolved dump of it that the launcher writes for its node
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from distflow.core.config import load_config
 from distflow.trainer.metrics import read_metrics
@@ -194,3 +196,37 @@ def test_kl_clamp_is_refused_where_no_estimator_is_k3() -> None:
     for bad in ("0", "-1"):
         with pytest.raises(ConfigError, match="kl_clamp"):
             load_config(path("grpo"), [f"kl_clamp={bad}"])
+
+
+def test_kl_clamp_reaches_the_loss_and_the_reward_penalty() -> None:
+    """The config's kl_clamp is what the trainer hands the policy loss and the per-token KL penalty.
+    One token 20 nats under the reference (d = 20): k3 = 229.292051 bounded (10 + 12.6108686 x
+    17.3891314), e^20 - 21 = 485165174.4 exact (kl_clamp null)."""
+    from types import SimpleNamespace
+
+    from distflow.buffer.batch import SampleBatch
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.executor import TrainerContext, _token_rewards
+
+    for over, k3 in (([], 229.292051), (["kl_clamp=null"], math.exp(20) - 21)):
+        # the reward penalty: kl_coef 0.5 x k3 on token 0, the outcome (1) on the last token
+        cfg = load_config(path("ppo"), ["kl_reward_estimator=k3", "kl_coef=0.5", *over])
+        b = SampleBatch.from_lists(["s0"], ["p0"], [[2, 5]], [[6, 7]], [[-21.0, -1.0]])
+        b.set_ragged("ref_logprobs", torch.tensor([-1.0, -1.0]))
+        b.set_scalar("reward", torch.tensor([1.0]))
+        rewards = _token_rewards(cfg.plan().node("gae"), TrainerContext(cfg), b, torch.ones(1, 2, dtype=torch.bool))
+        assert rewards.shape == (1, 2) and abs(rewards[0, 1].item() - 1.0) < 1e-6
+        assert abs(rewards[0, 0].item() + 0.5 * k3) < 1e-5 * max(1.0, k3)
+        # the loss term: the keywords Actor._loss hands the policy loss
+        cfg = load_config(path("grpo"), over)
+        seen: dict = {}
+
+        def loss_fn(*args, **kw):
+            seen.update(kw)
+            return torch.zeros(()), {}
+
+        b.set_scalar("advantage", torch.tensor([0.0]))
+        fake = SimpleNamespace(cfg=cfg, device=torch.device("cpu"))
+        Actor._loss(fake, loss_fn, b, torch.ones(1, dtype=torch.bool), SimpleNamespace(response_lens=[2]),
+                    torch.tensor([-21.0, -1.0]), torch.zeros(2), cfg.kl_coef, 2.0, 1.0)
+        assert seen["kl_clamp"] == cfg.kl_clamp and seen["kl_estimator"] == "k3"
