@@ -1,4 +1,5 @@
-"""The names of the built-in RL functions, importable without torch.
+"""The names of the built-in RL functions, and the config keys each policy loss reads, importable
+without torch.
 
 Why it exists: ``distflow run`` checks every workflow ``fn`` before it starts a node, and
 importing the maths (torch) just to read their names would put a second on the start-up
