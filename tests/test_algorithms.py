@@ -130,8 +130,15 @@ def test_kl_k3_is_non_negative_and_finite_for_extreme_ratios() -> None:
     ref = torch.tensor([[-100.0, 0.0, 0.0, -30.0 + 1e-6]])
     k = kl_k3(logp, ref)
     assert torch.isfinite(k).all() and (k >= 0).all()
-    # d = +100 is clamped to 20: e^20 - 20 - 1 = 485165174.41
-    assert k[0, 1].item() == pytest.approx(485165174.41, rel=1e-6)
+    # d = +100 is past k3's knee (kl_clamp 10: d_c = 2.6108686, where e^d - d - 1 = 10): the tangent there,
+    # 10 + (10 + d_c)(100 - d_c) = 10 + 12.6108686 x 97.3891314 = 1238.16154
+    assert k[0, 1].item() == pytest.approx(1238.16154, rel=1e-6)
+    # unbounded (clamp None), past d = 20 (exp stays finite) the tangent there: e^20 - 21 + (e^20 - 1) x 80
+    # = 485165174.41 + 38813215552.78 = 39298380727.19
+    exact = kl_k3(logp, ref, None)
+    assert torch.isfinite(exact).all() and (exact >= 0).all()
+    assert exact[0, 1].item() == pytest.approx(39298380727.19, rel=1e-6)
+    assert exact[0, 0].item() == pytest.approx(99.0, rel=1e-6)
     # d = -100 is not clamped (exp(d) just tends to 0): e^-100 + 100 - 1 = 99
     assert k[0, 0].item() == pytest.approx(99.0, rel=1e-6)
     # d = 1e-4: d^2/2 = 5e-9 (accurate thanks to expm1)

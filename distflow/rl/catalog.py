@@ -69,6 +69,7 @@ class Function:
     loss_agg: str | None = None
     recompute_old: bool = False
     surrogate: bool = False
+    ignores: Mapping[str, str] = field(default_factory=dict)  # loss option key -> why this loss ignores it
 
     def load(self) -> Callable[..., Any]:
         return _load(self.impl, tuple(sorted(self.bound.items())))
@@ -131,8 +132,11 @@ _add("policy_loss",
      # sequences of the per-token mean (verl fixes it for GSPO); with a clip range of 3e-4 the engine's
      # logprobs are not close enough to the trainer's (bf16 differs by ~1e-3 per token): recompute them.
      Function("gspo", "policy_loss", f"{_LOSS}:gspo_loss", clip=(3e-4, 4e-4), loss_agg="seq-mean-token-mean",
-              recompute_old=True),
-     Function("cispo", "policy_loss", f"{_LOSS}:cispo_loss"))
+              recompute_old=True, ignores={"dual_clip": "GSPO clips a sequence ratio; dual_clip bounds PPO's "
+                                                        "token-level surrogate (grpo, ppo, dapo, reinforce_pp)"}),
+     Function("cispo", "policy_loss", f"{_LOSS}:cispo_loss", ignores={
+         "clip_low": "CISPO clips only the importance weight, from above: clip_high",
+         "dual_clip": "CISPO has no clipped surrogate to dual-clip; its weight is bounded by clip_high"}))
 _add("value_loss", Function("value_loss", "value_loss", "distflow.rl.gae:value_loss"))
 _add("reward", *(Function(name, "reward", f"distflow.rollout.rewards:{name}", frozenset({RESPONSES}),
                           frozenset({REWARDS})) for name in ("successor", "gsm8k", "exact_match")))

@@ -132,7 +132,7 @@ def _token_rewards(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch,
         old = batch.tensors.get("old_logprobs")
         old = batch.tensors["logprobs"] if old is None else old
         kl = kl_estimate(padded(old.float(), lens)[0], padded(batch.tensors["ref_logprobs"].float(), lens)[0],
-                         cfg.kl_reward_estimator)
+                         cfg.kl_reward_estimator, clamp=cfg.kl_clamp)
     outcome = outcome_rewards(batch, cfg) if len(batch) else torch.zeros(0)
     return token_rewards(outcome, mask, kl, cfg.kl_coef if kl is not None else 0.0)
 
