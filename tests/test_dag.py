@@ -402,3 +402,17 @@ def test_generate_only_on_rollout_and_supported_placements_plan() -> None:
     assert (p.group_of["rm"], p.group_of["rm_t"], p.group_of["est"]) == ("rollout", "trainer", "trainer")
     assert ids(plan(PPO_WORKFLOW, SIZES).pipeline("trainer")) == ["reference", "values", "gae", "update",
                                                                    "critic_update"]
+
+
+@pytest.mark.parametrize("index, fn, message", [
+    (0, "banana", "node 'generate' (role ACTOR): ACTOR MODEL_INFERENCE (generate) takes fn 'generate', not 'banana' "
+                  "(key 'fn')"),
+    (3, "ref_logprb", "node 'reference' (role REFERENCE): REFERENCE MODEL_INFERENCE (reference logprobs) takes fn "
+                      "'ref_logprob' or 'ref', not 'ref_logprb' (did you mean 'ref_logprob'?) (key 'fn')"),
+])
+def test_the_fn_of_a_stage_without_functions_is_one_it_knows(index, fn, message) -> None:
+    """A generate or reference node's fn names no function, but a typo there was accepted
+    whatever it said (workflow.0.fn=banana trained normally): it is refused, naming the key."""
+    nodes = [dict(n) for n in GRPO_WORKFLOW]
+    nodes[index]["fn"] = fn
+    assert plan_error(nodes) == message

@@ -100,6 +100,12 @@ def _check_stage(n: "WorkflowNode", group: str) -> None:
         where = ", ".join(sorted("a group of its own" if g == CUSTOM else repr(g) for g in allowed))
         raise WorkflowError(f"{n.label}: {key[0]} {key[1]} cannot run on group {group!r} (key 'group'); it runs "
                             f"on {where}")
+    spec = STAGES[key]
+    if spec.fns is not None and n.fn not in spec.fns:
+        close = difflib.get_close_matches(n.fn, list(spec.fns), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise WorkflowError(f"{n.label}: {key[0]} {key[1]} ({spec.does}) takes fn {' or '.join(map(repr, spec.fns))}, "
+                            f"not {n.fn!r}{hint} (key 'fn')")
 
 
 class WorkflowError(ValueError):

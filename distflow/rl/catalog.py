@@ -173,6 +173,7 @@ class Stage:
     args: Mapping[str, Check] | None = field(default_factory=dict)
     required: tuple[str, ...] = ()
     timer: str = "time_compute_s"
+    fns: tuple[str, ...] | None = None  # the names its fn may take where no function slot decides (None: any)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -187,7 +188,7 @@ _R, _T = "distflow.rollout.stages", "distflow.trainer.stages"
 
 STAGES: dict[tuple[str, str], Stage] = {s.key: s for s in (
     Stage("ACTOR", "MODEL_INFERENCE", "generate", frozenset({ROLLOUT}), {ROLLOUT: f"{_R}:generate"},
-          produces=frozenset({RESPONSES})),
+          produces=frozenset({RESPONSES}), fns=("generate",)),
     Stage("REWARD", "COMPUTE", "rule-based reward (needs the tokenizer's decode)", frozenset({ROLLOUT, CUSTOM}),
           {ROLLOUT: f"{_R}:reward"}, frozenset({RESPONSES}), frozenset({REWARDS}), slot="reward", args=None),
     Stage("REWARD", "MODEL_INFERENCE", "learned reward model", frozenset({ROLLOUT, TRAINER, CUSTOM}),
@@ -198,7 +199,7 @@ STAGES: dict[tuple[str, str], Stage] = {s.key: s for s in (
           {ROLLOUT: f"{_R}:advantage", TRAINER: f"{_T}:advantage"}, produces=frozenset({ADVANTAGES}),
           slot="compute", args=None),
     Stage("REFERENCE", "MODEL_INFERENCE", "reference logprobs", frozenset({TRAINER}), {TRAINER: f"{_T}:reference"},
-          frozenset({RESPONSES}), frozenset({REF_LOGPROBS}), timer="time_logprobs_s"),
+          frozenset({RESPONSES}), frozenset({REF_LOGPROBS}), timer="time_logprobs_s", fns=("ref_logprob", "ref")),
     Stage("CRITIC", "MODEL_INFERENCE", "critic values", frozenset({TRAINER}), {TRAINER: f"{_T}:critic_values"},
           frozenset({RESPONSES}), frozenset({VALUES}), timer="time_critic_s"),
     Stage("ACTOR", "MODEL_TRAIN", "policy update", frozenset({TRAINER}), {TRAINER: f"{_T}:actor_update"},
