@@ -66,12 +66,13 @@ positive_int = int_in(1, None, ": must be at least 1")
 
 def exit_code_of(error: BaseException) -> int:
     """A node's exit status for the error that ended it: 2 (``launcher.CONFIG_EXIT``) for a
-    configuration or data error, which a restart would meet again (`distflow run` does not
-    restart such a node), else 1."""
+    configuration or data error, or a bug in a function the config names (a reward), which a
+    restart would meet again (`distflow run` does not restart such a node), else 1."""
     from distflow.buffer.dataloader import DatasetError
     from distflow.hf import ModelDirError
+    from distflow.rl.catalog import UserFunctionError
 
-    return 2 if isinstance(error, (ConfigError, DatasetError, ModelDirError)) else 1
+    return 2 if isinstance(error, (ConfigError, DatasetError, ModelDirError, UserFunctionError)) else 1
 
 
 # ---------------------------------------------------------------------- distflow-node

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 from distflow.rl.checks import Check, count, flag, number, one_of, path
 
-__all__ = ["Function", "Stage", "StageError", "FUNCTIONS", "STAGES", "ROLLOUT", "TRAINER", "CUSTOM", "REWARD_MODEL_DTYPES",
+__all__ = ["Function", "Stage", "StageError", "UserFunctionError", "FUNCTIONS", "STAGES", "ROLLOUT", "TRAINER", "CUSTOM", "REWARD_MODEL_DTYPES",
            "function", "functions", "stage", "node_io", "node_runs_on"]
 
 ROLLOUT, TRAINER = "rollout", "trainer"
@@ -38,6 +38,13 @@ RESPONSES, REWARDS, VALUES, REF_LOGPROBS, ADVANTAGES, RETURNS = (
 
 class StageError(RuntimeError):
     """A stage could not run on a batch; names the workflow node."""
+
+
+class UserFunctionError(StageError):
+    """A function the config names (a reward) raised, or returned what no stage can use (a string,
+    None, NaN): a bug in that function, which a restart would meet again. The node exits 2 (the
+    exit of a configuration or data error, never restarted), naming the function, the row and
+    what it returned."""
 
 
 REWARD_MODEL_DTYPES = ("float32", "bfloat16", "float16")  # = distflow.device.COMPUTE_DTYPES (a test keeps them equal)

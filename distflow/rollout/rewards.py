@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import re
 from typing import Any, Callable, Sequence
 
@@ -35,11 +36,14 @@ __all__ = [
     "registered_rewards",
     "resolve_reward",
     "reward_keys",
+    "reward_value",
+    "REWARD_RANGE",
     "reward_row_check",
     "row_requirements",
 ]
 
 RewardFn = Callable[[str, dict], float]
+REWARD_RANGE = (0.0, 1.0)  # the documented range of a reward (the built-ins'); others are counted and warned of
 RowCheck = Callable[[dict], "str | None"]  # row -> why the reward cannot score it, or None
 _REGISTRY: dict[str, RewardFn] = {}
 
@@ -159,6 +163,21 @@ def resolve_reward(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not callable ({type(fn).__name__})")
     return fn  # type: ignore[return-value]
+
+
+def reward_value(value: Any) -> float:
+    """A reward function's return value as a float; ValueError saying what it returned instead. A
+    number (int, float, bool, numpy or a 0-d tensor) that is finite; never a string ("1.0" would
+    parse, and a function returning text has a bug), None, a list or NaN."""
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        raise ValueError(f"returned {value!r:.80} ({type(value).__name__}), not a number")
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as e:  # a tensor or array of more than one element
+        raise ValueError(f"returned {value!r:.80} ({type(value).__name__}), not a number: {e}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"returned {value!r}, not a finite number")
+    return v
 
 
 def _field(row: dict, key: str, reward: str) -> Any:

@@ -40,12 +40,12 @@ from distflow.buffer.dataloader import BadRowPolicy, PromptRow, keep_row
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.hf import chat_prompt_ids, end_of_turn
-from distflow.rl.catalog import StageError, function, node_runs_on
+from distflow.rl.catalog import StageError, UserFunctionError, function, node_runs_on
 from distflow.rl.reward_model import score_batch
 from distflow.rl.registry import outcome_advantages
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_token_counts
 from distflow.rollout.engine import RolloutEngine, SamplingParams
-from distflow.rollout.rewards import RowCheck, resolve_reward
+from distflow.rollout.rewards import REWARD_RANGE, RowCheck, resolve_reward, reward_value
 from distflow.rollout.rewards import row_requirements as rewards_row_requirements
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,11 @@ def generate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None)
 
 
 def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
-    """Score every sample with the node's reward function: fn(response_text, row, **args) -> float."""
+    """Score every sample with the node's reward function: fn(response_text, row, **args) -> float.
+    A function that raises or returns what is not a finite number has a bug that every restart
+    would meet again: :class:`UserFunctionError` (the node exits 2) naming the function, the row
+    and what it returned. A score outside the documented range is counted (``reward_out_of_range``)
+    and warned of once."""
     batch = _need(node, batch)
     try:
         fn: Callable[..., float] = resolve_reward(node.fn)
@@ -207,14 +211,32 @@ def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -
         raise StageError(f"workflow node {node.id!r}: {e}") from None
     tok = ctx.engine.tokenizer
     texts = [tok.decode(t.tolist(), skip_special_tokens=True) for t in batch.ragged("response_tokens")]
-    values = []
-    for sid, text, extra in zip(batch.sample_ids, texts, batch.extras):
+    where = {r.prompt_id: r.where or f"row {r.row_index}" for r in ctx.rows}
+    values, outside = [], 0
+    for sid, pid, text, extra in zip(batch.sample_ids, batch.prompt_ids, texts, batch.extras):
+        what = f"workflow node {node.id!r}: reward {node.fn!r} on {where.get(pid, pid)} (sample {sid})"
         try:
-            values.append(float(fn(text, extra["row"], **node.args)))
-        except Exception as e:  # a bad row must name itself, not kill the node silently
-            raise StageError(f"workflow node {node.id!r}: reward {node.fn!r} failed on sample {sid}: {e}") from e
+            raw = fn(text, extra["row"], **node.args)
+        except Exception as e:  # its bug, not the node's: named and not restarted
+            raise UserFunctionError(f"{what} raised {type(e).__name__}: {e}") from e
+        try:
+            value = reward_value(raw)
+        except ValueError as e:
+            raise UserFunctionError(f"{what} {e}") from None
+        outside += not REWARD_RANGE[0] <= value <= REWARD_RANGE[1]
+        values.append(value)
+    if outside:
+        ctx.count("reward_out_of_range", outside)
+        if node.fn not in _WARNED_RANGE:
+            _WARNED_RANGE.add(node.fn)
+            log.warning("workflow node %r: reward %r gave %d of %d scores outside the documented range [%g, %g] "
+                        "(counted as reward_out_of_range; group advantages normalise them, shaping assumes the range)",
+                        node.id, node.fn, outside, len(values), *REWARD_RANGE)
     batch.set_scalar("reward", torch.tensor(values, dtype=torch.float32))
     return batch
+
+
+_WARNED_RANGE: set[str] = set()  # reward functions warned of once per process
 
 
 def reward_model(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
