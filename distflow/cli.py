@@ -71,8 +71,11 @@ def exit_code_of(error: BaseException) -> int:
     from distflow.buffer.dataloader import DatasetError
     from distflow.hf import ModelDirError
     from distflow.rl.catalog import UserFunctionError
+    from distflow.rollout.protocol import NonFiniteOutputError
+    from distflow.trainer.divergence import DivergedError
 
-    return 2 if isinstance(error, (ConfigError, DatasetError, ModelDirError, UserFunctionError)) else 1
+    deterministic = (ConfigError, DatasetError, ModelDirError, UserFunctionError, NonFiniteOutputError, DivergedError)
+    return 2 if isinstance(error, deterministic) else 1
 
 
 # ---------------------------------------------------------------------- distflow-node

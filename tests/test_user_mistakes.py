@@ -117,3 +117,48 @@ def test_a_raising_reward_stops_the_run_with_exit_2_and_no_restart(toy_model, to
     assert "restarting it" not in r.stderr and "restart 1 of" not in r.stderr
     assert f"reward '{reward_module}:raises' on" in r.stderr and "raised KeyError: 'oops'" in r.stderr
     assert took < 120, took  # start-up (seconds) plus one step: never three restarts with back-off
+
+
+# ----------------------------------------------------------------------------- a diverging run
+def test_divergence_is_named_at_its_step_and_stops_after_max_nonfinite_steps(caplog) -> None:
+    from distflow.trainer.divergence import DivergedError, DivergenceWatch
+
+    watch = DivergenceWatch(limit=2, lr=1e9)
+    ok = {"loss": 0.5, "grad_norm": 1.0, "skipped_steps": 0.0, "optimizer_steps": 1.0}
+    with caplog.at_level("WARNING", logger="distflow.trainer.divergence"):
+        watch.after_step(0, ok)
+        watch.after_step(1, {**ok, "loss": float("nan"), "grad_norm": float("nan"), "skipped_steps": 1.0})
+        assert "step 2: the loss (nan) or the gradient norm (nan) is not finite" in caplog.text
+        watch.after_step(2, ok)  # a good step ends the run of bad ones
+        watch.after_step(3, {**ok, "grad_norm": float("inf"), "skipped_steps": 1.0})
+        with pytest.raises(DivergedError, match=r"^training diverged: the loss or gradient was not finite at steps "
+                                                r"4, 5 in a row \(max_nonfinite_steps: 2\); lower lr \(now 1e\+09\)"):
+            watch.after_step(4, {**ok, "loss": float("inf")})
+    # two optimizer steps of which one was skipped: the step still trained
+    watch = DivergenceWatch(limit=1, lr=1e-3)
+    watch.after_step(0, {**ok, "skipped_steps": 1.0, "optimizer_steps": 2.0})
+
+
+def test_the_sampler_never_draws_out_of_the_vocabulary_and_the_engine_names_nan_logits(toy_model) -> None:
+    from distflow.rollout.protocol import NonFiniteOutputError, SamplingParams
+    from distflow.rollout.sampling import sample_rows
+
+    logits = torch.tensor([[0.0, 1.0, 2.0], [float("nan")] * 3])
+    tokens, logp = sample_rows(logits, SamplingParams(max_new_tokens=1, temperature=1.0), torch.tensor([0.5, 0.5]))
+    assert tokens.tolist()[1] == 2 and math.isnan(logp[1]) and math.isfinite(logp[0])
+
+    engine = make_engine("torch", str(toy_model), dtype="float32")
+    state = {k: v * 1e20 for k, v in engine.model.state_dict().items() if v.is_floating_point()}  # finite, exploded
+    engine.load_weights(1, state)
+    with pytest.raises(NonFiniteOutputError, match=r"^the policy \(weights version 1\) gives non-finite logits: "
+                                                   r"training diverged"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, temperature=1.0), seed=0)
+
+
+def test_a_diverging_run_stops_with_exit_2_in_one_line(toy_model, toy_data, tmp_path):
+    r = run_distflow(["run", "examples/grpo_quickstart.yaml", "--no-progress", f"output_dir={tmp_path / 'run'}",
+                      f"model_path={toy_model}", "toy_model=false", "lr=1e9", "max_steps=12", "restarts=3"],
+                     timeout=240)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "restart 1 of" not in r.stderr
+    assert "training diverged" in r.stderr and "lower lr" in r.stderr

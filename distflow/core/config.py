@@ -202,6 +202,9 @@ class Config(BaseModel):
             raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
         return v
     grad_clip: float = Field(1.0, gt=0)
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="steps in a row whose loss or gradient is not finite (each skipped with a warning "
+                             "naming it) before the run stops as diverged, exit 2")
     clip_low: float = Field(0.2, ge=0, description="ratio clip below 1; default 0.2 (gspo: 3e-4)")
     clip_high: float = Field(0.2, ge=0, description="ratio clip above 1; default 0.2 (gspo: 4e-4)")
     dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c > 1: a token with a negative "
