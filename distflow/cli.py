@@ -72,9 +72,10 @@ def exit_code_of(error: BaseException) -> int:
     from distflow.hf import ModelDirError
     from distflow.rl.catalog import UserFunctionError
     from distflow.rollout.protocol import NonFiniteOutputError
-    from distflow.trainer.divergence import DivergedError
+    from distflow.trainer.health import DivergedError, NothingTrainedError
 
-    deterministic = (ConfigError, DatasetError, ModelDirError, UserFunctionError, NonFiniteOutputError, DivergedError)
+    deterministic = (ConfigError, DatasetError, ModelDirError, UserFunctionError, NonFiniteOutputError, DivergedError,
+                     NothingTrainedError)
     return 2 if isinstance(error, deterministic) else 1
 
 

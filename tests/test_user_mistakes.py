@@ -121,11 +121,11 @@ def test_a_raising_reward_stops_the_run_with_exit_2_and_no_restart(toy_model, to
 
 # ----------------------------------------------------------------------------- a diverging run
 def test_divergence_is_named_at_its_step_and_stops_after_max_nonfinite_steps(caplog) -> None:
-    from distflow.trainer.divergence import DivergedError, DivergenceWatch
+    from distflow.trainer.health import DivergedError, DivergenceWatch
 
     watch = DivergenceWatch(limit=2, lr=1e9)
     ok = {"loss": 0.5, "grad_norm": 1.0, "skipped_steps": 0.0, "optimizer_steps": 1.0}
-    with caplog.at_level("WARNING", logger="distflow.trainer.divergence"):
+    with caplog.at_level("WARNING", logger="distflow.trainer.health"):
         watch.after_step(0, ok)
         watch.after_step(1, {**ok, "loss": float("nan"), "grad_norm": float("nan"), "skipped_steps": 1.0})
         assert "step 2: the loss (nan) or the gradient norm (nan) is not finite" in caplog.text
@@ -162,3 +162,27 @@ def test_a_diverging_run_stops_with_exit_2_in_one_line(toy_model, toy_data, tmp_
     assert r.returncode == 2, r.stderr[-3000:]
     assert "restart 1 of" not in r.stderr
     assert "training diverged" in r.stderr and "lower lr" in r.stderr
+
+
+# ----------------------------------------------------------------------------- a run that trains nothing
+def test_a_run_whose_first_steps_train_nothing_stops_naming_why() -> None:
+    from distflow.trainer.health import NothingTrainedError, EmptyRunWatch
+
+    watch = EmptyRunWatch(limit=3)
+    watch.after_step(0, 0, {"skipped_prompts": 32})
+    watch.after_step(1, 0, {"skipped_prompts": 32})
+    with pytest.raises(NothingTrainedError, match=r"^the first 3 steps trained on 0 samples \(last step: "
+                                                  r"bad_rows 2, skipped_prompts 30\): the run would train nothing"):
+        watch.after_step(2, 0, {"skipped_prompts": 30, "bad_rows": 2, "resampled_prompts": 4})
+    later = EmptyRunWatch(limit=1)
+    later.after_step(0, 64)
+    later.after_step(1, 0)  # a run that trained goes on through an empty step (a filter dropped every group)
+
+
+def test_a_run_with_no_room_for_its_prompts_exits_non_zero(toy_model, tmp_path):
+    r = run_distflow(["run", "examples/grpo_quickstart.yaml", "--no-progress", f"output_dir={tmp_path / 'run'}",
+                      f"model_path={toy_model}", "toy_model=false", "max_new_tokens=60", "max_steps=20"],
+                     timeout=240)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "the first 3 steps trained on 0 samples (last step: skipped_prompts" in r.stderr, r.stderr[-3000:]
+    assert "done." not in r.stderr

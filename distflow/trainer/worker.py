@@ -37,7 +37,7 @@ from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.weights.tiers import resolve_transport, serving_plan
 from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
 from distflow.step import train_half
-from distflow.trainer.divergence import DivergenceWatch
+from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
@@ -289,7 +289,7 @@ async def run_trainer(rt: Runtime) -> None:
 
     step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
     start_step = step
-    divergence = DivergenceWatch(cfg.max_nonfinite_steps, cfg.lr)
+    divergence, emptiness = DivergenceWatch(cfg.max_nonfinite_steps, cfg.lr), EmptyRunWatch()
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
@@ -364,6 +364,7 @@ async def run_trainer(rt: Runtime) -> None:
         stages = {k: round(v, 4) for k, v in {**stats, **times}.items() if k in STAGE_KEYS}
         rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1),
                          **stages)
+        rollout_stats = with_generated_mean(inbox.stage_stats.pop(step, {}))  # the counters ride on part 0 (rank 0)
         if writer is not None:
             if startup is None and (startup := first_startup(rt, rollout_ids) or None):
                 times.update(startup)
@@ -372,8 +373,9 @@ async def run_trainer(rt: Runtime) -> None:
                           "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
                           "truncated_frac": truncated / max(n, 1), "response_len_mean": resp_tokens / max(n, 1),
                           "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
-                          **with_generated_mean(inbox.stage_stats.pop(step, {})), **stats, **times})
+                          **rollout_stats, **stats, **times})
         divergence.after_step(step, stats)  # after the row is written: the metrics show the step that stopped it
+        emptiness.after_step(step, int(n), rollout_stats)
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:
