@@ -120,21 +120,24 @@ def rollout_times(member: Callable[[str], Any], rollout_ids: list[str]) -> dict[
     return out
 
 
-def throughput(stats: dict[str, float], num_params: int, world: int, peak_flops: float) -> dict[str, float]:
+def throughput(stats: dict[str, float], num_params: int, world: int, peak_flops: float | None) -> dict[str, float]:
     """Trainer tokens/s (prompt + response tokens of the update over its time) and MFU
     (6 x params x tokens / time / (world x peak_flops): forward + backward FLOPs of a dense
-    decoder, attention and the recomputations of activation checkpointing not counted)."""
+    decoder, attention and the recomputations of activation checkpointing not counted). No
+    ``mfu`` where the peak is unknown (a CPU, an unlisted GPU without ``peak_flops``): a figure
+    against a made-up peak would look like a measurement."""
     t = stats.get("time_update_s", 0.0)
     tokens = stats.get("train_tokens", 0.0)
-    if t <= 0:
-        return {"tokens_per_s": 0.0, "mfu": 0.0}
-    return {"tokens_per_s": tokens / t, "mfu": 6.0 * num_params * tokens / t / (world * peak_flops)}
+    out = {"tokens_per_s": tokens / t if t > 0 else 0.0}
+    if peak_flops is not None:
+        out["mfu"] = 6.0 * num_params * tokens / t / (world * peak_flops) if t > 0 else 0.0
+    return out
 
 
-def trainer_peak_flops(cfg: Any) -> float:
+def trainer_peak_flops(cfg: Any) -> float | None:
     """``peak_flops`` for the mfu metric: the config's, else this GPU's data-sheet figure for
-    the compute dtype, else a placeholder (logged, so an mfu is never silently off by 10x)."""
-    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops, tf32_matmuls
+    the compute dtype, else None (no mfu: said once in the log, with how to get one)."""
+    from distflow.device import peak_flops, tf32_matmuls
 
     if cfg.peak_flops is not None:
         return cfg.peak_flops
@@ -145,9 +148,8 @@ def trainer_peak_flops(cfg: Any) -> float:
         kind = cfg.dtype if cfg.dtype != "float32" else "float32 (TF32)" if tf32_matmuls() else "float32 (no TF32)"
         log.info("mfu against %s's dense %s peak, %.3g FLOP/s (set peak_flops to override)", name, kind, found)
         return found
-    log.info("mfu against a placeholder peak of %.0e FLOP/s (%s): set peak_flops for a meaningful figure",
-             FALLBACK_PEAK_FLOPS, name or "cpu")
-    return FALLBACK_PEAK_FLOPS
+    log.info("no mfu: the peak FLOP/s of %s is unknown (set peak_flops to report one)", name or "a CPU")
+    return None
 
 
 class SampleInbox:
