@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distflow.core.config import Config, ConfigError
+from distflow.core.config_paths import check_input_paths
 from distflow.core.dag import WorkflowNode
 
 CHECK_ROWS = 100_000  # rows of the prompt set checked before a run (those its steps read first)
@@ -212,6 +213,7 @@ def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
     A node does not build the toy model (`distflow run` does): with ``toy_model`` a missing one is
     not checked for a role."""
     notes = []
+    check_input_paths(cfg, role)  # every input of the role exists (distflow-node makes this check at every start)
     check_model(cfg, role)
     if role in (None, "rollout") and (note := check_dataset(cfg)):
         notes.append(note)

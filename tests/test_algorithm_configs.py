@@ -44,7 +44,7 @@ def test_config_validates_and_plans(algo: str) -> None:
     assert [n.id for n in p.pipeline("rollout")] == CONFIGS[algo]
     assert [n.id for n in p.pipeline("trainer")] == TRAINER[algo]
     check_functions(cfg)  # every fn resolves (rewards, estimators, losses)
-    assert cfg.toy_model and cfg.dataset == "examples/data/successor.jsonl"
+    assert cfg.toy_model and cfg.dataset == str(ROOT / "examples" / "data" / "successor.jsonl")  # the file's dir
 
 
 def test_algorithm_keys_are_what_the_docs_say() -> None:

@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from distflow.core.auth import new_secret
+from distflow.core.config import read_raw
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
 from tests.netns import ensure_tool
@@ -401,7 +402,7 @@ def pdsh_run(pdsh: str, toy_model: Path, tmp_path: Path) -> Iterator[dict]:
 
     data = tmp_path / "data.jsonl"
     make_toy_dataset(data, 400, seed=5)
-    raw = yaml.safe_load((ROOT / "examples" / "grpo_quickstart.yaml").read_text())
+    raw = read_raw(ROOT / "examples" / "grpo_quickstart.yaml")
     raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False, dataset=str(data),
                prompts_per_step=4, group_size=2, max_new_tokens=2, epochs=100)  # far longer than the test
     raw["mesh"] = {"protocol_period_s": 0.2, "join_timeout_s": 60}
