@@ -213,10 +213,10 @@ def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
     A node does not build the toy model (`distflow run` does): with ``toy_model`` a missing one is
     not checked for a role."""
     notes = []
-    check_input_paths(cfg, role)  # every input of the role exists (distflow-node makes this check at every start)
     check_model(cfg, role)
     if role in (None, "rollout") and (note := check_dataset(cfg)):
         notes.append(note)
     if role in (None, "trainer"):
         check_resume(cfg)
+    check_input_paths(cfg, role)  # the rest (critic, reward models): distflow-node makes this check at every start
     return notes

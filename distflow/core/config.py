@@ -229,6 +229,13 @@ class Config(BaseModel):
         steps = self.epochs * math.ceil(num_rows / self.prompts_per_step)
         return min(steps, self.max_steps) if self.max_steps else steps
 
+    def __eq__(self, other: object) -> bool:
+        """Equal settings, wherever the paths were written (:attr:`path_origins` is not compared):
+        a config and its dump, read back elsewhere, are the same run."""
+        return isinstance(other, Config) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as pydantic models are
+
     @property
     def path_origins(self) -> dict[str, str]:
         """``{key: value as written}`` of the paths the config file wrote relative to its directory."""

@@ -160,7 +160,12 @@ not resolve, an impossible GPU placement, `bind_host: 0.0.0.0` without `advertis
 with `prompt_key`, `bad_rows` and what the rewards read, `resume_from`). `distflow-node --check` runs the same
 checks for its role: the model and the prompt set for a rollout node, the model and
 `resume_from` for a trainer (the toy model is not checked there while it is missing:
-`distflow run` builds it).
+`distflow run` builds it). Every `distflow-node` start, with or without `--check`, refuses a
+missing input of its role before it joins: a rollout node's `model_path`, `dataset` and
+`eval_dataset`, a trainer's `model_path`, `critic_path` and `resume_from`, and the reward models
+(`args.path`) of the workflow nodes its group runs; one line naming the key and the path, exit 2
+(`distflow.core.config_paths.check_input_paths`, which `distflow run` makes too). A trainer does
+not read the prompt set, so a host of trainers needs no copy of it.
 
 Exit status of `distflow run`: 0 done; 1 a node failed (a trainer or controller, or a
 rollout or worker node past its `restarts`); 2 a configuration or data error, before the run
