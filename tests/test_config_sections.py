@@ -232,6 +232,24 @@ def test_distflow_run_and_the_nodes_share_one_input_check(tmp_path, toy_model, m
     check_input_paths(cfg, "rollout")
 
 
+def test_a_node_checks_the_reward_models_its_group_runs(tmp_path, toy_model):
+    """A worker group's node checks the reward model it loads (not a rollout or trainer node);
+    a toy reward model `distflow run` is yet to build is left to it."""
+    from distflow.core.config_paths import check_input_paths
+
+    example = ROOT / "examples" / "grpo_reward_model.yaml"
+    rm = tmp_path / "rm"
+    cfg = load_config(example, ["toy_model=false", f"model_path={toy_model}", f"workflow.2.args.path={rm}"])
+    assert cfg.workflow[2].id == "rm"
+    with pytest.raises(ConfigError, match=rf"^workflow node 'rm': args.path: '{rm}' does not exist$"):
+        check_input_paths(cfg, "reward")
+    with pytest.raises(ConfigError, match=r"^workflow node 'rm': args.path"):
+        check_input_paths(cfg)  # `distflow run`: every node's inputs
+    for role in ("rollout", "trainer"):
+        check_input_paths(cfg, role)
+    check_input_paths(load_config(example, [f"workflow.2.args.path={rm}"]), "reward")  # toy_model: built by run
+
+
 # ----------------------------------------------------------------------------- explain, show, docs
 def test_config_explain_prints_section_type_default_and_doc(capsys):
     from distflow.core.config_explain import config_main

@@ -395,8 +395,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     cfg = config_from_dict(raw, source=str(path))
-    cfg._path_origins = {k: v for k, v in written.items()  # not those an override replaced
-                         if k not in PATH_KEYS or getattr(cfg, k) == absolute(v, base)}
+    now = {**{k: getattr(cfg, k) for k in PATH_KEYS},
+           **{f"workflow node {n.id!r}: args.path": n.args.get("path") for n in cfg.workflow}}
+    cfg._path_origins = {k: v for k, v in written.items() if now.get(k) == absolute(v, base)}  # not overridden
     return cfg
 
 

@@ -96,15 +96,13 @@ def input_paths(cfg: Any, role: str | None = None) -> list[tuple[str, str, str]]
     (``toy_model``) is left out for a node, which does not build it."""
     keys = [k for k, kind in PATH_KEYS.items() if kind != "out"] if role is None else ROLE_INPUTS.get(role, ())
     out = [(k, getattr(cfg, k), PATH_KEYS[k]) for k in keys if getattr(cfg, k)]
-    plan = cfg.plan()
-    group = None if role is None else (role if role in plan.pipelines else None)
-    nodes = cfg.workflow if role is None else (plan.pipelines.get(group, []) if group else [])
-    out += [(f"workflow node {n.id!r}: args.path", n.args["path"], "dir") for n in nodes
-            if _is_reward_model(n) and isinstance(n.args.get("path"), str) and n.args["path"]]
-    if role is not None and cfg.toy_model:
-        toy = {cfg.model_path} | ({p for _, p, _ in out[len(keys):]} if cfg.toy_kind == "successor" else set())
-        out = [(k, p, kind) for k, p, kind in out if p not in toy or (Path(p) / "config.json").is_file()]
-    return out
+    nodes = cfg.workflow if role is None else cfg.plan().pipelines.get(role, [])
+    rewards = [(f"workflow node {n.id!r}: args.path", n.args["path"], "dir") for n in nodes
+               if _is_reward_model(n) and isinstance(n.args.get("path"), str) and n.args["path"]]
+    if role is not None and cfg.toy_model:  # what `distflow run` builds: a node does not
+        toy = {cfg.model_path} | ({p for _, p, _ in rewards} if cfg.toy_kind == "successor" else set())
+        return [(k, p, kind) for k, p, kind in out + rewards if p not in toy or (Path(p) / "config.json").is_file()]
+    return out + rewards
 
 
 def path_problem(path: str, kind: str) -> str | None:
