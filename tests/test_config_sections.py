@@ -68,6 +68,8 @@ def test_flat_sectioned_and_dotted_keys_are_one_config(tmp_path):
     assert dotted == plain and dotted.trainer.lr == 0.01
     assert load_config(sectioned, ["lr=0.01", "workflow.1.fn=exact_match", "rollout_nodes=1"]) == \
         load_config(QUICKSTART, ["trainer.lr=0.01", "algorithm.workflow.1.fn=exact_match", "launch.rollout_nodes=1"])
+    mixed["transport"] = None  # a section whose keys are all commented out
+    assert config_from_dict(mixed) == flat
     mixed["trainer"]["lr"], mixed["lr"] = 0.1, 0.2  # one key given both ways: neither is silently kept
     with pytest.raises(ConfigError, match=r"lr: given twice, as lr and as trainer.lr; keep one"):
         config_from_dict(mixed)
@@ -81,7 +83,7 @@ def test_flat_sectioned_and_dotted_keys_are_one_config(tmp_path):
     (["lr=-1"], "trainer.lr: Input should be greater than 0"),
     (["trainer.lr=-1"], "trainer.lr: Input should be greater than 0"),
     (["mesh.join_timeout=3"], "mesh.join_timeout: unknown key (did you mean 'join_timeout_s'?)"),
-    (["model=null"], "model: Input should be a valid dictionary"),
+    (["model=[1]"], "model: Input should be a valid dictionary"),
 ])
 def test_errors_name_the_dotted_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
@@ -285,3 +287,10 @@ def test_docs_configuration_md_is_generated_from_the_sections():
 
     assert (ROOT / "docs" / "configuration.md").read_text() == generate(), \
         "docs/configuration.md is stale: python3 -m distflow.core.config_docs > docs/configuration.md"
+
+
+def test_the_config_modules_stay_torch_free():
+    """Thin entry points import the config (and `distflow config` all of it) before torch."""
+    code = ("import sys, distflow.core.config, distflow.core.config_explain, distflow.core.config_docs; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], env=NODE_ENV, timeout=60).returncode == 0

@@ -30,7 +30,9 @@ def to_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
     one would hide the other. Does not modify ``raw``; idempotent."""
     out: dict[str, Any] = {}
     for name in SECTIONS:
-        value = raw.get(name, {})
+        value = raw.get(name)
+        if value is None:  # absent, or a YAML section whose keys are all commented out
+            value = {}
         out[name] = dict(value) if isinstance(value, Mapping) else value
     for key, value in raw.items():
         if key in SECTIONS:
