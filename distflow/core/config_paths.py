@@ -25,7 +25,7 @@ from distflow.core.config_keys import FLAT_KEYS, ConfigError
 # path key -> what it must be: an input file, an input directory, or an output (made if missing)
 PATH_KEYS: dict[str, str] = {"model_path": "dir", "critic_path": "dir", "dataset": "file", "eval_dataset": "file",
                              "resume_from": "dir", "output_dir": "out"}
-ROLE_INPUTS: dict[str, tuple[str, ...]] = {  # the inputs a node of each role reads (None: every role)
+ROLE_INPUTS: dict[str, tuple[str, ...]] = {  # the inputs a node of each role reads (`distflow run`: all)
     "rollout": ("model_path", "dataset", "eval_dataset"),
     "trainer": ("model_path", "critic_path", "resume_from"),
 }
