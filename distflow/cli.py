@@ -137,11 +137,13 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     role = args.group if args.role == "worker" else args.role  # a worker's mesh role is its group's name
     # With --port 0 the port is not known yet: the pid keeps two such nodes of one host apart.
     node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
+    from distflow.core.config_paths import check_input_paths
     from distflow.preflight import check_functions, check_inputs, check_model
 
     pipeline = cfg.plan().pipelines.get(role, [])
     try:
         check_functions(cfg, pipeline)  # every start, not only --check: a typo is named now, not at step 1
+        check_input_paths(cfg, role)  # the inputs of its group, named by key and path, as `distflow run` does
         check_model(cfg, args.role)  # every start too (a few stats): not after the group formed
         notes = check_inputs(cfg, args.role) if args.check else []
     except ConfigError as e:
@@ -250,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run every node in this process, in one asyncio loop (debugging; needs trainer_nodes=1)")
     r.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     sub.add_parser("status", help="live table of a running cluster's members", add_help=False)
+    sub.add_parser("config", help="--explain KEY: a config key's section, type, default and meaning; "
+                                  "--show CONFIG: a config resolved", add_help=False)
     t = sub.add_parser("toy-model", help="build a tiny toy model and tokenizer into DIR")
     t.add_argument("dir")
     t.add_argument("--kind", choices=["successor", "gsm8k", "reward"], default="successor",
@@ -267,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from distflow.core.status import status_main
 
         return status_main(argv[1:])
+    if argv[:1] == ["config"]:  # `distflow config --explain KEY | --show CONFIG`: distflow/core/config_explain.py
+        from distflow.core.config_explain import config_main
+
+        return config_main(argv[1:])
     argv, overrides = split_overrides(argv)
     args = p.parse_args(argv)
     if overrides and args.cmd != "run":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distflow.core.config import Config, ConfigError
+from distflow.core.config_paths import check_input_paths
 from distflow.core.dag import WorkflowNode
 
 CHECK_ROWS = 100_000  # rows of the prompt set checked before a run (those its steps read first)
@@ -217,4 +218,5 @@ def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
         notes.append(note)
     if role in (None, "trainer"):
         check_resume(cfg)
+    check_input_paths(cfg, role)  # the rest (critic, reward models): distflow-node makes this check at every start
     return notes

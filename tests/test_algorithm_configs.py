@@ -48,7 +48,7 @@ def test_config_validates_and_plans(algo: str) -> None:
     assert [n.id for n in p.pipeline("rollout")] == CONFIGS[algo]
     assert [n.id for n in p.pipeline("trainer")] == TRAINER[algo]
     check_functions(cfg)  # every fn resolves (rewards, estimators, losses)
-    assert cfg.toy_model and cfg.dataset == "examples/data/successor.jsonl"
+    assert cfg.toy_model and cfg.dataset == str(ROOT / "examples" / "data" / "successor.jsonl")  # the file's dir
 
 
 def test_algorithm_keys_are_what_the_docs_say() -> None:
@@ -122,11 +122,11 @@ SET_VALUES = {"clip_low": [0.1, 0.2], "clip_high": [0.1, 0.2], "dual_clip": [3.0
 
 
 def test_the_ignored_keys_are_cispos_clip_low_and_dual_clip_and_gspos_dual_clip() -> None:
-    from distflow.core.config import Config
+    from distflow.core.config_sections import FLAT_KEYS
     from distflow.rl.names import POLICY_LOSS_KEYS
 
     assert _ignored() == [("gspo", "dual_clip"), ("cispo", "clip_low"), ("cispo", "dual_clip")]
-    assert {k for keys in POLICY_LOSS_KEYS.values() for k in keys} <= set(Config.model_fields)  # config keys
+    assert {k for keys in POLICY_LOSS_KEYS.values() for k in keys} <= set(FLAT_KEYS)  # config keys
 
 
 @pytest.mark.parametrize("loss,key", _ignored())
@@ -134,7 +134,7 @@ def test_a_loss_refuses_each_key_it_ignores_where_set(loss: str, key: str) -> No
     from distflow.core.config import ConfigError
 
     cfg = _config(loss)  # unset: loads
-    assert cfg.workflow[4].fn == loss and key not in cfg.model_fields_set
+    assert cfg.workflow[4].fn == loss and key not in cfg.algorithm.model_fields_set
     for value in SET_VALUES[key]:  # set, even to its default: refused, naming key, node, loss and the fix
         with pytest.raises(ConfigError, match=rf"{key}: workflow node 'update' trains with '{loss}', which ignores "
                                               rf"it \(.+\); remove {key}"):
@@ -176,9 +176,9 @@ def test_every_example_loads_and_its_resolved_dump_loads_again(tmp_path) -> None
         again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
         assert again.model_dump() == cfg.model_dump(), example.name
     dump = load_config(path("cispo")).model_dump(mode="json")
-    assert dump["clip_low"] == 0.2 and dump["dual_clip"] is None
+    assert dump["algorithm"]["clip_low"] == 0.2 and dump["algorithm"]["dual_clip"] is None
     with pytest.raises(ConfigError, match=r"clip_low: workflow node 'update' trains with 'cispo'"):
-        config_from_dict({**dump, "clip_low": 0.1})
+        config_from_dict({**dump, "algorithm": {**dump["algorithm"], "clip_low": 0.1}})
 
 
 def test_kl_clamp_is_refused_where_no_estimator_is_k3() -> None:

@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from distflow.core.auth import new_secret
+from distflow.core.config import read_raw
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
 from tests.netns import ensure_tool
@@ -71,15 +72,23 @@ def compose_config(compose: list[str], tmp_path: Path, secret: str, profiles: tu
 @pytest.fixture
 def image_toy_model(toy_model, tmp_path):
     """The toy model the image builds at /opt/distflow/toy-model, where run_service_check finds it
-    (``--check`` checks the model directory of a rollout or trainer node)."""
+    (``--check`` checks the model directory of a rollout or trainer node), and the image's /app:
+    the examples, and the toy reward model it builds where grpo_reward_model.yaml names it
+    (relative to the example; a worker node checks the reward model its group loads)."""
+    from distflow.toy import build_toy_reward_model
+
     (tmp_path / "toy-model").symlink_to(toy_model)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "examples").symlink_to(ROOT / "examples")
+    build_toy_reward_model(tmp_path / "app" / "outputs" / "toy-reward-model")
 
 
 def run_service_check(service: dict, tmp_path: Path, hostname: str) -> subprocess.CompletedProcess:
     """Run the service's resolved command here with ``--check`` appended."""
     def local(text: str) -> str:
         text = re.sub(r"(?<![\w.-])/data/", f"{tmp_path}/data/", text)  # the volume, not /app/examples/data/
-        return text.replace("/app/", f"{ROOT}/").replace("/opt/distflow/toy-model", str(tmp_path / "toy-model"))
+        app = tmp_path / "app" if (tmp_path / "app").is_dir() else ROOT  # the image's /app (image_toy_model)
+        return text.replace("/app/", f"{app}/").replace("/opt/distflow/toy-model", str(tmp_path / "toy-model"))
 
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
@@ -192,7 +201,7 @@ def test_dockerfile_provides_what_compose_uses():
     for path in ("/app/examples/grpo_quickstart.yaml", "/app/examples/data/successor.jsonl",
                  "/opt/distflow/toy-model", "--port 29600 --data-port 29601"):
         assert path in compose_text
-    # (the quickstart's relative eval_dataset resolves from WORKDIR /app, where COPY examples put it)
+    # (the quickstart's eval_dataset is relative to the example file: examples/data/, which COPY examples puts there)
     for path in ("examples/grpo_quickstart.yaml", "examples/data/successor.jsonl", "examples/data/successor_eval.jsonl"):
         assert (ROOT / path).is_file()
 
@@ -401,7 +410,7 @@ def pdsh_run(pdsh: str, toy_model: Path, tmp_path: Path) -> Iterator[dict]:
 
     data = tmp_path / "data.jsonl"
     make_toy_dataset(data, 400, seed=5)
-    raw = yaml.safe_load((ROOT / "examples" / "grpo_quickstart.yaml").read_text())
+    raw = read_raw(ROOT / "examples" / "grpo_quickstart.yaml")
     raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False, dataset=str(data),
                prompts_per_step=4, group_size=2, max_new_tokens=2, epochs=100)  # far longer than the test
     raw["mesh"] = {"protocol_period_s": 0.2, "join_timeout_s": 60}

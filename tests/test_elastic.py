@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from distflow.core.auth import new_secret
+from distflow.core.config import read_raw
 from distflow.launcher import _free_ports
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
@@ -40,7 +41,7 @@ def test_killed_rollout_is_covered_and_rejoins(toy_model, tmp_path):
 
     data = tmp_path / "data.jsonl"
     make_toy_dataset(data, ROWS, seed=3)
-    raw = yaml.safe_load((ROOT / "examples" / "grpo_quickstart.yaml").read_text())
+    raw = read_raw(ROOT / "examples" / "grpo_quickstart.yaml")
     raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False, dataset=str(data),
                rollout_nodes=3, trainer_nodes=1, prompts_per_step=PER_STEP, group_size=GROUP, max_new_tokens=6,
                trace_samples=True, max_staleness=1, step_timeout_s=120)

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from distflow.buffer.batch import SampleBatch
-from distflow.core.config import Config, ConfigError, load_config
+from distflow.core.config import Config, ConfigError, load_config, read_raw
 from distflow.preflight import check_dataset
 from distflow.launcher import eval_summary
 from distflow.rl.eval_report import due_point, eval_points, eval_progress, eval_row, report_meta, report_problem, summarize
@@ -33,13 +33,13 @@ EVAL_FILE = ROOT / "examples" / "data" / "successor_eval.jsonl"
 
 
 def quickstart(**update) -> Config:
-    raw = yaml.safe_load(QUICKSTART.read_text())
+    raw = read_raw(QUICKSTART)
     raw.update(update)
     return Config.model_validate(raw)
 
 
 def write_config(tmp_path: Path, **update) -> Path:
-    raw = yaml.safe_load(QUICKSTART.read_text())
+    raw = read_raw(QUICKSTART)
     raw.update(update)
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(raw))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distflow.core.config import Config, ConfigError, load_config
+from distflow.core.config import Config, ConfigError, load_config, read_raw
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT, run_distflow
 from tests.procs import alive, run_pids
@@ -427,7 +427,7 @@ def test_in_process_interrupt_before_the_first_step_saves_nothing_and_stops_at_o
             time.sleep(60)
             return 0.0
     """))
-    cfg = yaml.safe_load(Path(QUICKSTART).read_text())
+    cfg = read_raw(ROOT / QUICKSTART)
     for n in cfg["workflow"]:
         if n["role"] == "REWARD":
             n["fn"] = "slow_reward:reward"

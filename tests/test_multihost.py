@@ -32,6 +32,7 @@ import yaml
 
 from distflow.buffer.routing import owner
 from distflow.core.auth import new_secret
+from distflow.core.config import read_raw
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
@@ -109,7 +110,7 @@ def write_config(tmp: Path, toy_model: Path, rows: int, **overrides: object) -> 
 
     data = tmp / "data.jsonl"
     make_toy_dataset(data, rows, seed=7)
-    raw = yaml.safe_load((ROOT / "examples" / "grpo_quickstart.yaml").read_text())
+    raw = read_raw(ROOT / "examples" / "grpo_quickstart.yaml")
     raw.update(output_dir=str(tmp / "out"), model_path=str(toy_model), toy_model=False, dataset=str(data),
                prompts_per_step=4, group_size=2, max_new_tokens=2, step_timeout_s=120)
     raw["mesh"] = {"protocol_period_s": PERIOD_S, "suspicion_timeout_s": SUSPICION_S, "join_timeout_s": 60}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from distflow.core.config import read_raw
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
@@ -136,7 +137,7 @@ def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_clu
     from distflow.launcher import _free_ports
     from tests.test_elastic import start
 
-    raw = yaml.safe_load((ROOT / QUICKSTART).read_text())
+    raw = read_raw(ROOT / QUICKSTART)
     raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False,
                dataset=str(make_data(tmp_path, 800)), rollout_nodes=2, trainer_nodes=1, prompts_per_step=4,
                group_size=2, max_new_tokens=2, step_timeout_s=600, controller=controller)

@@ -11,10 +11,9 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from distflow.buffer.routing import owner
-from distflow.core.config import ConfigError, config_from_dict, load_config
+from distflow.core.config import ConfigError, config_from_dict, load_config, read_raw
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT, run_distflow
@@ -25,7 +24,7 @@ CHILD_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get
 
 
 def example_raw(**changes) -> dict:
-    raw = yaml.safe_load((ROOT / EXAMPLE).read_text())
+    raw = read_raw(ROOT / EXAMPLE)
     raw.update(changes)
     return raw
 

@@ -20,22 +20,35 @@ from distflow.rl.names import LOSS_IGNORES, LOSS_OPTION_KEYS, POLICY_LOSS_KEYS
 __all__ = ["check_ignored_keys", "set_to_act"]
 
 
-def set_to_act(cfg: Any, key: str) -> bool:
-    """Whether the config ``cfg`` (a pydantic model) sets ``key`` to a value that would act.
+def _owner(cfg: Any, key: str) -> Any:
+    """The model that holds ``key``: the config section it belongs to (``cfg.algorithm`` for
+    ``clip_low``), or ``cfg`` itself for a flat model."""
+    for name in type(cfg).model_fields:
+        section = getattr(cfg, name, None)
+        if key in getattr(type(section), "model_fields", {}):
+            return section
+    return cfg
 
-    Set means given in the file or an override (``model_fields_set``), not a default. Not
-    counted: ``null`` (off, which is what a loss that ignores the key does anyway), and, in a
-    config that sets every key, the key's default: that is the resolved ``output_dir/config.yaml``
-    the launcher writes for its nodes (``model_dump``), where a key the run ignores holds the
-    default it had (a value set in the user's file was refused before the dump was written).
+
+def set_to_act(cfg: Any, key: str) -> bool:
+    """Whether the config ``cfg`` (a pydantic model, flat or in sections) sets ``key`` to a value
+    that would act.
+
+    Set means given in the file or an override (``model_fields_set`` of the key's section), not a
+    default. Not counted: ``null`` (off, which is what a loss that ignores the key does anyway),
+    and, in a section that sets every key, the key's default: that is the resolved
+    ``output_dir/config.yaml`` the launcher writes for its nodes (``model_dump``), where a key the
+    run ignores holds the default it had (a value set in the user's file was refused before the
+    dump was written).
     """
-    if key not in cfg.model_fields_set:
+    owner = _owner(cfg, key)
+    if key not in owner.model_fields_set:
         return False
-    value = getattr(cfg, key)
+    value = getattr(owner, key)
     if value is None:
         return False
-    fields = type(cfg).model_fields
-    dumped = set(fields) <= set(cfg.model_fields_set)
+    fields = type(owner).model_fields
+    dumped = set(fields) <= set(owner.model_fields_set)
     return not (dumped and value == fields[key].default)
 
 

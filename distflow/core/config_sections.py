@@ -1,0 +1,391 @@
+"""The sections of a DistFlow config: one pydantic model per concern.
+
+Why sections: one flat model of ~90 keys served every process, and a reader could not tell which
+keys the engine reads from those of the trainer or the launcher. Each section here is the place
+a user of verl or prime-rl would look for a key (``model.model_path``, ``trainer.lr``,
+``rollout.temperature``, ...). Every key keeps its flat name too (``lr: 1e-4`` is
+``trainer: {lr: 1e-4}``): key names are unique across sections, so a flat key names one field.
+
+Only rules about one key live here (a range, a list of GPU ids, the workflow's node schema);
+rules between keys of different sections are the :class:`distflow.core.config.Config`'s.
+Every field has a ``description``: ``distflow config --explain KEY`` prints it, and
+docs/configuration.md is generated from it (``python3 -m distflow.core.config_docs``).
+Torch-free: entry points import this before torch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+
+from distflow.core.dag import WorkflowError, WorkflowNode, load_workflow
+
+RESERVED_GROUPS = ("rollout", "trainer", "controller")
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, and so are .inf and NaN (``.inf`` crashed at start)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+
+
+class ModelSection(Section):
+    """The policy model (and the critic's starting point), and the dtype everything computes in."""
+
+    model_path: str = Field(min_length=1, description=(
+        "local Hugging Face model directory (nothing is downloaded): `distflow run` (and `distflow-node` of a "
+        "rollout or trainer node, at every start) refuses one without a `config.json` naming its `model_type`, or "
+        "without tokenizer files, before any node starts (exit 2, one line)"))
+    toy_model: bool = Field(False, description=(
+        "build the tiny toy model at `model_path` when it is missing (with `toy_kind: successor`, also the toy "
+        "reward model at the `args.path` of each REWARD MODEL_INFERENCE node that is missing one; `distflow "
+        "toy-model --kind reward DIR` builds it by hand). Only `distflow run` builds it; a hand-started node "
+        "does not check a missing toy model"))
+    toy_kind: Literal["successor", "gsm8k"] = Field("successor", description=(
+        "which toy model `toy_model` builds: `successor` (the quickstart's character-level Llama) or `gsm8k` (a "
+        "byte-level BPE tokenizer with a Qwen chat template and a tiny Qwen2; docs/gsm8k.md)"))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
+        "compute dtype of the trainer and the engines: `float32` or `bfloat16` (master weights, AdamW state and "
+        "gradient reduction stay fp32: FSDP2 `MixedPrecisionPolicy`; the checkpoint's Hugging Face weights are "
+        "the fp32 masters); `float16` is refused (training in it needs loss scaling, which DistFlow does not do)"))
+    critic_path: str | None = Field(None, description=(
+        "PPO critic initialisation: a saved critic directory or any Hugging Face causal LM (null: `model_path`, "
+        "with a zero-initialised scalar value head)"))
+
+
+class DataSection(Section):
+    """The prompt sets and the batch unit (``prompts_per_step``, from which every other size derives)."""
+
+    dataset: str = Field(min_length=1, description=(
+        "JSONL or Parquet prompt set; each rollout rank reads only its own shard. `distflow run` (and "
+        "`distflow-node --role rollout`) opens it as a rollout node does and checks the rows the run reads "
+        "first (up to 100,000; all of them when the run covers an epoch) as its steps would, before any node "
+        "starts (see `bad_rows`)"))
+    prompt_key: str = Field("prompt", min_length=1, description=(
+        "the row key holding the prompt: text, or with `chat_template: true` also a conversation of chat messages "
+        "(`[{role, content}, ...]`, rendered with the template). A row whose prompt is neither, malformed, or "
+        "encodes to no tokens is skipped and counted (`bad_prompts` in the step's metrics), never a crash"))
+    chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
+    shuffle: bool = Field(True, description="a seeded permutation of the prompt set each epoch, before sharding")
+    bad_rows: Literal["error", "skip"] = Field("error", description=(
+        "`error` (names file and line) or `skip` (logged, and counted as `bad_rows` in the step's metrics); a row "
+        "is bad when it is no JSON object, lacks `prompt_key`, or lacks a key a REWARD COMPUTE node's function "
+        "reads (its `required_keys`: `answer` for the built-in rewards), or is one that function cannot score "
+        "(its `check_row`); checked before generation, so a skipped prompt drops with its whole group. A prompt "
+        "file with no rows is always an error. Before any node starts, `distflow run` names the first bad row of "
+        "those the run reads (`error`: exit 2), or counts them (`skip`: printed), and refuses a run in which every "
+        "such row is bad"))
+    max_prompt_length: int | None = Field(None, ge=1, description=(
+        "prompts with more tokens are skipped (never a crash) and counted (`skipped_prompts`), as are prompts "
+        "longer than the model's positions less `max_new_tokens` whether it is set or not; with the torch engine "
+        "it also sizes the KV cache once, for `max_prompt_length + max_new_tokens` positions per sequence (without "
+        "it the cache grows with the longest prompt seen, and each growth recaptures the CUDA graphs mid-step)"))
+    prompts_per_step: int = Field(..., ge=1, description=(
+        "**the batch unit**: prompts per trainer step, over all rollout nodes (a multiple of `rollout_nodes`). "
+        "Derived from it: each rollout node generates `prompts_per_step / rollout_nodes` prompts a step, a step "
+        "has `prompts_per_step * group_size` samples, a trainer's buffer holds `(max_staleness + 2) * "
+        "samples_per_step` samples, and a run has `epochs * ceil(rows / prompts_per_step)` steps (capped by "
+        "`max_steps`)"))
+    eval_dataset: str | None = Field(None, min_length=1, description=(
+        "held-out JSONL or Parquet prompts with the keys of `dataset` (`prompt_key`, what the rewards read), read "
+        "in file order, scored by the workflow's rewards and never trained on; results in `output_dir/eval.jsonl`. "
+        "Checked before the run like `dataset` (first 100,000 rows). Needs every REWARD node on the rollout group"))
+
+
+class RolloutSection(Section):
+    """The rollout engine, sampling, and how far generation may run ahead of training."""
+
+    engine: Literal["torch", "vllm"] = Field("torch", description=(
+        "rollout engine: built-in `torch`, or `vllm` (extra, GPU; with `device: cpu` a config error)"))
+    engine_compile: bool = Field(True, description=(
+        "`torch` engine on CUDA: capture the decode step as CUDA graphs (cost paid once per process); `false` = "
+        "eager; ignored on CPU"))
+    engine_max_slots: int = Field(256, ge=1, le=65536, description=(
+        "`torch` engine: sequences decoded at once (continuous-batching slots of its KV cache; a finished one's "
+        "slot is refilled at once)"))
+    engine_kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1, description=(
+        "`torch` engine on CUDA: share of the GPU's free memory (at cache allocation) the KV cache may take; fewer "
+        "than `engine_max_slots` slots when they do not fit (logged), an error naming `max_new_tokens` when not "
+        "even one does. null: 0.9 divided among the nodes placed on that GPU (`colocate`, rollout nodes sharing a "
+        "GPU, `--in-process`). With `engine: vllm` the same share is vLLM's `gpu_memory_utilization`"))
+    group_size: int = Field(8, ge=1, description="samples per prompt (the GRPO group)")
+    max_new_tokens: int = Field(16, ge=1, description=(
+        "response length limit; refused before the run when it leaves no room for a prompt in the model's "
+        "`max_position_embeddings` (or, with `max_prompt_length`, when the two add up to more)"))
+    temperature: float = Field(1.0, ge=0, description=(
+        "sampling temperature; must be > 0 (`0`, greedy, makes every sample of a prompt identical and the policy "
+        "gradient zero: a config error)"))
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens of this probability")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0 = off")
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list, description=(
+        "token ids that end a response besides the model's EOS ids (tokenizer, generation config, model config). "
+        "With `chat_template` the template's end-of-turn token is always one: a base model prompted in a chat "
+        "template would otherwise write made-up turns until `max_new_tokens`"))
+    max_staleness: int = Field(1, ge=0, description=(
+        "a sample may be generated by weights at most this many versions old; `0` = strictly on-policy"))
+    eval_samples_per_prompt: int = Field(1, ge=1, description=(
+        "responses per held-out prompt of `eval_dataset` (above 1, `eval_best_of_n_mean` is reported too)"))
+    eval_temperature: float = Field(0.0, ge=0, description=(
+        "sampling temperature of evaluation; 0 is greedy (`top_p`, `top_k`, `max_new_tokens` and "
+        "`max_prompt_length` are the run's)"))
+
+
+class TrainerSection(Section):
+    """The optimiser, its schedule, micro-batching, the run's length, checkpoints and evaluation points."""
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (the peak, after `warmup_steps`)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
+    grad_clip: float = Field(1.0, gt=0, description=(
+        "global gradient-norm clip; an optimizer step whose norm is not finite (NaN/inf gradients) is skipped, "
+        "weights and optimizer state untouched, logged and counted (`skipped_steps`, `critic_skipped_steps` in "
+        "metrics.jsonl)"))
+    max_nonfinite_steps: int = Field(3, ge=1, description=(
+        "steps in a row whose loss or gradient is not finite (each skipped and warned of, naming the step) before "
+        "the run stops as diverged, exit 2, naming the steps and the `lr`; the engine meanwhile refuses to sample "
+        "from non-finite logits (exit 2, naming the weights version)"))
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description=(
+        "`constant`, `linear` or `cosine` (decay to 0 at the run's last step), after the warm-up"))
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate over this many trainer steps")
+    critic_lr: float | None = Field(None, gt=0, description="critic learning rate (null: `lr`)")
+    micro_batch_size: int = Field(64, ge=1, description="samples per forward/backward on a trainer")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=2, description=(
+        "token budget of a **packed** micro-batch: samples (prompt + response) are packed end to end into one row "
+        "(first-fit decreasing, at most `micro_batch_size` samples), each with its own position ids, attending "
+        "only to itself (varlen attention); no pad compute. null = padded micro-batches of `micro_batch_size` "
+        "samples. Same loss and gradients either way; the PPO critic packs the same way"))
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch (critic; the actor when it implements it)")
+    mini_batches_per_step: int = Field(1, ge=1, description=(
+        "optimizer steps per pass: the batch is split into this many mini-batches"))
+    activation_checkpointing: bool = Field(False, description=(
+        "recompute each decoder layer's activations in backward (less memory, ~1/3 more compute); the policy's "
+        "and, in PPO, the critic's"))
+    grad_sync: Literal["auto", "step", "micro_batch"] = Field("auto", description=(
+        "when the policy's gradients are reduce-scattered over the trainers. `step`: once per optimizer step (least "
+        "communication, but every rank holds the full unsharded fp32 gradients, and between micro-batches the "
+        "compute-dtype weights: up to 6 bytes x params in bf16). `micro_batch`: after every micro-batch's "
+        "backward (overlapped with it; memory stays sharded). `auto`: `step` on one trainer or when it costs at "
+        "most 2 GiB more per GPU than sharded training, else `micro_batch` (logged). Same gradients either way"))
+    logprob_chunk_tokens: int = Field(1024, ge=1, description=(
+        "response tokens per chunk of the LM head; the head runs on response positions only and its fp32 logits "
+        "memory is this x vocab x 4 bytes, whatever the batch"))
+    peak_flops: float | None = Field(None, gt=0, description=(
+        "peak FLOP/s of ONE trainer device, for the `mfu` metric (6 x params x tokens / update time / (trainers x "
+        "peak_flops)). null: the GPU's dense data-sheet peak for `dtype`, looked up by its name "
+        "(`distflow.device.PEAK_FLOPS`), else a 1e14 placeholder (on CPU, or an unknown GPU: the log says so)"))
+    epochs: int = Field(1, ge=1, description="passes over the prompt set")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many trainer steps")
+    save_every: int = Field(0, ge=0, description=(
+        "also save `checkpoint-N/` every N steps (the final `checkpoint/` is always written)"))
+    resume_from: str | None = Field(None, description=(
+        "continue from a DistFlow checkpoint directory: weights, sharded optimizer state, and the data position "
+        "(the global step; rollout nodes skip to it). Refused, naming the keys, when `seed`, `shuffle`, "
+        "`prompts_per_step` or the dataset's row count differ from the checkpoint's; to start over from its "
+        "weights use `model_path: DIR` instead. Checked before any node starts"))
+    eval_every: int = Field(0, ge=0, description=(
+        "evaluate on `eval_dataset` every N trainer steps; 0: only before training and after the last step"))
+    eval_before_train: bool = Field(True, description=(
+        "evaluate the starting weights (step 0, or the step a resumed run starts at)"))
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):  # also refuses NaN (AdamW would, only once the model is loaded)
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class AlgorithmSection(Section):
+    """The RL algorithm: the workflow DAG and the loss, KL, advantage and off-policy settings.
+
+    Which algorithm each key belongs to, with references: docs/algorithms.md."""
+
+    workflow: list[WorkflowNode] = Field(description=(
+        "the RL algorithm as a DAG of nodes `{id, role, type, fn, deps, group, args}` (see the Workflow section "
+        "below); the planner decides which worker group runs each node"))
+    clip_low: float = Field(0.2, ge=0, description=(
+        "PPO/GRPO ratio clip below 1; unset, a `gspo` update takes GSPO's sequence-level range (3e-4)"))
+    clip_high: float = Field(0.2, ge=0, description=(
+        "ratio clip above 1 (clip-higher when `clip_high > clip_low`); unset, a `gspo` update takes 4e-4"))
+    dual_clip: float | None = Field(None, gt=1, description=(
+        "PPO dual clip `c > 1`: a token with a negative advantage loses at most `-c x A` however large its ratio "
+        "(verl's `clip_ratio_c`, typically 3); for the clipped-surrogate losses only, refused with others; "
+        "null = off"))
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description=(
+            "per-token losses -> one scalar: `token-mean` (global token mean over ranks and micro-batches), "
+            "`seq-mean-token-sum`, `seq-mean-token-mean` (GSPO's, its default when unset), "
+            "`seq-mean-token-sum-norm` (Dr. GRPO: divided by sequences x `max_new_tokens`)"))
+    kl_coef: float = Field(0.0, ge=0, description=(
+        "weight of the KL to the reference model (above 0 it needs a REFERENCE node in the workflow; the "
+        "reference model is not loaded at all when it is 0)"))
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k3", description=(
+        "estimator of the KL loss term (`kl_coef`, `kl_in_reward: false`): `k2`, `k3`, `low_var_kl` (verl's: k3 "
+        "clamped to [-10, 10]); as a loss only log pi is differentiated, so k2's gradient is that of KL(pi || "
+        "ref) and k3's that of KL(ref || pi), GRPO's usual; `k1` (gradient zero in expectation) is refused"))
+    kl_in_reward: bool = Field(False, description=(
+        "`kl_coef` x KL is subtracted from the per-token reward (a token-level estimator node on the trainer) "
+        "instead of added to the loss; refused with a workflow that has none, or whose REFERENCE node runs after "
+        "it. The penalty's policy logprobs are the old ones (the engine's unless `recompute_old_logprobs`)"))
+    kl_reward_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("k1", description=(
+        "the KL estimator of the per-token penalty with `kl_in_reward`: `k1` (`log pi - log ref`: through the "
+        "reward its score-function gradient is the KL's; verl's and OpenRLHF's default), `k2`, `k3`, `low_var_kl`"))
+    kl_clamp: float | None = Field(10.0, gt=0, description=(
+        "bound of the `k3` estimator, as a loss term and as a reward penalty: where k3 would exceed it because the "
+        "policy finds a token far less likely than the reference (`d = log ref - log pi` past the knee `d_c` where "
+        "`e^d - d - 1 = kl_clamp`, 2.61 at 10), k3 continues along its tangent, so one token's gradient is at most "
+        "`kl_clamp + d_c` (12.61) instead of `e^d - 1` (4.9e8 at d = 20); the token is still pulled back, unlike "
+        "`low_var_kl`'s clamp. `null` = the exact k3 (tangent only past d = 20). Refused where set while neither "
+        "`kl_estimator` nor `kl_reward_estimator` is `k3`"))
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the loss subtracts this x the token entropy")
+    overlong: Literal["none", "mask", "penalty"] = Field("none", description=(
+        "truncated responses (`finish_reason: length`): `mask` = advantage 0 (no policy gradient), `penalty` = "
+        "DAPO's soft overlong punishment added to the reward an advantage is computed from"))
+    overlong_buffer: int = Field(0, ge=0, description=(
+        "with `overlong: penalty`: the penalty ramps from 0 to -1 over the last `overlong_buffer` tokens before "
+        "`max_new_tokens` (must be in `1..max_new_tokens`)"))
+    recompute_old_logprobs: bool = Field(False, description=(
+        "the trainer recomputes the old (proximal) logprobs before the update (in the same pass as the reference "
+        "logprobs) instead of using the engine's; a `gspo` update turns it on unless set (its clip range is "
+        "smaller than the usual engine/trainer logprob difference in bf16)"))
+    tis_cap: float | None = Field(None, gt=0, description=(
+        "truncated importance sampling: per-token weight `min(exp(old - behaviour), tis_cap)` on the policy "
+        "gradient; needs `recompute_old_logprobs: true` (without it every weight is 1); null = off"))
+    gamma: float = Field(1.0, ge=0, le=1, description=(
+        "discount of GAE's and `reinforce_pp_token`'s returns (a node's `args.gamma` overrides it)"))
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda (a `gae` node's `args.lam` overrides it)")
+    value_clip: float | None = Field(0.2, gt=0, description=(
+        "critic value clipping range around the old values; null = unclipped"))
+
+    @field_validator("workflow", mode="before")
+    @classmethod
+    def _workflow_list(cls, v: Any) -> Any:
+        if not isinstance(v, list) or not v:
+            raise ValueError("workflow must be a non-empty list of nodes")
+        try:
+            return load_workflow(v)
+        except WorkflowError as e:
+            raise ValueError(str(e)) from None
+
+
+class TransportSection(Section):
+    """The data plane: how samples and weights move between nodes, and how long a step may wait for them."""
+
+    channel: Literal["zmq", "shm", "auto"] = Field("auto", description=(
+        "data-plane transport: `auto` (shared memory to peers on the same host, ZeroMQ frames to others, NCCL for "
+        "CUDA tensors), `zmq`, `shm`"))
+    posting: bool = Field(True, description=(
+        "with shared memory, a rollout node *posts* each step's parts to the trainers on its host: one copy of "
+        "the step's batch into a buffer those trainers map, and a signed record in each trainer's mailbox, with "
+        "no message, ack or wake-up per part. `false`: a message per part, as to other hosts"))
+    route_by: Literal["owner", "tokens"] = Field("owner", description=(
+        "how a step's samples are split among trainer ranks: `owner` (`hash(sample_id) mod T`) or `tokens` "
+        "(balanced by token count, for long, uneven responses; a step re-sent after a partial delivery may be "
+        "split differently, so prefer `owner` where rollout nodes may fail)"))
+    weight_transport: Literal["auto", "channel", "cuda_ipc", "nccl"] = Field("auto", description=(
+        "how weights reach rollout nodes: `auto` (`cuda_ipc` when the trainer and the rollout node share a GPU, "
+        "`nccl` between different GPUs when the data channel carries NCCL, `channel` otherwise), `channel` (the "
+        "data channel, pinned host staging for CUDA weights), `cuda_ipc` (one GPU only), `nccl` (GPU buckets "
+        "over the NCCL channel). With `cuda_ipc` or `nccl` a trainer rank serving rollout nodes keeps the newest "
+        "version's buckets on its GPU (one copy of the model in the compute dtype)"))
+    weight_sync: Literal["full", "delta"] = Field("full", description=(
+        "`full` = every version in full; `delta` = only tensors whose bytes changed since the version the peer "
+        "holds (a full version when the peer has none, rejoined, refused a delta or is more than 8 versions "
+        "behind); the rollout engine must accept a partial set of tensors"))
+    weight_bucket_mb: int = Field(64, ge=1, le=4096, description=(
+        "weight-sync bucket size in MiB: the trainer gathers, sends and the rollout applies one bucket at a time"))
+    step_timeout_s: float = Field(600.0, gt=0, description=(
+        "longest wait for one step's samples or weights; the trainer ranks' collectives may wait 30 min more, or "
+        "as long as the fp32 checkpoint takes to write at 50 MB/s if that is longer"))
+
+
+class MeshSection(Section):
+    """The control plane: addresses nodes bind to and advertise, and the failure detector's timings."""
+
+    bind_host: str = Field("127.0.0.1", description=(
+        "address nodes bind to; loopback unless told otherwise. `0.0.0.0` (or `::`) needs `advertise_host`"))
+    advertise_host: str | None = Field(None, description=(
+        "the address peers use to reach a node bound to `0.0.0.0` (`distflow-node --advertise-host`)"))
+    rendezvous_port: int = Field(0, ge=0, le=65535, description=(
+        "trainer rank 0's torch.distributed rendezvous port; 0 = any free port (pin it for firewalls)"))
+    protocol_period_s: float = Field(0.2, gt=0, description="gossip/probe period")
+    suspicion_timeout_s: float = Field(1.5, gt=0, description="suspect -> dead after this long without refutation")
+    request_timeout_s: float = Field(10.0, gt=0, description="deadline of a control request")
+    join_timeout_s: float = Field(60.0, gt=0, description=(
+        "how long a node waits for its seeds and for the groups to be complete"))
+    max_frame_bytes: int = Field(1 << 20, ge=4096, description="larger control frames are dropped and counted")
+
+
+class LaunchSection(Section):
+    """What runs where: the run's name, seed and output, node counts, devices, and supervision."""
+
+    name: str = Field("distflow", description="run name")
+    seed: int = Field(0, ge=0, description="seeds data order, sampling and initialisation")
+    output_dir: str = Field("outputs/run", min_length=1, description=(
+        "`metrics.jsonl`, `eval.jsonl`, `reward_curve.png`, `checkpoint/`, `logs/`, `trace/`, and the resolved "
+        "`config.yaml` the nodes of `distflow run` read"))
+    rollout_nodes: int = Field(1, ge=1, description="rollout processes (rollout data-parallel size)")
+    trainer_nodes: int = Field(1, ge=1, description="trainer processes (the FSDP2 group)")
+    worker_groups: dict[str, int] = Field(default_factory=dict, description=(
+        "extra worker groups between rollout and trainer: group name -> node count, e.g. `{reward: 1}`. A "
+        "workflow node with `group: NAME` runs on that group's nodes; rollout shard s goes to the group's rank "
+        "`s % count`. Names must not be `rollout`, `trainer` or `controller`; each group must run at least one "
+        "workflow node; not with `controller: single`. `distflow run` starts nodes `<name>-<i>` "
+        "(`distflow-node --role worker --group NAME`)"))
+    controller: Literal["distributed", "single"] = Field("distributed", description=(
+        "`distributed` (no driver) or `single`: every batch routed through one controller process, the "
+        "hybrid-controller baseline kept to measure against"))
+    device: Literal["cpu", "cuda"] = Field("cpu", description="`cpu` (gloo) or `cuda` (NCCL)")
+    gpus: int | list[int] | None = Field(None, description=(
+        "with `device: cuda`, the GPUs `distflow run` may use: null = every visible GPU, `N` = the first N, "
+        "`[i, j, ...]` = these ids (relative to the launcher's own `CUDA_VISIBLE_DEVICES`). One distinct GPU per "
+        "trainer rank, always; rollout nodes take the rest round-robin. A config error with `device: cpu`"))
+    colocate: bool = Field(False, description=(
+        "with `device: cuda`: rollout nodes share the trainers' GPUs (round-robin) instead of taking GPUs of "
+        "their own"))
+    torch_threads: int = Field(1, ge=1, description="intra-op threads per node process")
+    restarts: int = Field(3, ge=0, description=(
+        "`distflow run` restarts a dead rollout node (same id and ports) up to this many times while the others "
+        "cover its shard; a dead trainer rank or controller stops the run, and so does a node that exits 2 (a "
+        "configuration or data error), which is never restarted"))
+    trace_samples: bool = Field(False, description="each node writes which sample ids it handled to `output_dir/trace/`")
+
+    @field_validator("worker_groups")
+    @classmethod
+    def _worker_groups(cls, v: dict[str, int]) -> dict[str, int]:
+        for name, n in v.items():
+            if name in RESERVED_GROUPS:
+                raise ValueError(f"{name!r} is a built-in group; a worker group needs another name "
+                                 f"(not {', '.join(RESERVED_GROUPS)})")
+            if not _GROUP_RE.match(name):
+                raise ValueError(f"group name {name!r} must use only letters, digits, '_' and '-'")
+            if n < 1:
+                raise ValueError(f"group {name!r} has {n} nodes; a worker group needs at least 1")
+        return v
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, list) and any(isinstance(g, bool) for g in v)):
+            raise ValueError(f"{v!r} is not a GPU count or a list of GPU ids")
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{v} must be at least 1 (or null for every visible GPU)")
+        if isinstance(v, list) and (not v or any(not isinstance(g, int) or g < 0 for g in v) or len(set(v)) != len(v)):
+            raise ValueError(f"{v} must be a non-empty list of distinct GPU ids >= 0")
+        return v
+
+
+# section name -> model, in the order the docs and `distflow config --show` present them
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelSection, "data": DataSection, "algorithm": AlgorithmSection, "rollout": RolloutSection,
+    "trainer": TrainerSection, "transport": TransportSection, "mesh": MeshSection, "launch": LaunchSection,
+}
+REQUIRED_SECTIONS = ("model", "data", "algorithm")  # they hold a key without a default
+
+# flat key -> its section: generated from the sections (a key name is unique across them)
+FLAT_KEYS: dict[str, str] = {key: name for name, model in SECTIONS.items() for key in model.model_fields}
+assert len(FLAT_KEYS) == sum(len(m.model_fields) for m in SECTIONS.values()), "a key name is in two sections"
+assert not set(FLAT_KEYS) & set(SECTIONS), "a key is named like a section"
