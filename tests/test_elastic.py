@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from distflow.core.auth import new_secret
-from distflow.launcher import _free_ports
+from distflow.launch.launcher import _free_ports
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
@@ -29,7 +29,7 @@ ROWS, PER_STEP, GROUP = 1200, 6, 2
 
 
 def start(node_id: str, role: str, cfg: Path, port: int, seeds: str, env: dict, logs: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())",
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())",
            "--role", role, "--config", str(cfg), "--node-id", node_id, "--port", str(port), "--seeds", seeds]
     with (logs / f"{node_id}.log").open("a") as f:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)

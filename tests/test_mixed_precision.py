@@ -118,7 +118,7 @@ def test_a_checkpoint_counts_only_once_every_part_is_written(toy_model, world1, 
     """Rewriting ``checkpoint/`` in place (every run's end) first takes its completion marker
     away: a save that dies part-way (here: the critic's part raises) leaves a directory that
     ``newest_checkpoint`` skips instead of one whose stale marker vouches for torn contents."""
-    from distflow.launcher import newest_checkpoint
+    from distflow.launch.launcher import newest_checkpoint
     from distflow.trainer.actor import STATE_FILE, Actor
     from distflow.trainer.executor import TrainerContext, save_checkpoint
 

@@ -161,7 +161,7 @@ def test_an_older_checkpoint_without_a_data_order_resumes_with_a_warning(trained
 def test_the_stop_hint_names_the_checkpoint_a_resumed_run_came_from(tmp_path, trained):
     """A resumed run that stops before saving anything new (e.g. its resume was refused) is told to
     continue from its own resume_from, not to "restart from scratch"."""
-    from distflow.launcher import resume_hint
+    from distflow.launch.launcher import resume_hint
 
     assert "restart from scratch" in resume_hint(tmp_path)
     assert resume_hint(tmp_path, str(trained)) == f"no newer checkpoint was saved; continue with resume_from={trained}"

@@ -103,7 +103,7 @@ def check_model_dir(model_path: str | Path) -> Path:
     path = Path(model_path)
     if not (path / "config.json").is_file():
         from distflow.hf import ModelDirError
-        from distflow.preflight import model_dir_problem
+        from distflow.launch.preflight import model_dir_problem
 
         raise ModelDirError(f"model_path: {model_dir_problem(str(path))}")
     return path

@@ -1,7 +1,7 @@
 """``distflow run``: start a whole local cluster as real ``distflow-node`` processes, and supervise it.
 
 The launcher only starts processes and hands them ``--seeds``, their GPUs
-(``CUDA_VISIBLE_DEVICES``, from :mod:`distflow.placement`) and the cluster secret (through
+(``CUDA_VISIBLE_DEVICES``, from :mod:`distflow.launch.placement`) and the cluster secret (through
 the environment, never the command line); it takes no part in the run. It shows progress
 by tailing the ``metrics.jsonl`` that trainer rank 0 writes, and supervises like torchrun:
 
@@ -22,7 +22,7 @@ by tailing the ``metrics.jsonl`` that trainer rank 0 writes, and supervises like
 
 Inputs that cannot work are refused before any node starts (:func:`prepare`, exit 2): the
 prompt set (read the way the rollout nodes read it), the model directory, ``resume_from``
-(:mod:`distflow.preflight`).
+(:mod:`distflow.launch.preflight`).
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config, ConfigError
-from distflow.preflight import check_functions, check_inputs
+from distflow.launch.preflight import check_functions, check_inputs
 
 STOP_GRACE_S = 15.0
 RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
 T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
-CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (distflow.cli): never restarted
+CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (distflow.launch.cli): never restarted
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # stop `distflow run` like Ctrl-C (SIGINT)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCHER_PID_ENV = "DISTFLOW_LAUNCHER_PID"  # a node's launcher: die_with_launcher
@@ -238,7 +238,7 @@ def _free_ports(host: str, n: int) -> list[int]:
 
 def _node_command() -> list[str]:
     exe = shutil.which("distflow-node")
-    return [exe] if exe else [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+    return [exe] if exe else [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
 
 
 def _make_dir(path: Path, key: str) -> None:
@@ -314,9 +314,9 @@ def gpus_present() -> tuple[int, list[str] | None]:
 
 
 def plan_placement(cfg: Config, present: int | None = None, visible: list[str] | None = None):
-    """Each node's GPU environment (distflow.placement.place for this config); exits naming
+    """Each node's GPU environment (distflow.launch.placement.place for this config); exits naming
     the key when the placement is impossible. ``present`` None: ask torch (cuda only)."""
-    from distflow.placement import PlacementError, place
+    from distflow.launch.placement import PlacementError, place
 
     if cfg.device == "cuda" and present is None:
         present, visible = gpus_present()
@@ -498,13 +498,13 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     Raises ConfigError (exit 2) for what it refuses before any node starts."""
     config_path = prepare(cfg)
     if in_process:
-        from distflow.inprocess import run_in_process
+        from distflow.launch.inprocess import run_in_process
 
         return run_in_process(cfg)
     placement = plan_placement(cfg)  # refuses an impossible placement before anything starts
     secret = os.environ.get(SECRET_ENV) or new_secret()
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
-    from distflow.placement import describe
+    from distflow.launch.placement import describe
     from distflow.trainer.metrics import MetricsWriter, read_metrics
 
     if not cfg.resume_from:

@@ -99,7 +99,7 @@ def node_parser() -> argparse.ArgumentParser:
 
 
 def node_main(argv: Sequence[str] | None = None) -> int:
-    from distflow.launcher import die_with_launcher
+    from distflow.launch.launcher import die_with_launcher
 
     die_with_launcher()  # first: a node of `distflow run` dies with it (a launcher gone already: exit now)
     flags, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
@@ -132,7 +132,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     role = args.group if args.role == "worker" else args.role  # a worker's mesh role is its group's name
     # With --port 0 the port is not known yet: the pid keeps two such nodes of one host apart.
     node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
-    from distflow.preflight import check_functions, check_inputs, check_model
+    from distflow.launch.preflight import check_functions, check_inputs, check_model
 
     pipeline = cfg.plan().pipelines.get(role, [])
     try:
@@ -209,7 +209,7 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" else []
         if dead:  # name the dead rank, not the transport error it caused here
             failed_here = False
-            from distflow.launcher import resume_hint
+            from distflow.launch.launcher import resume_hint
             from distflow.runtime import GroupMemberLost
 
             log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead),
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"config overrides {overrides} only apply to `distflow run`")
     if args.cmd in ("toy-model", "toy-data"):
         return toy_main(args)
-    from distflow.launcher import launch
+    from distflow.launch.launcher import launch
 
     try:
         cfg = load_config(args.config, overrides)

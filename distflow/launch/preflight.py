@@ -165,7 +165,7 @@ def check_resume(cfg: Config) -> None:
         read_run_state(Path(cfg.resume_from), cfg)
     except (OSError, ValueError, KeyError, TypeError) as e:
         msg = str(e) if str(e).startswith("resume_from") else f"resume_from {cfg.resume_from!r}: {type(e).__name__}: {e}"
-        from distflow.launcher import newest_checkpoint
+        from distflow.launch.launcher import newest_checkpoint
 
         newest = newest_checkpoint(cfg.output_dir)
         hint = f"; the newest checkpoint of output_dir is {newest}" if newest and str(newest) != cfg.resume_from else ""
