@@ -225,7 +225,7 @@ def test_error_line_falls_back_to_the_last_line_of_the_log(tmp_path):
 
 
 def test_resume_hint_names_only_checkpoints(tmp_path):
-    from distflow.launch.launcher import resume_hint
+    from distflow.launch.checkpoint import resume_hint
 
     assert "resume_from=nope/checkpoint" not in resume_hint(tmp_path, "nope/checkpoint")
     ckpt = tmp_path / "old" / "checkpoint"

@@ -209,7 +209,7 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" else []
         if dead:  # name the dead rank, not the transport error it caused here
             failed_here = False
-            from distflow.launch.launcher import resume_hint
+            from distflow.launch.checkpoint import resume_hint
             from distflow.runtime import GroupMemberLost
 
             log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead),

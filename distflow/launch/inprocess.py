@@ -18,7 +18,8 @@ from typing import Callable
 from distflow.core.aio import cancel_and_wait, run_loop
 from distflow.core.auth import new_secret
 from distflow.core.config import Config
-from distflow.launch.launcher import STOP_SIGNALS, catch_stop_signals, restore_signals, resume_hint, signum_of, stop_name
+from distflow.launch.checkpoint import resume_hint
+from distflow.launch.launcher import STOP_SIGNALS, catch_stop_signals, restore_signals, signum_of, stop_name
 from distflow.launch.placement import GPU_NODES_ENV
 
 log = logging.getLogger(__name__)

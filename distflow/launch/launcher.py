@@ -27,7 +27,6 @@ prompt set (read the way the rollout nodes read it), the model directory, ``resu
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -44,6 +43,7 @@ import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config, ConfigError
+from distflow.launch.checkpoint import checkpoint_version, resume_hint
 from distflow.launch.preflight import check_functions, check_inputs
 
 STOP_GRACE_S = 15.0
@@ -164,41 +164,6 @@ def process_start_time() -> float:
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.time()
-
-
-STATE_FILE = "distflow_state.json"  # written last by trainer rank 0 (distflow.trainer.actor.STATE_FILE; no torch here)
-
-
-def checkpoint_version(ckpt: Path) -> int:
-    """The policy version (= trained steps) checkpoint ``ckpt`` holds; raises OSError, ValueError,
-    KeyError or TypeError when it is no complete checkpoint."""
-    return int(json.loads((ckpt / STATE_FILE).read_text())["policy_version"])
-
-
-def newest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The checkpoint of ``output_dir`` with the highest policy version (``checkpoint``,
-    ``checkpoint-N``), complete enough to ``resume_from``; None when there is none."""
-    best: tuple[int, float, Path] | None = None
-    for d in Path(output_dir).glob("checkpoint*"):
-        try:
-            key = (checkpoint_version(d), (d / STATE_FILE).stat().st_mtime, d)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return best[2] if best else None
-
-
-def resume_hint(output_dir: str | Path, resume_from: str | None = None) -> str:
-    """What to resume from after a stop: the newest checkpoint of ``output_dir``, else the one
-    this run resumed from (``resume_from``, when it is a checkpoint: it holds distflow_state.json),
-    else none."""
-    ckpt = newest_checkpoint(output_dir)
-    if ckpt is None and resume_from and (Path(resume_from) / STATE_FILE).is_file():
-        return f"no newer checkpoint was saved; continue with resume_from={resume_from}"
-    if ckpt is None:
-        return "no checkpoint was saved yet (save_every: N saves one every N steps); restart from scratch"
-    return f"newest checkpoint {ckpt}: continue with resume_from={ckpt}"
 
 
 def check_bind_host(host: str) -> None:

@@ -10,7 +10,7 @@ of a node failing after start-up (and being restarted, failing the same way):
 - ``model_path`` is a Hugging Face model and tokenizer directory: :func:`model_dir_problem`;
 - ``resume_from`` is a checkpoint this config can continue: :func:`check_resume`.
 
-Torch-free (the launcher's start-up), but for ``resume_from`` (the trainers' reader of it).
+Torch-free (the launcher's start-up).
 """
 
 from __future__ import annotations
@@ -155,18 +155,16 @@ def model_dir_problem(path: str) -> str | None:
 
 
 def check_resume(cfg: Config) -> None:
-    """``resume_from`` read as the trainers will (distflow.trainer.actor.read_run_state: a
+    """``resume_from`` read as the trainers will (:func:`distflow.launch.checkpoint.read_run_state`: a
     checkpoint with distflow_state.json, written with this config's data order)."""
     if not cfg.resume_from:
         return
-    from distflow.trainer.actor import read_run_state
+    from distflow.launch.checkpoint import newest_checkpoint, read_run_state
 
     try:
         read_run_state(Path(cfg.resume_from), cfg)
     except (OSError, ValueError, KeyError, TypeError) as e:
         msg = str(e) if str(e).startswith("resume_from") else f"resume_from {cfg.resume_from!r}: {type(e).__name__}: {e}"
-        from distflow.launch.launcher import newest_checkpoint
-
         newest = newest_checkpoint(cfg.output_dir)
         hint = f"; the newest checkpoint of output_dir is {newest}" if newest and str(newest) != cfg.resume_from else ""
         raise ConfigError(msg + hint) from None

@@ -35,7 +35,8 @@ from distflow.core.channels.posting import Post
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.weights.tiers import resolve_transport, serving_plan
-from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
+from distflow.launch.checkpoint import check_data_order, data_order
+from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
