@@ -19,7 +19,7 @@ from distflow.core.aio import cancel_and_wait, run_loop
 from distflow.core.auth import new_secret
 from distflow.core.config import Config
 from distflow.launch.checkpoint import resume_hint
-from distflow.launch.launcher import STOP_SIGNALS, catch_stop_signals, restore_signals, signum_of, stop_name
+from distflow.launch.signals import STOP_SIGNALS, catch_stop_signals, restore_signals, signum_of, stop_name
 from distflow.launch.placement import GPU_NODES_ENV
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class _Interrupt(asyncio.Event):
 
 
 def _on_interrupt(loop: asyncio.AbstractEventLoop, tasks: set[asyncio.Task]) -> _Interrupt:
-    """SIGINT, SIGTERM, SIGHUP (as `distflow run`'s :data:`distflow.launch.launcher.STOP_SIGNALS`): the
+    """SIGINT, SIGTERM, SIGHUP (as `distflow run`'s :data:`distflow.launch.signals.STOP_SIGNALS`): the
     first sets the returned event (a graceful stop), a second cancels every task of ``tasks``.
     Where signals cannot be handled (not the main thread) the event never fires."""
     event = _Interrupt()

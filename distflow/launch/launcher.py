@@ -43,16 +43,15 @@ import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config, ConfigError
+from distflow.core.launch_env import LAUNCHER_PID_ENV, T0_ENV, process_start_time
 from distflow.launch.checkpoint import checkpoint_version, resume_hint
 from distflow.launch.preflight import check_functions, check_inputs
+from distflow.launch.signals import catch_stop_signals, restore_signals, signum_of, stop_name
 
 STOP_GRACE_S = 15.0
 RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
-T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
 CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (distflow.launch.cli): never restarted
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # stop `distflow run` like Ctrl-C (SIGINT)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-LAUNCHER_PID_ENV = "DISTFLOW_LAUNCHER_PID"  # a node's launcher: die_with_launcher
 
 
 def spawn(cmd: list[str], log_file, env: dict[str, str]) -> subprocess.Popen:
@@ -91,43 +90,6 @@ def die_with_launcher() -> None:
         os._exit(128 + signal.SIGTERM)  # as if the signal had come
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP to `distflow run` (and SIGINT, while `--in-process` starts): handled like
-    Ctrl-C (a KeyboardInterrupt)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def signum_of(why: KeyboardInterrupt) -> int:
-    """The signal that stopped the run (SIGINT for a plain Ctrl-C); the exit status is 128 + it."""
-    return why.signum if isinstance(why, Interrupted) else signal.SIGINT
-
-
-def stop_name(signum: int) -> str:
-    """A stop signal as the messages name it: Ctrl-C for SIGINT."""
-    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-
-
-def _raise_interrupted(signum: int, _frame) -> None:
-    raise Interrupted(signum)
-
-
-def catch_stop_signals(names: tuple[str, ...] = STOP_SIGNALS) -> dict[int, object]:
-    """Make SIGTERM and SIGHUP (``names``) raise :class:`Interrupted` in the main thread (the
-    previous handlers are returned, for :func:`restore_signals`); nothing from another thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    sigs = [getattr(signal, n) for n in names if hasattr(signal, n)]
-    return {sig: signal.signal(sig, _raise_interrupted) for sig in sigs}
-
-
-def restore_signals(previous: dict[int, object]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
 @dataclass
 class Child:
     node_id: str
@@ -146,24 +108,6 @@ class Child:
             f.write(f"\n----- distflow run: restart {self.restarts} of {self.node_id} -----\n")
             f.flush()
             self.proc = spawn(self.cmd, f, self.env)
-
-
-def launch_time() -> float | None:
-    """Wall-clock start of the ``distflow run`` that launched this process (``DISTFLOW_T0``), or None."""
-    try:
-        return float(os.environ[T0_ENV])
-    except (KeyError, ValueError):
-        return None
-
-
-def process_start_time() -> float:
-    """Wall-clock time this process started (from /proc; now, where there is no /proc)."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # since boot
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.time()
 
 
 def check_bind_host(host: str) -> None:

@@ -23,9 +23,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["GPU_NODES_ENV", "PlacementError", "Slot", "describe", "place"]
+from distflow.core.launch_env import GPU_NODES_ENV  # how many nodes of the run share this node's GPU
 
-GPU_NODES_ENV = "DISTFLOW_GPU_NODES"  # how many nodes of the run share this node's GPU
+__all__ = ["GPU_NODES_ENV", "PlacementError", "Slot", "describe", "place"]
 
 
 class PlacementError(ValueError):
