@@ -86,12 +86,13 @@ def test_rollout_shard_s_goes_to_worker_rank_s_mod_m_and_the_workers_feed_every_
 
 
 def test_launcher_starts_worker_nodes_placed_like_rollout_nodes():
-    from distflow.launch.launcher import node_roles, plan_placement, worker_group
+    from distflow.launch.launcher import plan_placement
+    from distflow.launch.roles import cluster_nodes, node_roles
 
     cfg = config_from_dict(example_raw(worker_groups={"reward": 2}, device="cuda", gpus=4))
     assert node_roles(cfg) == [("trainer-0", "trainer"), ("trainer-1", "trainer"), ("rollout-0", "rollout"),
                                ("rollout-1", "rollout"), ("reward-0", "worker"), ("reward-1", "worker")]
-    assert worker_group("reward-1") == "reward"
+    assert [(n.group, n.role) for n in cluster_nodes(cfg)][-1] == ("reward", "reward")  # `--group reward`
     gpus = {s.node_id: s.gpu for s in plan_placement(cfg, present=4)}
     # Trainers take GPUs 0, 1; rollout and reward-worker nodes share the rest round-robin.
     assert gpus == {"trainer-0": "0", "trainer-1": "1", "rollout-0": "2", "rollout-1": "3",

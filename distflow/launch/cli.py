@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 from distflow.core.auth import SECRET_ENV
 from distflow.core.config import Config, ConfigError, load_config
+from distflow.launch.roles import KINDS, role_loop
 
 log = logging.getLogger("distflow")
 
@@ -77,7 +78,7 @@ def exit_code_of(error: BaseException) -> int:
 # ---------------------------------------------------------------------- distflow-node
 def node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distflow-node", description="Run one DistFlow node (one process, one asyncio loop).")
-    p.add_argument("--role", required=True, choices=["rollout", "trainer", "controller", "worker"],
+    p.add_argument("--role", required=True, choices=list(KINDS),
                    help="controller only with `controller: single` (the baseline design); worker: a node of "
                         "the worker group named by --group (config worker_groups)")
     p.add_argument("--group", default=None, help="with --role worker: the group of worker_groups this node serves")
@@ -170,12 +171,7 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     keep_freed_memory()  # a step's buffers are reused, not page-faulted anew
     rt = Runtime.create(cfg, role, node_id, secret, host=host, port=port, data_port=data_port, seeds=seeds,
                         advertise_host=advertise_host)
-    if role == "trainer":
-        from distflow.trainer.worker import run_trainer as loop_fn
-    elif role == "rollout":
-        from distflow.rollout.worker import run_rollout as loop_fn
-    else:  # the controller, or a node of a worker group: a stage worker
-        from distflow.stage_worker import run_stage_worker as loop_fn
+    loop_fn = role_loop(role)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -46,10 +46,10 @@ from distflow.core.config import Config, ConfigError
 from distflow.core.launch_env import LAUNCHER_PID_ENV, T0_ENV, process_start_time
 from distflow.launch.checkpoint import checkpoint_version, resume_hint
 from distflow.launch.preflight import check_functions, check_inputs
+from distflow.launch.roles import RESTARTABLE, cluster_nodes, node_roles
 from distflow.launch.signals import catch_stop_signals, restore_signals, signum_of, stop_name
 
 STOP_GRACE_S = 15.0
-RESTARTABLE = ("rollout", "worker")  # roles a dead node of which is restarted (a dead trainer ends the run)
 CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (distflow.launch.cli): never restarted
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -200,19 +200,6 @@ def prepare(cfg: Config) -> Path:
     return resolved
 
 
-def node_roles(cfg: Config) -> list[tuple[str, str]]:
-    """(node_id, role) of every node `distflow run` starts, in start order."""
-    roles = [("trainer", i) for i in range(cfg.trainer_nodes)] + [("rollout", i) for i in range(cfg.rollout_nodes)]
-    roles += [("controller", i) for i in range(cfg.controller_nodes)]
-    out = [(f"{role}-{i}", role) for role, i in roles]
-    return out + [(f"{g}-{i}", "worker") for g, n in cfg.worker_groups.items() for i in range(n)]
-
-
-def worker_group(node_id: str) -> str:
-    """The worker group of a ``worker`` node started by `distflow run` (its id is ``<group>-<i>``)."""
-    return node_id.rsplit("-", 1)[0]
-
-
 def gpus_present() -> tuple[int, list[str] | None]:
     """How many GPUs this launcher sees, and its own CUDA_VISIBLE_DEVICES entries (None = unset)."""
     raw = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -237,7 +224,7 @@ def plan_placement(cfg: Config, present: int | None = None, visible: list[str] |
 
 
 def start_children(cfg: Config, config_path: Path, secret: str, placement=None) -> list[Child]:
-    nodes = node_roles(cfg)
+    nodes = cluster_nodes(cfg)
     slots = {s.node_id: s for s in (placement if placement is not None else plan_placement(cfg))}
     ports = _free_ports(cfg.bind_host, 2 * len(nodes))
     seeds = f"{cfg.bind_host}:{ports[0]}"  # everyone joins through the first node; gossip does the rest
@@ -245,13 +232,14 @@ def start_children(cfg: Config, config_path: Path, secret: str, placement=None) 
                               "OMP_NUM_THREADS": str(cfg.torch_threads)})
     env.setdefault(T0_ENV, repr(process_start_time()))
     children = []
-    for k, (node_id, role) in enumerate(nodes):
+    for k, node in enumerate(nodes):
+        node_id, role = node.node_id, node.kind
         log_path = Path(cfg.output_dir) / "logs" / f"{node_id}.log"
         cmd = _node_command() + [
             "--role", role, "--config", str(config_path), "--node-id", node_id, "--host", cfg.bind_host,
             "--port", str(ports[2 * k]), "--data-port", str(ports[2 * k + 1]),
             "--seeds", "" if k == 0 else seeds,
-        ] + (["--group", worker_group(node_id)] if role == "worker" else [])
+        ] + (["--group", node.group] if node.group else [])
         child_env = {**env, **slots[node_id].env}
         try:
             with log_path.open("w") as f:
