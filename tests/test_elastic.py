@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from distflow.core.auth import new_secret
-from distflow.launch.launcher import _free_ports
+from distflow.launch.children import free_ports
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
@@ -49,7 +49,7 @@ def test_killed_rollout_is_covered_and_rejoins(toy_model, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
-    ports = _free_ports("127.0.0.1", 4)
+    ports = free_ports("127.0.0.1", 4)
     seed = f"127.0.0.1:{ports[0]}"
     procs = {"trainer-0": start("trainer-0", "trainer", cfg, ports[0], "", env, logs)}
     for i in range(3):

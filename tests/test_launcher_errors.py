@@ -174,7 +174,7 @@ def test_toy_commands_refuse_unusable_paths_in_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------- supervision
 def sleeper(tmp_path: Path, node_id: str, role: str, cmd: list[str]):
-    from distflow.launch.launcher import Child, spawn
+    from distflow.launch.children import Child, spawn
 
     log = tmp_path / f"{node_id}.log"
     with log.open("w") as f:
@@ -215,13 +215,13 @@ def test_node_exit_status_of_configuration_and_data_errors():
 
 def test_error_line_falls_back_to_the_last_line_of_the_log(tmp_path):
     """A node refused before its logging was set up logs no ERROR record: its own last line is named."""
-    from distflow.launch.launcher import _error_line
+    from distflow.launch.children import error_line
 
     log = tmp_path / "n.log"
     log.write_text("distflow-node: --host 0.0.0.0 binds every interface; add --advertise-host ADDR\n\n")
-    assert _error_line(log) == "distflow-node: --host 0.0.0.0 binds every interface; add --advertise-host ADDR"
+    assert error_line(log) == "distflow-node: --host 0.0.0.0 binds every interface; add --advertise-host ADDR"
     log.write_text("x INFO [n] a: up\n2026 ERROR [n] distflow: n: ValueError: bad\ntail\n")
-    assert _error_line(log) == "n: ValueError: bad"
+    assert error_line(log) == "n: ValueError: bad"
 
 
 def test_resume_hint_names_only_checkpoints(tmp_path):
@@ -235,7 +235,7 @@ def test_resume_hint_names_only_checkpoints(tmp_path):
 
 
 def test_progress_shows_bad_rows_and_warns_of_steps_without_samples(tmp_path, capsys):
-    from distflow.launch.launcher import Progress
+    from distflow.launch.progress import Progress
 
     metrics = tmp_path / "metrics.jsonl"
     row = dict(step=0, total_steps=2, reward_mean=0.0, samples=0, samples_per_s=0.0, staleness_mean=0.0, bad_rows=32)
@@ -302,11 +302,12 @@ def test_nodes_die_with_a_launcher_killed_by_sigkill(tmp_path):
     node asks for it itself, first thing (die_with_launcher, as distflow-node does); before, the
     launcher set it in a preexec_fn, which can deadlock the fork of a launcher with threads."""
     marker = tmp_path / "got"
-    node = ("import os, signal, sys, time; from distflow.launch.launcher import die_with_launcher; die_with_launcher(); "
+    node = ("import os, signal, sys, time; from distflow.launch.children import die_with_launcher; "
+            "die_with_launcher(); "
             f"signal.signal(signal.SIGTERM, lambda *_: (open({str(marker)!r}, 'w').write('SIGTERM'), os._exit(0))); "
             "print('up', flush=True); time.sleep(60)")
     log = str(tmp_path / "node.log")
-    code = ("import os, sys, time; from distflow.launch.launcher import spawn; "
+    code = ("import os, sys, time; from distflow.launch.children import spawn; "
             f"p = spawn([sys.executable, '-c', {node!r}], open({log!r}, 'w'), dict(os.environ)); "
             "print(p.pid, flush=True); time.sleep(60)")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -331,16 +332,16 @@ def test_spawn_passes_its_pid_to_the_node_and_no_preexec_fn(monkeypatch):
     signal follows the thread that forked), never through a preexec_fn."""
     import threading
 
-    import distflow.launch.launcher as launcher
+    import distflow.launch.children as children
 
     calls = []
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: calls.append(kw))
-    launcher.spawn(["true"], None, {"A": "1"})
-    thread = threading.Thread(target=launcher.spawn, args=(["true"], None, {launcher.LAUNCHER_PID_ENV: "7"}))
+    monkeypatch.setattr(children.subprocess, "Popen", lambda cmd, **kw: calls.append(kw))
+    children.spawn(["true"], None, {"A": "1"})
+    thread = threading.Thread(target=children.spawn, args=(["true"], None, {children.LAUNCHER_PID_ENV: "7"}))
     thread.start()
     thread.join(timeout=10)
     assert [sorted(kw) for kw in calls] == [["env", "start_new_session", "stderr", "stdout"]] * 2
-    assert calls[0]["env"] == {"A": "1", launcher.LAUNCHER_PID_ENV: str(os.getpid())}
+    assert calls[0]["env"] == {"A": "1", children.LAUNCHER_PID_ENV: str(os.getpid())}
     assert calls[1]["env"] == {}
 
 

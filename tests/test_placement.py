@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 
 from distflow.core.config import ConfigError, load_config
-from distflow.launch.launcher import plan_placement
 from distflow.launch.roles import node_roles
-from distflow.launch.placement import PlacementError, describe, place
+from distflow.launch.placement import PlacementError, describe, place, plan_placement
 from tests.conftest import run_distflow
 
 QUICKSTART = "examples/grpo_quickstart.yaml"

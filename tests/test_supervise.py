@@ -133,7 +133,7 @@ def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_clu
     import yaml
 
     from distflow.core.auth import new_secret
-    from distflow.launch.launcher import _free_ports
+    from distflow.launch.children import free_ports
     from tests.test_elastic import start
 
     raw = yaml.safe_load((ROOT / QUICKSTART).read_text())
@@ -145,7 +145,7 @@ def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_clu
     logs = tmp_path / "logs"
     logs.mkdir()
     env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
-    ports = _free_ports("127.0.0.1", 4)
+    ports = free_ports("127.0.0.1", 4)
     seed = f"127.0.0.1:{ports[0]}"
     procs = {"trainer-0": start("trainer-0", "trainer", cfg, ports[0], "", env, logs)}
     for i in range(2):

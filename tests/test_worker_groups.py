@@ -86,7 +86,7 @@ def test_rollout_shard_s_goes_to_worker_rank_s_mod_m_and_the_workers_feed_every_
 
 
 def test_launcher_starts_worker_nodes_placed_like_rollout_nodes():
-    from distflow.launch.launcher import plan_placement
+    from distflow.launch.placement import plan_placement
     from distflow.launch.roles import cluster_nodes, node_roles
 
     cfg = config_from_dict(example_raw(worker_groups={"reward": 2}, device="cuda", gpus=4))

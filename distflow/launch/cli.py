@@ -100,7 +100,7 @@ def node_parser() -> argparse.ArgumentParser:
 
 
 def node_main(argv: Sequence[str] | None = None) -> int:
-    from distflow.launch.launcher import die_with_launcher
+    from distflow.launch.children import die_with_launcher
 
     die_with_launcher()  # first: a node of `distflow run` dies with it (a launcher gone already: exit now)
     flags, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
