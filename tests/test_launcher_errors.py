@@ -205,7 +205,7 @@ def test_a_node_that_exits_2_is_not_restarted_and_the_run_stops_naming_it(tmp_pa
 
 def test_node_exit_status_of_configuration_and_data_errors():
     from distflow.buffer.dataloader import DatasetError
-    from distflow.launch.cli import exit_code_of
+    from distflow.launch.node import exit_code_of
     from distflow.hf import ModelDirError
 
     for e in (DatasetError("d.jsonl:3: invalid JSON"), ConfigError("x"), ModelDirError("model_path 'm'")):

@@ -51,7 +51,7 @@ from distflow.launch.progress import Progress, eval_summary
 from distflow.launch.roles import RESTARTABLE
 from distflow.launch.signals import catch_stop_signals, restore_signals, signum_of, stop_name
 
-CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (distflow.launch.cli): never restarted
+CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (launch.node.exit_code_of): never restarted
 
 
 def check_bind_host(host: str) -> None:
