@@ -66,7 +66,7 @@ def main() -> int:
         for k in range(args.runs + 1):  # run 0 builds the toy model: not counted
             out = Path(tmp) / f"run{k}"
             t0 = time.time()
-            r = subprocess.run([sys.executable, "-m", "distflow.cli", "run", args.config, "--no-progress",
+            r = subprocess.run([sys.executable, "-m", "distflow.launch.cli", "run", args.config, "--no-progress",
                                 f"output_dir={out}", f"model_path={model}", "max_steps=1", *overrides],
                                cwd=ROOT, capture_output=True, text=True)
             if r.returncode:

@@ -225,9 +225,9 @@ def run_kind(kind: str, layers: int, reps: int, cuda: bool = False) -> dict[str,
     roll.start()
     port = q_port.get(timeout=120)
     # the rollout reports each completed sync on q_port; trainer rank 0 reads it there
-    from distflow.launcher import _free_ports
+    from distflow.launch.children import free_ports
 
-    pg_port = _free_ports("127.0.0.1", 1)[0]
+    pg_port = free_ports("127.0.0.1", 1)[0]
     trs = [ctx.Process(target=trainer_main, args=(r, pg_port, kind, layers, reps, port, q_port, q_roll, cuda),
                        daemon=True) for r in range(1 if cuda else WORLD)]
     for t in trs:

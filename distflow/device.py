@@ -95,7 +95,7 @@ def chosen_device() -> torch.device | None:
 def gpu_sharers() -> int:
     """How many nodes of the run share this node's GPU (``DISTFLOW_GPU_NODES``, set by the
     launcher's placement; 1 when unset or malformed)."""
-    from distflow.placement import GPU_NODES_ENV  # noqa: PLC0415 - pure, no torch
+    from distflow.core.launch_env import GPU_NODES_ENV  # noqa: PLC0415 - pure, no torch
 
     raw = os.environ.get(GPU_NODES_ENV, "1")
     return int(raw) if raw.isdigit() and int(raw) >= 1 else 1

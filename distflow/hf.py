@@ -27,8 +27,7 @@ hf_logging.set_verbosity_error()
 LOAD_LOCK = threading.Lock()
 
 
-class ModelDirError(FileNotFoundError):
-    """A model directory that cannot be loaded: a configuration error (a node exits 2 on it, and is not restarted)."""
+from distflow.model_dir import ModelDirError  # noqa: E402 - re-exported: distflow.hf.ModelDirError
 
 
 def check_model_dir(path: str | Path) -> Path:

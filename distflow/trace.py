@@ -32,7 +32,7 @@ class Trace:
 
 
 def _written_this_run(path: Path) -> bool:
-    from distflow.launcher import launch_time  # noqa: PLC0415 - only nodes that write a trace need it
+    from distflow.core.launch_env import launch_time  # noqa: PLC0415 - only nodes that write a trace need it
 
     t0 = launch_time()
     try:

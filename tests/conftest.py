@@ -52,5 +52,5 @@ def toy_data(tmp_path_factory) -> Path:
 
 def run_distflow(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (as a user would)."""
-    return subprocess.run([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "distflow.launch.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})

@@ -41,7 +41,7 @@ def path(algo: str) -> Path:
 
 @pytest.mark.parametrize("algo", sorted(CONFIGS))
 def test_config_validates_and_plans(algo: str) -> None:
-    from distflow.preflight import check_functions
+    from distflow.launch.preflight import check_functions
 
     cfg = load_config(path(algo))
     p = cfg.plan()

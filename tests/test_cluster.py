@@ -118,7 +118,7 @@ def test_ctrl_c_stops_every_child_bounded_and_leaves_a_checkpoint(toy_model, tmp
     make_toy_dataset(data, 800, seed=2)
     out = tmp_path / "run"
     args = small_run_args(toy_model, data, out, "prompts_per_step=4", "group_size=2")
-    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while len(read_metrics(out / "metrics.jsonl")) < 2:
@@ -150,7 +150,7 @@ def test_ctrl_c_in_process_saves_the_last_completed_step_like_a_cluster(toy_mode
     make_toy_dataset(data, 800, seed=2)
     out = tmp_path / "run"
     args = small_run_args(toy_model, data, out, "prompts_per_step=4", "group_size=2", "trainer_nodes=1")
-    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args, "--in-process"],
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", *args, "--in-process"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while len(read_metrics(out / "metrics.jsonl")) < 2:
@@ -175,7 +175,7 @@ def test_in_process_mode_trains(toy_model, toy_data, tmp_path):
 
 def test_node_check_validates_without_joining(tmp_path):
     env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
-    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
     ok = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, "--seeds", "127.0.0.1:7000", "--check"],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "generate" in ok.stdout
@@ -203,7 +203,7 @@ def test_node_on_a_taken_port_exits_with_one_line(tmp_path):
     """A port another process holds (control or data) is a one-line error naming it and exit 1,
     not a traceback."""
     env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
-    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -220,7 +220,7 @@ def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
     """Every start resolves the workflow's functions (not only --check): a typo is named before the
     node joins anything, instead of failing its pipeline at step 1 (here: it would wait for peers)."""
     env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
-    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
     r = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, f"output_dir={tmp_path}",
                               "workflow.1.fn=exact_matchh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)

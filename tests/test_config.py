@@ -240,7 +240,7 @@ def test_values_that_validated_then_failed_at_start_or_trained_something_else(tm
     count steps), dynamic sampling over groups of one (every group constant: regenerated for
     nothing), and lengths over the model's positions (every prompt skipped: a run of nothing that
     said 'done')."""
-    from distflow.preflight import check_inputs
+    from distflow.launch.preflight import check_inputs
 
     for bad, key in [(["step_timeout_s=.inf"], "step_timeout_s"), (["lr=nan"], "lr"),
                      (["mesh.join_timeout_s=.inf"], "join_timeout_s"), (["model_path="], "model_path"),

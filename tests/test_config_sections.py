@@ -212,7 +212,7 @@ def test_distflow_run_and_the_nodes_share_one_input_check(tmp_path, toy_model, m
     node makes at start; a path the file wrote the old way (relative to the working directory)
     gets a hint saying so."""
     from distflow.core.config_paths import check_input_paths
-    from distflow.preflight import check_inputs
+    from distflow.launch.preflight import check_inputs
 
     path = _config_elsewhere(tmp_path, toy_model, eval_dataset="examples/data/successor_eval.jsonl")
     monkeypatch.chdir(ROOT)

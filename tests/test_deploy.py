@@ -236,7 +236,7 @@ def test_hostfile_example_plans_ids_ports_devices_and_seeds():
 
 def test_hostfile_gpus_follow_the_placement_rule():
     """One distinct GPU per trainer; rollout nodes on the rest, or with colocate=1 on the
-    trainers' GPUs (distflow.placement.place, the rule of `distflow run`)."""
+    trainers' GPUs (distflow.launch.placement.place, the rule of `distflow run`)."""
     dp = load_launcher()
     plan = lambda text: {n["id"]: n["gpu"] for p in dp.build_plans(dp.parse_hostfile(text), "/c.yaml", [], "/r", "/w")
                          .values() for n in p["nodes"]}  # noqa: E731

@@ -21,7 +21,7 @@ import yaml
 
 from distflow.core.auth import new_secret
 from distflow.core.config import read_raw
-from distflow.launcher import _free_ports
+from distflow.launch.children import free_ports
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
@@ -30,7 +30,7 @@ ROWS, PER_STEP, GROUP = 1200, 6, 2
 
 
 def start(node_id: str, role: str, cfg: Path, port: int, seeds: str, env: dict, logs: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())",
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())",
            "--role", role, "--config", str(cfg), "--node-id", node_id, "--port", str(port), "--seeds", seeds]
     with (logs / f"{node_id}.log").open("a") as f:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -50,7 +50,7 @@ def test_killed_rollout_is_covered_and_rejoins(toy_model, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
-    ports = _free_ports("127.0.0.1", 4)
+    ports = free_ports("127.0.0.1", 4)
     seed = f"127.0.0.1:{ports[0]}"
     procs = {"trainer-0": start("trainer-0", "trainer", cfg, ports[0], "", env, logs)}
     for i in range(3):

@@ -20,8 +20,8 @@ import yaml
 
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config, ConfigError, load_config, read_raw
-from distflow.preflight import check_dataset
-from distflow.launcher import eval_summary
+from distflow.launch.preflight import check_dataset
+from distflow.launch.progress import eval_summary
 from distflow.rl.eval_report import due_point, eval_points, eval_progress, eval_row, report_meta, report_problem, summarize
 from distflow.rollout.evaluation import eval_pipeline, eval_shard, evaluate
 from distflow.trainer.evaluation import EvalBook
@@ -270,7 +270,7 @@ def test_points_in_the_last_steps_are_evaluated_while_the_nodes_wait_for_weights
 
 
 def test_progress_prints_each_evaluation_once_naming_partial_and_failed_points(tmp_path, capsys):
-    from distflow.launcher import Progress
+    from distflow.launch.progress import Progress
 
     w = MetricsWriter(tmp_path, name="eval.jsonl")
     w.write(eval_row(0, [report(0, 0, 0, 4, 4, 4.0)], 1))  # a resumed run's earlier row: not shown again

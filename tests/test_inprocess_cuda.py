@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from distflow.core.config import load_config
-from distflow.inprocess import cuda_in_process, run_in_process
+from distflow.launch.inprocess import cuda_in_process, run_in_process
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
 

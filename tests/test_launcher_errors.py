@@ -25,7 +25,7 @@ from tests.conftest import ROOT, run_distflow
 from tests.procs import alive, run_pids
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
-NODE = [sys.executable, "-c", "import sys; from distflow.cli import node_main; sys.exit(node_main())"]
+NODE = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
 NODE_ENV = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
 
 
@@ -64,7 +64,7 @@ def good_rows(n: int) -> list[str]:
 def test_prepare_refuses_inputs_that_cannot_work(toy_model, tmp_path, case, overrides, needle):
     """What the rollout or trainer nodes would fail on after start-up (and, restarted, fail on
     again) is named by prepare(), before anything is created in output_dir."""
-    from distflow.launcher import prepare
+    from distflow.launch.launcher import prepare
 
     rows = {"empty": [], "malformed": good_rows(2) + ['{"prompt": "1=", "answer": "2"'] + good_rows(5),
             "good": good_rows(64), "no_answer": good_rows(3) + [json.dumps({"prompt": "1="})]}[case]
@@ -81,7 +81,7 @@ def test_prepare_refuses_inputs_that_cannot_work(toy_model, tmp_path, case, over
 
 
 def test_prepare_counts_the_rows_bad_rows_skip_will_skip(toy_model, tmp_path, capsys):
-    from distflow.launcher import prepare
+    from distflow.launch.launcher import prepare
 
     data = jsonl(tmp_path / "data.jsonl", good_rows(6) + ["[1, 2]", json.dumps({"prompt": "3="})])
     prepare(config(tmp_path, toy_model, data, "prompts_per_step=4", "bad_rows=skip"))
@@ -92,7 +92,7 @@ def test_prepare_counts_the_rows_bad_rows_skip_will_skip(toy_model, tmp_path, ca
 
 def test_prepare_checks_only_the_rows_the_run_reads(toy_model, tmp_path):
     """max_steps=1 of 4 rows a step (no shuffle): a bad row 6 is never read, so it is no error."""
-    from distflow.launcher import prepare
+    from distflow.launch.launcher import prepare
 
     data = jsonl(tmp_path / "data.jsonl", good_rows(5) + ["not json"] + good_rows(10))
     prepare(config(tmp_path, toy_model, data, "prompts_per_step=4", "shuffle=false", "max_steps=1"))
@@ -174,7 +174,7 @@ def test_toy_commands_refuse_unusable_paths_in_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------- supervision
 def sleeper(tmp_path: Path, node_id: str, role: str, cmd: list[str]):
-    from distflow.launcher import Child, spawn
+    from distflow.launch.children import Child, spawn
 
     log = tmp_path / f"{node_id}.log"
     with log.open("w") as f:
@@ -187,7 +187,7 @@ def test_a_node_that_exits_2_is_not_restarted_and_the_run_stops_naming_it(tmp_pa
     shard) would fail the same way. Before, it was restarted `restarts` times ("its shard is
     adopted by the other rollout nodes") and the run ended with exit 1."""
     from distflow.core.dag import GRPO_WORKFLOW
-    from distflow.launcher import supervise
+    from distflow.launch.launcher import supervise
 
     cfg = Config.model_validate(dict(model_path="m", dataset="d.jsonl", prompts_per_step=2, workflow=GRPO_WORKFLOW,
                                      output_dir=str(tmp_path), restarts=3))
@@ -205,7 +205,7 @@ def test_a_node_that_exits_2_is_not_restarted_and_the_run_stops_naming_it(tmp_pa
 
 def test_node_exit_status_of_configuration_and_data_errors():
     from distflow.buffer.dataloader import DatasetError
-    from distflow.cli import exit_code_of
+    from distflow.launch.node import exit_code_of
     from distflow.hf import ModelDirError
 
     for e in (DatasetError("d.jsonl:3: invalid JSON"), ConfigError("x"), ModelDirError("model_path 'm'")):
@@ -215,17 +215,17 @@ def test_node_exit_status_of_configuration_and_data_errors():
 
 def test_error_line_falls_back_to_the_last_line_of_the_log(tmp_path):
     """A node refused before its logging was set up logs no ERROR record: its own last line is named."""
-    from distflow.launcher import _error_line
+    from distflow.launch.children import error_line
 
     log = tmp_path / "n.log"
     log.write_text("distflow-node: --host 0.0.0.0 binds every interface; add --advertise-host ADDR\n\n")
-    assert _error_line(log) == "distflow-node: --host 0.0.0.0 binds every interface; add --advertise-host ADDR"
+    assert error_line(log) == "distflow-node: --host 0.0.0.0 binds every interface; add --advertise-host ADDR"
     log.write_text("x INFO [n] a: up\n2026 ERROR [n] distflow: n: ValueError: bad\ntail\n")
-    assert _error_line(log) == "n: ValueError: bad"
+    assert error_line(log) == "n: ValueError: bad"
 
 
 def test_resume_hint_names_only_checkpoints(tmp_path):
-    from distflow.launcher import resume_hint
+    from distflow.launch.checkpoint import resume_hint
 
     assert "resume_from=nope/checkpoint" not in resume_hint(tmp_path, "nope/checkpoint")
     ckpt = tmp_path / "old" / "checkpoint"
@@ -235,7 +235,7 @@ def test_resume_hint_names_only_checkpoints(tmp_path):
 
 
 def test_progress_shows_bad_rows_and_warns_of_steps_without_samples(tmp_path, capsys):
-    from distflow.launcher import Progress
+    from distflow.launch.progress import Progress
 
     metrics = tmp_path / "metrics.jsonl"
     row = dict(step=0, total_steps=2, reward_mean=0.0, samples=0, samples_per_s=0.0, staleness_mean=0.0, bad_rows=32)
@@ -255,8 +255,8 @@ def test_interrupt_before_the_first_step_stops_every_node_at_once(tmp_path, monk
     wait for the stopped rollout nodes until join_timeout_s. Every node stops at once instead
     of the trainers getting step_timeout_s. Real `sleep` children: a trainer that never exits
     by itself."""
-    import distflow.launcher as launcher
-    import distflow.placement as placement
+    import distflow.launch.launcher as launcher
+    import distflow.launch.placement as placement
     from distflow.core.dag import GRPO_WORKFLOW
 
     cfg = Config.model_validate(dict(model_path="m", dataset="d.jsonl", prompts_per_step=2, workflow=GRPO_WORKFLOW,
@@ -302,11 +302,12 @@ def test_nodes_die_with_a_launcher_killed_by_sigkill(tmp_path):
     node asks for it itself, first thing (die_with_launcher, as distflow-node does); before, the
     launcher set it in a preexec_fn, which can deadlock the fork of a launcher with threads."""
     marker = tmp_path / "got"
-    node = ("import os, signal, sys, time; from distflow.launcher import die_with_launcher; die_with_launcher(); "
+    node = ("import os, signal, sys, time; from distflow.launch.children import die_with_launcher; "
+            "die_with_launcher(); "
             f"signal.signal(signal.SIGTERM, lambda *_: (open({str(marker)!r}, 'w').write('SIGTERM'), os._exit(0))); "
             "print('up', flush=True); time.sleep(60)")
     log = str(tmp_path / "node.log")
-    code = ("import os, sys, time; from distflow.launcher import spawn; "
+    code = ("import os, sys, time; from distflow.launch.children import spawn; "
             f"p = spawn([sys.executable, '-c', {node!r}], open({log!r}, 'w'), dict(os.environ)); "
             "print(p.pid, flush=True); time.sleep(60)")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -331,16 +332,16 @@ def test_spawn_passes_its_pid_to_the_node_and_no_preexec_fn(monkeypatch):
     signal follows the thread that forked), never through a preexec_fn."""
     import threading
 
-    import distflow.launcher as launcher
+    import distflow.launch.children as children
 
     calls = []
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: calls.append(kw))
-    launcher.spawn(["true"], None, {"A": "1"})
-    thread = threading.Thread(target=launcher.spawn, args=(["true"], None, {launcher.LAUNCHER_PID_ENV: "7"}))
+    monkeypatch.setattr(children.subprocess, "Popen", lambda cmd, **kw: calls.append(kw))
+    children.spawn(["true"], None, {"A": "1"})
+    thread = threading.Thread(target=children.spawn, args=(["true"], None, {children.LAUNCHER_PID_ENV: "7"}))
     thread.start()
     thread.join(timeout=10)
     assert [sorted(kw) for kw in calls] == [["env", "start_new_session", "stderr", "stdout"]] * 2
-    assert calls[0]["env"] == {"A": "1", launcher.LAUNCHER_PID_ENV: str(os.getpid())}
+    assert calls[0]["env"] == {"A": "1", children.LAUNCHER_PID_ENV: str(os.getpid())}
     assert calls[1]["env"] == {}
 
 
@@ -379,7 +380,7 @@ def stop_after_first_step(toy_model: Path, tmp_path: Path, sig: str, *extra: str
     out = tmp_path / "run"
     args = ["run", QUICKSTART, "--no-progress", f"output_dir={out}", f"model_path={toy_model}", f"dataset={data}",
             "toy_model=false", "prompts_per_step=4", "group_size=2", "max_new_tokens=2", *extra]
-    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: read_metrics(out / "metrics.jsonl") or proc.poll() is not None, 90, "first step")
@@ -435,7 +436,7 @@ def test_in_process_interrupt_before_the_first_step_saves_nothing_and_stops_at_o
     cfg.update(output_dir=str(out), model_path=str(toy_model), toy_model=False, trainer_nodes=1, eval_dataset=None,
                eval_every=0)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", "run", str(tmp_path / "cfg.yaml"), "--no-progress",
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", "run", str(tmp_path / "cfg.yaml"), "--no-progress",
                              "--in-process"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
     try:

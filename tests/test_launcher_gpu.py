@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from distflow.core.config import ConfigError, load_config
-from distflow.launcher import plan_placement
+from distflow.launch.placement import plan_placement
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
 

@@ -118,8 +118,8 @@ def test_a_checkpoint_counts_only_once_every_part_is_written(toy_model, world1, 
     """Rewriting ``checkpoint/`` in place (every run's end) first takes its completion marker
     away: a save that dies part-way (here: the critic's part raises) leaves a directory that
     ``newest_checkpoint`` skips instead of one whose stale marker vouches for torn contents."""
-    from distflow.launcher import newest_checkpoint
-    from distflow.trainer.actor import STATE_FILE, Actor
+    from distflow.launch.checkpoint import STATE_FILE, newest_checkpoint
+    from distflow.trainer.actor import Actor
     from distflow.trainer.stages import TrainerContext, save_checkpoint
 
     import shutil
@@ -155,7 +155,8 @@ def test_checkpoint_drops_the_policys_full_state_before_the_critic_gathers(toy_m
     import gc
     import weakref
 
-    from distflow.trainer.actor import STATE_FILE, Actor
+    from distflow.launch.checkpoint import STATE_FILE
+    from distflow.trainer.actor import Actor
     from distflow.trainer.stages import TrainerContext, save_checkpoint
 
     actor = Actor(_cfg(toy_model), with_reference=False)

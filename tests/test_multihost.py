@@ -38,7 +38,7 @@ from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
 from tests.netns import Host, Lab, ensure_tool, reap_stale, unavailable_reason
 
-NODE_MAIN = "import sys; from distflow.cli import node_main; sys.exit(node_main())"
+NODE_MAIN = "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"
 STATUS_MAIN = "import sys; from distflow.core.status import status_main; sys.exit(status_main(sys.argv[1:]))"
 PORT = 29600  # each namespace has its own port space: fixed ports cannot collide with anything
 PERIOD_S, SUSPICION_S = 0.2, 1.0  # mesh.protocol_period_s, mesh.suspicion_timeout_s of these clusters

@@ -11,7 +11,7 @@ import pytest
 
 from distflow.core.config import ConfigError, config_from_dict
 from distflow.core.dag import STAGE_GROUPS, PPO_WORKFLOW
-from distflow.preflight import check_functions
+from distflow.launch.preflight import check_functions
 from distflow.rl.names import COMPUTE_NAMES
 from distflow.rl.node_args import FN_ARGS, REWARD_MODEL_DTYPES, STAGE_ARGS
 

@@ -1,6 +1,6 @@
 """GPU placement: the environment each child of `distflow run` gets, computed on CPU.
 
-distflow.placement.place takes the GPU count as an argument, so every case (count and list
+distflow.launch.placement.place takes the GPU count as an argument, so every case (count and list
 forms, colocation, refusals) is checked here without a GPU; the launcher's own use of it
 (plan_placement) is checked on the real config schema, and a `distflow run` that asks for
 more than this machine has is refused before any node starts.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from distflow.core.config import ConfigError, load_config
-from distflow.launcher import node_roles, plan_placement
-from distflow.placement import PlacementError, describe, place
+from distflow.launch.roles import node_roles
+from distflow.launch.placement import PlacementError, describe, place, plan_placement
 from tests.conftest import run_distflow
 
 QUICKSTART = "examples/grpo_quickstart.yaml"

@@ -52,7 +52,8 @@ def test_resume_from_a_step_0_checkpoint_trains(toy_model, toy_data, tmp_path):
     """The final checkpoint of a run stopped before step 1 finished is at step 0: the trainers
     resume at version 0 and gossip nothing that moves past 0, so the rollout nodes must learn
     the step some other way (``start_step``) instead of waiting for it until step_timeout_s."""
-    from distflow.trainer.actor import Actor, data_order
+    from distflow.launch.checkpoint import data_order
+    from distflow.trainer.actor import Actor
     from distflow.trainer.stages import build_context, save_checkpoint
     from tests.process_group import process_group, store_path
 
@@ -130,19 +131,19 @@ def test_resume_on_a_prompt_set_of_another_size_is_refused(trained, toy_model, t
 
 
 def test_a_moved_prompt_set_resumes_with_a_warning(trained, toy_model, toy_data, tmp_path, caplog):
-    from distflow.trainer.actor import read_run_state
+    from distflow.launch.checkpoint import read_run_state
 
     moved = tmp_path / "moved.jsonl"
     shutil.copy(toy_data, moved)
     cfg = load_config(ROOT / "examples" / "grpo_quickstart.yaml", overrides(toy_model, moved, tmp_path / "run"))
-    with caplog.at_level(logging.WARNING, logger="distflow.trainer.actor"):
+    with caplog.at_level(logging.WARNING, logger="distflow.launch.checkpoint"):
         assert read_run_state(trained, cfg)["policy_version"] == 1
     assert f"dataset '{moved}', the checkpoint's was '{toy_data}'" in caplog.text
 
 
 def test_an_older_checkpoint_without_a_data_order_resumes_with_a_warning(trained, toy_model, toy_data, tmp_path,
                                                                          caplog):
-    from distflow.trainer.actor import read_run_state
+    from distflow.launch.checkpoint import read_run_state
 
     old = tmp_path / "old"
     shutil.copytree(trained, old)
@@ -151,7 +152,7 @@ def test_an_older_checkpoint_without_a_data_order_resumes_with_a_warning(trained
     (old / "distflow_state.json").write_text(json.dumps(state))
     cfg = load_config(ROOT / "examples" / "grpo_quickstart.yaml",
                       overrides(toy_model, toy_data, tmp_path / "run", "prompts_per_step=16"))
-    with caplog.at_level(logging.WARNING, logger="distflow.trainer.actor"):
+    with caplog.at_level(logging.WARNING, logger="distflow.launch.checkpoint"):
         assert read_run_state(old, cfg)["policy_version"] == 1  # prompts_per_step is not recorded: not checked
     assert "records no data order" in caplog.text
     with pytest.raises(ValueError, match=r"seed 2 \(checkpoint: 0\)"):  # the seed it did record is
@@ -161,7 +162,7 @@ def test_an_older_checkpoint_without_a_data_order_resumes_with_a_warning(trained
 def test_the_stop_hint_names_the_checkpoint_a_resumed_run_came_from(tmp_path, trained):
     """A resumed run that stops before saving anything new (e.g. its resume was refused) is told to
     continue from its own resume_from, not to "restart from scratch"."""
-    from distflow.launcher import resume_hint
+    from distflow.launch.checkpoint import resume_hint
 
     assert "restart from scratch" in resume_hint(tmp_path)
     assert resume_hint(tmp_path, str(trained)) == f"no newer checkpoint was saved; continue with resume_from={trained}"

@@ -212,7 +212,7 @@ def test_rewards_check_the_rows_they_can_score(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "distflow_test_checked_rewards", mod)
     assert reward_row_check(resolve_reward("distflow_test_checked_rewards:checked"))({}) == "no gold"
     from distflow.core.config import ConfigError, config_from_dict
-    from distflow.preflight import check_functions
+    from distflow.launch.preflight import check_functions
 
     wf = [{"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"},
           {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "distflow_test_checked_rewards:broken",

@@ -39,7 +39,7 @@ def start_run(out: Path, toy_model: Path, data: Path, *extra: str) -> subprocess
     args = ["run", QUICKSTART, "--no-progress", f"output_dir={out}", f"model_path={toy_model}", f"dataset={data}",
             "toy_model=false", "prompts_per_step=4", "group_size=2", "max_new_tokens=2", "trace_samples=true",
             "step_timeout_s=600", *extra]
-    return subprocess.Popen([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -134,7 +134,7 @@ def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_clu
     import yaml
 
     from distflow.core.auth import new_secret
-    from distflow.launcher import _free_ports
+    from distflow.launch.children import free_ports
     from tests.test_elastic import start
 
     raw = read_raw(ROOT / QUICKSTART)
@@ -146,7 +146,7 @@ def test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_clu
     logs = tmp_path / "logs"
     logs.mkdir()
     env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
-    ports = _free_ports("127.0.0.1", 4)
+    ports = free_ports("127.0.0.1", 4)
     seed = f"127.0.0.1:{ports[0]}"
     procs = {"trainer-0": start("trainer-0", "trainer", cfg, ports[0], "", env, logs)}
     for i in range(2):
@@ -195,8 +195,8 @@ def test_a_healing_node_does_not_take_a_peer_back_before_the_trainer_for_its_dea
 
 def test_a_failing_launcher_stops_its_children_instead_of_leaving_them_detached(tmp_path, monkeypatch):
     """Children run in their own sessions, so a launcher that raises (not Ctrl-C) must stop them itself."""
-    import distflow.launcher as launcher
-    import distflow.placement as placement
+    import distflow.launch.launcher as launcher
+    import distflow.launch.placement as placement
     from distflow.core.config import config_from_dict
     from distflow.core.dag import GRPO_WORKFLOW
 

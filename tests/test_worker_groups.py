@@ -85,12 +85,13 @@ def test_rollout_shard_s_goes_to_worker_rank_s_mod_m_and_the_workers_feed_every_
 
 
 def test_launcher_starts_worker_nodes_placed_like_rollout_nodes():
-    from distflow.launcher import node_roles, plan_placement, worker_group
+    from distflow.launch.placement import plan_placement
+    from distflow.launch.roles import cluster_nodes, node_roles
 
     cfg = config_from_dict(example_raw(worker_groups={"reward": 2}, device="cuda", gpus=4))
     assert node_roles(cfg) == [("trainer-0", "trainer"), ("trainer-1", "trainer"), ("rollout-0", "rollout"),
                                ("rollout-1", "rollout"), ("reward-0", "worker"), ("reward-1", "worker")]
-    assert worker_group("reward-1") == "reward"
+    assert [(n.group, n.role) for n in cluster_nodes(cfg)][-1] == ("reward", "reward")  # `--group reward`
     gpus = {s.node_id: s.gpu for s in plan_placement(cfg, present=4)}
     # Trainers take GPUs 0, 1; rollout and reward-worker nodes share the rest round-robin.
     assert gpus == {"trainer-0": "0", "trainer-1": "1", "rollout-0": "2", "rollout-1": "3",
@@ -101,7 +102,7 @@ def test_node_check_knows_worker_groups(tmp_path):
     env = {**os.environ, **CHILD_ENV, "DISTFLOW_SECRET": "s" * 32}
 
     def check(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", "import sys; from distflow.cli import node_main; "
+        return subprocess.run([sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; "
                                "sys.exit(node_main())", "--config", EXAMPLE, "--check", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
 
@@ -114,7 +115,7 @@ def test_node_check_knows_worker_groups(tmp_path):
 
 
 def test_toy_reward_model_builds_and_scores(tmp_path):
-    from distflow.cli import main
+    from distflow.launch.cli import main
     from distflow.rl.reward_model import RewardModel
     import torch
 
@@ -187,7 +188,7 @@ def test_killed_reward_worker_is_restarted_and_every_sample_is_still_trained_onc
             f"dataset={make_data(tmp_path, rows)}", "trainer_nodes=1", "prompts_per_step=4", "group_size=2",
             "max_new_tokens=2", "trace_samples=true", "step_timeout_s=600",
             f"workflow.2.args.path={tmp_path / 'rm'}"]
-    proc = subprocess.Popen([sys.executable, "-m", "distflow.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **CHILD_ENV})
     err = kill_node_midrun(proc, out, "reward-0")
     assert proc.returncode == 0, err[-3000:]

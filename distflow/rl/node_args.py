@@ -7,7 +7,7 @@ loaded. Here each built-in stage and function declares the keys it reads and wha
 must be; :func:`check_node_args` refuses anything else with the node, the key, a did-you-mean
 and, for a key that is a config setting (``clip_high`` on an update node), the config key to
 set instead. A ``package.module:function`` is checked against its signature where it is
-imported (:func:`distflow.preflight.check_functions`).
+imported (:func:`distflow.launch.preflight.check_functions`).
 
 The keys are declared with each stage and function in :mod:`distflow.rl.catalog`; this module
 applies them. Torch-free (the launcher's start-up).

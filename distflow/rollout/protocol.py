@@ -111,13 +111,12 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def check_model_dir(model_path: str | Path) -> Path:
-    """``model_path`` as a model directory the engines can load, else :class:`distflow.hf.ModelDirError`
+    """``model_path`` as a model directory the engines can load, else :class:`distflow.model_dir.ModelDirError`
     naming the key: a configuration error, so the node exits 2 in one line and `distflow run` does
     not restart it (a FileNotFoundError was exit 1 with a traceback, and restarted)."""
     path = Path(model_path)
     if not (path / "config.json").is_file():
-        from distflow.hf import ModelDirError
-        from distflow.preflight import model_dir_problem
+        from distflow.model_dir import ModelDirError, model_dir_problem
 
         raise ModelDirError(f"model_path: {model_dir_problem(str(path))}")
     return path

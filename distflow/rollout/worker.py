@@ -341,7 +341,7 @@ class RolloutLoop:
     def report_startup(self) -> None:
         """Seconds from the launch (DISTFLOW_T0, set by `distflow run`; else this process's
         start) to this node's first generated batch: logged, and gossiped as ``startup_s``."""
-        from distflow.launcher import launch_time, process_start_time
+        from distflow.core.launch_env import launch_time, process_start_time
 
         t0 = launch_time() or process_start_time()
         startup = time.time() - t0

@@ -42,6 +42,7 @@ from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import collective_device, node_device
 from distflow.hf import load_tokenizer, meta_causal_lm
+from distflow.launch.checkpoint import read_run_state
 from distflow.rl.registry import POLICY_LOSSES, resolve
 from distflow.rl.shaping import trained_samples, trained_token_counts
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
@@ -51,14 +52,9 @@ from distflow.trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Actor", "DTYPES", "DeviceSums", "all_reduce", "check_data_order", "data_order", "flat_to_padded",
-           "grad_sync_mode", "ragged_in_batch_order", "read_run_state", "step_micro_batches"]
+__all__ = ["Actor", "DTYPES", "DeviceSums", "all_reduce", "flat_to_padded", "grad_sync_mode", "ragged_in_batch_order",
+           "step_micro_batches"]
 
-STATE_FILE = "distflow_state.json"
-# What decides which prompt rows step k reads (distflow.buffer.dataloader: the permutation seeded by (seed,
-# epoch), identity without shuffle, of the prompt set's rows, cut into prompts_per_step slices; rollout_nodes
-# only splits a step's rows among the nodes). Recorded as the checkpoint's ``data_order``, compared on resume.
-DATA_ORDER_KEYS = ("seed", "shuffle", "prompts_per_step")
 # Loss metrics some policy losses report (token means): logged per step when any micro-batch had them.
 OPTIONAL_METRICS = ("ratio_mean", "approx_kl", "tis_weight_mean", "tis_clip_frac")
 OPTIM_DIR = "optimizer"
@@ -417,7 +413,8 @@ class Actor:
         resumed run continues exactly; ``from_pretrained(dtype=...)`` casts on load) plus the
         sharded fp32 optimizer state (every rank writes its shard with
         torch.distributed.checkpoint). A collective. The directory counts as a checkpoint only
-        once :func:`mark_checkpoint` has written ``distflow_state.json`` (after every part).
+        once :func:`distflow.launch.checkpoint.mark_checkpoint` has written ``distflow_state.json``
+        (after every part).
 
         Rank 0 writes ``state`` through a model built on the meta device, not a second full
         fp32 copy loaded from ``model_path`` (that doubled host memory at every checkpoint)."""
@@ -497,76 +494,3 @@ def load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: P
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optim, state["optim"])
     return True
-
-
-def read_run_state(ckpt: Path, cfg: Config) -> dict[str, Any]:
-    """``resume_from``'s run state (``distflow_state.json``), refused (ValueError naming the keys)
-    when ``cfg`` would read other prompts at its step than the run that wrote it
-    (:func:`check_data_order`; the row count is checked once the rollout nodes report it). A
-    checkpoint of an older DistFlow records no ``data_order``: its ``seed`` is checked, with a warning."""
-    import json
-
-    state_file = ckpt / STATE_FILE
-    if not state_file.is_file():
-        raise FileNotFoundError(f"resume_from {str(ckpt)!r}: no {STATE_FILE} (not a DistFlow checkpoint)")
-    state = json.loads(state_file.read_text())
-    saved = state.get("data_order")
-    if not isinstance(saved, dict):
-        saved = {k: state[k] for k in ("seed", "dataset") if k in state}
-        log.warning("resume_from %s: the checkpoint records no data order (an older DistFlow wrote it): make sure "
-                    "shuffle, prompts_per_step and the dataset are those it was trained with, or its step %s reads "
-                    "other prompts", ckpt, state.get("policy_version"))
-    if saved.get("dataset") not in (None, cfg.dataset):
-        log.warning("resume_from %s: dataset %r, the checkpoint's was %r (taken for the same prompt set, moved; "
-                    "its row count is checked)", ckpt, cfg.dataset, saved["dataset"])
-    check_data_order(ckpt, int(state["policy_version"]), saved, data_order(cfg, None))
-    return state
-
-
-def data_order(cfg: Config, num_rows: int | None) -> dict[str, Any]:
-    """A checkpoint's ``data_order``: the config keys that decide which rows a step reads, the
-    prompt set and its row count (None while no rollout node has reported it)."""
-    return {**{k: getattr(cfg, k) for k in DATA_ORDER_KEYS}, "dataset": cfg.dataset, "num_rows": num_rows}
-
-
-def check_data_order(ckpt: Path, step: int, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """Refuse (ValueError) to resume ``ckpt`` at ``step`` when ``now`` (part of a :func:`data_order`)
-    differs from the checkpoint's ``saved`` one in a key both know: step k would read other rows
-    than in the run that wrote it (re-reading or skipping prompts). The message names each key,
-    both values, and what to set back. Another ``dataset`` path alone is no difference (the file
-    may have moved; :func:`read_run_state` warns): its row count is compared."""
-    import json
-
-    known = [k for k in now if k in saved and now[k] is not None and saved[k] is not None]
-    diff = [k for k in known if k != "dataset" and now[k] != saved[k]]
-    if not diff:
-        return
-    if "num_rows" in diff and "dataset" in known and now["dataset"] != saved["dataset"]:
-        diff.append("dataset")
-    fixes = [f"{k}: {json.dumps(saved[k])}" for k in diff if k in DATA_ORDER_KEYS]
-    if "num_rows" in diff:
-        fixes.append(f"dataset: {saved.get('dataset', '(the one it was trained on)')} (its {saved['num_rows']} rows)")
-    was = ", ".join(f"{k} {now[k]!r} (checkpoint: {saved[k]!r})" for k in diff)
-    raise ValueError(f"resume_from {str(ckpt)!r}: the data order differs from the run that wrote this checkpoint: "
-                     f"{was}; its step {step} would read other prompts than that run's (re-reading or skipping "
-                     f"some). Set {', '.join(fixes)} back, or start a new run from these weights "
-                     f"(model_path: {ckpt}, without resume_from)")
-
-
-def unmark_checkpoint(out_dir: Path) -> None:
-    """Rank 0, before a checkpoint's first write: a directory being (re)written is not a
-    checkpoint until :func:`mark_checkpoint` (a kill mid-write leaves no stale marker behind)."""
-    (out_dir / STATE_FILE).unlink(missing_ok=True)
-
-
-def mark_checkpoint(out_dir: Path, run_state: dict[str, Any]) -> None:
-    """Rank 0, after every part of a checkpoint is on disk (the optimizer shards' DCP save ends
-    in a collective): ``distflow_state.json``, written to a temporary name and renamed, so the
-    marker is either absent or whole. ``run_state`` carries ``policy_version`` and the data position."""
-    import json
-    import os
-
-    tmp = out_dir / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(run_state, indent=1))
-    os.replace(tmp, out_dir / STATE_FILE)
-

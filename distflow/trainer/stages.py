@@ -251,7 +251,7 @@ def save_checkpoint(ctx: TrainerContext, out_dir: Any, state: dict[str, torch.Te
     full fp32 copy of the policy before the critic gathers its own (two at once: ~57 GB at 7B)."""
     from pathlib import Path
 
-    from distflow.trainer.actor import mark_checkpoint, unmark_checkpoint
+    from distflow.launch.checkpoint import mark_checkpoint, unmark_checkpoint
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

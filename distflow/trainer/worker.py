@@ -35,8 +35,9 @@ from distflow.core.channels.posting import Post
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.weights.tiers import resolve_transport, serving_plan
-from distflow.trainer.actor import Actor, all_reduce, check_data_order, data_order
+from distflow.launch.checkpoint import check_data_order, data_order
 from distflow.step import train_half
+from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets

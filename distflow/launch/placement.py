@@ -7,7 +7,9 @@ run``, the pdsh launcher, the compose GPU variant) hands each node its devices t
 (:func:`distflow.device.node_device`). This module is the one rule for that, pure (no
 torch, no GPU needed): given the nodes, the config keys ``device``, ``gpus`` and
 ``colocate``, and how many GPUs are present, it returns each node's environment, or
-refuses an impossible placement before anything starts, naming the key.
+refuses an impossible placement before anything starts, naming the key;
+:func:`plan_placement` applies it to a config's nodes, asking torch how many GPUs are
+present only then (``device: cuda``).
 
 The rule: one GPU per trainer rank, always, distinct. Rollout nodes take the GPUs left
 over (round-robin; several rollout nodes may share one), or with ``colocate: true`` share
@@ -19,13 +21,16 @@ gets ``CUDA_VISIBLE_DEVICES=""``. Each node on a GPU also learns how many nodes 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["GPU_NODES_ENV", "PlacementError", "Slot", "describe", "place"]
+from distflow.core.config import Config, ConfigError
+from distflow.core.launch_env import GPU_NODES_ENV  # how many nodes of the run share this node's GPU
+from distflow.launch.roles import node_roles
 
-GPU_NODES_ENV = "DISTFLOW_GPU_NODES"  # how many nodes of the run share this node's GPU
+__all__ = ["GPU_NODES_ENV", "PlacementError", "Slot", "describe", "gpus_present", "place", "plan_placement"]
 
 
 class PlacementError(ValueError):
@@ -119,3 +124,24 @@ def describe(slots: Sequence[Slot]) -> str:
     for s in slots:
         by_gpu.setdefault(s.gpu if s.gpu is not None else "none", []).append(s.node_id)
     return "placement: " + "; ".join(f"GPU {g}: {', '.join(ids)}" for g, ids in by_gpu.items())
+
+
+def gpus_present() -> tuple[int, list[str] | None]:
+    """How many GPUs this launcher sees, and its own CUDA_VISIBLE_DEVICES entries (None = unset)."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = None if raw is None else [v.strip() for v in raw.split(",") if v.strip()]
+    import torch
+
+    return torch.cuda.device_count(), visible
+
+
+def plan_placement(cfg: Config, present: int | None = None, visible: list[str] | None = None):
+    """Each node's GPU environment (:func:`place` for this config's nodes); a ConfigError naming
+    the key when the placement is impossible. ``present`` None: ask torch (cuda only)."""
+    if cfg.device == "cuda" and present is None:
+        present, visible = gpus_present()
+    try:
+        return place(node_roles(cfg), device=cfg.device, gpus=cfg.gpus, colocate=cfg.colocate, present=present,
+                     visible=visible)
+    except PlacementError as e:
+        raise ConfigError(str(e)) from None

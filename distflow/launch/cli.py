@@ -1,22 +1,22 @@
 """Command-line entry points: ``distflow`` (run, status, toy) and ``distflow-node``.
 
-Entry points stay thin: they parse arguments and validate the config before anything
-heavy is imported, so ``--help``, ``--check`` and config errors answer in a blink; torch
-and the role code are imported only once a node really starts.
+Entry points stay thin: they parse arguments, validate the config and dispatch, before
+anything heavy is imported, so ``--help``, ``--check`` and config errors answer in a blink;
+torch and the role code are imported only once a node really starts (:mod:`distflow.launch.node`)
+or a run does (:mod:`distflow.launch.launcher`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import sys
 from typing import Callable, Sequence
 
 from distflow.core.auth import SECRET_ENV
-from distflow.core.config import Config, ConfigError, load_config
+from distflow.core.config import ConfigError, load_config
+from distflow.launch.roles import KINDS
 
 log = logging.getLogger("distflow")
 
@@ -64,25 +64,10 @@ port = int_in(0, 65535, " is not a port (0-65535; 0 = any free port)")
 positive_int = int_in(1, None, ": must be at least 1")
 
 
-def exit_code_of(error: BaseException) -> int:
-    """A node's exit status for the error that ended it: 2 (``launcher.CONFIG_EXIT``) for a
-    configuration or data error, or a bug in a function the config names (a reward), which a
-    restart would meet again (`distflow run` does not restart such a node), else 1."""
-    from distflow.buffer.dataloader import DatasetError
-    from distflow.hf import ModelDirError
-    from distflow.rl.catalog import UserFunctionError
-    from distflow.rollout.protocol import NonFiniteOutputError
-    from distflow.trainer.health import DivergedError, NothingTrainedError
-
-    deterministic = (ConfigError, DatasetError, ModelDirError, UserFunctionError, NonFiniteOutputError, DivergedError,
-                     NothingTrainedError)
-    return 2 if isinstance(error, deterministic) else 1
-
-
 # ---------------------------------------------------------------------- distflow-node
 def node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distflow-node", description="Run one DistFlow node (one process, one asyncio loop).")
-    p.add_argument("--role", required=True, choices=["rollout", "trainer", "controller", "worker"],
+    p.add_argument("--role", required=True, choices=list(KINDS),
                    help="controller only with `controller: single` (the baseline design); worker: a node of "
                         "the worker group named by --group (config worker_groups)")
     p.add_argument("--group", default=None, help="with --role worker: the group of worker_groups this node serves")
@@ -104,7 +89,7 @@ def node_parser() -> argparse.ArgumentParser:
 
 
 def node_main(argv: Sequence[str] | None = None) -> int:
-    from distflow.launcher import die_with_launcher
+    from distflow.launch.children import die_with_launcher
 
     die_with_launcher()  # first: a node of `distflow run` dies with it (a launcher gone already: exit now)
     flags, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
@@ -138,7 +123,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     # With --port 0 the port is not known yet: the pid keeps two such nodes of one host apart.
     node_id = args.node_id or f"{role}-{host}-{args.port or f'pid{os.getpid()}'}"
     from distflow.core.config_paths import check_input_paths
-    from distflow.preflight import check_functions, check_inputs, check_model
+    from distflow.launch.preflight import check_functions, check_inputs, check_model
 
     pipeline = cfg.plan().pipelines.get(role, [])
     try:
@@ -157,88 +142,13 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         return 0
     _setup_logging(node_id, args.log_level)
     from distflow.core.aio import run_loop
+    from distflow.launch.node import run_node
 
     try:
         return run_loop(run_node(cfg, role, node_id, secret, host, args.port, args.data_port, seeds, advertise),
                         exit_if_stuck=True)
     except KeyboardInterrupt:
         return 130
-
-
-async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str, port: int, data_port: int,
-                   seeds: list[str], advertise_host: str | None = None) -> int:
-    """Start the node, run its role's loop, and stop bounded in time on a signal or error."""
-    import torch
-
-    from distflow.core.allocator import keep_freed_memory
-    from distflow.runtime import Runtime
-
-    torch.set_num_threads(cfg.torch_threads)
-    keep_freed_memory()  # a step's buffers are reused, not page-faulted anew
-    rt = Runtime.create(cfg, role, node_id, secret, host=host, port=port, data_port=data_port, seeds=seeds,
-                        advertise_host=advertise_host)
-    if role == "trainer":
-        from distflow.trainer.worker import run_trainer as loop_fn
-    elif role == "rollout":
-        from distflow.rollout.worker import run_rollout as loop_fn
-    else:  # the controller, or a node of a worker group: a stage worker
-        from distflow.stage_worker import run_stage_worker as loop_fn
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await rt.start()
-    except OSError as e:  # a port taken, no seed answering the join (both OSErrors): one line; what started closes
-        log.error("%s: cannot start: %s", node_id, e)
-        await rt.stop(graceful=False)
-        return 1
-    log.info("%s up: control %s, data port %d", node_id, rt.node.address, rt.channel.port)
-    work = asyncio.create_task(loop_fn(rt), name=f"{role}-loop")
-    stopper = asyncio.create_task(stop.wait(), name="signal-wait")
-    # A trainer rank watches its group: a dead rank ends the torch.distributed group.
-    tasks = {work, stopper}
-    if role == "trainer":
-        tasks.add(asyncio.create_task(rt.watch_group(), name="group-watch"))
-    code, failed_here = 0, False
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if stopper in done:
-            log.warning("%s: stopping on signal", node_id)
-            code = 143
-        else:
-            for t in done:
-                t.result()  # raises the role loop's (or the group watch's) error
-    except Exception as e:
-        from distflow.runtime import PeerLostError
-
-        code, failed_here = exit_code_of(e), not isinstance(e, PeerLostError)
-        dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" else []
-        if dead:  # name the dead rank, not the transport error it caused here
-            failed_here = False
-            from distflow.launcher import resume_hint
-            from distflow.runtime import GroupMemberLost
-
-            log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead),
-                      resume_hint(cfg.output_dir, cfg.resume_from), type(e).__name__,
-                      str(e).splitlines()[0][:200] if str(e) else "")
-        else:  # a configuration or data error (exit 2) is its one line: no traceback to read
-            log.error("%s: %s: %s", node_id, type(e).__name__, e, exc_info=code != 2)
-    finally:
-        from distflow.core.aio import cancel_and_wait
-
-        await cancel_and_wait(tasks, 10)
-        # A node that failed by itself does not "leave": its peers see it die (and adopt its
-        # work). One that stops because a peer died announces its leave, so the others know.
-        await rt.stop(graceful=not failed_here)
-    if code and role == "trainer":
-        # A worker thread may be stuck in a collective with a dead rank until its timeout
-        # (step_timeout_s), and tearing down the process group can block on that rank too:
-        # exit now, not after run_loop's grace for worker threads.
-        from distflow.core.aio import exit_now
-
-        exit_now(code)
-    return code
 
 
 # ---------------------------------------------------------------------- distflow
@@ -281,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"config overrides {overrides} only apply to `distflow run`")
     if args.cmd in ("toy-model", "toy-data"):
         return toy_main(args)
-    from distflow.launcher import launch
+    from distflow.launch.launcher import launch
 
     try:
         cfg = load_config(args.config, overrides)

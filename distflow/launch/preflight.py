@@ -7,10 +7,10 @@ of a node failing after start-up (and being restarted, failing the same way):
   :func:`check_functions`;
 - the prompt set opens as a rollout node opens it, and the rows the run reads first are usable
   (JSON objects with ``prompt_key`` and what the rewards read): :func:`check_dataset`;
-- ``model_path`` is a Hugging Face model and tokenizer directory: :func:`model_dir_problem`;
+- ``model_path`` is a Hugging Face model and tokenizer directory: :func:`distflow.model_dir.model_dir_problem`;
 - ``resume_from`` is a checkpoint this config can continue: :func:`check_resume`.
 
-Torch-free (the launcher's start-up), but for ``resume_from`` (the trainers' reader of it).
+Torch-free (the launcher's start-up).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from typing import Any, Sequence
 from distflow.core.config import Config, ConfigError
 from distflow.core.config_paths import check_input_paths
 from distflow.core.dag import WorkflowNode
+from distflow.model_dir import model_dir_problem
 
 CHECK_ROWS = 100_000  # rows of the prompt set checked before a run (those its steps read first)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
 
 
 def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) -> None:
@@ -135,39 +134,17 @@ def _check_rows(cfg: Config, key: str, shard: Any, rows: list[int], keys: Any, c
     return None
 
 
-def model_dir_problem(path: str) -> str | None:
-    """Why ``path`` is no Hugging Face model and tokenizer directory (models load from local
-    directories only: :func:`distflow.hf.check_model_dir`), or None; torch-free."""
-    p = Path(path)
-    if not p.is_dir():
-        what = "is a file, not a directory" if p.exists() else "does not exist"
-        return f"{path!r} {what} (models load from local Hugging Face model directories; nothing is downloaded)"
-    try:
-        conf = json.loads((p / "config.json").read_text())
-    except FileNotFoundError:
-        return f"{path!r} is not a Hugging Face model directory (no config.json)"
-    except (OSError, ValueError) as e:
-        return f"{path!r}: config.json cannot be read ({type(e).__name__}: {e})"
-    if not isinstance(conf, dict) or "model_type" not in conf:
-        return f"{path!r}: its config.json names no model_type (not a Hugging Face model config)"
-    if not any((p / f).is_file() for f in TOKENIZER_FILES):
-        return f"{path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
-    return None
-
-
 def check_resume(cfg: Config) -> None:
-    """``resume_from`` read as the trainers will (distflow.trainer.actor.read_run_state: a
+    """``resume_from`` read as the trainers will (:func:`distflow.launch.checkpoint.read_run_state`: a
     checkpoint with distflow_state.json, written with this config's data order)."""
     if not cfg.resume_from:
         return
-    from distflow.trainer.actor import read_run_state
+    from distflow.launch.checkpoint import newest_checkpoint, read_run_state
 
     try:
         read_run_state(Path(cfg.resume_from), cfg)
     except (OSError, ValueError, KeyError, TypeError) as e:
         msg = str(e) if str(e).startswith("resume_from") else f"resume_from {cfg.resume_from!r}: {type(e).__name__}: {e}"
-        from distflow.launcher import newest_checkpoint
-
         newest = newest_checkpoint(cfg.output_dir)
         hint = f"; the newest checkpoint of output_dir is {newest}" if newest and str(newest) != cfg.resume_from else ""
         raise ConfigError(msg + hint) from None

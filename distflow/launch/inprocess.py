@@ -18,8 +18,10 @@ from typing import Callable
 from distflow.core.aio import cancel_and_wait, run_loop
 from distflow.core.auth import new_secret
 from distflow.core.config import Config
-from distflow.launcher import STOP_SIGNALS, catch_stop_signals, restore_signals, resume_hint, signum_of, stop_name
-from distflow.placement import GPU_NODES_ENV
+from distflow.launch.checkpoint import resume_hint
+from distflow.launch.roles import cluster_nodes, role_loop
+from distflow.launch.signals import STOP_SIGNALS, catch_stop_signals, restore_signals, signum_of, stop_name
+from distflow.launch.placement import GPU_NODES_ENV
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +29,10 @@ log = logging.getLogger(__name__)
 async def _run(cfg: Config) -> int:
     import torch
 
-    from distflow.controller import run_controller
-    from distflow.rollout.worker import run_rollout
     from distflow.runtime import Runtime
-    from distflow.stage_worker import run_stage_worker
-    from distflow.trainer.worker import run_trainer
 
+    first, *others = cluster_nodes(cfg)  # the trainer (trainer_nodes: 1), then the nodes that join through it
+    loops = {n.role: role_loop(n.role) for n in (first, *others)}
     torch.set_num_threads(cfg.torch_threads)
     secret = new_secret()
     # Until here a stop signal raised KeyboardInterrupt (run_in_process: catch_stop_signals), which
@@ -41,35 +41,32 @@ async def _run(cfg: Config) -> int:
     interrupted = _on_interrupt(asyncio.get_running_loop(), tasks)
     started: list[Runtime] = []
     try:
-        trainer = Runtime.create(cfg, "trainer", "trainer-0", secret, host=cfg.bind_host, port=0, data_port=0,
+        trainer = Runtime.create(cfg, first.role, first.node_id, secret, host=cfg.bind_host, port=0, data_port=0,
                                  seeds=[])
         await trainer.start()
         started.append(trainer)
-
-        def joining(role: str, node_id: str) -> Runtime:
-            return Runtime.create(cfg, role, node_id, secret, host=cfg.bind_host, port=0, data_port=0,
-                                  seeds=[trainer.node.address])
-
-        rollouts = [joining("rollout", f"rollout-{i}") for i in range(cfg.rollout_nodes)]
-        controllers = [joining("controller", "controller-0")] if cfg.controller == "single" else []
-        workers = [joining(g, f"{g}-{i}") for g, n in cfg.worker_groups.items() for i in range(n)]
-        for rt in rollouts + controllers + workers:
+        joined = [Runtime.create(cfg, n.role, n.node_id, secret, host=cfg.bind_host, port=0, data_port=0,
+                                 seeds=[trainer.node.address]) for n in others]
+        for rt in joined:
             await rt.start()
             started.append(rt)
         if interrupted.is_set():  # during start-up: no role has begun, nothing to save
             log.warning("interrupted during start-up; stopping")
             return 128 + interrupted.signum
-        trainer_task = asyncio.create_task(run_trainer(trainer), name="trainer-0-loop")
-        producers = {asyncio.create_task(run_controller(rt), name="controller-0-loop") for rt in controllers}
-        producers |= {asyncio.create_task(run_stage_worker(rt), name=f"{rt.node.node_id}-loop") for rt in workers}
-        producers |= {asyncio.create_task(run_rollout(rt), name=f"{rt.node.node_id}-loop") for rt in rollouts}
+
+        def loop_task(rt: Runtime) -> asyncio.Task:
+            return asyncio.create_task(loops[rt.role](rt), name=f"{rt.node.node_id}-loop")
+
+        trainer_task = loop_task(trainer)
+        # the groups that receive (controller, worker groups) start their loops before the rollout nodes send
+        producers = {loop_task(rt) for rt in sorted(joined, key=lambda rt: rt.role == "rollout")}
         tasks |= {trainer_task, *producers}
 
         def stepped() -> bool:  # the trainer gossips `step` once it has trained one in this run
             me = trainer.node.member(trainer.node.node_id)
             return me is not None and "step" in me.meta
 
-        return await _supervise(cfg, interrupted, trainer_task, producers, rollouts + controllers + workers, stepped)
+        return await _supervise(cfg, interrupted, trainer_task, producers, joined, stepped)
     finally:
         await cancel_and_wait(tasks, 10)
         for rt in started[1:] + started[:1]:  # the trainer last
@@ -131,7 +128,7 @@ class _Interrupt(asyncio.Event):
 
 
 def _on_interrupt(loop: asyncio.AbstractEventLoop, tasks: set[asyncio.Task]) -> _Interrupt:
-    """SIGINT, SIGTERM, SIGHUP (as `distflow run`'s :data:`distflow.launcher.STOP_SIGNALS`): the
+    """SIGINT, SIGTERM, SIGHUP (as `distflow run`'s :data:`distflow.launch.signals.STOP_SIGNALS`): the
     first sets the returned event (a graceful stop), a second cancels every task of ``tasks``.
     Where signals cannot be handled (not the main thread) the event never fires."""
     event = _Interrupt()

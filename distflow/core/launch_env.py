@@ -1,0 +1,38 @@
+"""What a launcher tells a node through its environment: the variable names both sides read,
+and the node side's readers.
+
+Why it exists: ``distflow run`` (and the pdsh and compose launchers) sit above the nodes, and a
+node must not import its launcher to learn what it was handed (that was an import circle:
+launcher -> in-process mode -> node loops -> launcher). The names live here, below both.
+The cluster secret's variable is :data:`distflow.core.auth.SECRET_ENV`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["GPU_NODES_ENV", "LAUNCHER_PID_ENV", "T0_ENV", "launch_time", "process_start_time"]
+
+T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
+LAUNCHER_PID_ENV = "DISTFLOW_LAUNCHER_PID"  # the launcher's pid, for the node's die_with_launcher
+GPU_NODES_ENV = "DISTFLOW_GPU_NODES"  # how many nodes of the run share this node's GPU (distflow.launch.placement)
+
+
+def launch_time() -> float | None:
+    """Wall-clock start of the ``distflow run`` that launched this process (``DISTFLOW_T0``), or None."""
+    try:
+        return float(os.environ[T0_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (from /proc; now, where there is no /proc)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # since boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()

@@ -1,0 +1,211 @@
+"""The node processes of ``distflow run``: start, restart and stop them, and read their logs.
+
+Why it exists: :mod:`distflow.launch.launcher` decides *when* a node starts, restarts or
+stops (supervision, Ctrl-C); this module is *how*, with the process-level care that
+needs: each node in its own session (a Ctrl-C in the terminal reaches only the launcher,
+which stops the nodes in order), ports below the ephemeral range, and on Linux a node that
+dies with its launcher (``PR_SET_PDEATHSIG``, asked for by the node itself first thing:
+:func:`die_with_launcher`, never a ``preexec_fn`` in the launcher). A stop is bounded:
+SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distflow.core.auth import SECRET_ENV
+from distflow.core.config import Config, ConfigError
+from distflow.core.launch_env import LAUNCHER_PID_ENV, T0_ENV, process_start_time
+from distflow.launch.roles import cluster_nodes
+
+STOP_GRACE_S = 15.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def spawn(cmd: list[str], log_file, env: dict[str, str]) -> subprocess.Popen:
+    """Start a node: its own session (a Ctrl-C in the terminal reaches only the launcher, which
+    stops the nodes in order), output to ``log_file``; the node has the kernel send it SIGTERM
+    when the launcher dies (:func:`die_with_launcher`, told the launcher's pid in ``LAUNCHER_PID_ENV``).
+    No ``preexec_fn``: Python documents it as unsafe in a process with threads (tqdm's monitor
+    thread, when a node is restarted), where the child can deadlock before its exec. The signal
+    follows the *thread* that forked: the pid is passed only from the main thread (which lives as
+    long as the launcher)."""
+    env = {k: v for k, v in env.items() if k != LAUNCHER_PID_ENV}
+    if threading.current_thread() is threading.main_thread():
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def die_with_launcher() -> None:
+    """First thing in a node (``distflow-node``, before torch is imported): when `distflow run` started
+    it (``LAUNCHER_PID_ENV``), have the kernel send it SIGTERM when the launcher dies (Linux
+    ``PR_SET_PDEATHSIG``), so that a launcher killed by SIGKILL or the OOM killer leaves no node
+    training detached; and exit at once if the launcher died before that (the node's parent is no
+    longer the launcher: no signal would come). The variable is removed from the environment: the
+    node's own children are not nodes of the launcher. Elsewhere than Linux, nothing."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM)) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != launcher.strip():
+        print(f"distflow-node: its launcher (pid {launcher}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)  # as if the signal had come
+
+
+@dataclass
+class Child:
+    """One node process of the run, and how to start it again (same command, same environment)."""
+
+    node_id: str
+    role: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+
+    def respawn(self) -> None:
+        """Start the node again: same id, same ports, same environment; its log is appended to."""
+        self.restarts += 1
+        with self.log_path.open("a") as f:
+            f.write(f"\n----- distflow run: restart {self.restarts} of {self.node_id} -----\n")
+            f.flush()
+            self.proc = spawn(self.cmd, f, self.env)
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """n bindable ports BELOW the kernel's ephemeral range, so that no outgoing connection
+    (which takes an ephemeral port) can grab one before its node binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    ports: list[int] = []
+    for _ in range(100_000):  # bounded: a range with no free port is an error, not a hang
+        if len(ports) == n:
+            return ports
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+    raise ConfigError(f"bind_host: found {len(ports)} of the {n} free ports the nodes need on {host!r} below the "
+                      f"ephemeral range ({low})")
+
+
+def node_command() -> list[str]:
+    """``distflow-node`` (the installed script), else the same through this interpreter."""
+    exe = shutil.which("distflow-node")
+    return [exe] if exe else [sys.executable, "-c",
+                              "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
+
+
+def start_children(cfg: Config, config_path: Path, secret: str, placement: list) -> list[Child]:
+    """Start every node of the run (:func:`distflow.launch.roles.cluster_nodes`, the first the seed the
+    others join through) with its ``placement`` slot's environment, its log under ``output_dir/logs``."""
+    nodes = cluster_nodes(cfg)
+    slots = {s.node_id: s for s in placement}
+    ports = free_ports(cfg.bind_host, 2 * len(nodes))
+    seeds = f"{cfg.bind_host}:{ports[0]}"  # everyone joins through the first node; gossip does the rest
+    env = dict(os.environ, **{SECRET_ENV: secret, "PYTHONUNBUFFERED": "1",
+                              "OMP_NUM_THREADS": str(cfg.torch_threads)})
+    env.setdefault(T0_ENV, repr(process_start_time()))
+    children = []
+    for k, node in enumerate(nodes):
+        node_id, role = node.node_id, node.kind
+        log_path = Path(cfg.output_dir) / "logs" / f"{node_id}.log"
+        cmd = node_command() + [
+            "--role", role, "--config", str(config_path), "--node-id", node_id, "--host", cfg.bind_host,
+            "--port", str(ports[2 * k]), "--data-port", str(ports[2 * k + 1]),
+            "--seeds", "" if k == 0 else seeds,
+        ] + (["--group", node.group] if node.group else [])
+        child_env = {**env, **slots[node_id].env}
+        try:
+            with log_path.open("w") as f:
+                proc = spawn(cmd, f, child_env)
+        except BaseException:  # a signal, EMFILE, ...: the nodes already started do not stay behind
+            stop_children(children, grace_s=5.0)
+            raise
+        children.append(Child(node_id, role, ports[2 * k], proc, log_path, cmd, child_env))
+    return children
+
+
+def wait_all(children: list[Child], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    return True
+
+
+def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every live child, then SIGKILL whatever is left after the grace period."""
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    wait_all(children, grace_s)
+    for c in children:
+        if c.proc.poll() is None:
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(timeout=5)
+            except ProcessLookupError:  # it exited meanwhile
+                pass
+            except subprocess.TimeoutExpired:  # e.g. stuck in the GPU driver: go on with the others
+                print(f"distflow: {c.node_id} (pid {c.proc.pid}) did not exit 5 s after SIGKILL", file=sys.stderr)
+
+
+def stop_for_checkpoint(children: list[Child], grace_s: float) -> None:
+    """Stop the producers first (the rollout and controller nodes leave the mesh), so each
+    trainer saves a checkpoint at its last completed step and exits by itself; then the rest."""
+    producers = [c for c in children if c.role != "trainer"]
+    stop_children(producers)
+    trainers = [c for c in children if c.role == "trainer"]
+    if not wait_all(trainers, grace_s):
+        print(f"distflow: the trainers did not stop within {grace_s:.0f}s; stopping them", file=sys.stderr)
+    stop_children(trainers)
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def error_line(path: Path) -> str:
+    """The node's own one-line account of its failure: its last ERROR record, else the last
+    non-empty line of its log (a node that failed before its logging was set up: a usage error,
+    a config refused by ``distflow-node``)."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    errors = [ln for ln in lines if " ERROR " in ln]
+    if errors:
+        return errors[-1].split(": ", 1)[-1]
+    return lines[-1].strip() if lines else "(its log is empty)"
