@@ -56,8 +56,9 @@ def make_transport(kind: str, node_id: str, secret: str | bytes, host: str = "12
     chosen = select.transport_kind(kind, cuda_node=cuda_node, nccl=cuda_node and nccl_mover.nccl_available(),
                                    shm=shm_available())
     if kind == "auto":
-        kw = {k: v for k, v in kw.items() if k in _LINK_KW | {"local_socket"}
-              or (k in _SHM_KW | _POSTING_KW and chosen != "zmq") or (k in _NCCL_KW and chosen == "nccl")}
+        kw = {k: v for k, v in kw.items() if k in _LINK_KW
+              or (k in _SHM_KW | _POSTING_KW | {"local_socket"} and chosen != "zmq")
+              or (k in _NCCL_KW and chosen == "nccl")}
     allowed = _LINK_KW | ({"local_socket"} | _SHM_KW | _POSTING_KW if chosen != "zmq" else set()) \
         | (_NCCL_KW if chosen == "nccl" else set())
     unknown = set(kw) - allowed

@@ -360,7 +360,7 @@ class NcclMover:
 
     # ------------------------------------------------------------------ send
     async def send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
-        """One message whose CUDA tensors go over NCCL (call when :meth:`takes` says so)."""
+        """One message whose CUDA tensors go over NCCL (when `select.message_mover` says "nccl")."""
         cuda = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_cuda}
         if not cuda:
             return await self._send_host(peer, kind, meta, tensors)
