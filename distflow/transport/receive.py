@@ -92,41 +92,42 @@ class Receiver:
     def _accept(self, frames: list[Any]) -> bool:
         """Validate framing, MAC and replay; spawn the handler task. False if dropped (or, for a
         streamed payload, not complete yet)."""
+        link = self.link
         if len(frames) == 5 and frames[1] == MAGIC_CHUNK:
             return self.streams.accept_chunk(frames)
-        if len(frames) < 4 or len(frames) > self.link.max_frames + 4:
-            self.link.drop("bad_frames", f"{len(frames)} frames")
+        if len(frames) < 4 or len(frames) > link.max_frames + 4:
+            link.drop("bad_frames", f"{len(frames)} frames")
             return False
         ident = frames[0]
         if frames[1] != MAGIC_MSG:
-            self.link.drop("bad_frames", "bad magic")
+            link.drop("bad_frames", "bad magic")
             return False
         hframe, tframe = frames[2], frames[3]
-        if len(hframe) > self.link.max_header_bytes:
-            self.link.drop("oversized", f"header of {len(hframe)} bytes")
+        if len(hframe) > link.max_header_bytes:
+            link.drop("oversized", f"header of {len(hframe)} bytes")
             return False
         total = sum(len(f) for f in frames[4:])
-        if total > self.link.max_message_bytes:
-            self.link.drop("oversized", f"payload of {total} bytes")
+        if total > link.max_message_bytes:
+            link.drop("oversized", f"payload of {total} bytes")
             return False
         hbytes = hframe
-        if len(tframe) != TAG_SIZE or not self.link.auth.verify([hbytes], tframe, DOMAIN):
-            self.link.drop("bad_mac", "header MAC does not verify")
+        if len(tframe) != TAG_SIZE or not link.auth.verify([hbytes], tframe, DOMAIN):
+            link.drop("bad_mac", "header MAC does not verify")
             return False
         try:
             header = msgpack.unpackb(hbytes, raw=False)
         except Exception as e:
-            self.link.drop("bad_header", f"undecodable header: {e}")
+            link.drop("bad_header", f"undecodable header: {e}")
             return False
         problem = _header_problem(header)
         if problem:
-            self.link.drop("bad_header", problem)
+            link.drop("bad_header", problem)
             return False
         sender = header["from"]
-        if header["to"] != self.link.node_id:  # before the replay check: a message not for us leaves no state
-            self.link.drop(WRONG_RECIPIENT, f"for {header['to']!r}")
+        if header["to"] != link.node_id:  # before the replay check: a message not for us leaves no state
+            link.drop(WRONG_RECIPIENT, f"for {header['to']!r}")
             self.spawn_nack(ident, header, WRONG_RECIPIENT,
-                             f"message for node {header['to']!r} reached node {self.link.node_id!r}")
+                             f"message for node {header['to']!r} reached node {link.node_id!r}")
             return False
         if not self._check_replay(sender, header):
             return False
