@@ -26,7 +26,7 @@ from distflow.transport.shared_buffers import SharedBuffer
 
 
 class ComposedTransport(Transport):
-    """A link plus optional movers (build one with :func:`distflow.transport.select.make_transport`)."""
+    """A link plus optional movers (build one with :func:`distflow.transport.make_transport`)."""
 
     def __init__(self, link: Link, *, shm: ShmMover | None = None) -> None:
         self.link, self.shm = link, shm
