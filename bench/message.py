@@ -6,12 +6,12 @@ once also cost less CPU than routing it through one process (``bench/redistribut
 ``p2p_cpu_ms_N`` vs ``single_cpu_ms_N``) was decided by the fixed cost of one message: its signed
 header, the receiver's checks and handler task, the signed ack and the sender's wake-up on it.
 This measures that cost alone, next to its floor on the same machine. Parts for consumers on the
-same host are now posted instead (a record in the consumer's mailbox, ``core/channels/posting.py``;
+same host are now posted instead (a record in the consumer's mailbox, ``transport/movers/posting.py``;
 ``bench/redistribute.py --posting off`` times them as messages); parts to other hosts, and every
 other kind of message, still pay this.
 
 Two processes, a sender and a receiver, one message in flight (each send awaits its ack):
-* channel: ``make_channel(kind)`` on both ends (default ``auto``: shared memory on one host, as
+* channel: ``make_transport(kind)`` on both ends (default ``auto``: shared memory on one host, as
   nodes use), on the event loop nodes run; each message is a handoff part as ``scatter`` sends
   it: the meta of 8 samples (ids, prompt ids, extras, the packed layout of 7 fields, step,
   ranks) and one packed buffer of ``--payload-kib`` in a slot lent by the channel (filled in
@@ -86,13 +86,13 @@ def process_main(role: str, fd: int, kind: str, port: int, payload: int) -> None
     torch.set_num_threads(1)
     from distflow.core.aio import run_loop
     from distflow.core.allocator import keep_freed_memory
-    from distflow.core.channels import Endpoint, make_channel
+    from distflow.transport import Endpoint, make_transport
 
     keep_freed_memory()  # as a node does at start-up
 
     async def receiver() -> None:
         loop = asyncio.get_running_loop()
-        ch = make_channel(kind, "rx", SECRET)
+        ch = make_transport(kind, "rx", SECRET)
 
         async def sink(env: Any) -> None:
             return None
@@ -109,13 +109,13 @@ def process_main(role: str, fd: int, kind: str, port: int, payload: int) -> None
 
     async def sender() -> None:
         loop = asyncio.get_running_loop()
-        ch = make_channel(kind, "tx", SECRET)
+        ch = make_transport(kind, "tx", SECRET)
         await ch.start()
         peer = Endpoint("rx", "127.0.0.1", port)
         s = socket.socket(fileno=fd)
         s.setblocking(False)
         header, buf = b"h" * HEADER_BYTES, bytearray(65536)
-        lend = getattr(ch, "lend", None)
+        lend = ch.lend if ch.supports("shm") else None
         private = torch.zeros(payload, dtype=torch.uint8)
 
         def part() -> dict[str, torch.Tensor]:

@@ -7,12 +7,12 @@ the raw transport. Everything is measured in one run, on this machine, with real
 1. Stage handoff, N producers -> N consumers (N = 2, 4, 8), 64 samples per producer, each
    sample a realistic RL payload: 4,096 tokens as int64 (1,024 prompt + 3,072 response),
    fp32 logprobs and an fp32 per-token mask (carried in ``ref_logprobs``) for the response.
-   Both modes use the channel ``make_channel(kind)`` gives (default ``auto``: shared memory
+   Both modes use the channel ``make_transport(kind)`` gives (default ``auto``: shared memory
    between processes of one host, as a real node would use) on the event loop nodes run
    (uvloop, ``distflow.core.aio.run_loop``), the same library calls
    (``scatter`` / ``shard_receiver`` + ``open_ingress`` / ``gather_step``), every byte delivered:
    on shared memory a part is *posted* (a record in the consumer's mailbox, no message or ack per
-   part: ``core/channels/posting.py``), unless ``--posting off`` makes it an acked message:
+   part: ``transport/movers/posting.py``), unless ``--posting off`` makes it an acked message:
    * peer-to-peer: every producer ``scatter``s its batch straight to the owners (DistFlow);
    * single controller (baseline): every producer sends its whole batch to one controller
      process, which gathers the step, splits it by owner and sends each consumer its part
@@ -83,7 +83,7 @@ def worker_main() -> None:
     from distflow.buffer.redistribute import gather_step, open_ingress, scatter, shard_receiver
     from distflow.buffer.shard import BufferShard
     from distflow.core.aio import run_loop
-    from distflow.core.channels import Endpoint, make_channel
+    from distflow.transport import Endpoint, make_transport
 
     state: dict[str, Any] = {}
     out_lock = threading.Lock()
@@ -138,7 +138,7 @@ def worker_main() -> None:
         rid, cmd = req["id"], req["cmd"]
         try:
             if cmd == "init":
-                ch = make_channel(req["kind"], req["node"], SECRET, **req.get("chan_kw", {}))
+                ch = make_transport(req["kind"], req["node"], SECRET, **req.get("chan_kw", {}))
                 shard = BufferShard(1 << 20)
                 if req.get("sink"):
                     async def sink(env: Any) -> None:

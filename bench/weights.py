@@ -64,7 +64,7 @@ def rollout_main(kind: str, layers: int, q_out, q_in, cuda: bool = False) -> Non
     import torch
 
     from distflow.core.aio import run_loop
-    from distflow.core.channels import HandlerMux, make_channel
+    from distflow.transport import HandlerMux, make_transport
     from distflow.device import node_device
     from distflow.weights import WeightInbox
 
@@ -78,7 +78,7 @@ def rollout_main(kind: str, layers: int, q_out, q_in, cuda: bool = False) -> Non
     async def main() -> None:
         dt = torch.bfloat16 if cuda else torch.float32
         engine = {f"{i}.weight": torch.zeros(LAYER, LAYER, dtype=dt, device=dev) for i in range(layers)}
-        ch = make_channel(kind, "rollout", SECRET)
+        ch = make_transport(kind, "rollout", SECRET)
         inbox = WeightInbox(device=dev if cuda else None)
         naive: dict = {}
         done = asyncio.Queue()
@@ -135,7 +135,7 @@ def trainer_main(rank: int, pg_port: int, kind: str, layers: int, reps: int, por
     from torch.distributed.fsdp import fully_shard
 
     from distflow.core.aio import run_loop
-    from distflow.core.channels import Endpoint, make_channel
+    from distflow.transport import Endpoint, make_transport
     from distflow.device import node_device
     from distflow.weights import BUCKET_BYTES, WeightPublisher, buckets
     from distflow.trainer.gather import iter_weight_buckets
@@ -175,7 +175,7 @@ def trainer_main(rank: int, pg_port: int, kind: str, layers: int, reps: int, por
         return
 
     async def main() -> dict:
-        ch = make_channel(kind, "trainer", SECRET)
+        ch = make_transport(kind, "trainer", SECRET)
         await ch.start()
         peer = Endpoint("rollout", "127.0.0.1", port)
         pub = WeightPublisher(ch, ["rollout"], lambda _: peer, lambda _: True, timeout=300,
@@ -254,7 +254,7 @@ def cuda_figures(args: argparse.Namespace, figures: dict) -> None:
     """The GPU tiers against the naive path, one trainer rank on GPU 0 (see the module docstring)."""
     import torch
 
-    from distflow.core.channels.nccl_channel import nccl_available
+    from distflow.transport.movers.nccl import nccl_available
 
     layers = max(1, round(args.cuda_gib * 1024 / 8))  # 8 MiB of bf16 per layer
     gib = layers * LAYER * LAYER * 2 / 2**30

@@ -16,7 +16,7 @@ from typing import Callable
 
 from distflow.buffer.shard import BufferShard
 from distflow.core.aio import woken
-from distflow.core.channels import Endpoint, Envelope, TensorChannel, make_channel
+from distflow.transport import Endpoint, Envelope, Transport, make_transport
 from distflow.core.config import Config
 from distflow.core.node import MeshConfig, Member, Node
 
@@ -51,7 +51,7 @@ class Groups:
 class Runtime:
     cfg: Config
     node: Node
-    channel: TensorChannel
+    channel: Transport
     shard: BufferShard
     role: str
     groups: Groups | None = None
@@ -63,15 +63,10 @@ class Runtime:
     @classmethod
     def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
                data_port: int, seeds: list[str], advertise_host: str | None = None) -> "Runtime":
-        kind = cfg.channel
-        if kind == "auto" and cfg.device != "cuda":
-            # auto picks NCCL wherever cupy and a GPU are present, and the NCCL channel opens this
-            # process's GPU: a cpu node (a cpu run on a GPU host) must not; NCCL moves only CUDA tensors.
-            from distflow.core.channels.shm_channel import shm_available
-
-            kind = "shm" if shm_available() else "zmq"
-        channel = make_channel(kind, node_id, secret, host=host, port=data_port,
-                               **({} if kind == "zmq" else {"posting": cfg.posting}))
+        # the backend (a cpu node never takes NCCL with `auto`) is transport.select's choice
+        channel = make_transport(cfg.channel, node_id, secret, host=host, port=data_port,
+                                 cuda_node=cfg.device == "cuda",
+                                 **({} if cfg.channel == "zmq" else {"posting": cfg.posting}))
         m = cfg.mesh
         mesh_cfg = MeshConfig(protocol_period_s=m.protocol_period_s, suspicion_timeout_s=m.suspicion_timeout_s,
                               request_timeout_s=m.request_timeout_s, join_timeout_s=m.join_timeout_s,

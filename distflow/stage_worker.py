@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distflow.buffer.redistribute import RESERVED_META, parse_part, scatter
-from distflow.core.channels import Envelope
+from distflow.transport import Envelope
 from distflow.runtime import PeerLostError, Runtime
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from distflow.core.channels import ChannelError, Endpoint, RemoteError, make_channel
+from distflow.transport import ChannelError, Endpoint, RemoteError, make_transport
 
 SECRET = "addressing-test-secret-0123456789abcdef"
 KINDS = ["zmq", "shm"]
@@ -28,7 +28,7 @@ def run(coro, timeout: float = 30.0):
 
 
 async def started(kind: str, node_id: str):
-    ch = make_channel(kind, node_id, SECRET, **({"shm_min_bytes": 0} if kind == "shm" else {}))
+    ch = make_transport(kind, node_id, SECRET, **({"shm_min_bytes": 0} if kind == "shm" else {}))
     await ch.start()
     return ch
 

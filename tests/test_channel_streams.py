@@ -16,10 +16,10 @@ import zmq
 import zmq.asyncio
 
 from distflow.core.auth import Authenticator
-from distflow.core.channels import Endpoint, RemoteError, make_channel
-from distflow.core.channels.loop_socket import LoopSocket
-from distflow.core.channels.payload_mac import ChunkMac, PayloadError
-from distflow.core.channels.zmq_channel import MAGIC_CHUNK, MAGIC_MSG
+from distflow.transport import Endpoint, RemoteError, make_transport
+from distflow.transport.loop_socket import LoopSocket
+from distflow.core.auth import ChunkMac, MacError
+from distflow.transport.link import MAGIC_CHUNK, MAGIC_MSG
 
 SECRET = "stream-test-secret-0123456789abcdef"
 CHUNK = 4096
@@ -50,7 +50,7 @@ def payload() -> dict[str, torch.Tensor]:
 
 
 async def receiver(**kw):
-    b = make_channel("zmq", "b", SECRET, **{**STREAM, **kw})
+    b = make_transport("zmq", "b", SECRET, **{**STREAM, **kw})
     got: list[dict[str, torch.Tensor]] = []
 
     async def handler(env):
@@ -63,7 +63,7 @@ async def receiver(**kw):
 
 async def capture(tensors: dict[str, torch.Tensor]) -> list[list[bytes]]:
     """Every message (header, then chunks) a real sender puts on the wire for one streamed send."""
-    a = make_channel("zmq", "a", SECRET, **STREAM)
+    a = make_transport("zmq", "a", SECRET, **STREAM)
     await a.start()
     ctx = zmq.asyncio.Context()
     trap = ctx.socket(zmq.ROUTER)
@@ -108,7 +108,7 @@ async def replay(port: int, msgs: list[list[bytes]], want_ack: bool = True) -> d
 def test_streamed_payload_arrives_byte_exact(mac_alg):
     async def main():
         b, got = await receiver()
-        a = make_channel("zmq", "a", SECRET, mac_alg=mac_alg, **STREAM)
+        a = make_transport("zmq", "a", SECRET, mac_alg=mac_alg, **STREAM)
         await a.start()
         want = payload()
         await a.send(Endpoint("b", "127.0.0.1", b.port), "k", {}, want, timeout=10)
@@ -225,7 +225,7 @@ def test_a_stream_cut_off_midway_times_out_and_frees_its_buffers():
         sock.close()
         ctx.term()
         # the channel keeps serving
-        a = make_channel("zmq", "a2", SECRET, **STREAM)
+        a = make_transport("zmq", "a2", SECRET, **STREAM)
         await a.start()
         await a.send(Endpoint("b", "127.0.0.1", b.port), "k", {}, payload(), timeout=10)
         assert len(got) == 1
@@ -238,13 +238,13 @@ def test_a_stream_cut_off_midway_times_out_and_frees_its_buffers():
 def test_oversized_streams_are_refused_by_sender_and_receiver():
     async def main():
         b, got = await receiver(max_message_bytes=1 << 20)
-        small = make_channel("zmq", "a3", SECRET, max_message_bytes=1 << 20, **STREAM)
+        small = make_transport("zmq", "a3", SECRET, max_message_bytes=1 << 20, **STREAM)
         await small.start()
         big = {"x": torch.zeros(2 << 20, dtype=torch.uint8)}
         with pytest.raises(ValueError, match="payload of 2097152 bytes is over the 1048576-byte message limit"):
             await small.send(Endpoint("b", "127.0.0.1", b.port), "k", {}, big, timeout=10)
         # a sender with a bigger limit than the receiver: the receiver refuses the header, by name
-        a = make_channel("zmq", "a", SECRET, **STREAM)
+        a = make_transport("zmq", "a", SECRET, **STREAM)
         await a.start()
         with pytest.raises(RemoteError, match=r"\(oversized\): payload of 2097152 bytes is over the 1048576-byte limit"):
             await a.send(Endpoint("b", "127.0.0.1", b.port), "k", {}, big, timeout=10)
@@ -290,8 +290,9 @@ def test_chunk_mac_binds_index_and_data():
         assert not m.verify(1, data, t0)  # another index
         assert not m.verify(0, data[:-1] + b"\0", t0)  # another byte
         assert not ChunkMac(alg, b"j" * 32).verify(0, data, t0)  # another message's key
-    with pytest.raises(PayloadError, match="unknown payload MAC algorithm 'md5'"):
+    with pytest.raises(MacError, match="unknown payload MAC algorithm 'md5'") as e:
         ChunkMac("md5", b"k" * 32)
+    assert e.value.code == "unsupported_mac"  # the NACK code a receiver refuses such a stream with
 
 
 def test_loop_socket_receives_a_frame_into_a_buffer():
@@ -323,7 +324,7 @@ def test_stream_buffers_are_reused_warm_once_the_handler_lets_go():
     message are gone, the next stream of that size class lands in the same memory (no page
     faults, no zeroing), while a message the handler keeps is never overwritten."""
     async def main():
-        b = make_channel("zmq", "b", SECRET, **STREAM)
+        b = make_transport("zmq", "b", SECRET, **STREAM)
         seen: list[tuple[int, bool]] = []
         kept: list[torch.Tensor] = []
 
@@ -335,7 +336,7 @@ def test_stream_buffers_are_reused_warm_once_the_handler_lets_go():
 
         b.set_handler(handler)
         await b.start()
-        a = make_channel("zmq", "a", SECRET, **STREAM)
+        a = make_transport("zmq", "a", SECRET, **STREAM)
         await a.start()
         peer = Endpoint("b", "127.0.0.1", b.port)
         for i, keep in enumerate((False, False, True, False)):
@@ -358,7 +359,7 @@ def test_copy_pool_bounds_its_idle_memory():
 
     import numpy as np
 
-    from distflow.core.channels.copy_pool import CopyPool
+    from distflow.transport.pool import CopyPool
 
     pool = CopyPool(max_idle_bytes=3 << 20)
     bufs = [pool.empty(1 << 20) for _ in range(5)]  # 1 MiB class each
@@ -381,7 +382,7 @@ def test_copy_pool_returns_take_no_lock_and_views_of_views_keep_their_buffer():
 
     import numpy as np
 
-    from distflow.core.channels.copy_pool import CopyPool
+    from distflow.transport.pool import CopyPool
 
     pool = CopyPool()
     box = [pool.empty(5000)]

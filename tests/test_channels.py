@@ -23,19 +23,19 @@ import zmq
 import zmq.asyncio
 
 from distflow.core.auth import Authenticator
-from distflow.core.channels import (
+from distflow.transport import (
     ChannelClosed,
     Endpoint,
     Envelope,
     HandlerMux,
     RemoteError,
-    ShmChannel,
-    ZmqChannel,
-    make_channel,
+    Transport,
+    make_transport,
 )
-from distflow.core.channels import codec
-from distflow.core.channels.shm_channel import SHM_DIR, sweep_stale_segments
-from distflow.core.channels.zmq_channel import MAGIC_MSG, PayloadError
+from distflow.transport import codec
+from distflow.transport.arena import SHM_DIR, sweep_stale_segments
+from distflow.transport.api import PayloadError
+from distflow.transport.link import MAGIC_MSG
 
 SECRET = "channel-test-secret-0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,13 +49,13 @@ def run(coro, timeout: float = 30.0):
     return asyncio.run(bounded())
 
 
-def chan(kind: str, node_id: str, secret: str = SECRET, **kw) -> ZmqChannel:
+def chan(kind: str, node_id: str, secret: str = SECRET, **kw) -> Transport:
     if kind == "shm":
         kw.setdefault("shm_min_bytes", 0)  # force the shared-memory path even for tiny tensors
-    return make_channel(kind, node_id, secret, **kw)
+    return make_transport(kind, node_id, secret, **kw)
 
 
-def ep(ch: ZmqChannel) -> Endpoint:
+def ep(ch: Transport) -> Endpoint:
     return Endpoint(ch.node_id, "127.0.0.1", ch.port)
 
 
@@ -190,11 +190,11 @@ def test_every_dtype_round_trips_in_process(kind):
 
 ECHO_CHILD = textwrap.dedent("""
     import asyncio, sys
-    from distflow.core.channels import make_channel, Endpoint
+    from distflow.transport import make_transport, Endpoint
     kind, secret = sys.argv[1], sys.argv[2]
 
     async def main():
-        ch = make_channel(kind, "echo", secret, **({"shm_min_bytes": 0} if kind == "shm" else {}))
+        ch = make_transport(kind, "echo", secret, **({"shm_min_bytes": 0} if kind == "shm" else {}))
         done = asyncio.Event()
 
         async def handler(env):
@@ -414,7 +414,7 @@ def test_inflight_limit_holds_messages_back_without_spinning(kind):
 def test_loop_socket_send_waits_for_room_and_both_directions_wake():
     """LoopSocket on its own: a send blocked on a full pipe resumes once the peer drains it, and a
     pending receive is not lost when a send on the same socket consumes the FD's edge."""
-    from distflow.core.channels.zmq_channel import LoopSocket
+    from distflow.transport.link import LoopSocket
 
     async def main():
         ctx = zmq.Context()
@@ -736,7 +736,7 @@ def test_shm_immediate_release_goes_to_its_sender_only():
         await small_from.send(ep(b), "k", {}, {"x": torch.arange(10)}, timeout=5)  # its ack carries the release
         assert small_from.stats()["shm_slots_busy"] == 0
         assert b.stats()["shm_release_msgs"] == 1 and b.stats()["shm_releases_sent"] == 3  # the last in its own ack
-        assert b._rel_timer is None  # nothing is deferred any more: no flush armed for a later one to inherit
+        assert b.shm._rel_timer is None  # nothing is deferred any more: no flush armed for a later one to inherit
         for ch in (small_from, big_from, b):
             await ch.close()
 
@@ -745,9 +745,9 @@ def test_shm_immediate_release_goes_to_its_sender_only():
 
 def test_shm_copy_threshold_is_validated():
     with pytest.raises(ValueError, match="shm_copy_below must be a non-negative int"):
-        make_channel("shm", "a", SECRET, shm_copy_below=-1)
+        make_transport("shm", "a", SECRET, shm_copy_below=-1)
     with pytest.raises(ValueError, match="shm_release_delay must be a number of seconds"):
-        make_channel("shm", "a", SECRET, shm_release_delay=-1)
+        make_transport("shm", "a", SECRET, shm_release_delay=-1)
 
 
 def test_shm_release_of_a_kept_view_goes_alone_when_no_ack_comes():
@@ -789,7 +789,7 @@ def test_shm_falls_back_to_frames_when_the_receiver_cannot_map():
         def cannot_map(sender, name):
             raise PayloadError("shm_unavailable", f"segment {name} is in another /dev/shm")
 
-        b._open = cannot_map  # as if b lived in another container's /dev/shm
+        b.shm._open = cannot_map  # as if b lived in another container's /dev/shm
         b.set_handler(handler)
         x = torch.randn(5000)
         await a.send(ep(b), "k", {}, {"x": x}, timeout=5)
@@ -828,11 +828,11 @@ def test_shm_sender_and_zmq_receiver_interoperate():
 
 SHM_CHILD = textwrap.dedent("""
     import asyncio, os, sys, torch
-    from distflow.core.channels import make_channel, Endpoint
+    from distflow.transport import make_transport, Endpoint
     mode, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 
     async def main():
-        ch = make_channel("shm", "child", secret, shm_min_bytes=0)
+        ch = make_transport("shm", "child", secret, shm_min_bytes=0)
         await ch.start()
         # The peer never opens the segment, so its name stays in /dev/shm while we live.
         asyncio.create_task(ch.send(Endpoint("sink", "127.0.0.1", port), "x", {}, {"a": torch.ones(1 << 18)},
@@ -894,9 +894,9 @@ def test_shm_segment_of_a_sigkilled_process_is_swept_by_the_next_process(sink_po
     nxt = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             import asyncio
-            from distflow.core.channels import ShmChannel
+            from distflow.transport import make_transport
             async def main():
-                ch = ShmChannel("next", {SECRET!r}, sweep_min_age=0)
+                ch = make_transport("shm", "next", {SECRET!r}, sweep_min_age=0)
                 await ch.start()  # startup sweeps segments whose owner is gone
                 await ch.close()
             asyncio.run(main())
@@ -921,13 +921,13 @@ def test_sweep_spares_live_owners():
 
 # ---------------------------------------------------------------------------------------- factory
 def test_make_channel_kinds():
-    assert type(make_channel("zmq", "n", SECRET)) is ZmqChannel
-    assert type(make_channel("shm", "n", SECRET)) is ShmChannel
-    assert isinstance(make_channel("auto", "n", SECRET), ZmqChannel)
+    assert make_transport("zmq", "n", SECRET).movers == {"socket"}
+    assert make_transport("shm", "n", SECRET).movers == {"socket", "shm", "posting"}
+    assert make_transport("auto", "n", SECRET).supports("socket")
     with pytest.raises(ValueError, match="unknown channel kind 'tcp'"):
-        make_channel("tcp", "n", SECRET)
+        make_transport("tcp", "n", SECRET)
     with pytest.raises(ValueError, match="at least 16 bytes"):
-        make_channel("zmq", "n", "short")
+        make_transport("zmq", "n", "short")
 
 
 @pytest.mark.gpu
@@ -937,7 +937,7 @@ def test_nccl_moves_cuda_tensors_between_devices():
         pytest.skip("needs two CUDA devices (NCCL ranks may not share a GPU)")
 
     async def main():
-        a, b = make_channel("nccl", "a", SECRET, device=0), make_channel("nccl", "b", SECRET, device=1)
+        a, b = make_transport("nccl", "a", SECRET, device=0), make_transport("nccl", "b", SECRET, device=1)
         await a.start()
         await b.start()
         got = []
@@ -980,7 +980,7 @@ def test_shm_lend_sends_a_filled_slot_without_copying_and_keeps_it_until_both_si
             assert torch.equal(got[0]["y"], torch.arange(10) * 7)
             await a.send(ep(b), "w", {}, {"x": x}, timeout=10)  # a second send of the same views copies
             assert a.stats()["shm_zero_copy_sends"] == 1 and a.stats()["shm_sends"] == 2
-            slot = next(s for p in a._pools.values() for s in p.slots if s.lent)
+            slot = next(s for p in a.shm._pools.values() for s in p.slots if s.lent)
             got.clear()  # the receiver lets go: released, but still lent here -> never reused
             for _ in range(1000):  # the release travels as its own message: poll for it (bounded)
                 if not slot.busy:
@@ -1003,7 +1003,7 @@ def test_small_payload_copies_reuse_warm_buffers_once_freed():
     back when the last tensor viewing it dies and the next copy of that size class reuses it."""
     import numpy as np
 
-    from distflow.core.channels.copy_pool import CopyPool
+    from distflow.transport.pool import CopyPool
 
     pool = CopyPool(max_free=1)
     src = np.arange(100_000, dtype=np.int64).view(np.uint8)  # 800,000 bytes -> the 896 KiB class
@@ -1022,7 +1022,7 @@ def test_small_payload_copies_reuse_warm_buffers_once_freed():
 def test_size_classes_keep_at_most_a_quarter_more_than_the_payload():
     """Buffers and shared-memory segments come in four classes per doubling (not powers of two):
     an embedding bucket of 272 MB is kept in 320 MiB, not 512; a bucket just over 64 MiB in 80."""
-    from distflow.core.channels.copy_pool import size_class
+    from distflow.transport.pool import size_class
 
     assert size_class(0) == size_class(4096) == 4096 and size_class(4097) == 8192
     assert size_class(800_000) == 7 << 17 and size_class(1 << 20) == 1 << 20  # 896 KiB; a power of two stays
@@ -1040,7 +1040,7 @@ def test_size_classes_keep_at_most_a_quarter_more_than_the_payload():
         b.set_handler(sink)
         try:
             await a.send(ep(b), "k", {}, {"x": torch.ones((5 << 20) + 1, dtype=torch.uint8)}, timeout=10)
-            assert [s.size for p in a._pools.values() for s in p.slots] == [6 << 20]  # was 8 MiB
+            assert [s.size for p in a.shm._pools.values() for s in p.slots] == [6 << 20]  # was 8 MiB
         finally:
             await a.close()
             await b.close()

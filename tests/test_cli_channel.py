@@ -6,40 +6,43 @@ from __future__ import annotations
 
 import asyncio
 
-from distflow.core.channels import ShmChannel, ZmqChannel
 from distflow.core.config import load_config
 
 QUICKSTART = "examples/grpo_quickstart.yaml"
 
 
 def test_cpu_node_never_builds_the_nccl_channel(monkeypatch):
-    import distflow.core.channels.nccl_channel as nc
+    import distflow.transport.movers.nccl as nc
     from distflow.runtime import Runtime
 
     def refuse(*a, **k):
         raise AssertionError("a cpu node built the NCCL channel")
 
     monkeypatch.setattr(nc, "nccl_available", lambda: True)
-    monkeypatch.setattr(nc, "NcclChannel", refuse)
+    monkeypatch.setattr(nc, "NcclMover", refuse)
     cfg = load_config(QUICKSTART, ["channel=auto"])
 
     async def make():
         return Runtime.create(cfg, "rollout", "rollout-0", "s" * 32, host="127.0.0.1", port=0, data_port=0, seeds=[])
 
     rt = asyncio.run(make())
-    assert isinstance(rt.channel, (ShmChannel, ZmqChannel))
+    assert not rt.channel.supports("nccl") and rt.channel.transport in ("shm", "zmq")
 
 
 def test_cuda_node_still_takes_auto(monkeypatch):
-    import distflow.core.channels.nccl_channel as nc
+    import distflow.transport.movers.nccl as nc
     from distflow.runtime import Runtime
 
-    stub = object()
+    class Stub:
+        name = "nccl"
+
+    stub = Stub()
     monkeypatch.setattr(nc, "nccl_available", lambda: True)
-    monkeypatch.setattr(nc, "NcclChannel", lambda *a, **k: stub)
+    monkeypatch.setattr(nc, "NcclMover", lambda *a, **k: stub)
     cfg = load_config(QUICKSTART, ["channel=auto", "device=cuda"])
 
     async def make():
         return Runtime.create(cfg, "rollout", "rollout-0", "s" * 32, host="127.0.0.1", port=0, data_port=0, seeds=[])
 
-    assert asyncio.run(make()).channel is stub
+    rt = asyncio.run(make())
+    assert rt.channel.nccl is stub and rt.channel.supports("nccl") and rt.channel.transport == "nccl"

@@ -12,9 +12,9 @@ import gc
 import pytest
 import torch
 
-from distflow.core.channels import Endpoint, RemoteError, make_channel
-from distflow.weights import tiers as weight_transport
-from distflow.weights.tiers import send_ipc
+from distflow.transport import Endpoint, RemoteError, make_transport
+from distflow.transport.movers import cuda_ipc as weight_transport
+from distflow.transport.movers.cuda_ipc import send_ipc
 
 SECRET = "test-ipc-release-secret-0123456789abcdef"
 
@@ -32,7 +32,7 @@ def test_an_export_refused_before_any_handler_saw_it_is_released_by_the_exporter
     monkeypatch.setattr(weight_transport, "_release_counter", lambda h, o: released.append((h, o)))
 
     async def main() -> None:
-        a, b = make_channel("shm", "trainer", SECRET), make_channel("shm", "rollout", SECRET)
+        a, b = make_transport("shm", "trainer", SECRET), make_transport("shm", "rollout", SECRET)
         await a.start()
         await b.start()
         peer = Endpoint("rollout", "127.0.0.1", b.port)
@@ -75,7 +75,7 @@ def test_an_export_refused_before_any_handler_saw_it_is_released_by_the_exporter
 def test_a_refused_export_no_longer_pins_the_trainers_gpu_memory() -> None:
     """An exported block whose count nobody gives back stays allocated after the trainer frees it
     (torch keeps it in its IPC limbo); one refused before any handler saw it is freed."""
-    from distflow.weights.tiers import export_ipc, release_ipc
+    from distflow.transport.movers.cuda_ipc import export_ipc, release_ipc
 
     def settled() -> int:
         gc.collect()
@@ -84,7 +84,7 @@ def test_a_refused_export_no_longer_pins_the_trainers_gpu_memory() -> None:
         return torch.cuda.memory_allocated()
 
     async def main() -> None:
-        a, b = make_channel("shm", "trainer", SECRET), make_channel("shm", "rollout", SECRET)  # b: no handler
+        a, b = make_transport("shm", "trainer", SECRET), make_transport("shm", "rollout", SECRET)  # b: no handler
         await a.start()
         await b.start()
         try:

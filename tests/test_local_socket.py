@@ -1,4 +1,4 @@
-"""The same-host control path of the shm channel (core/channels/local_socket.py): real Unix
+"""The same-host control path of the shm channel (transport/local_socket.py): real Unix
 sockets, real processes.
 
 Same-host peers exchange headers, acks and releases over an abstract Unix socket instead of
@@ -22,8 +22,8 @@ import time
 import pytest
 import torch
 
-from distflow.core.channels import ChannelError, Endpoint, make_channel
-from distflow.core.channels.local_socket import local_name
+from distflow.transport import ChannelError, Endpoint, make_transport
+from distflow.transport.local_socket import local_name
 from tests.test_channels import SECRET, assert_same, run
 
 
@@ -32,7 +32,7 @@ def ep(ch) -> Endpoint:
 
 
 async def pair(**kw):
-    a, b = make_channel("shm", "a", SECRET, **kw), make_channel("shm", "b", SECRET, **kw)
+    a, b = make_transport("shm", "a", SECRET, **kw), make_transport("shm", "b", SECRET, **kw)
     await a.start()
     await b.start()
     return a, b
@@ -91,10 +91,10 @@ def test_big_inline_payloads_frame_correctly(nbytes):
 
 DYING_RECEIVER = textwrap.dedent("""
     import asyncio, os, sys
-    from distflow.core.channels import make_channel
+    from distflow.transport import make_transport
 
     async def main():
-        ch = make_channel("shm", "dying", sys.argv[1])
+        ch = make_transport("shm", "dying", sys.argv[1])
         async def handler(env):
             os._exit(17)  # dies holding the message: no ack will ever come
         ch.set_handler(handler)
@@ -112,7 +112,7 @@ def test_a_peer_that_dies_mid_message_fails_the_send_at_once_naming_it():
         port = int(proc.stdout.readline())
 
         async def main():
-            a = make_channel("shm", "a", SECRET)
+            a = make_transport("shm", "a", SECRET)
             await a.start()
             t0 = time.monotonic()
             with pytest.raises(ChannelError, match="connection to dying lost"):
@@ -158,7 +158,7 @@ def test_tcp_carries_it_without_a_unix_socket(which):
         if which == "local_socket_off":
             a, b = await pair(local_socket=False)
         else:
-            a, b = make_channel("shm", "a", SECRET), make_channel("zmq", "b", SECRET)
+            a, b = make_transport("shm", "a", SECRET), make_transport("zmq", "b", SECRET)
             await a.start()
             await b.start()
         got = []

@@ -24,10 +24,10 @@ from collections import Counter
 import pytest
 import torch
 
-from distflow.core.channels import ChannelError, Envelope, make_channel, nccl_channel
-from distflow.core.channels.base import Endpoint
-from distflow.core.channels.nccl_channel import INIT_KIND, NcclChannel, _Comm, communicator, uid_bytes
-from distflow.core.channels.zmq_channel import PayloadError
+from distflow.transport import ChannelError, Envelope, make_transport
+from distflow.transport.api import Endpoint, PayloadError
+from distflow.transport.movers import nccl as nccl_channel
+from distflow.transport.movers.nccl import INIT_KIND, NcclMover, _Comm, communicator, uid_bytes
 
 SECRET = "nccl-test-secret-0123456789abcdef"
 
@@ -40,8 +40,8 @@ class FakeNccl:
         self.aborts += 1
 
 
-def bare_channel() -> NcclChannel:
-    ch = NcclChannel.__new__(NcclChannel)
+def bare_channel() -> NcclMover:
+    ch = NcclMover.__new__(NcclMover)
     ch.node_id, ch.device, ch._nccl_timeout = "rollout", 0, 5.0
     ch._counters = Counter()
     ch._out, ch._in, ch._replaced = {}, {}, {}
@@ -116,14 +116,14 @@ def test_init_frees_the_communicator_it_replaces() -> None:
             return _Comm(FakeNccl(), comm_id, None)
 
         ch._new_comm = new_comm
-        await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": [0] * 128, "comm": "new", "replaces": "old"}, {}))
+        await ch._accept_comm(Envelope("trainer", INIT_KIND, {"uid": [0] * 128, "comm": "new", "replaces": "old"}, {}))
         assert made == [(128, 1, "new")] and old.broken and old.comm.aborts == 1
         assert set(ch._in) == {("trainer", "new"), ("learner", "x")} and not other.broken
-        await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": bytes(128), "comm": "b"}, {}))  # cupy >= 14 peers
+        await ch._accept_comm(Envelope("trainer", INIT_KIND, {"uid": bytes(128), "comm": "b"}, {}))  # cupy >= 14 peers
         assert made[-1] == (128, 1, "b")
         for bad in ("zz", b"short", [300] * 128):
             with pytest.raises(ValueError, match="malformed nccl init"):
-                await ch._dispatch(Envelope("trainer", INIT_KIND, {"uid": bad, "comm": "n2"}, {}))
+                await ch._accept_comm(Envelope("trainer", INIT_KIND, {"uid": bad, "comm": "n2"}, {}))
 
     asyncio.run(main())
 
@@ -254,7 +254,7 @@ class OnGpu(torch.Tensor):
 
 
 def fake_gpu(monkeypatch, module: FakeNcclModule) -> None:
-    """cupy, its NCCL (``module``) and CUDA as far as a real NcclChannel touches them, on a CPU."""
+    """cupy, its NCCL (``module``) and CUDA as far as a real NcclMover touches them, on a CPU."""
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
         cuda=types.SimpleNamespace(Device=lambda _i: contextlib.nullcontext())))
     monkeypatch.setattr(nccl_channel, "_import_nccl", lambda: module)
@@ -266,20 +266,20 @@ def fake_gpu(monkeypatch, module: FakeNcclModule) -> None:
 
 @pytest.mark.parametrize("cupy_uid", ["tuple", "bytes"])  # get_unique_id of cupy 13 / cupy >= 14
 def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_refusal_does_not(monkeypatch, cupy_uid):
-    from distflow.core.channels import RemoteError, make_channel
-    from distflow.core.channels import nccl_channel
+    from distflow.transport import RemoteError, make_transport
+    from distflow.transport.movers import nccl as nccl_channel
 
     pipes: dict[tuple, collections.deque] = {}
     module = FakeNcclModule()
     module.get_unique_id = lambda: (tuple(b - 256 if b > 127 else b for b in os.urandom(128)) if cupy_uid == "tuple"
                                     else os.urandom(128))
     fake_gpu(monkeypatch, module)
-    monkeypatch.setattr(NcclChannel, "_make_comm", lambda self, uid, rank, made: (
+    monkeypatch.setattr(NcclMover, "_make_comm", lambda self, uid, rank, made: (
         LoopbackComm(pipes.setdefault(uid, collections.deque())), FakeStream(), None))
 
     async def main() -> None:
-        a, b = make_channel("nccl", "a", SECRET, device=0), make_channel("nccl", "b", SECRET, device=0)
-        b.device = "cpu"  # where the receiver allocates: this machine has no GPU
+        a, b = make_transport("nccl", "a", SECRET, device=0), make_transport("nccl", "b", SECRET, device=0)
+        b.nccl.device = "cpu"  # where the receiver allocates: this machine has no GPU
         await a.start()
         await b.start()
         got: list[dict] = []
@@ -295,20 +295,20 @@ def test_a_refusal_before_the_receive_replaces_the_communicator_and_a_handler_re
         try:
             await a.send(peer, "k", {}, {"x": x, "cpu": torch.ones(2)}, timeout=10)
             assert torch.equal(got[0]["x"], torch.arange(12, dtype=torch.float32)) and got[0]["cpu"].sum() == 2
-            first = a._out[peer]
+            first = a.nccl._out[peer]
             with pytest.raises(RemoteError, match="handler_error"):  # refused after the bytes arrived
                 await a.send(peer, "stale", {}, {"x": x}, timeout=10)
-            assert a._out[peer] is first and not first.broken and a.stats()["nccl_aborts"] == 0
+            assert a.nccl._out[peer] is first and not first.broken and a.stats()["nccl_aborts"] == 0
 
-            (theirs,) = b._in.values()
+            (theirs,) = b.nccl._in.values()
             theirs.next_n += 1  # as if a message of this communicator never reached b's handler
             with pytest.raises(RemoteError, match="nccl_out_of_order"):
                 await a.send(peer, "k", {}, {"x": x}, timeout=10)
-            assert first.broken and peer not in a._out and a._replaced == {peer: first.comm_id}
-            assert theirs.broken and b._in == {}
+            assert first.broken and peer not in a.nccl._out and a.nccl._replaced == {peer: first.comm_id}
+            assert theirs.broken and b.nccl._in == {}
             await a.send(peer, "k", {}, {"x": x * 2}, timeout=10)  # a new communicator, the old one named
             assert torch.equal(got[-1]["x"], torch.arange(12, dtype=torch.float32) * 2)
-            assert list(b._in) == [("a", a._out[peer].comm_id)] and a._replaced == {}
+            assert list(b.nccl._in) == [("a", a.nccl._out[peer].comm_id)] and a.nccl._replaced == {}
             assert a.stats()["nccl_sends"] == 2 and a.stats()["nccl_aborts"] == 1  # the acked ones
             assert b.stats()["nccl_recvs"] == 3 and b.stats()["nccl_aborts"] == 1  # "stale" was received
         finally:
@@ -341,15 +341,15 @@ def test_close_joins_the_posts_its_aborts_unblock(monkeypatch) -> None:
     fake_gpu(monkeypatch, FakeNcclModule())
 
     async def main() -> None:
-        ch = make_channel("nccl", "a", SECRET, device=0, close_timeout=10.0)
+        ch = make_transport("nccl", "a", SECRET, device=0, close_timeout=10.0)
         await ch.start()
         send = AbortedSend()
-        comm = ch._out[Endpoint("b", "127.0.0.1", 5555)] = _Comm(send, "c", FakeStream())
-        post = asyncio.ensure_future(ch._post_in_thread(comm, [torch.zeros(4, dtype=torch.uint8)], True))
+        comm = ch.nccl._out[Endpoint("b", "127.0.0.1", 5555)] = _Comm(send, "c", FakeStream())
+        post = asyncio.ensure_future(ch.nccl._post_in_thread(comm, [torch.zeros(4, dtype=torch.uint8)], True))
         assert await asyncio.to_thread(send.entered.wait, 10)
         try:
             await asyncio.wait_for(ch.close(), 20)
-            assert send.returned.is_set() and ch._threads.running() == []  # joined, not left running
+            assert send.returned.is_set() and ch.nccl._threads.running() == []  # joined, not left running
             assert send.aborts == 1 and comm.broken
         finally:
             send.unblocked.set()
@@ -373,16 +373,16 @@ def test_close_names_a_call_it_cannot_unblock_and_returns(monkeypatch, caplog) -
     fake_gpu(monkeypatch, module)
 
     async def main() -> None:
-        ch = make_channel("nccl", "a", SECRET, device=0, close_timeout=0.3)
+        ch = make_transport("nccl", "a", SECRET, device=0, close_timeout=0.3)
         await ch.start()
-        init = asyncio.ensure_future(ch._new_comm(bytes(128), 1, "c"))
+        init = asyncio.ensure_future(ch.nccl._new_comm(bytes(128), 1, "c"))
         try:
             assert await asyncio.to_thread(entered.wait, 10)
             t0 = time.monotonic()
             with caplog.at_level(logging.WARNING, logger="distflow.aio"):
                 await asyncio.wait_for(ch.close(), 20)
             assert time.monotonic() - t0 < 10
-            assert "NcclChannel._make_comm" in caplog.text and "nccl-a" in caplog.text
+            assert "NcclMover._make_comm" in caplog.text and "nccl-a" in caplog.text
         finally:
             freed.set()
             await asyncio.gather(init, return_exceptions=True)

@@ -1,4 +1,4 @@
-"""Same-host posting: parts as records in a consumer's shared-memory mailbox (core/channels/posting.py).
+"""Same-host posting: parts as records in a consumer's shared-memory mailbox (transport/movers/posting.py).
 
 Real shm channels, real mailboxes, locks and doorbell sockets; several channels in this process
 where one process is enough, child processes where a death matters (a consumer killed while
@@ -25,11 +25,11 @@ from distflow.buffer.batch import SampleBatch
 from distflow.buffer.redistribute import ScatterError, gather_step, open_ingress, scatter, shard_receiver
 from distflow.buffer.routing import owner
 from distflow.buffer.shard import BufferShard
-from distflow.core.channels import Endpoint, make_channel
-from distflow.core.channels.mailbox import MAX_WRITERS, RING
-from distflow.core.channels.posting import MAC_OFF, NAME_OFF, REC, Inbox
-from distflow.core.channels.shared_buffers import HEADER
-from distflow.core.channels.shm_segments import sweep_stale_segments
+from distflow.transport import Endpoint, make_transport
+from distflow.transport.ring import MAX_WRITERS, RING
+from distflow.transport.movers.posting import MAC_OFF, NAME_OFF, REC, Inbox
+from distflow.transport.shared_buffers import HEADER
+from distflow.transport.arena import sweep_stale_segments
 
 SECRET = "posting-test-secret-0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def samples(b: SampleBatch) -> dict[str, tuple]:
 async def consumers(n: int, ingress: bool = True, first: int = 0, **kw) -> list[tuple]:
     out = []
     for j in range(first, first + n):
-        ch = make_channel("shm", f"c{j}", SECRET, **kw)
+        ch = make_transport("shm", f"c{j}", SECRET, **kw)
         shard = BufferShard(1 << 16, name=f"c{j}")
         ch.set_handler(shard_receiver(shard, put_timeout=30))
         await ch.start()
@@ -90,7 +90,7 @@ def test_every_posted_sample_arrives_once_byte_exact_and_buffers_are_reused():
 
     async def main():
         cons = await consumers(2)
-        prods = [make_channel("shm", f"p{i}", SECRET) for i in range(3)]
+        prods = [make_transport("shm", f"p{i}", SECRET) for i in range(3)]
         for p in prods:
             await p.start()
         eps = [ep(c) for c, _ in cons]
@@ -126,7 +126,7 @@ def test_a_waiting_taker_is_woken_once_per_step():
 
     async def main():
         ((c, shard),) = await consumers(1)
-        prods = [make_channel("shm", f"p{i}", SECRET) for i in range(4)]
+        prods = [make_transport("shm", f"p{i}", SECRET) for i in range(4)]
         for p in prods:
             await p.start()
         srcs = [p.node_id for p in prods]
@@ -151,7 +151,7 @@ def test_a_step_completed_by_a_message_and_a_post_wakes_the_taker(message_first)
 
     async def main():
         ((c, shard),) = await consumers(1)
-        a, b = make_channel("shm", "a", SECRET), make_channel("zmq", "b", SECRET)
+        a, b = make_transport("shm", "a", SECRET), make_transport("zmq", "b", SECRET)
         await a.start()
         await b.start()
         take = asyncio.create_task(gather_step(shard, 0, ["a", "b"], timeout=20))
@@ -176,7 +176,7 @@ def test_a_full_ring_sends_the_rest_as_messages_and_nothing_is_lost():
 
     async def main():
         ((c, shard),) = await consumers(1)
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         sent = {}
         for step in range(RING + 3):
@@ -203,7 +203,7 @@ def test_a_kept_part_holds_its_buffer_until_the_batch_dies():
 
     async def main():
         ((c, shard),) = await consumers(1)
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         await scatter(p, batch("p", 0, 6, 0), [ep(c)], step=0, source_rank=0, timeout=10)
         kept = await gather_step(shard, 0, ["p"], timeout=10)
@@ -230,12 +230,12 @@ def test_a_tampered_record_or_meta_is_dropped_and_counted():
 
     async def main():
         ((c, shard),) = await consumers(1)
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         inbox: Inbox = c.open_mailbox("samples")
         await scatter(p, batch("p", 0, 3, 0), [ep(c)], step=0, source_rank=0, timeout=10)
         mm = inbox.mailbox._seg.mm
-        from distflow.core.channels.mailbox import record_offset
+        from distflow.transport.ring import record_offset
 
         w = inbox.mailbox._active[0]
         off = record_offset(w, 0)
@@ -247,7 +247,7 @@ def test_a_tampered_record_or_meta_is_dropped_and_counted():
         name = rec[NAME_OFF:NAME_OFF + fields[-1]].decode()
         # (a second buffer: the first still waits for the release of the post the consumer dropped, since
         # an unverified record cannot be trusted to name the cell to release)
-        (buf,) = [b for b in p._shared.buffers if b.name == name]
+        (buf,) = [b for b in p.posting._shared.buffers if b.name == name]
         buf.mm[HEADER + fields[3]] ^= 1  # a byte of the meta blob in the shared buffer
         assert inbox.drain() == [] and inbox.counters["dropped_bad_mac"] == 2
         await p.close()
@@ -261,7 +261,7 @@ def test_no_mailbox_means_messages_and_the_question_is_asked_again_later():
 
     async def main():
         ((c, shard),) = await consumers(1, ingress=False)
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         for step in range(3):
             r = await scatter(p, batch("p", step, 2, step), [ep(c)], step=step, source_rank=0, timeout=10)
@@ -277,7 +277,7 @@ def test_no_mailbox_means_messages_and_the_question_is_asked_again_later():
 
 def test_writer_cells_run_out_cleanly_and_a_dead_writers_cell_is_reused():
     async def main():
-        ch = make_channel("shm", "c", SECRET)
+        ch = make_transport("shm", "c", SECRET)
         await ch.start()
         inbox = ch.open_mailbox("samples")
         me = os.getpid(), Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -296,13 +296,13 @@ CHILD = textwrap.dedent("""
     import torch
     from distflow.buffer.redistribute import open_ingress, scatter, shard_receiver
     from distflow.buffer.shard import BufferShard
-    from distflow.core.channels import Endpoint, make_channel
+    from distflow.transport import Endpoint, make_transport
     sys.path.insert(0, sys.argv[3])
     from tests.test_posting import batch
 
     async def main():
         role = sys.argv[2]
-        ch = make_channel("shm", role, sys.argv[1])
+        ch = make_transport("shm", role, sys.argv[1])
         await ch.start()
         if role == "consumer":
             shard = BufferShard(1000)
@@ -331,7 +331,7 @@ def test_a_part_posted_by_a_producer_that_died_is_still_taken_intact():
     of its segment names, leave the posted part readable."""
 
     async def main():  # (the child addresses its consumer as "consumer")
-        ch = make_channel("shm", "consumer", SECRET)
+        ch = make_transport("shm", "consumer", SECRET)
         shard = BufferShard(1000)
         ch.set_handler(shard_receiver(shard, put_timeout=30))
         await ch.start()
@@ -360,7 +360,7 @@ def test_a_dead_consumer_is_not_posted_to():
 
     async def main():
         proc = child("consumer")
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         try:
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
@@ -388,7 +388,7 @@ def test_a_scatter_posts_to_local_consumers_and_sends_to_the_others():
     async def main():
         cons = (await consumers(1) + await consumers(1, ingress=False, first=1) + await consumers(1, first=2)
                 + await consumers(1, first=3, host="127.0.0.2"))  # (loopback, but not this channel's address)
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         eps = [ep(c) for c, _ in cons]
         assert not p.is_local(eps[3])
@@ -417,7 +417,7 @@ def test_parts_of_discarded_or_duplicate_steps_are_released():
 
     async def main():
         ((c, shard),) = await consumers(1)
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         for step in range(3):
             await scatter(p, batch("p", step, 4, step), [ep(c)], step=step, source_rank=0, timeout=10)
@@ -444,7 +444,7 @@ def test_parts_of_discarded_or_duplicate_steps_are_released():
 def test_two_takers_of_different_steps_are_both_woken():
     async def main():
         ((c, shard),) = await consumers(1)
-        p = make_channel("shm", "p", SECRET)
+        p = make_transport("shm", "p", SECRET)
         await p.start()
         takes = [asyncio.create_task(gather_step(shard, s, ["p"], timeout=10)) for s in (1, 0)]
         await asyncio.sleep(0.05)

@@ -30,7 +30,7 @@ WORKER = textwrap.dedent("""
     from distflow.buffer.batch import SampleBatch
     from distflow.buffer.redistribute import gather_step, open_ingress, scatter, shard_receiver
     from distflow.buffer.shard import BufferShard
-    from distflow.core.channels import Endpoint, make_channel
+    from distflow.transport import Endpoint, make_transport
 
     SECRET = sys.argv[1]
     nodes = {}   # node id -> (channel, shard or None)
@@ -61,7 +61,7 @@ WORKER = textwrap.dedent("""
         if nid not in nodes:
             kw = dict(channel or {"kind": "zmq"})
             ingress = kw.pop("ingress", False)
-            ch = make_channel(kw.pop("kind"), nid, SECRET, **kw)
+            ch = make_transport(kw.pop("kind"), nid, SECRET, **kw)
             shard = BufferShard(capacity) if capacity else None
             if shard is not None:
                 ch.set_handler(shard_receiver(shard, put_timeout=60))
@@ -276,7 +276,7 @@ def test_shm_scatter_writes_parts_straight_into_lent_slots():
     from distflow.buffer.redistribute import gather_step, open_ingress, scatter, shard_receiver
     from distflow.buffer.routing import split_by_owner, token_partition
     from distflow.buffer.shard import BufferShard
-    from distflow.core.channels import Endpoint, make_channel
+    from distflow.transport import Endpoint, make_transport
 
     n, plen, rlen = 24, 300, 700  # ~8 KiB per sample: each of the 2 parts is well over 64 KiB
     g = torch.Generator().manual_seed(3)
@@ -287,8 +287,8 @@ def test_shm_scatter_writes_parts_straight_into_lent_slots():
         "policy_version": torch.arange(n)})
 
     async def main():
-        prod = make_channel("shm", "p", SECRET)
-        cons = [make_channel("shm", f"c{i}", SECRET) for i in range(2)]
+        prod = make_transport("shm", "p", SECRET)
+        cons = [make_transport("shm", f"c{i}", SECRET) for i in range(2)]
         shards = [BufferShard(1000) for _ in cons]
         for c, s in zip(cons, shards):
             c.set_handler(shard_receiver(s, put_timeout=10))
@@ -334,7 +334,7 @@ def test_parse_part_names_a_misrouted_sample_and_a_bad_step():
 
     from distflow.buffer.batch import SampleBatch
     from distflow.buffer.redistribute import parse_part
-    from distflow.core.channels import Envelope
+    from distflow.transport import Envelope
 
     ids = ["a", "b", "c", "d"]
     part = owner(ids[0], 2)

@@ -17,7 +17,7 @@ import multiprocessing
 import pytest
 import torch
 
-from distflow.core.channels import Endpoint, Envelope, make_channel
+from distflow.transport import Endpoint, Envelope, make_transport
 from distflow.weights import WeightInbox, WeightPublisher, buckets
 
 SECRET = "test-weights-secret-0123456789abcdef"
@@ -41,7 +41,7 @@ def _rollout_main(kind: str, q_out, q_in, out_path: str) -> None:
     torch.set_num_threads(1)
 
     async def main() -> None:
-        ch = make_channel(kind, "rollout", SECRET)
+        ch = make_transport(kind, "rollout", SECRET)
         inbox = WeightInbox()
         ch.set_handler(inbox.receive)
         await ch.start()
@@ -83,7 +83,7 @@ def test_delta_versions_send_only_changed_tensors_between_processes(kind: str, t
         q_in.put(3)
 
         async def trainer() -> dict:
-            ch = make_channel(kind, "trainer", SECRET)
+            ch = make_transport(kind, "trainer", SECRET)
             await ch.start()
             pub = WeightPublisher(ch, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", port),
                                   lambda _: True, timeout=30, sync="delta", bucket_bytes=2 * T_BYTES)
@@ -118,7 +118,7 @@ def test_delta_versions_send_only_changed_tensors_between_processes(kind: str, t
 
 
 async def _pair(kind: str = "zmq"):
-    a, b = make_channel(kind, "trainer", SECRET), make_channel(kind, "rollout", SECRET)
+    a, b = make_transport(kind, "trainer", SECRET), make_transport(kind, "rollout", SECRET)
     await a.start()
     await b.start()
     return a, b
@@ -494,7 +494,7 @@ def test_delta_compares_bytes_not_values() -> None:
 
 
 def test_resolve_transport_by_locality() -> None:
-    from distflow.weights.tiers import resolve_transport
+    from distflow.transport.select import weight_tier as resolve_transport
 
     assert resolve_transport("auto", same_host=True, trainer_cuda=True, rollout_cuda=True) == "cuda_ipc"
     assert resolve_transport("auto", same_host=False, trainer_cuda=True, rollout_cuda=True) == "nccl"
@@ -570,7 +570,7 @@ def _gpu_rollout(kind: str, device: int, q_out, out_path: str, tier: str = "cuda
     from distflow.core.aio import run_loop
 
     async def main() -> None:
-        ch = make_channel(kind, "rollout", SECRET, **({"device": device} if kind == "nccl" else {}))
+        ch = make_transport(kind, "rollout", SECRET, **({"device": device} if kind == "nccl" else {}))
         inbox = WeightInbox(torch.device("cuda", device))
         ch.set_handler(inbox.receive)
         await ch.start()
@@ -608,7 +608,7 @@ def _gpu_tier_between_processes(tmp_path, kind: str, tier: str, rollout_device: 
         port = q_out.get(timeout=60)
 
         async def trainer() -> dict:
-            ch = make_channel(kind, "trainer", SECRET, **({"device": 0} if kind == "nccl" else {}))
+            ch = make_transport(kind, "trainer", SECRET, **({"device": 0} if kind == "nccl" else {}))
             await ch.start()
             pub = WeightPublisher(ch, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", port),
                                   lambda _: True, timeout=60, transport_of=lambda _: tier,
@@ -653,7 +653,7 @@ def test_channel_tier_stages_cuda_weights_through_host_memory(tmp_path) -> None:
 def test_cuda_ipc_exports_a_bucket_as_one_block() -> None:
     """A bucket gathered into one flat CUDA buffer is exported with one IPC handle (one event, one
     reference count), its tensors described as views; the count goes back with release_ipc."""
-    from distflow.weights.tiers import export_ipc, release_ipc
+    from distflow.transport.movers.cuda_ipc import export_ipc, release_ipc
 
     flat = torch.zeros(4096, dtype=torch.uint8, device="cuda")
     bucket = {"w": flat[:1024].view(torch.bfloat16).view(16, 32), "b": flat[1024:1088].view(torch.float32),
@@ -735,7 +735,7 @@ def _ipc(*blocks: dict, empty: list | None = None) -> dict:
 def test_ipc_blocks_never_opened_are_released(monkeypatch) -> None:
     """Every exported block holds one count of the exporter's IPC counter: the inbox gives back
     the ones of an old version it drops; a failed import gives back the ones it did not open."""
-    from distflow.weights import tiers as weight_transport
+    from distflow.transport.movers import cuda_ipc as weight_transport
 
     released: list[tuple[bytes, int]] = []
     monkeypatch.setattr(weight_transport, "_release_counter", lambda h, o: released.append((h, o)))
@@ -824,7 +824,7 @@ def test_an_ipc_export_waits_for_its_bucket_only(monkeypatch) -> None:
     waited for everything the trainer had queued when the send ran (its next step). The export
     now runs on the publisher's own stream, after that stream waited on the event recorded when
     the bucket was gathered (recorders: no GPU here; the cuda_ipc GPU tests run the real path)."""
-    from distflow.weights import tiers as weight_transport
+    from distflow.transport.movers import cuda_ipc as weight_transport
 
     steps: list[tuple] = []
 
@@ -858,7 +858,7 @@ def test_an_nccl_weight_send_waits_for_its_bucket_only(monkeypatch) -> None:
     bucket's gather event for its own send (a contextvar: concurrent sends each see theirs), and
     the channel's stream waits on that event alone, unless a tensor needed a contiguous() copy
     (queued on the current stream). Recorders: no GPU here; the two-GPU nccl tests run the real path."""
-    from distflow.core.channels import nccl_channel
+    from distflow.transport.movers import nccl as nccl_channel
 
     steps: list[tuple] = []
 
@@ -898,7 +898,7 @@ def test_ipc_export_is_one_block_per_storage() -> None:
     """A bucket (views of one flat buffer, as the gather makes it) is described as the storage it
     views: one block per storage, whatever the tensors' dtypes, offsets and strides; the views
     rebuilt from the flat bytes equal the originals. An empty tensor has no storage to share."""
-    from distflow.weights.tiers import open_views, storage_views
+    from distflow.transport.movers.cuda_ipc import open_views, storage_views
 
     flat = torch.zeros(1024, dtype=torch.uint8)
     w = flat[0:96].view(torch.float32).view(4, 6)
@@ -922,7 +922,7 @@ def test_ipc_export_is_one_block_per_storage() -> None:
 
 def test_ipc_export_of_an_empty_tensor_shares_nothing(monkeypatch) -> None:
     """An empty storage has no IPC handle (torch returns None): it is described, not shared."""
-    from distflow.weights import tiers as weight_transport
+    from distflow.transport.movers import cuda_ipc as weight_transport
 
     class EmptyCuda:  # what export_ipc reads of a zero-size CUDA tensor
         is_cuda, dtype, shape, device = True, torch.bfloat16, torch.Size([0, 8]), torch.device("cuda", 1)
@@ -943,7 +943,7 @@ def test_pinned_pool_reuses_the_smallest_fitting_buffer() -> None:
     """The staging pool (CUDA buckets -> host) takes the smallest free buffer that fits, wherever it
     sits in the free list, and hands it out once (it found it with list.remove, which compares
     tensors elementwise and raised on a buffer of another size before it)."""
-    from distflow.weights.tiers import PinnedPool
+    from distflow.transport.pool import PinnedPool
 
     pool = PinnedPool()
     big = pool.stage({"w": torch.zeros(1024)})[1]
@@ -1028,7 +1028,7 @@ def test_a_big_first_bucket_overtaken_by_a_small_one_still_makes_the_version(kin
     copied in a worker thread on shm) completes after the small bucket 1 sent behind it. The
     version arrives (it used to be refused at its commit, then resent and refused forever)."""
     async def main() -> None:
-        rx, tx = make_channel(kind, "rollout", SECRET), make_channel(kind, "trainer", SECRET)
+        rx, tx = make_transport(kind, "rollout", SECRET), make_transport(kind, "trainer", SECRET)
         inbox = WeightInbox()
         rx.set_handler(inbox.receive)
         await rx.start()

@@ -13,12 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distflow.core.auth import Authenticator
+from distflow.core.auth import Authenticator, ReplayGuard
 from distflow.core.wire import (
     KIND_REQUEST,
     PROTOCOL_VERSION,
     Codec,
-    ReplayGuard,
     WireError,
 )
 

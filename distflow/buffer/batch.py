@@ -202,7 +202,7 @@ class PackedPart:
     buf: torch.Tensor | np.ndarray  # uint8 (numpy: a same-host post's view of its producer's buffer)
     layout: list[list[Any]]
     size: int | None = None  # the fields' bytes, when known (check_packed computes it)
-    post: Any = None  # the same-host post ``buf`` views (core.channels.posting.Post): release() when done
+    post: Any = None  # the same-host post ``buf`` views (transport.movers.posting.Post): release() when done
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -210,7 +210,7 @@ class PackedPart:
     def nbytes(self) -> int:
         """The fields' bytes (alignment padding not counted)."""
         if self.size is None:
-            from distflow.core.channels.codec import DTYPES
+            from distflow.transport.codec import DTYPES
 
             self.size = sum(count * DTYPES[dname].itemsize for _, dname, _, count in self.layout)
         return self.size
@@ -234,7 +234,7 @@ class PackedPart:
     def field_bytes(self) -> dict[str, tuple[torch.dtype, np.ndarray]]:
         """{field: (dtype, its bytes in ``buf``)}: uint8 numpy slices, no tensor per field (see
         :meth:`SampleBatch.concat`). The layout must have been checked (:func:`check_packed`)."""
-        from distflow.core.channels.codec import DTYPES
+        from distflow.transport.codec import DTYPES
 
         arr = self.buf if isinstance(self.buf, np.ndarray) else self.buf.numpy()
         return {name: (DTYPES[dname], arr[off:off + count * DTYPES[dname].itemsize])
@@ -254,7 +254,7 @@ _SCHEMAS: dict[tuple, _Schema] = {}
 
 
 def _schema(names: tuple, dnames: tuple) -> _Schema:
-    from distflow.core.channels.codec import DTYPES
+    from distflow.transport.codec import DTYPES
 
     if len(names) > MAX_FIELDS or len(set(names)) != len(names) or not all(type(n) is str for n in names):
         raise ValueError(f"packed layout: field names must be distinct strings, got {list(names)[:8]}")

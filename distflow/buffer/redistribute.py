@@ -28,8 +28,8 @@ import msgpack
 from distflow.buffer.batch import PACKED, PackedPart, SampleBatch, check_packed
 from distflow.buffer.routing import Packer, owner_groups, owners, split_parts, token_partition
 from distflow.buffer.shard import BufferShard
-from distflow.core.channels import Endpoint, Envelope, TensorChannel
-from distflow.core.channels.posting import UNKNOWN, Post
+from distflow.transport import Endpoint, Envelope, Transport
+from distflow.transport.movers.posting import UNKNOWN, Post
 
 BALANCE_MODES = ("owner", "tokens")
 RESERVED_META = frozenset({"sample_ids", "prompt_ids", "extras", "step", "source_rank", "num_sources", "part",
@@ -57,7 +57,7 @@ def groups_for(batch: SampleBatch, num_consumers: int, balance: str) -> list[lis
 
 
 async def scatter(
-    channel: TensorChannel,
+    channel: Transport,
     batch: SampleBatch,
     consumers: list[Endpoint],
     *,
@@ -97,9 +97,8 @@ async def scatter(
     wanted = [k for k in range(len(consumers)) if only is None or k in only]
     posted, nbytes = await _post(channel, batch, groups, consumers, wanted, kind, common)
     rest = set(wanted) - posted
-    lend = getattr(channel, "lend", None)
-    parts = split_parts(batch, groups, None if lend is None else (lambda k, n: lend(consumers[k], n)), rest) \
-        if rest else []
+    lend = (lambda k, n: channel.lend(consumers[k], n)) if channel.supports("shm") else None
+    parts = split_parts(batch, groups, lend, rest) if rest else []
     sends: dict[str, asyncio.Task] = {}
     for rank, (consumer, part) in enumerate(zip(consumers, parts)):
         if part is None:
@@ -119,19 +118,17 @@ async def scatter(
             "seconds": time.perf_counter() - t0}
 
 
-async def _post(channel: TensorChannel, batch: SampleBatch, groups: list[list[int]], consumers: list[Endpoint],
+async def _post(channel: Transport, batch: SampleBatch, groups: list[list[int]], consumers: list[Endpoint],
                 wanted: list[int], kind: str, common: dict[str, Any]) -> tuple[set[int], int]:
     """Post the wanted parts whose consumers take ``kind`` by mailbox on this host: the batch is
     packed once into a buffer shared with them (every part's samples, field by field), and each gets
     a record naming its span. Returns (the parts posted, their bytes); the others go as messages."""
-    known = getattr(channel, "known_poster", None)
-    if known is None:
+    if not channel.supports("posting"):
         return set(), 0
-    posters = {k: known(consumers[k], kind) for k in wanted}
+    posters = {k: channel.known_poster(consumers[k], kind) for k in wanted}
     unknown = [k for k, p in posters.items() if p is UNKNOWN]
     if unknown:
-        poster = channel.poster  # type: ignore[attr-defined]
-        found = await asyncio.gather(*(poster(consumers[k], kind) for k in unknown))
+        found = await asyncio.gather(*(channel.poster(consumers[k], kind) for k in unknown))
         posters.update(zip(unknown, found))
     local = [k for k in wanted if posters[k] is not None]
     if not local:
@@ -145,7 +142,7 @@ async def _post(channel: TensorChannel, batch: SampleBatch, groups: list[list[in
                             "prompt_ids": [prompt_ids[i] for i in groups[k]],
                             "extras": [extras[i] for i in groups[k]], PACKED: part_layout, "part": k},
                            use_bin_type=True) for k, (_, _, part_layout) in zip(local, spans)]
-    buf = await channel.shared_buffer(total, sum(len(m) + 8 for m in metas))  # type: ignore[attr-defined]
+    buf = await channel.shared_buffer(total, sum(len(m) + 8 for m in metas))
     if buf is None:
         return set(), 0
     posted: set[int] = set()
@@ -154,11 +151,11 @@ async def _post(channel: TensorChannel, batch: SampleBatch, groups: list[list[in
         if total:
             packer.fill(order, layout, buf.data)
         for k, (lo, hi, _), meta in zip(local, spans, metas):
-            if channel.post(posters[k], buf, common["step"], meta, lo, hi):  # type: ignore[attr-defined]
+            if channel.post(posters[k], buf, common["step"], meta, lo, hi):
                 posted.add(k)
                 nbytes += hi - lo
     finally:
-        channel.finish(buf)  # type: ignore[attr-defined]
+        channel.finish(buf)
     return posted, nbytes
 
 
@@ -229,15 +226,14 @@ def shard_receiver(shard: BufferShard, *, put_timeout: float) -> Callable[[Envel
     return handler
 
 
-def open_ingress(channel: TensorChannel, shard: BufferShard, accept: Callable[[Post], None] | None = None,
+def open_ingress(channel: Transport, shard: BufferShard, accept: Callable[[Post], None] | None = None,
                  kind: str = "samples") -> bool:
     """Let same-host producers post ``kind`` parts straight into ``shard`` (no message per part: a
-    record in this channel's mailbox, read when the shard is; see ``core/channels/posting.py``).
+    record in this channel's mailbox, read when the shard is; see ``transport/movers/posting.py``).
     ``accept(post)`` stores a posted part with ``shard.put_nowait`` or drops it (default: under
     (step, sender node id), as :func:`shard_receiver` stores messages, which keep arriving from
     other hosts). False when the channel cannot take posts (not shared memory)."""
-    open_mailbox = getattr(channel, "open_mailbox", None)
-    inbox = open_mailbox(kind) if open_mailbox is not None else None
+    inbox = channel.open_mailbox(kind)
     if inbox is None:
         return False
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from distflow.buffer.batch import LENGTHS, PackedPart, SampleBatch
-from distflow.core.channels.codec import ALIGN, DTYPE_NAMES
+from distflow.transport.codec import ALIGN, DTYPE_NAMES
 
 
 def owner(sample_id: str, num_consumers: int) -> int:

@@ -15,7 +15,7 @@ data. Two rules keep waiting from turning into deadlock:
 through an ``alive`` callback instead of waiting for its deadline.
 
 Same-host producers may *post* their parts instead (:meth:`BufferShard.attach`: a channel mailbox,
-``core/channels/posting.py``): a posted part is delivered once its record is in the mailbox, and
+``transport/movers/posting.py``): a posted part is delivered once its record is in the mailbox, and
 enters the shard when the shard reads the mailbox (every ``take_step`` and ``put`` does, and the
 mailbox's doorbell wakes a waiting ``take_step`` only once the records it waits for are all
 there). Posted parts skip the capacity wait: the mailbox bounds how far a producer runs ahead.
@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection
 
 from distflow.buffer.batch import PackedPart, SampleBatch
 from distflow.core.aio import woken
-from distflow.core.channels.posting import Post
+from distflow.transport.movers.posting import Post
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class BufferShard:
         self._stored = False  # ... and whether it stored it
 
     def attach(self, inbox: Any, accept: Callable[[Post], None]) -> None:
-        """Read same-host posts from ``inbox`` (``ShmChannel.open_mailbox``): ``accept(post)`` stores
+        """Read same-host posts from ``inbox`` (``Transport.open_mailbox``): ``accept(post)`` stores
         each with :meth:`put_nowait`, as ``redistribute.parse_packed(post)`` returns it (a packed part
         that views the producer's buffer: the shard releases it when the part leaves), or drops it;
         what it raises is logged and counted, and a post not stored is released at once."""

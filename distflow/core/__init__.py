@@ -1,4 +1,4 @@
-"""Core: identity, mesh membership, wire format, tensor channels, DAG planner, config.
+"""Core: identity, mesh membership, wire format, authentication, DAG planner, config.
 
 `core` imports nothing from `rollout`, `trainer` or `buffer`.
 """

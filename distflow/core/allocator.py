@@ -8,6 +8,10 @@ threshold, so the next step's buffer is page-faulted and zeroed by the kernel an
 both thresholds once per process keeps those buffers for reuse; blocks of 32 MiB and more
 (weights, checkpoints) are still mapped and unmapped on their own.
 
+Not a buffer pool: the data plane's pools (``distflow/transport/pool.py``) keep the buffers
+whose memory they own warm; this keeps glibc from returning the others (numpy / torch arrays a
+step allocates) to the kernel.
+
 Linux/glibc only (elsewhere, or with ``DISTFLOW_MALLOC_TUNING=0``, nothing changes). Nodes
 call :func:`keep_freed_memory` at start-up; so do the benchmark's workers, as nodes do.
 """

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from distflow.core.auth import TAG_SIZE, Authenticator
+from distflow.core.auth import TAG_SIZE, Authenticator, ReplayGuard
 
 PROTOCOL_VERSION = 1
 DOMAIN = b"ctrl"
@@ -94,54 +94,6 @@ class Envelope:
     addr: str
     body: dict
     gossip: list = field(default_factory=list)
-
-
-class ReplayGuard:
-    """Per-sender newest boot nonce plus a sliding bitmap of accepted counters.
-
-    A sender silent for longer than ``forget_after_s`` may come back with a *lower* boot
-    nonce (its clock stepped back across a restart): by then every message it sent before
-    is older than the timestamp horizon, so forgetting it opens no replay.
-    """
-
-    def __init__(self, window: int = 256, max_senders: int = 65536, forget_after_s: float = 300.0):
-        if window < 1:
-            raise ValueError("replay window must be >= 1")
-        self.window = window
-        self.max_senders = max_senders
-        self.forget_after_s = forget_after_s
-        self._state: dict[str, list] = {}  # sender -> [boot, highest, bitmap, last accept (monotonic)]
-
-    def accept(self, sender: str, boot: int, counter: int, now: float | None = None) -> bool:
-        """Record and return True if ``(sender, boot, counter)`` was never seen."""
-        now = time.monotonic() if now is None else now
-        st = self._state.get(sender)
-        if st is not None and boot < st[0] and now - st[3] > self.forget_after_s:
-            st = None
-        if st is None or boot > st[0]:
-            if sender not in self._state and len(self._state) >= self.max_senders:
-                self._state.pop(next(iter(self._state)))
-            self._state[sender] = [boot, counter, 1, now]
-            return True
-        if boot < st[0]:
-            return False
-        highest, bits = st[1], st[2]
-        if counter > highest:
-            shift = counter - highest
-            bits = ((bits << shift) | 1) if shift < self.window else 1
-            st[1], st[2], st[3] = counter, bits & ((1 << self.window) - 1), now
-            return True
-        offset = highest - counter
-        if offset >= self.window or (bits >> offset) & 1:
-            return False
-        st[2], st[3] = bits | (1 << offset), now
-        return True
-
-    def forget(self, sender: str) -> None:
-        self._state.pop(sender, None)
-
-    def __len__(self) -> int:
-        return len(self._state)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:

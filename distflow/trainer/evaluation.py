@@ -16,7 +16,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from distflow.core.aio import woken
-from distflow.core.channels import Envelope
+from distflow.transport import Envelope
 from distflow.rl.eval_report import eval_row, report_problem
 from distflow.trainer.metrics import MetricsWriter
 

@@ -30,11 +30,12 @@ import torch.distributed as dist
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.redistribute import open_ingress, parse_packed
 from distflow.buffer.shard import DuplicatePartError, SourceLostError
-from distflow.core.channels import Envelope
-from distflow.core.channels.posting import Post
+from distflow.transport import Envelope
+from distflow.transport.movers.posting import Post
 from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
-from distflow.weights.tiers import resolve_transport, serving_plan
+from distflow.transport.select import weight_tier
+from distflow.weights.tiers import serving_plan
 from distflow.launch.checkpoint import check_data_order, data_order
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
@@ -421,12 +422,12 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
 
     def transport_of(peer: str) -> str:
         m, ep = rt.node.member(peer), rt.endpoint(peer)
-        same_host = getattr(rt.channel, "is_local", lambda e: False)(ep)
+        same_host = rt.channel.is_local(ep)
         peer_cuda = (m.meta.get("device") if m else "cpu") == "cuda"
         mine = rt.node.member(rt.node.node_id)
         gpus = (mine.meta.get("gpu") if mine else None, m.meta.get("gpu") if m else None)
-        return resolve_transport(cfg.weight_transport, same_host, cfg.device == "cuda", peer_cuda,
-                                 nccl_channel=getattr(rt.channel, "transport", None) == "nccl",
+        return weight_tier(cfg.weight_transport, same_host, cfg.device == "cuda", peer_cuda,
+                           nccl_channel=rt.channel.supports("nccl"),
                                  same_gpu=gpus[0] is not None and gpus[0] == gpus[1])
 
     publisher = WeightPublisher(rt.channel, peers, rt.endpoint, rt.node.is_alive,

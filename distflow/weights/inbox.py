@@ -12,8 +12,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from distflow.core.aio import woken
-from distflow.core.channels import Envelope
-from distflow.weights.tiers import GPU_HOLD_RESERVE, import_ipc, release_ipc, spill_needed, to_host
+from distflow.transport import Envelope
+from distflow.transport.movers.cuda_ipc import import_ipc, release_ipc
+from distflow.weights.tiers import GPU_HOLD_RESERVE, spill_needed, to_host
 
 BUCKET_BYTES = 64 << 20
 MAX_DELTA_LAG = 8

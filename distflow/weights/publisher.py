@@ -54,11 +54,13 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from distflow.core.aio import cancel_and_wait, woken
-from distflow.core.channels import Endpoint, RemoteError, TensorChannel
-from distflow.core.channels.nccl_channel import sends_ready_after
+from distflow.transport import Endpoint, RemoteError, Transport
+from distflow.transport.movers.nccl import sends_ready_after
 from distflow.device import private_stream
 from distflow.weights.inbox import BUCKET_BYTES, MAX_DELTA_LAG, SEND_WINDOW, _nbytes, _same_bytes, buckets
-from distflow.weights.tiers import SYNC_MODES, PinnedPool, export_ready, send_ipc
+from distflow.transport.movers.cuda_ipc import export_ready, send_ipc
+from distflow.transport.pool import PinnedPool
+from distflow.weights.tiers import SYNC_MODES
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +108,11 @@ class WeightPublisher:
     """Trainer side: one background sender per rollout peer, always sending the newest version.
 
     ``sync``: "full" | "delta". ``transport_of(peer)``: that peer's tier ("channel" (default),
-    "cuda_ipc", "nccl"; see :func:`distflow.weights.tiers.resolve_transport`). Endpoints
+    "cuda_ipc", "nccl"; see :func:`distflow.transport.select.weight_tier`). Endpoints
     are resolved at send time (a restarted node may have a new data port).
     """
 
-    def __init__(self, channel: TensorChannel, peers: list[str], endpoint_of: Callable[[str], Endpoint],
+    def __init__(self, channel: Transport, peers: list[str], endpoint_of: Callable[[str], Endpoint],
                  is_alive: Callable[[str], bool], timeout: float, *, sync: str = "full",
                  transport_of: Callable[[str], str] | None = None, bucket_bytes: int = BUCKET_BYTES,
                  max_delta_lag: int = MAX_DELTA_LAG):
@@ -288,10 +290,10 @@ class WeightPublisher:
         into the memory that peer reads and the send to it copies nothing (other peers get a
         copy). None when the channel cannot lend. Call on the event loop; the returned callable
         may be called from any thread (the gather runs in a worker thread)."""
-        lend = getattr(self.channel, "lend", None)
         peers = [p for p in self.peers if self.transport_of(p) == "channel"]
-        if lend is None or not peers:
+        if not self.channel.supports("shm") or not peers:
             return None
+        lend = self.channel.lend
         loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
 
         def on_loop(nbytes: int) -> torch.Tensor | None:

@@ -1,13 +1,15 @@
-"""Same-host tensor channel: payload through reused POSIX shared memory, control over ZMQ.
+"""The shared-memory mover: message payloads to same-host peers through reused POSIX shared memory.
 
 Why it exists: between two processes on one host, copying a batch into a shared segment
 and out again is several times cheaper than pushing it through TCP loopback, and it
 keeps big payloads off the sockets. Everything else — signed headers, sequence numbers,
-acks, backpressure, error reporting — is the :class:`ZmqChannel` protocol unchanged; the
-header carries ``{"seg": name, "size", "offsets"}`` instead of payload frames.
+acks, backpressure, error reporting — is the link's protocol unchanged (:mod:`..link`); the
+header carries ``{"seg": name, "size", "offsets"}`` instead of payload frames. The mover plugs
+into its link through the link's registries (the ``shm`` payload kind, ack extras for releases,
+the ``release`` reply), and the transport asks it to prepare payloads; it subclasses nothing.
 
 Segment life cycle (no segment may outlive its processes, even under SIGKILL; names, creation
-and the sweep live in :mod:`.shm_segments`):
+and the sweep live in :mod:`..arena`):
 
 1. The sender owns a per-peer pool of segments in ``/dev/shm`` named
    ``distflow-shm.<pid>.<pid start time>.<random>.<n>``, created with mode 0600 and
@@ -20,7 +22,7 @@ and the sweep live in :mod:`.shm_segments`):
    the memory dies with the last process that maps it, whatever the way it exits.
 3. A name exists only between creation and the receiver's first open. For that window:
    ``atexit`` and a SIGTERM hook (installed only if SIGTERM still has the default action)
-   unlink the process's own names, and every ShmChannel start (or a call to
+   unlink the process's own names, and every shared-memory transport's start (or a call to
    :func:`sweep_stale_segments`) removes segments whose owner pid is gone or was reused.
 
 Zero copy on the receiving side: the handler gets tensors that *view the segment*, and
@@ -43,7 +45,7 @@ Payload bytes in shared memory are not MACed (the signed header names the segmen
 the same uid, and any process of that uid can read the cluster secret anyway).
 Peers on another host, or payloads under ``shm_min_bytes``, travel as inline frames.
 
-Posting (:mod:`.posting`, same host, kinds a peer opened a mailbox for): a part is a record in the
+Posting (:mod:`.posting`, a mover of its own, same host, kinds a peer opened a mailbox for): a part is a record in the
 peer's shared-memory mailbox pointing into a buffer both map, with no message, ack or wake-up per
 part; the stage handoff uses it (``buffer.redistribute.scatter``).
 
@@ -57,7 +59,6 @@ from __future__ import annotations
 
 import asyncio
 import mmap
-import socket
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -68,34 +69,25 @@ import numpy as np
 import torch
 import zmq
 
-from distflow.core.channels import codec
-from distflow.core.channels.base import Endpoint, Envelope, RemoteError, log
-from distflow.core.channels.copy_pool import CopyPool, size_class
-from distflow.core.channels.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
-from distflow.core.channels.posting import MBOX_KIND, Posting
-from distflow.core.channels.shm_segments import (  # noqa: F401 - re-exported (tests, callers)
+import distflow.transport.codec as codec
+from distflow.transport.api import Endpoint, PayloadError, RemoteError, log
+from distflow.transport.arena import (
     _NAME_RE,
     MIN_SEGMENT,
-    PREFIX,
     SHM_DIR,
     Mapped,
     Mappings,
-    _map_segment,
     _unlink,
-    cleanup_owned,
     create_segment,
     install_hooks,
     shm_available,
     sweep_stale_segments,
 )
-from distflow.core.channels.zmq_channel import (
-    DOMAIN,
-    Outgoing,
-    PayloadError,
-    ZmqChannel,
-    _PeerOut,
-    _to_cpu,
-)
+from distflow.transport.link import DOMAIN, Link, Outgoing, to_cpu
+from distflow.transport.pool import CopyPool, size_class, smallest_fitting
+from distflow.transport.select import payload_mover
+
+MOVERS = frozenset({"socket", "shm"})
 
 MAGIC_REL = b"DFR1"
 # Copies below this run inline: a thread hop costs more than ~2 ms of copying, and the loop
@@ -136,18 +128,14 @@ class _Pool:
     shm_ok: bool = True
 
 
-class ShmChannel(Posting, ZmqChannel):
-    """ZmqChannel whose payloads to same-host peers go through reused shared memory (and, for kinds a
-    peer opened a mailbox for, may be posted without a message: :mod:`.posting`)."""
+class ShmMover:
+    """Payloads of messages to same-host peers through reused shared-memory slots (see module docstring)."""
 
-    transport = "shm"
+    name = "shm"
 
     def __init__(
         self,
-        node_id: str,
-        secret: str | bytes,
-        host: str = "127.0.0.1",
-        port: int = 0,
+        link: Link,
         *,
         shm_min_bytes: int = 64 << 10,
         shm_copy_below: int = 0,
@@ -155,20 +143,7 @@ class ShmChannel(Posting, ZmqChannel):
         max_free_slots: int = 4,
         mapping_idle_s: float = 300.0,
         sweep_min_age: float = 2.0,
-        local_socket: bool = True,
-        posting: bool = True,
-        max_shared_buffers: int = 16,
-        **kw: Any,
     ) -> None:
-        super().__init__(node_id, secret, host, port, **kw)
-        if not isinstance(local_socket, bool):
-            raise ValueError(f"local_socket must be a bool, got {local_socket!r}")
-        if not isinstance(posting, bool):
-            raise ValueError(f"posting must be a bool, got {posting!r}")
-        self._use_local = local_socket and local_available()
-        self._use_posting = posting and self._use_local
-        self._init_posting(max_shared_buffers)
-        self._local: LocalRouter | None = None
         if not shm_available():
             raise OSError(f"shared memory directory {SHM_DIR} is not available; use the zmq channel")
         if not isinstance(shm_copy_below, int) or isinstance(shm_copy_below, bool) or shm_copy_below < 0:
@@ -176,15 +151,16 @@ class ShmChannel(Posting, ZmqChannel):
         if not isinstance(shm_release_delay, (int, float)) or isinstance(shm_release_delay, bool) \
                 or not 0 <= shm_release_delay <= 60:
             raise ValueError(f"shm_release_delay must be a number of seconds in [0, 60], got {shm_release_delay!r}")
+        self.link = link
+        self.node_id = link.node_id
+        self._counters = link.counters
         self._release_delay = float(shm_release_delay)
         self._shm_min_bytes = shm_min_bytes
         self._copy_below = shm_copy_below
         self._max_free_slots = max_free_slots
-        self._mapping_idle_s = mapping_idle_s
         self._sweep_min_age = sweep_min_age
         self._pools: dict[Endpoint, _Pool] = {}
-        self._maps = Mappings(mapping_idle_s)  # senders' message slots and producers' shared buffers
-        self._local_hosts = _local_addresses(host)
+        self.maps = Mappings(mapping_idle_s)  # senders' message slots and producers' shared buffers
         self._rel_pending: dict[bytes, tuple[str, bytes, list[list[Any]]]] = {}  # ident -> (sender, sess, slots)
         self._rel_timer: asyncio.TimerHandle | None = None  # flushes what is still deferred (shm_release_delay)
         self._rel_now: set[bytes] = set()  # senders owed a release at once (a payload >= DEFER_RELEASE_BELOW)
@@ -192,27 +168,20 @@ class ShmChannel(Posting, ZmqChannel):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._rx_pool = CopyPool()  # private copies of payloads under shm_copy_below
+        link.payload_movers["shm"] = self._receive_payload
+        link.ack_extras.append(self._ack_extra)
+        link.ack_hooks.append(self._on_ack)
+        link.reply_handlers[MAGIC_REL] = self._on_release
 
-    async def start(self) -> None:
+    def start(self) -> None:
+        """Before the link starts: the exit hooks, a sweep of dead processes' segments, the loop."""
         install_hooks()
         sweep_stale_segments(self._sweep_min_age)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        await super().start()
-        if self._use_local:
-            try:
-                self._local = LocalRouter(self.port, self._max_message_bytes + self._max_header_bytes,
-                                          self._max_frames + 4)
-            except OSError as e:  # the name is taken (by another user?): same-host peers use TCP
-                log.warning("channel %s: no same-host socket (%s); same-host peers use TCP", self.node_id, e)
-            else:
-                self._serve(self._local, "recv-local")
-                if self._use_posting:
-                    self._start_posting(self.port)
 
-    async def close(self) -> None:
-        await super().close()
-        self._close_posting()
+    def close(self) -> None:
+        """After the link closed."""
         for h in (self._rel_timer, self._rel_soon):
             if h is not None:
                 h.cancel()
@@ -220,10 +189,10 @@ class ShmChannel(Posting, ZmqChannel):
             for s in pool.slots:
                 s.close()
         self._pools.clear()
-        self._maps.clear()
+        self.maps.clear()
         self._rx_pool.clear()
 
-    def _extra_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         slots = [s for p in self._pools.values() for s in p.slots]
         return {
             "shm_sends": self._counters["shm_sends"],
@@ -232,49 +201,21 @@ class ShmChannel(Posting, ZmqChannel):
             "shm_slots": len(slots),
             "shm_slot_bytes": sum(s.size for s in slots),
             "shm_slots_busy": sum(s.busy for s in slots),
-            "shm_mapped": len(self._maps),
+            "shm_mapped": len(self.maps),
             "shm_releases_sent": self._counters["shm_releases_sent"],
             "shm_release_msgs": self._counters["shm_release_msgs"],
             "shm_zero_copy_sends": self._counters["shm_zero_copy_sends"],
-            "local_socket": self._local is not None,
-            "local_connects": self._counters["local_connects"],
-            "local_refused": self._local.refused if self._local is not None else 0,  # another user's connections
-            "mailbox": self._posting_stats(),
         }
 
-    async def _call_handler(self, env: Envelope) -> Any:
-        if env.kind == MBOX_KIND:  # a same-host producer introducing itself or a new buffer (posting.py)
-            return await self._answer_intro(env)
-        return await super()._call_handler(env)
-
-    def is_local(self, peer: Endpoint) -> bool:
-        return peer.host in self._local_hosts
-
-    # ------------------------------------------------------------------ same-host control path
-    def _connect(self, peer: Endpoint) -> Any:
-        """A same-host peer's signed headers, acks and releases go over its Unix socket (one wake-up
-        per message instead of four); TCP when it has none (a plain zmq channel, another user)."""
-        if self._use_local and self.is_local(peer):
-            try:
-                sock = LocalDealer(peer.port, 1 << 20, lambda why: self._reset_peer(peer, f"lost ({why})"))
-            except OSError:
-                pass
-            else:
-                self._counters["local_connects"] += 1
-                return sock
-        return super()._connect(peer)
-
-    def _reply_socket(self, ident: bytes) -> Any:
-        return self._local if ident[:1] == IDENT_TAG and self._local is not None else self._router
-
     # ------------------------------------------------------------------ send
-    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    async def send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+        """One message over the link, its payload in shared memory where it can be."""
         # These NACKs mean the handler did not run. "shm_unavailable": the receiver could not open
         # the segment; retry once with a fresh one (the failed one is retired), then go inline.
         # "unsupported_payload": the receiver is a plain zmq channel; go inline at once.
         for attempt in range(3):
             try:
-                return await super()._send(peer, kind, meta, tensors)
+                return await self.link.send_message(peer, kind, meta, tensors, self.prepare)
             except RemoteError as e:
                 if e.code not in ("shm_unavailable", "unsupported_payload") or attempt == 2:
                     raise
@@ -284,12 +225,13 @@ class ShmChannel(Posting, ZmqChannel):
                     log.warning("channel %s: shared memory to %s unavailable (%s); using inline frames",
                                 self.node_id, peer.node_id, e.message)
 
-    async def _prepare_payload(self, peer: Endpoint, tensors: dict[str, torch.Tensor]) -> Outgoing:
-        tensors = await _to_cpu(tensors)
+    async def prepare(self, peer: Endpoint, tensors: dict[str, torch.Tensor]) -> Outgoing:
+        """The payload in a slot (a lent one as is, else copied in), or the link's inline frames."""
+        tensors = await to_cpu(tensors)
         headers = [codec.tensor_header(n, t) for n, t in tensors.items()] if all(
             isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in tensors.items()) else None
         if headers is None:
-            return await super()._prepare_payload(peer, tensors)  # raises a clear CodecError
+            return await self.link.prepare_payload(peer, tensors)  # raises a clear CodecError
         offsets, total = codec.packed_layout(headers)
         pool = self._pools.setdefault(peer, _Pool())
         lent = self._lent_slot(pool, tensors, total) if pool.shm_ok else None
@@ -298,8 +240,9 @@ class ShmChannel(Posting, ZmqChannel):
             slot.lent_ptr, slot.busy = 0, True
             slot.use += 1
             self._counters["shm_zero_copy_sends"] += 1
-        elif total == 0 or total < self._shm_min_bytes or not pool.shm_ok or not self.is_local(peer):
-            return await super()._prepare_payload(peer, tensors)
+        elif payload_mover(MOVERS, local=self.link.is_local(peer), nbytes=total, shm_min_bytes=self._shm_min_bytes,
+                           shm_ok=pool.shm_ok, lent=False) == "socket":
+            return await self.link.prepare_payload(peer, tensors)
         else:
             try:
                 slot = self._acquire(pool, total)
@@ -307,7 +250,7 @@ class ShmChannel(Posting, ZmqChannel):
                 log.warning("channel %s: cannot allocate %d bytes of shared memory (%s); sending inline",
                             self.node_id, total, e)
                 self._counters["shm_fallbacks"] += 1
-                return await super()._prepare_payload(peer, tensors)
+                return await self.link.prepare_payload(peer, tensors)
             try:
                 views = [codec.byte_view(t, n) for n, t in tensors.items()]
                 if total >= COPY_OFFLOAD_BYTES:
@@ -346,7 +289,7 @@ class ShmChannel(Posting, ZmqChannel):
         as long as it likes; a later send of the same views copies them like any tensor.
         """
         pool = self._pools.setdefault(peer, _Pool())
-        if nbytes < max(self._shm_min_bytes, 1) or not pool.shm_ok or not self.is_local(peer):
+        if nbytes < max(self._shm_min_bytes, 1) or not pool.shm_ok or not self.link.is_local(peer):
             return None
         slot = self._acquire(pool, nbytes)
         arr = np.frombuffer(slot.mm, dtype=np.uint8, count=nbytes)
@@ -373,13 +316,12 @@ class ShmChannel(Posting, ZmqChannel):
         return None
 
     def _acquire(self, pool: _Pool, nbytes: int) -> _Slot:
-        free = [s for s in pool.slots if not s.busy and not s.lent]
-        fitting = [s for s in free if s.size >= nbytes]
-        if fitting:
-            slot = min(fitting, key=lambda s: s.size)
+        slot = smallest_fitting(pool.slots, nbytes, lambda s: s.size, lambda s: not s.busy and not s.lent)
+        if slot is not None:
             slot.busy = True
             slot.use += 1
             return slot
+        free = [s for s in pool.slots if not s.busy and not s.lent]
         if len(free) >= self._max_free_slots:
             self._retire(pool, min(free, key=lambda s: s.size))
         size = size_class(nbytes, MIN_SEGMENT)
@@ -395,20 +337,20 @@ class ShmChannel(Posting, ZmqChannel):
         slot.close()
 
     # ------------------------------------------------------------------ releases (sender side)
-    def _on_peer_message(self, p: _PeerOut, frames: list[bytes]) -> None:
+    def _on_release(self, peer: Endpoint, frames: list[bytes]) -> None:
         try:
-            msg = self._parse_reply(frames, p.endpoint, MAGIC_REL, "rel")
+            msg = self.link.parse_reply(frames, peer, MAGIC_REL, "rel")
         except ValueError as e:
-            self._drop("bad_release", str(e))
+            self.link.drop("bad_release", str(e))
             return
-        self._apply_releases(p, msg.get("slots"))
+        self._apply_releases(peer, msg.get("slots"))
 
-    def _on_ack(self, p: _PeerOut, ack: dict[str, Any]) -> None:
+    def _on_ack(self, peer: Endpoint, ack: dict[str, Any]) -> None:
         if "rel" in ack:  # releases that rode on the ack (the handler kept no view of its tensors)
-            self._apply_releases(p, ack["rel"])
+            self._apply_releases(peer, ack["rel"])
 
-    def _apply_releases(self, p: _PeerOut, slots: Any) -> None:
-        pool = self._pools.get(p.endpoint)
+    def _apply_releases(self, peer: Endpoint, slots: Any) -> None:
+        pool = self._pools.get(peer)
         if pool is None or not isinstance(slots, list) or not slots:
             return
         by_name = {s.name: s for s in pool.slots}
@@ -425,24 +367,22 @@ class ShmChannel(Posting, ZmqChannel):
     # ------------------------------------------------------------------ receive
     async def _receive_payload(self, header: dict[str, Any], payload: list[zmq.Frame],
                                ident: bytes) -> dict[str, torch.Tensor]:
-        if header["pay"] != "shm":
-            return await super()._receive_payload(header, payload, ident)
         info = header.get("shm")
         if not isinstance(info, dict) or payload:
             raise PayloadError("bad_header", "shm message without a valid 'shm' section")
         sender = header["from"]
         for name in info.get("retire") or []:
             if isinstance(name, str):
-                self._maps.drop(sender, name)
-        self._maps.expire()
-        headers = codec.validate_headers(header.get("tens"), self._max_message_bytes)
+                self.maps.drop(sender, name)
+        self.maps.expire()
+        headers = codec.validate_headers(header.get("tens"), self.link.max_message_bytes)
         name, use, offsets = info.get("seg"), info.get("use"), info.get("offsets")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise PayloadError("bad_header", f"invalid shared-memory segment name {name!r}")
         if (not isinstance(offsets, list) or len(offsets) != len(headers) or not isinstance(use, int)
                 or not all(isinstance(o, int) and o >= 0 and o % codec.ALIGN == 0 for o in offsets)):
             raise PayloadError("bad_header", "shm offsets do not match the tensor headers")
-        m = self._maps.get(sender, name) or self._open(sender, name)
+        m = self.maps.get(sender, name) or self._open(sender, name)
         if any(o + h["nbytes"] > m.size for o, h in zip(offsets, headers)):
             raise PayloadError("bad_payload", f"tensor extends past the end of segment {name} ({m.size} bytes)")
         spans = [(o, o + h["nbytes"]) for o, h in zip(offsets, headers) if h["nbytes"]]
@@ -472,7 +412,7 @@ class ShmChannel(Posting, ZmqChannel):
 
     def _open(self, sender: str, name: str) -> Mapped:
         try:
-            return self._maps.open(sender, name, unlink=True)
+            return self.maps.open(sender, name, unlink=True)
         except FileNotFoundError:
             raise PayloadError("shm_unavailable", f"segment {name} does not exist on {self.node_id}'s host") from None
         except (OSError, ValueError) as e:
@@ -483,7 +423,7 @@ class ShmChannel(Posting, ZmqChannel):
                             defer: bool) -> None:
         """Runs when the last tensor of a message dies (any thread): queue a release to its sender."""
         loop = self._loop
-        if loop is None or self._closed:
+        if loop is None or self.link.closed:
             return
         if threading.get_ident() == self._loop_thread:  # the usual case: no self-pipe wake-up needed
             self._queue_release(ident, sender, sess, name, use, defer=defer)
@@ -502,7 +442,7 @@ class ShmChannel(Posting, ZmqChannel):
             if old is not None:  # a new session on the same connection: the old one's releases go first
                 self._send_releases({ident: old})
         entry[2].append([name, use])
-        if not flush or self._closed or self._loop is None:
+        if not flush or self.link.closed or self._loop is None:
             return
         if defer and self._release_delay > 0:
             # the next ack to this sender carries it if one goes out within the delay (no message of
@@ -547,14 +487,14 @@ class ShmChannel(Posting, ZmqChannel):
         self._send_releases(pending)
 
     def _send_releases(self, pending: dict[bytes, tuple[str, bytes, list[list[Any]]]]) -> None:
-        if self._router is None or self._closed:
+        if self.link.router is None or self.link.closed:
             return
         for ident, (sender, sess, slots) in pending.items():
             self._counters["shm_release_msgs"] += 1
             body = msgpack.packb({"t": "rel", "from": self.node_id, "to": sender, "sess": sess, "slots": slots},
                                  use_bin_type=True)
             try:
-                self._reply_socket(ident).send_now([ident, MAGIC_REL, body, self._auth.tag([body], DOMAIN)],
+                self.link.reply_socket(ident).send_now([ident, MAGIC_REL, body, self.link.auth.tag([body], DOMAIN)],
                                                    copy=True)
                 self._counters["shm_releases_sent"] += len(slots)
             except zmq.ZMQError as e:  # the sender's pool just grows; it never reuses an unreleased slot
@@ -577,15 +517,3 @@ def _copy_in(dst: np.ndarray, views: list[memoryview], offsets: list[int]) -> No
         n = v.nbytes
         if n:
             np.copyto(dst[off:off + n], np.frombuffer(v, dtype=np.uint8))
-
-
-def _local_addresses(host: str) -> frozenset[str]:
-    names = {"127.0.0.1", "localhost", "::1", host}
-    try:
-        hn = socket.gethostname()
-        names.add(hn)
-        names.update(socket.gethostbyname_ex(hn)[2])
-    except OSError:
-        pass
-    names.discard("0.0.0.0")
-    return frozenset(names)

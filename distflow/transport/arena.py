@@ -2,7 +2,7 @@
 
 Why it exists: a POSIX shared-memory segment is a file in ``/dev/shm`` that outlives its
 processes unless someone unlinks it. This module owns every rule that keeps DistFlow's segments
-from leaking (see :mod:`.shm_channel` for how the channel uses them):
+from leaking (see :mod:`.movers.shm` for how the channel uses them):
 
 * names are ``distflow-shm.<pid>.<pid start time>.<random>.<n>``, created 0600 with
   ``posix_fallocate`` (a full tmpfs is a clean error, never SIGBUS);
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from distflow.core.channels.base import log
+from distflow.transport.api import log
 
 SHM_DIR = "/dev/shm"
 PREFIX = "distflow-shm"

@@ -2,9 +2,9 @@
 
 Why it exists: a payload MAC checked only once the whole message is in puts a full pass over
 the bytes on the critical path. For payloads of ``stream_min_bytes`` and more the sender
-(:class:`~distflow.core.channels.zmq_channel.ZmqChannel`) sends a signed header with the frame
-and chunk sizes, then one ``[MAGIC_CHUNK, (seq, index), tag, data]`` message per chunk. This
-mixin keeps the state of those streams on the receiving side: buffers taken when the header
+(:class:`~distflow.transport.link.Link`) sends a signed header with the frame and chunk sizes,
+then one ``[MAGIC_CHUNK, (seq, index), tag, data]`` message per chunk. :class:`Streams`, a part
+of the link's receiving side, keeps the state of those streams: buffers taken when the header
 arrives (from a pool: a buffer whose tensors are gone is reused warm), each chunk received
 into place by :meth:`_chunk_sink` and checked by :meth:`_accept_chunk` while the next one is
 on the wire, the handler started by the last one.
@@ -18,12 +18,13 @@ import asyncio
 import struct
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import numpy as np
 
-from distflow.core.channels.copy_pool import CopyPool
-from distflow.core.channels.payload_mac import ChunkMac, PayloadError
+from distflow.core.auth import ChunkMac, MacError
+from distflow.transport.api import PayloadError
+from distflow.transport.pool import CopyPool
 
 MAGIC_CHUNK = b"DFC1"
 
@@ -41,23 +42,27 @@ class _StreamIn:
     next: int = 0
 
 
-class StreamReceiver:
-    """Mixin for :class:`ZmqChannel`: the receive side of streamed payloads (see module docstring)."""
+class Streams:
+    """The receive side of streamed payloads (see module docstring). What it needs of the link is
+    given, not assumed: counters, the drop counter, a NACK, the handler start and the payload key."""
 
-    _streams: dict[tuple[bytes, int], _StreamIn]
-    _stream_pool: CopyPool  # warm receive buffers, reused once the handler's tensors are gone
-    _max_frames: int
-    _max_message_bytes: int
-    _stream_timeout: float
-    _counters: Counter[str]
+    def __init__(self, *, max_frames: int, max_message_bytes: int, timeout: float, counters: Counter[str],
+                 drop: Callable[[str, str], None], nack: Callable[[bytes, dict[str, Any], str, str], None],
+                 start_handler: Callable[[bytes, dict[str, Any], list[Any]], bool],
+                 payload_key: Callable[[bytes, bytes], bytes]) -> None:
+        self.open: dict[tuple[bytes, int], _StreamIn] = {}
+        self.pool = CopyPool()  # warm receive buffers (weight buckets), reused once the handler's tensors are gone
+        self._max_frames, self._max_message_bytes, self._stream_timeout = max_frames, max_message_bytes, timeout
+        self._counters, self._drop, self._spawn_nack = counters, drop, nack
+        self._start_handler, self._payload_key = start_handler, payload_key
 
-    if TYPE_CHECKING:  # provided by the channel
-        def _drop(self, reason: str, detail: str = "") -> None: ...
-        def _spawn_nack(self, ident: bytes, header: dict[str, Any], code: str, err: str) -> None: ...
-        def _start_handler(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool: ...
-        def _payload_key(self, session: bytes, nonce: bytes) -> bytes: ...
+    def close(self) -> None:
+        for st in self.open.values():
+            st.timer.cancel()
+        self.open.clear()
+        self.pool.clear()  # buffers still viewed by tensors go back to the allocator when those die
 
-    def _open_stream(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool:
+    def open_stream(self, ident: bytes, header: dict[str, Any], payload: list[Any]) -> bool:
         """An authentic header of a streamed payload: allocate its buffers; chunks follow."""
         fs, cs, pm = header.get("fs"), header.get("cs"), header.get("pm")
         problem = ""
@@ -77,8 +82,8 @@ class StreamReceiver:
                                 f"payload of {sum(fs)} bytes is over the {self._max_message_bytes}-byte limit")
         try:
             mac = ChunkMac(str(pm.get("alg")), self._payload_key(header["sess"], pm["nonce"]))
-            bufs = [self._stream_pool.empty(n) for n in fs]
-        except PayloadError as e:
+            bufs = [self.pool.empty(n) for n in fs]
+        except (PayloadError, MacError) as e:
             return self._refuse(ident, header, e.code, str(e))
         except MemoryError:
             return self._refuse(ident, header, "oversized", f"receiver cannot allocate {sum(fs)} bytes")
@@ -87,28 +92,28 @@ class StreamReceiver:
             return self._start_handler(ident, header, bufs)
         key = (ident, header["seq"])
         timer = asyncio.get_running_loop().call_later(self._stream_timeout, self._expire_stream, key)
-        self._streams[key] = _StreamIn(ident, header, bufs, plan, mac, timer)
+        self.open[key] = _StreamIn(ident, header, bufs, plan, mac, timer)
         return False
 
-    def _chunk_sink(self, frames: list[Any]) -> memoryview | None:
+    def chunk_sink(self, frames: list[Any]) -> memoryview | None:
         """Where the data frame of a chunk message goes: straight into its stream's buffer."""
         if len(frames) != 4 or frames[1] != MAGIC_CHUNK or len(frames[2]) != 16:
             return None
         seq, k = struct.unpack("<QQ", frames[2])
-        st = self._streams.get((frames[0], seq))
+        st = self.open.get((frames[0], seq))
         if st is None or k != st.next:
             return None
         fi, off, n = st.plan[k]
         return memoryview(st.bufs[fi])[off:off + n]
 
-    def _accept_chunk(self, frames: list[Any]) -> bool:
+    def accept_chunk(self, frames: list[Any]) -> bool:
         """One chunk of a streamed payload (already in its buffer when the sink placed it): check
         order, length and MAC; the last one starts the handler."""
         if len(frames[2]) != 16:
             self._drop("bad_frames", "chunk id")
             return False
         (seq, k), data = struct.unpack("<QQ", frames[2]), frames[4]
-        st = self._streams.get((frames[0], seq))
+        st = self.open.get((frames[0], seq))
         if st is None:
             self._drop("orphan_chunk", f"chunk {k} of an unknown or failed stream #{seq}")
             return False
@@ -124,13 +129,13 @@ class StreamReceiver:
         if st.next < len(st.plan):
             return False
         st.timer.cancel()
-        del self._streams[(st.ident, st.header["seq"])]
+        del self.open[(st.ident, st.header["seq"])]
         self._counters["streams_received"] += 1
         return self._start_handler(st.ident, st.header, st.bufs)
 
     def _fail_stream(self, st: _StreamIn, code: str, msg: str) -> bool:
         st.timer.cancel()
-        self._streams.pop((st.ident, st.header["seq"]), None)
+        self.open.pop((st.ident, st.header["seq"]), None)
         return self._refuse(st.ident, st.header, code, msg)
 
     def _refuse(self, ident: bytes, header: dict[str, Any], code: str, msg: str) -> bool:
@@ -140,7 +145,7 @@ class StreamReceiver:
         return False
 
     def _expire_stream(self, key: tuple[bytes, int]) -> None:
-        st = self._streams.get(key)
+        st = self.open.get(key)
         if st is not None:
             self._fail_stream(st, "stream_timeout", f"stream incomplete after {self._stream_timeout:g}s "
                                                     f"({st.next} of {len(st.plan)} chunks)")

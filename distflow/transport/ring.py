@@ -15,7 +15,7 @@ A mailbox is a 0600 segment its owner (the consumer) creates, one per message ki
 * ``MAX_WRITERS`` writer cells (64 B): records posted (the writer's count), records drained (the
   owner's count);
 * per writer a ring of ``RING`` records of ``RECORD`` bytes: seq, tag, buffer use, blob offset and
-  length, release cell, buffer name, MAC (the fields are the poster's business: :mod:`.posting`).
+  length, release cell, buffer name, MAC (the fields are the poster's business: :mod:`.movers.posting`).
 
 Locking: every read-modify-write of the header, a cell or a ring holds ``flock`` on the segment
 for a few microseconds, never across an await (a writer killed while holding it releases it).
@@ -35,8 +35,8 @@ import socket
 import struct
 from typing import Callable
 
-from distflow.core.channels.base import log
-from distflow.core.channels.shm_segments import open_segment
+from distflow.transport.api import log
+from distflow.transport.arena import open_segment
 
 MAGIC = b"DFMB"
 VERSION = 1

@@ -1,11 +1,11 @@
-"""Same-host posting: the shared-memory channel's handoff path without a message per part.
+"""The posting mover: same-host stage handoffs without a message per part.
 
 Why it exists: an all-to-all handoff of one step on one host is N x N parts, and as channel
 messages each part costs both processes a wake-up and a few hundred Python calls with its ack.
-Here a part is a record in the consumer's mailbox (:mod:`.mailbox`: one wake-up per wait, none
+Here a part is a record in the consumer's mailbox (:mod:`..ring`: one wake-up per wait, none
 per part) pointing into a buffer the producer shares with every local consumer
-(:mod:`.shared_buffers`: packed once, released by a store into a cell). This mixin gives
-:class:`~.shm_channel.ShmChannel` both ends:
+(:mod:`..shared_buffers`: packed once, released by a store into a cell). :class:`Posting`, a mover
+a shared-memory transport has beside its link and its shared-memory mover, gives it both ends:
 
 * consumer: ``open_mailbox(kind)`` returns an :class:`Inbox`; ``Inbox.drain()`` turns every new
   record into a :class:`Post` (verified: its sender, its meta, a view of its bytes in the
@@ -41,18 +41,14 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgpack
 import numpy as np
-import torch
 
-from distflow.core.channels import codec
-from distflow.core.channels.base import Endpoint, Envelope, log
-from distflow.core.channels.mailbox import DEAD, FULL, MAX_WRITERS, RANG, RECORD, Doorbell, Mailbox, MailboxWriter
-from distflow.core.channels.payload_mac import PayloadError
-from distflow.core.channels.shared_buffers import HEADER, MAX_CELLS, SharedBuffer, SharedBufferPool, release_cell
-from distflow.core.channels.shm_segments import (
+import distflow.transport.codec as codec
+from distflow.transport.api import Endpoint, Envelope, PayloadError, log
+from distflow.transport.arena import (
     _NAME_RE,
     SHM_DIR,
     Mappings,
@@ -61,9 +57,9 @@ from distflow.core.channels.shm_segments import (
     release_name,
     reserve_name,
 )
-
-if TYPE_CHECKING:
-    from distflow.core.auth import Authenticator
+from distflow.transport.link import Link
+from distflow.transport.ring import DEAD, FULL, MAX_WRITERS, RANG, RECORD, Doorbell, Mailbox, MailboxWriter
+from distflow.transport.shared_buffers import HEADER, MAX_CELLS, SharedBuffer, SharedBufferPool, release_cell
 
 MBOX_KIND = "__mbox"
 UNKNOWN = object()  # known_poster: not introduced yet (await poster())
@@ -197,7 +193,7 @@ class Inbox:
         if not raw:
             return []
         ch = self._ch
-        maps, digest, unpack = ch._maps, ch._auth.digest, msgpack.unpackb
+        maps, digest, unpack = ch.maps, ch.auth.digest, msgpack.unpackb
         out = []
         for w, seq, rec in raw:
             reg = self._writers[w]
@@ -244,34 +240,39 @@ class Inbox:
 
 
 class Posting:
-    """Mixin for :class:`~.shm_channel.ShmChannel`: both ends of same-host posting."""
+    """Both ends of same-host posting for one transport (see the module docstring). ``send`` is the
+    transport's (the introductions are signed messages); ``maps`` the table of segments this node
+    mapped, shared with the shared-memory mover."""
 
-    node_id: str
-    _auth: Authenticator
-    _session: bytes
-    _counters: Counter[str]
-    _maps: Mappings
+    name = "posting"
 
-    if TYPE_CHECKING:
-        def is_local(self, peer: Endpoint) -> bool: ...
-        async def send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-                       timeout: float) -> Any: ...
-
-    def _init_posting(self, max_shared_buffers: int) -> None:
+    def __init__(self, link: Link, maps: Mappings, send: Callable[..., Awaitable[Any]],
+                 max_shared_buffers: int = 16) -> None:
+        self.link = link
+        self.node_id = link.node_id
+        self.auth = link.auth
+        self._session = link.session
+        self._counters = link.counters
+        self.maps = maps
+        self.send = send
         self._bell: Doorbell | None = None
         self._inboxes: dict[str, Inbox] = {}
         self._posters: dict[tuple[Endpoint, str], Poster | float] = {}  # a float: no mailbox, ask after it
         self._intro_locks: dict[tuple[Endpoint, str], asyncio.Lock] = {}
         self._shared = SharedBufferPool(max_shared_buffers)
         self._cells: dict[str, int] = {}  # consumer node id -> its release cell in my buffers
+        link.internal[MBOX_KIND] = self._answer_intro  # a producer introducing itself or a new buffer
 
-    def _start_posting(self, port: int) -> None:
+    def is_local(self, peer: Endpoint) -> bool:
+        return self.link.is_local(peer)
+
+    def start(self, port: int) -> None:
         try:
             self._bell = Doorbell(port, asyncio.get_running_loop(), self._rang)
         except OSError as e:  # the name is taken: no same-host posting (parts travel as messages)
             log.warning("channel %s: no doorbell (%s); same-host parts travel as messages", self.node_id, e)
 
-    def _close_posting(self) -> None:
+    def close(self) -> None:
         if self._bell is not None:
             self._bell.close()
             self._bell = None
@@ -289,7 +290,7 @@ class Posting:
             if inbox.waker is not None:
                 inbox.waker()
 
-    def _posting_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         c = self._counters
         inboxes = {k: dict(i.counters) for k, i in self._inboxes.items()}
         return {"posts": c["posts"], "posts_ring_full": c["posts_ring_full"], "posts_owner_gone": c["posts_owner_gone"],
@@ -320,11 +321,11 @@ class Posting:
             raise PayloadError("bad_header", "introduction: 'maps' must be a list of segment names")
         for name in maps:
             try:
-                m = self._maps.open(env.sender, name, unlink=False)
+                m = self.maps.open(env.sender, name, unlink=False)
             except (OSError, ValueError) as e:
                 raise PayloadError("shm_unavailable", f"cannot map shared buffer {name}: {e}") from None
             if m.size <= HEADER:
-                self._maps.drop(env.sender, name)
+                self.maps.drop(env.sender, name)
                 raise PayloadError("shm_unavailable", f"shared buffer {name} is too small ({m.size} bytes)")
         if want is None:
             return {}
@@ -469,7 +470,7 @@ class Posting:
         REC.pack_into(rec, 0, poster.writer.posted, tag, buf.use, moff, len(blob), lo, hi - lo, poster.cell, len(name))
         end = NAME_OFF + len(name)
         rec[NAME_OFF:end] = name
-        rec[MAC_OFF:MAC_OFF + 32] = self._auth.digest(poster.ids + bytes(rec[:end]) + blob, DOMAIN)
+        rec[MAC_OFF:MAC_OFF + 32] = self.auth.digest(poster.ids + bytes(rec[:end]) + blob, DOMAIN)
         now = time.monotonic()
         if now - poster.alive_at > ALIVE_CHECK_S:  # (a probe per post would be a syscall per part)
             if poster.gone():

@@ -1,7 +1,11 @@
-"""Tensor channel over ZeroMQ: authenticated, acknowledged, zero-copy multipart frames.
+"""The link: the data plane's one protocol (framing, MAC, replay, ack) over ZeroMQ and Unix sockets.
 
-Why it exists: this is the data plane between any two hosts, and the control path that
-the shared-memory and NCCL channels reuse (they only move the payload differently).
+Why it exists: every transport, whatever mover carries its payload bytes (socket frames, shared
+memory, NCCL), sends a signed header, waits for an ack and checks what it receives the same way.
+That protocol lives here once; movers plug in through explicit registries (``payload_movers``:
+receive a ``pay`` kind; ``internal``: answer an internal message kind; ``ack_extras`` /
+``ack_hooks``: add to and read acks; ``reply_handlers``: signed replies other than acks), never by
+subclassing. The socket mover (inline frames and streamed chunks) is the link itself.
 
 Wire format (every frame after the ZMQ routing identity)::
 
@@ -13,7 +17,7 @@ Wire format (every frame after the ZMQ routing identity)::
 time, a per-sender sequence number, the message kind, user meta, the tensor headers
 (:mod:`.codec`) and how the payload travels (``inline`` frames, ``chunks``, ``shm`` or
 ``nccl``). ``tag`` is :class:`distflow.core.auth.Authenticator` (domain ``b"data"``) over
-the header. Payload bytes are covered by one-time MACs (:mod:`.payload_mac`): AES-GMAC keyed
+the header. Payload bytes are covered by one-time MACs (:mod:`distflow.core.auth`): AES-GMAC keyed
 per message by ``Authenticator.tag([session, nonce])``, or HMAC-SHA256 when the
 ``cryptography`` package is missing.
 
@@ -28,10 +32,10 @@ per message by ``Authenticator.tag([session, nonce])``, or HMAC-SHA256 when the
   Chunks count only on the connection their header came on; a bad one NACKs the message.
 
 Replay: the receiver keeps, per sender, the newest session and the highest sequence
-number seen, and drops anything not newer.
+number seen, and drops anything not newer (:class:`~distflow.core.auth.ReplayGuard`).
 
-Receive side: one ROUTER, read by :class:`.message_receiver.MessageReceiver` (a mixin, as
-:class:`.stream_receiver.StreamReceiver` is for streamed payloads). Each authentic message runs
+Receive side: one ROUTER (and, with ``local_socket``, one same-host Unix socket: :mod:`.local_socket`),
+read by the link's :class:`.receive.Receiver` (as :class:`.streams.Streams` is for streamed payloads). Each authentic message runs
 the handler in its own named task (at most ``max_inflight`` at once, beyond which the socket is
 not read, so TCP pushes back on senders); the ack goes out only after the handler returns. Send side: one
 DEALER per peer, an ack reader task per DEALER, and a future per outstanding sequence
@@ -42,8 +46,12 @@ DEALER, so nothing stale stays queued for a dead peer and delivered long after.
 Sockets are plain zmq sockets driven by the loop through :class:`LoopSocket` (non-blocking
 calls, FD wake-ups), not ``zmq.asyncio``: its per-call machinery cost more Python time than the
 protocol itself, and with N producers x N consumers messages per step that time is the
-peer-to-peer handoff's main cost. Subclasses may add fields to acks (``_ack_extra``) and
-read them (``_on_ack``): the shm channel returns its slot releases that way.
+peer-to-peer handoff's main cost. Movers may add fields to acks (``ack_extras``) and read them
+(``ack_hooks``): the shared-memory mover returns its slot releases that way.
+
+Same-host control path (``local_socket``): a peer on this host gets the signed headers, acks and
+releases over its Unix socket (one wake-up per message instead of four); TCP when it has none (a
+plain socket-only transport, another user, another network namespace).
 """
 
 from __future__ import annotations
@@ -51,43 +59,26 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import socket
 import struct
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgpack
 import torch
 import zmq
 
-from distflow.core.auth import TAG_SIZE, Authenticator
-from distflow.core.channels import codec
-from distflow.core.channels.base import (
-    ChannelClosed,
-    ChannelError,
-    Endpoint,
-    Handler,
-    RemoteError,
-    TensorChannel,
-    log,
-)
-from distflow.core.channels.copy_pool import CopyPool
-from distflow.core.channels.loop_socket import LoopSocket
-from distflow.core.channels.payload_mac import ChunkMac, PayloadError, default_mac_alg, payload_tag
-from distflow.core.channels.message_receiver import (
-    DOMAIN,
-    MAGIC_ACK,
-    MAGIC_MSG,
-    PROTOCOL,
-    WRONG_RECIPIENT,
-    MessageReceiver,
-    _offload_threshold,
-    _PeerIn,
-)
-from distflow.core.channels.stream_receiver import MAGIC_CHUNK, StreamReceiver, _StreamIn
+from distflow.core.auth import TAG_SIZE, Authenticator, ChunkMac, default_mac_alg, payload_tag
+import distflow.transport.codec as codec
+from distflow.transport.api import ChannelClosed, ChannelError, Endpoint, Envelope, Handler, RemoteError, log
+from distflow.transport.local_socket import IDENT_TAG, LocalDealer, LocalRouter, local_available
+from distflow.transport.loop_socket import LoopSocket
+from distflow.transport.receive import DOMAIN, MAGIC_ACK, MAGIC_MSG, PROTOCOL, WRONG_RECIPIENT, Receiver, _offload_threshold
+from distflow.transport.streams import MAGIC_CHUNK
 
-__all__ = ["ZmqChannel", "LoopSocket", "PayloadError", "Outgoing", "MAGIC_MSG", "MAGIC_ACK", "MAGIC_CHUNK", "DOMAIN"]
+__all__ = ["Link", "LoopSocket", "Outgoing", "MAGIC_MSG", "MAGIC_ACK", "MAGIC_CHUNK", "DOMAIN"]
 
 STREAM_MIN_BYTES = 4 << 20  # inline payloads this big are streamed in chunks (MAC overlaps the transfer)
 STREAM_CHUNK = 1 << 20  # fits L2: the receiver MACs each chunk while it is still in cache
@@ -115,10 +106,11 @@ class _PeerOut:
     reader: asyncio.Task | None = None
 
 
-class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
-    """ZeroMQ tensor channel (any host, CPU tensors). See the module docstring."""
+class Link:
+    """One node's end of the protocol: binds the data port, sends to any peer, receives from any.
 
-    transport = "zmq"
+    Not a transport by itself: :class:`~distflow.transport.composed.ComposedTransport` has one and
+    puts the movers around it. ``kind`` names the transport in stats and refusals."""
 
     def __init__(
         self,
@@ -127,6 +119,8 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        kind: str = "zmq",
+        local_socket: bool = False,
         max_message_bytes: int = 4 << 30,
         max_header_bytes: int = 64 << 20,
         max_frames: int = 4096,
@@ -140,20 +134,22 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
     ) -> None:
         if not isinstance(node_id, str) or not node_id:
             raise ValueError(f"node_id must be a non-empty str, got {node_id!r}")
+        if not isinstance(local_socket, bool):
+            raise ValueError(f"local_socket must be a bool, got {local_socket!r}")
         self.node_id = node_id
+        self.kind = kind
         self.host = host
         self.port = port
-        self._auth = Authenticator(secret)
-        self._max_message_bytes = max_message_bytes
-        self._max_header_bytes = max_header_bytes
-        self._max_frames = max_frames
-        self._max_inflight = max_inflight
+        self.auth = Authenticator(secret)
+        self.max_message_bytes = max_message_bytes
+        self.max_header_bytes = max_header_bytes
+        self.max_frames = max_frames
         self._mac_alg = mac_alg or default_mac_alg()
         if self._mac_alg not in ("aes-gmac", "hmac-sha256"):
             raise ValueError(f"mac_alg must be 'aes-gmac' or 'hmac-sha256', got {self._mac_alg!r}")
         if self._mac_alg == "aes-gmac" and default_mac_alg() != "aes-gmac":
             raise ValueError("mac_alg 'aes-gmac' needs the `cryptography` package")
-        self._close_timeout = close_timeout
+        self.close_timeout = close_timeout
         self._pack_below = pack_below
         if not isinstance(stream_min_bytes, int) or stream_min_bytes < 0:
             raise ValueError(f"stream_min_bytes must be an int >= 0 (0: never stream), got {stream_min_bytes!r}")
@@ -161,35 +157,39 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
             raise ValueError(f"stream_chunk must be between 4096 and 2**30 bytes, got {stream_chunk!r}")
         self._stream_min_bytes = stream_min_bytes  # 0: never stream
         self._stream_chunk = stream_chunk
-        self._stream_timeout = stream_timeout
-        self._streams: dict[tuple[bytes, int], _StreamIn] = {}
-        self._stream_pool = CopyPool()  # streamed payloads' buffers (weight buckets)
-        self._session = os.urandom(16)
+        self.use_local = local_socket and local_available()
+        self.local_hosts = _local_addresses(host)
+        self.session = os.urandom(16)
         self._start_ns = time.time_ns()
-        self._handler: Handler | None = None
+        self.handler: Handler | None = None
         self._ctx: zmq.Context | None = None
-        self._router: LoopSocket | None = None
+        self.router: LoopSocket | None = None
+        self.local: LocalRouter | None = None
         self._receivers: list[tuple[Any, asyncio.Task]] = []  # (socket, its receive loop): the ROUTER, ...
-        self._handler_tasks: set[asyncio.Task] = set()
-        self._slots: asyncio.Semaphore | None = None
         self._peers_out: dict[Endpoint, _PeerOut] = {}
         self._next_seq: dict[str, int] = {}  # per node id; survives a reset of a peer's DEALER
-        self._peers_in: dict[str, _PeerIn] = {}
-        self._closed = False
-        self._started = False
-        self._counters: Counter[str] = Counter()
-        self._dropped: Counter[str] = Counter()
+        self.closed = False
+        self.started = False
+        self.counters: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        # what movers plug in (explicit registries: nothing is overridden or probed)
+        self.payload_movers: dict[str, Callable[[dict[str, Any], list[Any], bytes], Awaitable[dict[str, torch.Tensor]]]] = {}
+        self.internal: dict[str, Callable[[Envelope], Awaitable[Any]]] = {}
+        self.ack_extras: list[Callable[[bytes, dict[str, Any]], dict[str, Any]]] = []
+        self.ack_hooks: list[Callable[[Endpoint, dict[str, Any]], None]] = []
+        self.reply_handlers: dict[bytes, Callable[[Endpoint, list[bytes]], None]] = {}
+        self.receiver = Receiver(self, max_inflight, stream_timeout)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        if self._started:
+        if self.started:
             raise RuntimeError(f"channel {self.node_id} already started")
-        self._started = True
+        self.started = True
         freeze_startup_objects()
         self._ctx = zmq.Context(io_threads=1)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         router.setsockopt(zmq.RCVHWM, 1000)
         router.setsockopt(zmq.SNDHWM, 10000)
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -200,26 +200,34 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         except zmq.ZMQError as e:
             router.close(0)
             raise OSError(f"channel {self.node_id}: cannot bind data port {self.host}:{self.port}: {e}") from e
-        self._router = LoopSocket(router)
+        self.router = LoopSocket(router)
         self.port = int(router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-        self._slots = asyncio.Semaphore(self._max_inflight)
-        self._serve(self._router, "recv")
+        self.receiver.start()
+        self._serve(self.router, "recv")
+        if self.use_local:
+            try:
+                self.local = LocalRouter(self.port, self.max_message_bytes + self.max_header_bytes,
+                                         self.max_frames + 4)
+            except OSError as e:  # the name is taken (by another user?): same-host peers use TCP
+                log.warning("channel %s: no same-host socket (%s); same-host peers use TCP", self.node_id, e)
+            else:
+                self._serve(self.local, "recv-local")
 
     def _serve(self, router: Any, name: str) -> None:
-        """Receive on ``router`` (closed with the channel); a subclass may add sockets (same-host)."""
-        task = asyncio.create_task(self._recv_loop(router), name=f"channel-{name}-{self.node_id}")
+        """Receive on ``router`` (closed with the link)."""
+        task = asyncio.create_task(self.receiver.recv_loop(router), name=f"channel-{name}-{self.node_id}")
         self._receivers.append((router, task))
 
     def set_handler(self, handler: Handler) -> None:
         if not callable(handler):
             raise TypeError(f"handler must be an async callable, got {type(handler).__name__}")
-        self._handler = handler
+        self.handler = handler
 
     async def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        tasks = [*(t for _, t in self._receivers), *self._handler_tasks]
+        self.closed = True
+        tasks = [*(t for _, t in self._receivers), *self.receiver.handler_tasks]
         for p in self._peers_out.values():
             for fut in p.pending.values():
                 if not fut.done():
@@ -228,33 +236,33 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
                 tasks.append(p.reader)
         for t in tasks:
             t.cancel()
-        for st in self._streams.values():
+        for st in self.receiver.streams.open.values():
             st.timer.cancel()
-        self._streams.clear()
+        self.receiver.streams.open.clear()
         if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=self._close_timeout)
+            done, pending = await asyncio.wait(tasks, timeout=self.close_timeout)
             if pending:
                 log.warning("channel %s: %d tasks did not stop within %.1fs", self.node_id, len(pending),
-                            self._close_timeout)
+                            self.close_timeout)
         for p in self._peers_out.values():
             p.sock.close(linger=0)
         for router, _ in self._receivers:
-            router.close(linger=int(self._close_timeout * 500))  # let queued acks reach their senders
+            router.close(linger=int(self.close_timeout * 500))  # let queued acks reach their senders
         if self._ctx is not None:
             try:
-                await asyncio.wait_for(asyncio.to_thread(self._ctx.term), self._close_timeout)
+                await asyncio.wait_for(asyncio.to_thread(self._ctx.term), self.close_timeout)
             except TimeoutError:
                 log.warning("channel %s: zmq context did not terminate within %.1fs", self.node_id,
-                            self._close_timeout)
+                            self.close_timeout)
         self._peers_out.clear()
-        self._stream_pool.clear()  # buffers still viewed by tensors go back to the allocator when those die
+        self.receiver.streams.close()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
-        c = self._counters
-        return {
+        c = self.counters
+        out: dict[str, Any] = {
             "node_id": self.node_id,
-            "transport": self.transport,
+            "transport": self.kind,
             "port": self.port,
             "sent_msgs": c["sent_msgs"],
             "sent_bytes": c["sent_bytes"],
@@ -265,48 +273,56 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
             "nacks_sent": c["nacks_sent"],
             "remote_errors": c["remote_errors"],
             "send_timeouts": c["send_timeouts"],
-            "handlers_running": len(self._handler_tasks),
+            "handlers_running": len(self.receiver.handler_tasks),
             "streams_sent": c["streams_sent"],
             "streams_received": c["streams_received"],
-            "streams_open": len(self._streams),
-            "dropped": dict(self._dropped),
-            "dropped_total": sum(self._dropped.values()),
-            **self._extra_stats(),
+            "streams_open": len(self.receiver.streams.open),
+            "dropped": dict(self.dropped),
+            "dropped_total": sum(self.dropped.values()),
         }
+        out.update({"local_socket": self.local is not None, "local_connects": c["local_connects"],
+                    "local_refused": self.local.refused if self.local is not None else 0})  # another user's
+        return out
 
-    def _extra_stats(self) -> dict[str, Any]:
-        return {}
-
-    def _drop(self, reason: str, detail: str = "") -> None:
-        self._dropped[reason] += 1
-        n = self._dropped[reason]
+    def drop(self, reason: str, detail: str = "") -> None:
+        self.dropped[reason] += 1
+        n = self.dropped[reason]
         if n <= 3 or n % 1000 == 0:
             log.warning("channel %s: dropped message (%s, #%d) %s", self.node_id, reason, n, detail)
 
+    def is_local(self, peer: Endpoint) -> bool:
+        return peer.host in self.local_hosts
+
+    def payload_key(self, session: bytes, nonce: bytes) -> bytes:
+        """The one-time payload MAC key of a message (sender session + nonce from the signed header)."""
+        return self.auth.tag([b"payload-key", session, nonce], DOMAIN)
+
+    def ack_extra(self, ident: bytes, header: dict[str, Any]) -> dict[str, Any]:
+        """What the movers add to the ack to ``ident`` (shared-memory releases)."""
+        extra: dict[str, Any] = {}
+        for f in self.ack_extras:
+            extra.update(f(ident, header))
+        return extra
+
     # ------------------------------------------------------------------ send
-    async def send(
-        self,
-        peer: Endpoint,
-        kind: str,
-        meta: dict[str, Any],
-        tensors: dict[str, torch.Tensor],
-        timeout: float,
-    ) -> Any:
+    async def within(self, peer: Endpoint, kind: str, timeout: float, sending: Awaitable[Any]) -> Any:
+        """Await ``sending`` (one message to ``peer``) under ``timeout``; past it the connection to
+        ``peer`` is reset (nothing stale stays queued for a dead peer) and TimeoutError names both."""
         try:
             async with asyncio.timeout(timeout):
-                return await self._send(peer, kind, meta, tensors)
+                return await sending
         except TimeoutError:
-            self._counters["send_timeouts"] += 1
-            self._reset_peer(peer)
+            self.counters["send_timeouts"] += 1
+            self.reset_peer(peer)
             raise TimeoutError(
                 f"channel {self.node_id}: send of {kind!r} to {peer.node_id} ({peer.host}:{peer.port}) "
                 f"not acknowledged within {timeout:g}s"
             ) from None
 
-    def _check_send_args(self, peer: Endpoint, kind: str, meta: Any, tensors: Any) -> None:
-        if self._closed:
+    def check_send_args(self, peer: Endpoint, kind: str, meta: Any, tensors: Any) -> None:
+        if self.closed:
             raise ChannelClosed(f"channel {self.node_id} is closed")
-        if not self._started:
+        if not self.started:
             raise RuntimeError(f"channel {self.node_id}: call start() before send()")
         if not isinstance(peer, Endpoint):
             raise TypeError(f"peer must be an Endpoint, got {type(peer).__name__}")
@@ -317,19 +333,22 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         if not isinstance(tensors, dict):
             raise TypeError(f"tensors must be a dict of name -> torch.Tensor, got {type(tensors).__name__}")
 
-    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
-        self._check_send_args(peer, kind, meta, tensors)
-        out = await self._prepare_payload(peer, tensors)
+    async def send_message(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                           prepare: Callable[[Endpoint, dict[str, torch.Tensor]], Awaitable[Outgoing]]) -> Any:
+        """Check, prepare the payload with ``prepare`` (a mover's, or :meth:`prepare_payload`), send,
+        await the ack; the payload's release hook learns whether it was acked."""
+        self.check_send_args(peer, kind, meta, tensors)
+        out = await prepare(peer, tensors)
         acked = False
         try:
-            reply = await self._send_prepared(peer, kind, meta, out)
+            reply = await self.send_prepared(peer, kind, meta, out)
             acked = True
             return reply
         finally:
             if out.release is not None:
                 out.release(acked)
 
-    async def _send_prepared(self, peer: Endpoint, kind: str, meta: dict[str, Any], out: Outgoing) -> Any:
+    async def send_prepared(self, peer: Endpoint, kind: str, meta: dict[str, Any], out: Outgoing) -> Any:
         p = self._peer_out(peer)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
@@ -338,17 +357,17 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
             p.next_seq += 1
             header = {
                 "t": "msg", "v": PROTOCOL, "from": self.node_id, "to": peer.node_id,
-                "sess": self._session, "st": self._start_ns, "seq": seq, "kind": kind,
+                "sess": self.session, "st": self._start_ns, "seq": seq, "kind": kind,
                 "meta": meta, "pay": out.pay, **out.header,
             }
             try:
                 hbytes = msgpack.packb(header, use_bin_type=True)
             except (TypeError, ValueError, OverflowError) as e:
                 raise TypeError(f"meta of {kind!r} message is not msgpack-serializable: {e}") from None
-            if len(hbytes) > self._max_header_bytes:
+            if len(hbytes) > self.max_header_bytes:
                 raise ValueError(f"{kind!r} message header is {len(hbytes)} bytes, "
-                                 f"over the {self._max_header_bytes}-byte limit")
-            tag = self._auth.tag([hbytes], DOMAIN)
+                                 f"over the {self.max_header_bytes}-byte limit")
+            tag = self.auth.tag([hbytes], DOMAIN)
             p.pending[seq] = fut
             try:
                 await p.sock.send([MAGIC_MSG, hbytes, tag, *out.frames], copy=False)
@@ -365,13 +384,13 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         finally:
             p.pending.pop(seq, None)
         if not ack.get("ok"):
-            self._counters["remote_errors"] += 1
+            self.counters["remote_errors"] += 1
             raise RemoteError(peer.node_id, kind, str(ack.get("code", "error")), str(ack.get("err", "")))
         if kind.startswith("__"):  # the channel's own (a same-host introduction): not the caller's traffic
-            self._counters["internal_msgs_out"] += 1
+            self.counters["internal_msgs_out"] += 1
         else:
-            self._counters["sent_msgs"] += 1
-            self._counters["sent_bytes"] += out.nbytes
+            self.counters["sent_msgs"] += 1
+            self.counters["sent_bytes"] += out.nbytes
         return ack.get("reply")
 
     async def _send_chunks(self, p: _PeerOut, seq: int, out: Outgoing, answered: asyncio.Future) -> None:
@@ -386,23 +405,23 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
                 if answered.done():
                     return
             await sock.send([MAGIC_CHUNK, struct.pack("<QQ", seq, k), mac.tag(k, chunk), chunk], copy=False)
-        self._counters["streams_sent"] += 1
+        self.counters["streams_sent"] += 1
 
-    async def _prepare_payload(self, peer: Endpoint, tensors: dict[str, torch.Tensor]) -> Outgoing:
+    async def prepare_payload(self, peer: Endpoint, tensors: dict[str, torch.Tensor]) -> Outgoing:
         """Inline frames: zero-copy views of the tensors, payload MAC tag in the header; at least
         ``stream_min_bytes``: streamed in chunks, each with its own MAC."""
-        headers, frames = codec.encode(await _to_cpu(tensors), pack_below=self._pack_below)
+        headers, frames = codec.encode(await to_cpu(tensors), pack_below=self._pack_below)
         if 0 < self._stream_min_bytes <= sum(h["nbytes"] for h in headers):
             return self._stream_outgoing(headers, frames)
-        return await self._inline_outgoing(headers, frames)
+        return await self.inline_outgoing(headers, frames)
 
     def _new_payload_key(self, headers: list[dict[str, Any]]) -> tuple[int, bytes, bytes]:
         """(payload bytes, nonce, one-time MAC key) for an outgoing payload within the size limit."""
         nbytes = sum(h["nbytes"] for h in headers)
-        if nbytes > self._max_message_bytes:
-            raise ValueError(f"payload of {nbytes} bytes is over the {self._max_message_bytes}-byte message limit")
+        if nbytes > self.max_message_bytes:
+            raise ValueError(f"payload of {nbytes} bytes is over the {self.max_message_bytes}-byte message limit")
         nonce = os.urandom(16)
-        return nbytes, nonce, self._payload_key(self._session, nonce)
+        return nbytes, nonce, self.payload_key(self.session, nonce)
 
     def _stream_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
         nbytes, nonce, key = self._new_payload_key(headers)
@@ -413,7 +432,7 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         return Outgoing("chunks", header, [], nbytes, chunks=[v[o:o + cs] for v in views for o in range(0, v.nbytes, cs)],
                         chunk_mac=ChunkMac(self._mac_alg, key))
 
-    async def _inline_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
+    async def inline_outgoing(self, headers: list[dict[str, Any]], frames: list[Any]) -> Outgoing:
         nbytes, nonce, key = self._new_payload_key(headers)
         if nbytes >= _offload_threshold(self._mac_alg):
             ptag = await asyncio.to_thread(payload_tag, self._mac_alg, key, frames)
@@ -429,14 +448,22 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         # One connection per node: sequence numbers are per node (the receiver checks them per
         # sender), so a node reached at another address replaces its older connection.
         for old in [e for e in self._peers_out if e.node_id == peer.node_id]:
-            self._reset_peer(old, f"({old.host}:{old.port}) replaced by {peer.host}:{peer.port}")
+            self.reset_peer(old, f"({old.host}:{old.port}) replaced by {peer.host}:{peer.port}")
         p = _PeerOut(peer, self._connect(peer), next_seq=self._next_seq.pop(peer.node_id, 1))
         p.reader = asyncio.create_task(self._ack_loop(p), name=f"channel-acks-{self.node_id}->{peer.node_id}")
         self._peers_out[peer] = p
         return p
 
     def _connect(self, peer: Endpoint) -> Any:
-        """The sending socket to ``peer``: a DEALER (subclasses: a same-host Unix socket)."""
+        """The sending socket to ``peer``: its same-host Unix socket when it has one, else a DEALER."""
+        if self.use_local and self.is_local(peer):
+            try:
+                local = LocalDealer(peer.port, 1 << 20, lambda why: self.reset_peer(peer, f"lost ({why})"))
+            except OSError:
+                pass
+            else:
+                self.counters["local_connects"] += 1
+                return local
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -447,11 +474,11 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         sock.connect(peer.address)
         return LoopSocket(sock)
 
-    def _reply_socket(self, ident: bytes) -> Any:
+    def reply_socket(self, ident: bytes) -> Any:
         """The socket that answers (acks, releases) the connection ``ident`` came on."""
-        return self._router
+        return self.local if ident[:1] == IDENT_TAG and self.local is not None else self.router
 
-    def _reset_peer(self, peer: Endpoint, why: str = "reset after a send timed out") -> None:
+    def reset_peer(self, peer: Endpoint, why: str = "reset after a send timed out") -> None:
         """Drop the socket to ``peer`` and whatever it still queues (after a timeout: the peer may be
         dead, and a message delivered much later would be stale; or the connection was lost).
         Sends waiting for an ack fail at once, naming the peer. Sequence numbers carry on."""
@@ -473,46 +500,40 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:
-                if self._closed or p.sock.closed:
+                if self.closed or p.sock.closed:
                     return
                 log.warning("channel %s: ack socket to %s failed: %s", self.node_id, p.endpoint.node_id, e)
                 await asyncio.sleep(0.05)
                 continue
             if frames and frames[0] != MAGIC_ACK:
-                self._on_peer_message(p, frames)
+                on_reply = self.reply_handlers.get(frames[0])
+                if on_reply is None:
+                    self.drop("bad_ack", "unknown reply type")
+                else:
+                    on_reply(p.endpoint, frames)
                 continue
             try:
                 ack = self._parse_ack(frames, p.endpoint)
             except ValueError as e:
-                self._drop("bad_ack", str(e))
+                self.drop("bad_ack", str(e))
                 continue
-            self._on_ack(p, ack)
+            for hook in self.ack_hooks:
+                hook(p.endpoint, ack)
             fut = p.pending.get(ack["seq"])
             if fut is None or fut.done():
-                self._counters["late_acks"] += 1
+                self.counters["late_acks"] += 1
                 continue
             fut.set_result(ack)
 
-    def _on_peer_message(self, p: _PeerOut, frames: list[bytes]) -> None:
-        """Messages other than acks coming back on a DEALER (subclasses: shm slot releases)."""
-        self._drop("bad_ack", "unknown reply type")
-
-    def _on_ack(self, p: _PeerOut, ack: dict[str, Any]) -> None:
-        """An authentic ack from ``p`` arrived (subclasses: releases it carries)."""
-
-    def _ack_extra(self, ident: bytes, header: dict[str, Any]) -> dict[str, Any]:
-        """Extra fields for the ack to ``ident`` (subclasses: piggybacked shm releases)."""
-        return {}
-
-    def _parse_reply(self, frames: list[bytes], peer: Endpoint, magic: bytes, typ: str) -> dict[str, Any]:
+    def parse_reply(self, frames: list[bytes], peer: Endpoint, magic: bytes, typ: str) -> dict[str, Any]:
         """Check a signed reply (ack, release) from ``peer`` to this channel session."""
         if len(frames) != 3 or frames[0] != magic or len(frames[2]) != TAG_SIZE:
             raise ValueError(f"malformed {typ} frames")
-        if not self._auth.verify([frames[1]], frames[2], DOMAIN):
+        if not self.auth.verify([frames[1]], frames[2], DOMAIN):
             raise ValueError(f"{typ} with a bad MAC")
         msg = msgpack.unpackb(frames[1], raw=False)
         if (not isinstance(msg, dict) or msg.get("t") != typ or msg.get("to") != self.node_id
-                or msg.get("sess") != self._session):
+                or msg.get("sess") != self.session):
             raise ValueError(f"{typ} not addressed to this channel session")
         if msg.get("from") != peer.node_id and not (typ == "ack" and msg.get("code") == WRONG_RECIPIENT
                                                     and msg.get("ok") is False):
@@ -522,10 +543,11 @@ class ZmqChannel(MessageReceiver, StreamReceiver, TensorChannel):
         return msg
 
     def _parse_ack(self, frames: list[bytes], peer: Endpoint) -> dict[str, Any]:
-        ack = self._parse_reply(frames, peer, MAGIC_ACK, "ack")
+        ack = self.parse_reply(frames, peer, MAGIC_ACK, "ack")
         if not isinstance(ack.get("seq"), int):
             raise ValueError("ack without a sequence number")
         return ack
+
 
 def freeze_startup_objects() -> None:
     """Move every object alive now (torch, transformers, the model: ~170k objects) out of the
@@ -541,7 +563,7 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-async def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+async def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CUDA tensors travel through host memory on the zmq/shm channels, copied in a worker
     thread: a device-to-host copy waits for every kernel queued before it on the device, which
     must not stall the event loop (callers that can stage the copy themselves do: the weight
@@ -550,3 +572,15 @@ async def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return await asyncio.to_thread(
             lambda: {k: (t.cpu() if isinstance(t, torch.Tensor) else t) for k, t in tensors.items()})
     return tensors
+
+
+def _local_addresses(host: str) -> frozenset[str]:
+    names = {"127.0.0.1", "localhost", "::1", host}
+    try:
+        hn = socket.gethostname()
+        names.add(hn)
+        names.update(socket.gethostbyname_ex(hn)[2])
+    except OSError:
+        pass
+    names.discard("0.0.0.0")
+    return frozenset(names)

@@ -1,7 +1,24 @@
-"""Warm receive buffers: the shm channel's private copies of small payloads (``shm_copy_below``)
-and the buffers streamed payloads (weight buckets) are received into.
+"""The data plane's one buffer-pool abstraction: size classes and the reuse rule, and the pools on it.
 
-Why it exists: a fresh buffer page-faults on every first write, and the kernel zeroes each
+Why it exists: every pool of the data plane keeps buffers warm for the next payload of a similar
+size, and they all follow one rule: a buffer is sized by :func:`size_class`, and a request takes
+:func:`smallest_fitting`, the smallest idle buffer that holds it. What differs between them, and
+is why they are several objects on this one rule, not one object, is only how a buffer becomes
+idle again, which is where its memory lives:
+
+* :class:`CopyPool` (here): process memory, idle again when the last array or tensor viewing it
+  dies (a finalizer): the private copies of small shared-memory payloads and streamed payloads;
+* :class:`PinnedPool` (here): page-locked host memory, given back explicitly once no sender reads
+  the weight version it staged;
+* the shared-memory mover's slots (:mod:`.movers.shm`): /dev/shm segments, idle again when the
+  receiver's release comes back (a message or an ack);
+* :class:`~.shared_buffers.SharedBufferPool`: /dev/shm segments shared with every same-host
+  consumer, idle again once each consumer stored the buffer's use in its release cell.
+
+(``core/allocator.py`` is not a pool: it tells glibc to keep freed blocks, so buffers outside
+these pools are not page-faulted anew every step.)
+
+CopyPool: a fresh buffer page-faults on every first write, and the kernel zeroes each
 page first: a fresh 0.5 MiB numpy array costs ~4x the copy into it, and a 64 MiB weight
 bucket (above glibc's mmap threshold, so mapped and unmapped for every message) is received
 at a fraction of the speed of a warm one. Buffers come back when the last array or tensor
@@ -17,8 +34,12 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
+import torch
+
+T = TypeVar("T")
 
 
 CLASSES_PER_OCTAVE = 4
@@ -38,6 +59,20 @@ def size_class(n: int, minimum: int = 4096) -> int:
         return minimum
     step = max(minimum, (1 << (n - 1).bit_length()) // (2 * CLASSES_PER_OCTAVE))
     return -(-n // step) * step
+
+
+def smallest_fitting(items: Iterable[T], nbytes: int, size: Callable[[T], int], idle: Callable[[T], bool],
+                     at_most: int | None = None) -> T | None:
+    """The reuse rule of every pool: the smallest idle item of at least ``nbytes`` (and at most
+    ``at_most``, when a payload should not pin a much larger buffer), or None."""
+    best, best_size = None, 0
+    for it in items:
+        n = size(it)
+        if n < nbytes or (at_most is not None and n > at_most) or (best is not None and n >= best_size):
+            continue
+        if idle(it):
+            best, best_size = it, n
+    return best
 
 
 class CopyPool:
@@ -66,8 +101,8 @@ class CopyPool:
         with self._lock:
             self._file_returns()
             # the smallest idle buffer that fits, up to twice the class (sizes vary from step to step)
-            fits = [k for k, free in self._free.items() if free and size <= k <= 2 * size]
-            base = self._free[min(fits)].pop() if fits else None
+            k = smallest_fitting(self._free, size, int, lambda k: bool(self._free[k]), at_most=2 * size)
+            base = self._free[k].pop() if k is not None else None
             if base is not None:
                 self._idle -= base.nbytes
         if base is None:
@@ -103,3 +138,42 @@ class CopyPool:
             if len(free) < self._max_free and self._idle + base.nbytes <= self._max_idle:
                 free.append(base)
                 self._idle += base.nbytes
+
+
+class PinnedPool:
+    """Reusable host buffers for staging CUDA buckets (page-locked when CUDA is present).
+
+    ``stage(bucket)`` copies a bucket into a free buffer of sufficient size (or a new one) and
+    returns (views, buffer); ``give_back(buffer)`` makes it reusable. A version's buffers are
+    given back when no sender reads the version any more, so steady state allocates nothing.
+    """
+
+    def __init__(self, max_free: int = 64):
+        self._free: list[torch.Tensor] = []
+        self._max_free = max_free
+        self._lock = threading.Lock()  # stage() runs in worker threads, give_back() on the loop
+
+    def stage(self, bucket: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        need = sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in bucket.values())
+        with self._lock:
+            # by index: list.remove compares tensors with ==, elementwise (it raises on the first
+            # buffer of another size it meets)
+            i = smallest_fitting(range(len(self._free)), need, lambda i: self._free[i].numel(), lambda i: True)
+            buf = self._free.pop(i) if i is not None else None
+        if buf is None:
+            buf = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        out, off = {}, 0
+        for name, t in bucket.items():
+            n = t.numel() * t.element_size()
+            view = buf[off:off + n].view(t.dtype).view(t.shape)
+            view.copy_(t, non_blocking=True)
+            out[name] = view
+            off += (n + 63) // 64 * 64
+        for dev in {t.device for t in bucket.values() if t.is_cuda}:  # the copies ran on each tensor's device
+            torch.cuda.current_stream(dev).synchronize()
+        return out, buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self._max_free:
+                self._free.append(buf)

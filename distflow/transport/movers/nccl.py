@@ -1,10 +1,12 @@
-"""GPU tensor channel: CUDA tensors over NCCL point-to-point, control over ZMQ.
+"""The NCCL mover: CUDA tensors GPU to GPU over NCCL point-to-point, control over the link.
 
 Why it exists: on GPU hosts, batches and weights already live in device memory; staging
-them through host memory would cost two PCIe copies each way. This channel moves CUDA
+them through host memory would cost two PCIe copies each way. This mover moves CUDA
 tensors GPU to GPU with NCCL send/recv, while the signed header, the sequence number,
-the ack and the error reporting stay the :class:`ZmqChannel` protocol. CPU tensors in
-the same message travel as inline frames (or shared memory, via :class:`ShmChannel`).
+the ack and the error reporting stay the link's protocol (:mod:`..link`). CPU tensors in
+the same message travel as inline frames. It plugs into the link through its registries (the
+``nccl`` payload kind, the ``__nccl_init__`` internal kind); a message it does not take (no CUDA
+tensor, a peer without NCCL) goes the transport's host way (``send_host``: shared memory or frames).
 
 Communicators are created on demand, one per *direction* between two peers (the sender
 is rank 0, the receiver rank 1), so A->B and B->A traffic can never interleave their
@@ -45,7 +47,7 @@ for a post running in a worker thread to return, unless that post is the one tha
 Tensors are sent as raw bytes (``uint8``), so every dtype, bfloat16 included, works.
 
 cupy is imported lazily: importing this module without cupy or without a GPU is fine;
-constructing the channel then raises a clear error. Tests skip without a GPU.
+constructing the mover then raises a clear error. Tests skip without a GPU.
 """
 
 from __future__ import annotations
@@ -57,17 +59,17 @@ import functools
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import torch
 import zmq
 
 from distflow.core.aio import DaemonThreadPool
-from distflow.core.channels import codec
-from distflow.core.channels.base import ChannelClosed, ChannelError, Endpoint, Envelope, Handler, RemoteError, log
-from distflow.core.channels.shm_channel import ShmChannel
-from distflow.core.channels.zmq_channel import PayloadError
+import distflow.transport.codec as codec
+from distflow.transport.api import ChannelClosed, ChannelError, Endpoint, Envelope, PayloadError, RemoteError, log
+from distflow.transport.link import Link
 
 INIT_KIND = "__nccl_init__"
 UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
@@ -165,23 +167,13 @@ class _Comm:
             pass
 
 
-class NcclChannel(ShmChannel):
-    """ShmChannel that moves CUDA tensors with NCCL; CPU tensors as before."""
+class NcclMover:
+    """Moves the CUDA tensors of a message with NCCL; the rest of the message as the host way does."""
 
-    transport = "nccl"
+    name = "nccl"
 
-    def __init__(
-        self,
-        node_id: str,
-        secret: str | bytes,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        device: int | None = None,
-        nccl_timeout: float = 120.0,
-        **kw: Any,
-    ) -> None:
-        super().__init__(node_id, secret, host, port, **kw)
+    def __init__(self, link: Link, send_host: Callable[..., Awaitable[Any]], *, device: int | None = None,
+                 nccl_timeout: float = 120.0) -> None:
         self._nccl = _import_nccl()
         if not torch.cuda.is_available():
             raise RuntimeError("the nccl channel needs a CUDA device (torch.cuda.is_available() is False)")
@@ -192,6 +184,10 @@ class NcclChannel(ShmChannel):
         self.device = int(device)
         if not 0 <= self.device < torch.cuda.device_count():
             raise ValueError(f"nccl channel device {self.device}: only {torch.cuda.device_count()} GPU(s) are visible")
+        self.link = link
+        self.node_id = link.node_id
+        self._counters: Counter[str] = link.counters
+        self._send_host = send_host  # the transport's way for what NCCL does not carry
         self._nccl_timeout = nccl_timeout
         self._uint8 = getattr(self._nccl, "NCCL_UINT8", 1)
         self._out: dict[Endpoint, _Comm] = {}  # I am rank 0
@@ -200,22 +196,23 @@ class NcclChannel(ShmChannel):
         self._replaced: dict[Endpoint, str] = {}  # peer -> id of the dropped comm the next init replaces
         self._no_nccl: dict[Endpoint, float] = {}  # peer -> until when it gets host-memory sends (it refused
         # a communicator: no NCCL channel there, or its init failed; NCCL is tried again after NO_NCCL_RETRY_S)
-        self._user_handler: Handler | None = None
         # NCCL calls that may block on a peer run in threads of their own: one stuck until its
         # process exits (an init whose peer never joined cannot be aborted) takes none of the
         # node's worker threads and does not keep the process from exiting
-        self._threads = DaemonThreadPool(name=f"nccl-{node_id}", grace_s=self._close_timeout)
-        super().set_handler(self._dispatch)
+        self._threads = DaemonThreadPool(name=f"nccl-{link.node_id}", grace_s=link.close_timeout)
+        link.payload_movers["nccl"] = self._receive_payload
+        link.internal[INIT_KIND] = self._accept_comm
 
-    def set_handler(self, handler: Handler) -> None:
-        if not callable(handler):
-            raise TypeError(f"handler must be an async callable, got {type(handler).__name__}")
-        self._user_handler = handler
+    @staticmethod
+    def has_cuda(tensors: dict[str, Any]) -> bool:
+        return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors.values())
+
+    def refused(self, peer: Endpoint) -> bool:
+        """``peer`` refused a communicator less than ``NO_NCCL_RETRY_S`` ago (it gets host sends)."""
+        return self._no_nccl.get(peer, 0.0) > time.monotonic()
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        await super().close()
+        """After the link closed: abort every communicator, join the threads (bounded)."""
         for c in [*self._out.values(), *self._in.values()]:
             c.abort(force=True)  # not destroy(): that waits for unmatched calls of a peer that may be gone;
             # forced: a post hanging in NCCL would otherwise keep its worker thread (and exit) waiting
@@ -226,25 +223,18 @@ class NcclChannel(ShmChannel):
         await asyncio.to_thread(self._threads.shutdown)
 
     def _in_thread(self, fn: Any, *args: Any) -> asyncio.Future:
-        if self._closed:
+        if self.link.closed:
             raise ChannelClosed(f"channel {self.node_id} is closed")
         return asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
 
-    def _extra_stats(self) -> dict[str, Any]:
-        return {**super()._extra_stats(), "nccl_sends": self._counters["nccl_sends"],
+    def stats(self) -> dict[str, Any]:
+        return {"nccl_sends": self._counters["nccl_sends"],
                 "nccl_recvs": self._counters["nccl_recvs"], "nccl_aborts": self._counters["nccl_aborts"],
                 "nccl_comms": len(self._out) + len(self._in)}
 
     # ------------------------------------------------------------------ communicators
-    async def _dispatch(self, env: Envelope) -> Any:
-        if env.kind == INIT_KIND:
-            await self._accept_comm(env)
-            return None
-        if self._user_handler is None:
-            raise PayloadError("no_handler", f"node {self.node_id} has no handler installed")
-        return await self._user_handler(env)
-
     async def _accept_comm(self, env: Envelope) -> None:
+        """A peer's ``__nccl_init__``: join its new communicator (rank 1), freeing the one it replaces."""
         uid, comm_id, replaces = env.meta.get("uid"), env.meta.get("comm"), env.meta.get("replaces")
         if not isinstance(comm_id, str):
             raise ValueError("malformed nccl init message")
@@ -359,7 +349,7 @@ class NcclChannel(ShmChannel):
                                        name=f"nccl-init-{self.node_id}->{peer.node_id}")
             mine.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even when abandoned
             try:
-                await super()._send(peer, INIT_KIND, init, {})
+                await self._send_host(peer, INIT_KIND, init, {})
                 c = await mine  # under its own deadline
             except BaseException:
                 mine.cancel()
@@ -369,11 +359,12 @@ class NcclChannel(ShmChannel):
             return c
 
     # ------------------------------------------------------------------ send
-    async def _send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    async def send(self, peer: Endpoint, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+        """One message whose CUDA tensors go over NCCL (when `select.message_mover` says "nccl")."""
         cuda = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_cuda}
-        if not cuda or self._no_nccl.get(peer, 0.0) > time.monotonic():
-            return await super()._send(peer, kind, meta, tensors)  # CUDA tensors, if any, go through host memory
-        self._check_send_args(peer, kind, meta, tensors)
+        if not cuda:
+            return await self._send_host(peer, kind, meta, tensors)
+        self.link.check_send_args(peer, kind, meta, tensors)
         for k, t in cuda.items():
             if t.device.index != self.device:
                 raise ValueError(f"channel {self.node_id}: tensor {k!r} is on {t.device}, but this NCCL channel "
@@ -385,11 +376,11 @@ class NcclChannel(ShmChannel):
             log.warning("channel %s: no NCCL to %s (%s); CUDA tensors go through host memory for %.0f s",
                         self.node_id, peer.node_id, e.message, NO_NCCL_RETRY_S)
             self._no_nccl[peer] = time.monotonic() + NO_NCCL_RETRY_S
-            return await super()._send(peer, kind, meta, tensors)
+            return await self._send_host(peer, kind, meta, tensors)
         headers = [codec.tensor_header(k, t) for k, t in cuda.items()]
         contiguous = all(t.is_contiguous() for t in cuda.values())
         bufs = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in cuda.values()]
-        out = await self._inline_outgoing(*codec.encode(cpu))  # CPU side-tensors go inline
+        out = await self.link.inline_outgoing(*codec.encode(cpu))  # CPU side-tensors go inline
         out.pay = "nccl"
         out.nbytes += sum(h["nbytes"] for h in headers)
         sent: asyncio.Task | None = None
@@ -406,7 +397,7 @@ class NcclChannel(ShmChannel):
                 for b in bufs:
                     b.record_stream(comm.stream)  # freed blocks are not reused before the sends ran
                 await self._post_in_thread(comm, bufs, True)
-                sent = asyncio.create_task(self._send_prepared(peer, kind, meta, out),
+                sent = asyncio.create_task(self.link.send_prepared(peer, kind, meta, out),
                                            name=f"nccl-send-{self.node_id}->{peer.node_id}")
                 await asyncio.sleep(0)  # let the header reach the socket before the next NCCL post
             await sent
@@ -426,8 +417,6 @@ class NcclChannel(ShmChannel):
     # ------------------------------------------------------------------ receive
     async def _receive_payload(self, header: dict[str, Any], payload: list[zmq.Frame],
                                ident: bytes) -> dict[str, torch.Tensor]:
-        if header["pay"] != "nccl":
-            return await super()._receive_payload(header, payload, ident)
         info = header.get("nccl")
         if not isinstance(info, dict):
             raise PayloadError("bad_header", "nccl message without an 'nccl' section")
@@ -471,7 +460,7 @@ class NcclChannel(ShmChannel):
             raise PayloadError("nccl_aborted", f"NCCL communicator {comm.comm_id} from {sender} was aborted")
         torch.cuda.current_stream(self.device).wait_event(event)
         self._counters["nccl_recvs"] += 1
-        out.update(await self._decode_inline(header, payload))
+        out.update(await self.link.receiver.decode_inline(header, payload))
         return out
 
 

@@ -1,6 +1,6 @@
 """Buffers a producer shares with the same-host consumers it posts to, and their release cells.
 
-Why: a posted part (:mod:`.mailbox`, :mod:`.posting`) is a record pointing into memory both
+Why: a posted part (:mod:`.ring`, :mod:`.movers.posting`) is a record pointing into memory both
 processes map. A producer packs a step's batch once into one such buffer (every consumer's part)
 and posts each consumer a record naming its span. Each consumer maps the producer's buffers when
 the producer introduces them (a signed channel message, acked after the mapping), before any
@@ -12,7 +12,7 @@ index the producer gave it), then the data. A buffer's ``use`` counts its acquis
 done with its part of use u (every view freed, or the part dropped) stores u in its cell: a plain
 store, no message, no wake-up. The producer reuses the buffer once every consumer it posted that
 use to has stored it (or is dead). Names stay linked while the producer lives (a consumer that
-comes later maps the same buffers) and go at exit like every segment of :mod:`.shm_segments`.
+comes later maps the same buffers) and go at exit like every segment of :mod:`.arena`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distflow.core.channels.copy_pool import size_class
-from distflow.core.channels.shm_segments import _map_segment, _unlink, release_name, reserve_name
+from distflow.transport.pool import size_class, smallest_fitting
+from distflow.transport.arena import _map_segment, _unlink, release_name, reserve_name
 
 HEADER = 4096  # release cells, then the data (64-byte aligned)
 CELLS_OFF = 64
@@ -72,12 +72,7 @@ class SharedBufferPool:
     def acquire(self, nbytes: int, gone: Callable[[Any], bool]) -> SharedBuffer | None:
         """The smallest free buffer of at least ``nbytes`` (its use advanced, busy), else None. A buffer
         is free once each poster it was posted to released that use, or is ``gone(poster)``."""
-        best = None
-        for b in self.buffers:
-            if b.capacity < nbytes or (best is not None and b.capacity >= best.capacity):
-                continue
-            if _free(b, gone):
-                best = b
+        best = smallest_fitting(self.buffers, nbytes, lambda b: b.capacity, lambda b: _free(b, gone))
         if best is not None:
             best.use += 1
             best.expect = {}
