@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sample", "Episode", "TokenAssembly", "render_prompt", "TemplateError", "STOP_REASONS", "TRAINED_STOPS"]
+__all__ = ["Sample", "Episode", "TokenAssembly", "render_prompt", "end_of_turn_id", "TemplateError", "STOP_REASONS", "TRAINED_STOPS"]
 
 # Why an episode ended. done: the environment said so; max_turns / max_total_tokens: a budget;
 # length: a turn was cut at max_new_tokens; tool_error: too many failed tool calls;
@@ -58,6 +58,21 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None
     if not ids:
         raise TemplateError("the chat template rendered no tokens")
     return ids
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The token the chat template ends an assistant turn with (Qwen: ``<|im_end|>``): the last
+    special token of a rendered one-exchange conversation; None when there is none. The engine
+    must stop on it, and it is stripped from the reply text the environment sees. (The logic of
+    :func:`distflow.hf.end_of_turn`, without importing torch.)"""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # a template that wants other roles, or refuses this shape
+        return None
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return next((t for t in reversed(ids) if t in special), None)
 
 
 @dataclass

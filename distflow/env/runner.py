@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from distflow.env.api import EnvError, call_env, check_messages, check_step_result, load_environment
-from distflow.env.episode import STOP_REASONS, Episode, TemplateError, TokenAssembly, render_prompt
+from distflow.env.episode import STOP_REASONS, Episode, TemplateError, TokenAssembly, end_of_turn_id, render_prompt
 from distflow.env.tools import ToolEnvironment
 
 __all__ = ["EpisodeRunner", "GenerateFn", "environment_factory", "summarize"]
@@ -93,12 +93,17 @@ class EpisodeRunner:
             from distflow.rollout.protocol import SamplingParams  # torch comes with it: only when needed
 
             params = SamplingParams(max_new_tokens=max_new_tokens)
+        # The engine stops at the template's end of turn (else the model writes made-up turns) and
+        # the environment sees the reply without it, nor without an EOS that ended it.
+        end = end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        if end is not None and end not in params.stop_token_ids:
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end))
         self.tokenizer, self.generate, self.make_env, self.params = tokenizer, generate, make_env, params
         self.max_turns, self.max_total_tokens, self.max_new_tokens = max_turns, max_total_tokens, max_new_tokens
         self.max_tool_errors, self.env_timeout = max_tool_errors, env_timeout
         self.max_concurrent = max_concurrent
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.stop_ids = set(getattr(params, "stop_token_ids", ()) or ()) | ({eos} if isinstance(eos, int) else set())
+        self.stop_ids = set(params.stop_token_ids) | ({eos} if isinstance(eos, int) else set())
         self.stats: dict[str, float] = {}
         self.env_name = getattr(make_env, "spec", getattr(make_env, "__qualname__", "environment"))
 
