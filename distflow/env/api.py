@@ -16,7 +16,7 @@ An environment is any object with
   out. A plain dict with those keys is accepted too.
 
 Both may be ``async def`` or plain methods; plain ones run in a worker thread
-(:func:`asyncio.to_thread`) so a slow environment never blocks the event loop that drives the
+(:func:`in_thread`) so a slow environment never blocks the event loop that drives the
 other episodes (and, once integrated, the engine). An optional ``tools`` attribute (a list of
 JSON schemas) is passed to the chat template, and an optional ``close()`` is called at the end.
 """
@@ -24,14 +24,16 @@ JSON schemas) is passed to the chat template, and an optional ``close()`` is cal
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import inspect
 import math
 import numbers
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["StepResult", "Environment", "EnvError", "EnvTimeout", "load_environment", "load_object", "call_env", "deadline",
+__all__ = ["StepResult", "Environment", "EnvError", "EnvTimeout", "load_environment", "load_object", "call_env", "deadline", "in_thread",
            "check_messages", "check_step_result"]
 
 
@@ -144,15 +146,44 @@ async def deadline(awaitable: Any, timeout: float | None) -> Any:
     raise asyncio.TimeoutError
 
 
+async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a daemon worker thread, awaited. Not :func:`asyncio.to_thread`:
+    its pool is joined when the loop closes (``asyncio.run`` returns) and when the interpreter
+    exits, so one user function that never returns would hang the node there, after its episode
+    was long released at its deadline. A daemon thread is abandoned instead."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+    ctx = contextvars.copy_context()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def work() -> None:
+        try:
+            out = ctx.run(fn, *args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+            ok, out = False, e
+        else:
+            ok = True
+        try:
+            loop.call_soon_threadsafe(settle, ok, out)
+        except RuntimeError:  # the loop is closed: nobody waits for this any more
+            pass
+
+    threading.Thread(target=work, name=f"distflow-env-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future
+
+
 async def call_env(fn: Callable[..., Any], *args: Any, timeout: float | None, what: str) -> Any:
     """``fn(*args)`` with a deadline: a coroutine function is awaited, a plain one runs in a worker
-    thread (:func:`asyncio.to_thread`). Raises :class:`EnvTimeout` past ``timeout`` seconds and
+    thread (:func:`in_thread`). Raises :class:`EnvTimeout` past ``timeout`` seconds and
     :class:`EnvError` when it raises (both naming ``what``). A plain function that hangs keeps its
     thread (Python cannot stop a thread), but the episode is released at the deadline all the same."""
     async def call() -> Any:
         if inspect.iscoroutinefunction(fn):
             return await fn(*args)
-        out = await asyncio.to_thread(fn, *args)
+        out = await in_thread(fn, *args)
         return await out if inspect.isawaitable(out) else out
 
     try:

@@ -29,7 +29,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence, Union
 
-from distflow.env.api import StepResult, deadline, load_object
+from distflow.env.api import StepResult, deadline, in_thread, load_object
 
 __all__ = ["Tool", "ToolCall", "ToolEnvironment", "function_schema", "parse_docstring", "parse_tool_calls",
            "run_tool_calls", "resolve_tools"]
@@ -232,7 +232,7 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout: float | None
         if inspect.iscoroutinefunction(tool.fn):
             coro = tool.fn(**call.arguments)
         else:
-            coro = asyncio.to_thread(tool.fn, **call.arguments)
+            coro = in_thread(tool.fn, **call.arguments)
         result = await deadline(coro, timeout)
         if inspect.isawaitable(result):
             result = await deadline(result, timeout)
@@ -288,7 +288,7 @@ class ToolEnvironment:
     async def step(self, reply: str) -> StepResult:
         calls = parse_tool_calls(reply)
         if not calls:
-            score = None if self.reward is None else float(await asyncio.to_thread(self.reward, reply, self.row))
+            score = None if self.reward is None else float(await in_thread(self.reward, reply, self.row))
             return StepResult([], score, True, {"tool_calls": 0, "tool_errors": 0})
         for c in calls[self.max_calls:]:
             c.error = f"more than {self.max_calls} tool calls in one turn"
