@@ -126,11 +126,12 @@ def load_environment(spec: str | type | Callable[..., Any], args: dict | None = 
     return make
 
 
-async def deadline(awaitable: Any, timeout: float | None) -> Any:
+async def deadline(awaitable: Any, timeout: float | None, grace: float = 1.0) -> Any:
     """``await awaitable`` for at most ``timeout`` seconds (None: no limit), else asyncio.TimeoutError.
-    Unlike :func:`asyncio.wait_for`, it never waits for the cancelled work to finish: user code
-    that swallows the cancellation and goes on hanging cannot hold the episode past its deadline
-    (the task is cancelled and left; its eventual exception is retrieved, not logged)."""
+    Past the deadline the work is cancelled and given ``grace`` seconds to clean up (a sandbox
+    reaps its killed child); unlike :func:`asyncio.wait_for`, it is never waited for longer: user
+    code that swallows the cancellation and goes on hanging cannot hold the episode (the task is
+    left behind; its eventual exception is retrieved, not logged)."""
     task = asyncio.ensure_future(awaitable)
     if timeout is None:
         return await task
@@ -143,6 +144,7 @@ async def deadline(awaitable: Any, timeout: float | None) -> Any:
         return task.result()
     task.cancel()
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    await asyncio.wait({task}, timeout=grace)
     raise asyncio.TimeoutError
 
 

@@ -25,6 +25,7 @@ observation, never an exception of the node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import shutil
@@ -168,6 +169,8 @@ async def run_python(code: str, *, cpu_s: int = 5, memory_mb: int = 512, wall_s:
             (out, cut_out), (err, cut_err), rc = await reads
     except BaseException:  # cancelled (a tool deadline) or failed: never leave the child running
         _kill_group(proc)
+        with contextlib.suppress(BaseException):  # reap it, so its transport closes on this loop
+            await asyncio.wait_for(proc.wait(), 5)
         raise
     finally:
         _kill_group(proc)  # a grandchild the code left behind in its session goes too
