@@ -207,3 +207,31 @@ def test_load_environment_errors_name_the_problem():
         environment_factory("tests.test_env_runner:Echo", tools=["tests.test_env_episode:add"])
     with pytest.raises(ValueError, match="needs environment"):
         environment_factory()
+
+
+def test_batched_generate_joins_concurrent_turns_into_engine_batches(tok):
+    """The runner over a blocking batch engine (``generate(prompts, params, seed)``): the turns
+    requested while it is busy form its next batch; its failure reaches every request."""
+    from distflow.env.batching import BatchedGenerate
+
+    scripted = ScriptedGenerate(tok, SCRIPT)
+    sizes = []
+
+    def engine_generate(prompts, params, seed):
+        sizes.append(len(prompts))
+        time.sleep(0.05)
+        return [asyncio.run(scripted(p, params)) for p in prompts]
+
+    batched = BatchedGenerate(engine_generate, seed=7, max_batch=4)
+    modes = {f"q{i}": "ok" for i in range(6)}
+    r = EpisodeRunner(tok, batched, make_for(modes))
+    eps = asyncio.run(r.run([{"prompt": k} for k in modes]))
+    assert all(e.stop_reason == "done" and e.turns == 2 for e in eps)
+    assert sum(sizes) == 12 and max(sizes) == 4 and len(sizes) <= 5 and batched.batches == len(sizes)
+
+    def broken(prompts, params, seed):
+        raise RuntimeError("engine died")
+
+    r = EpisodeRunner(tok, BatchedGenerate(broken), make_for({"q0": "ok"}))
+    with pytest.raises(ExceptionGroup):
+        asyncio.run(r.run([{"prompt": "q0"}]))
