@@ -188,3 +188,36 @@ def test_step_result_dataclass_and_dict_agree():
     a = check_step_result(StepResult([], 1, True), "x")
     b = check_step_result({"messages": [], "reward": 1, "done": True}, "x")
     assert a == b and isinstance(a.reward, float)
+
+
+def test_a_turn_ended_by_eos_instead_of_the_end_of_turn_splits(tok):
+    """The template writes <|im_end|> after the reply, the model sampled <eos>: not the same
+    tokens, so the episode splits (the sampled <eos> is trained, never replaced)."""
+    eos = tok.eos_token_id
+    gen = ScriptedGenerate(tok, {"2+3": [CALL, "5"]}, raw={"2+3": {0: ids(tok, CALL) + [eos]}})
+    r = runner(tok, gen)
+    (ep,) = r.run_sync([{"prompt": "What is 2+3?"}])
+    assert ep.stop_reason == "done" and ep.tool_calls == 1 and ep.splits == 1
+    assert ep.messages[2]["content"] == CALL  # the env saw the reply without its stop token
+    assert ep.samples[0].tokens[-1] == eos and ep.samples[0].loss_mask[-1] == 1
+
+
+class Refused:
+    """Answers with a second user turn, which the strict template below refuses."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, reply):
+        return StepResult([{"role": "user", "content": "{% raise %}"}], None, False, {})
+
+
+def test_messages_the_template_refuses_are_an_environment_error(tmp_path):
+    strict = build_chat_tokenizer(tmp_path / "strict", "{%- for m in messages %}{% if m.role == 'user' and loop.index > 1 "
+                                  "%}{{ raise_exception('one user turn only') }}{% endif %}<|im_start|>{{ m.role }}\n"
+                                  "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                                  "<|im_start|>assistant\n{% endif %}")
+    gen = ScriptedGenerate(strict, {"q": ["a", "b"]})
+    r = EpisodeRunner(strict, gen, environment_factory("tests.test_env_episode:Refused"))
+    (ep,) = r.run_sync([{"prompt": "q"}])
+    assert ep.stop_reason == "env_error" and "one user turn only" in ep.error and ep.samples == []
