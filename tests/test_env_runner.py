@@ -190,6 +190,14 @@ class NoStep:
         return []
 
 
+def test_a_tokenizer_without_a_chat_template_is_refused_at_once(tok):
+    class Plain:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="need a tokenizer with a chat template"):
+        EpisodeRunner(Plain(), ScriptedGenerate(tok, SCRIPT), make_for({}))
+
+
 def test_load_environment_errors_name_the_problem():
     with pytest.raises(ValueError, match="expected 'package.module:Name'"):
         load_environment("tests.test_env_runner.Echo")

@@ -89,13 +89,16 @@ class EpisodeRunner:
                        ("max_new_tokens", max_new_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {v!r}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("multi-turn episodes need a tokenizer with a chat template (it renders each turn's "
+                             "prompt); this one has none")
         if params is None:
             from distflow.rollout.protocol import SamplingParams  # torch comes with it: only when needed
 
             params = SamplingParams(max_new_tokens=max_new_tokens)
         # The engine stops at the template's end of turn (else the model writes made-up turns) and
         # the environment sees the reply without it, nor without an EOS that ended it.
-        end = end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        end = end_of_turn_id(tokenizer)
         if end is not None and end not in params.stop_token_ids:
             params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end))
         self.tokenizer, self.generate, self.make_env, self.params = tokenizer, generate, make_env, params
