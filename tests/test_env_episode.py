@@ -213,10 +213,11 @@ class Refused:
 
 
 def test_messages_the_template_refuses_are_an_environment_error(tmp_path):
-    strict = build_chat_tokenizer(tmp_path / "strict", "{%- for m in messages %}{% if m.role == 'user' and loop.index > 1 "
-                                  "%}{{ raise_exception('one user turn only') }}{% endif %}<|im_start|>{{ m.role }}\n"
-                                  "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
-                                  "<|im_start|>assistant\n{% endif %}")
+    template = ("{%- for m in messages %}"
+                "{% if m.role == 'user' and loop.index > 1 %}{{ raise_exception('one user turn only') }}{% endif %}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    strict = build_chat_tokenizer(tmp_path / "strict", template)
     gen = ScriptedGenerate(strict, {"q": ["a", "b"]})
     r = EpisodeRunner(strict, gen, environment_factory("tests.test_env_episode:Refused"))
     (ep,) = r.run_sync([{"prompt": "q"}])

@@ -9,14 +9,16 @@ through :class:`EpisodeRunner` with any ``generate(prompt_ids, params) -> Comple
 from distflow.env.api import (EnvError, Environment, EnvTimeout, StepResult, call_env, check_messages,
                               check_step_result, load_environment)
 from distflow.env.batching import BatchedGenerate
-from distflow.env.episode import (STOP_REASONS, TRAINED_STOPS, Episode, Sample, TemplateError, TokenAssembly, end_of_turn_id,
-                                  render_prompt)
+from distflow.env.episode import (STOP_REASONS, TRAINED_STOPS, Episode, Sample, TemplateError, TokenAssembly,
+                                  end_of_turn_id, render_prompt)
 from distflow.env.runner import EpisodeRunner, environment_factory, summarize
 from distflow.env.sandbox import SandboxResult, make_python_tool, python, run_python
 from distflow.env.tools import Tool, ToolCall, ToolEnvironment, function_schema, parse_tool_calls, run_tool_calls
 
-__all__ = ["StepResult", "Environment", "EnvError", "EnvTimeout", "load_environment", "call_env", "check_messages",
-           "check_step_result", "Episode", "Sample", "TokenAssembly", "render_prompt", "TemplateError",
-           "STOP_REASONS", "TRAINED_STOPS", "end_of_turn_id", "EpisodeRunner", "BatchedGenerate", "environment_factory", "summarize", "SandboxResult",
-           "run_python", "python", "make_python_tool", "Tool", "ToolCall", "ToolEnvironment", "function_schema",
-           "parse_tool_calls", "run_tool_calls"]
+__all__ = [
+    "StepResult", "Environment", "EnvError", "EnvTimeout", "load_environment", "call_env", "check_messages",
+    "check_step_result", "Episode", "Sample", "TokenAssembly", "render_prompt", "end_of_turn_id", "TemplateError",
+    "STOP_REASONS", "TRAINED_STOPS", "EpisodeRunner", "BatchedGenerate", "environment_factory", "summarize",
+    "SandboxResult", "run_python", "python", "make_python_tool", "Tool", "ToolCall", "ToolEnvironment",
+    "function_schema", "parse_tool_calls", "run_tool_calls",
+]

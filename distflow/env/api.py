@@ -33,7 +33,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["StepResult", "Environment", "EnvError", "EnvTimeout", "load_environment", "load_object", "call_env", "deadline", "in_thread",
+__all__ = ["StepResult", "Environment", "EnvError", "EnvTimeout", "load_environment", "load_object", "call_env",
+           "deadline", "in_thread",
            "check_messages", "check_step_result"]
 
 
@@ -225,7 +226,8 @@ def check_step_result(value: Any, what: str) -> StepResult:
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"messages", "reward", "done", "info"})
         if unknown:
-            raise EnvError(f"{what} returned a dict with unknown keys {unknown} (expected messages, reward, done, info)")
+            raise EnvError(f"{what} returned a dict with unknown keys {unknown} "
+                           f"(expected messages, reward, done, info)")
         if "done" not in value:
             raise EnvError(f"{what} returned a dict without 'done'")
         value = StepResult(value.get("messages", []), value.get("reward"), value["done"], value.get("info") or {})

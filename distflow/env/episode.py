@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Sample", "Episode", "TokenAssembly", "render_prompt", "end_of_turn_id", "TemplateError", "STOP_REASONS", "TRAINED_STOPS"]
+__all__ = ["Sample", "Episode", "TokenAssembly", "render_prompt", "end_of_turn_id", "TemplateError", "STOP_REASONS",
+           "TRAINED_STOPS"]
 
 # Why an episode ended. done: the environment said so; max_turns / max_total_tokens: a budget;
 # length: a turn was cut at max_new_tokens; tool_error: too many failed tool calls;

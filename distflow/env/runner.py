@@ -40,7 +40,8 @@ from distflow.env.tools import ToolEnvironment
 
 __all__ = ["EpisodeRunner", "GenerateFn", "environment_factory", "summarize"]
 
-# generate(prompt_ids, params) -> Completion (tokens, logprobs, finish_reason, first/last_version), or an awaitable of it
+# generate(prompt_ids, params) -> Completion (tokens, logprobs, finish_reason, first/last_version),
+# or an awaitable of one
 GenerateFn = Callable[[list[int], Any], Any]
 
 

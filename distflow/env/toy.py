@@ -57,7 +57,7 @@ DROP_THINK_TEMPLATE = _TEMPLATE.replace(
                "else m.content").strip("\n")
 
 
-def build_chat_tokenizer(out_dir: str | os.PathLike[str], template: str = HERMES_TEMPLATE):  # -> PreTrainedTokenizerFast
+def build_chat_tokenizer(out_dir: str | os.PathLike[str], template: str = HERMES_TEMPLATE):  # -> a fast tokenizer
     """Build the character-level chat tokenizer with ``template``, save it into ``out_dir`` and
     load it back with ``AutoTokenizer.from_pretrained`` (the path a model directory takes)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -88,8 +88,8 @@ class ScriptedGenerate:
     ``-(turn + 1) - i / 1000``. ``delay``: seconds each call takes. Records every call in ``calls``
     as (key, turn, prompt ids, time)."""
 
-    def __init__(self, tokenizer: Any, scripts: dict[str, list[str]], *, raw: dict[str, dict[int, list[int]]] | None = None,
-                 delay: float = 0.0, version: int = 0):
+    def __init__(self, tokenizer: Any, scripts: dict[str, list[str]], *,
+                 raw: dict[str, dict[int, list[int]]] | None = None, delay: float = 0.0, version: int = 0):
         self.tok, self.scripts, self.raw, self.delay, self.version = tokenizer, scripts, raw or {}, delay, version
         self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.calls: list[tuple[str, int, list[int], float]] = []
