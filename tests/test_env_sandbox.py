@@ -5,6 +5,8 @@ crash or a kill that is an observation, never an exception."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import socket
 import threading
 import time
@@ -12,7 +14,7 @@ import time
 import pytest
 
 from distflow.env import run_python
-from distflow.env.sandbox import make_python_tool, netns_available
+from distflow.env.sandbox import make_python_tool, netns_available, runs_as
 from distflow.env.tools import ToolEnvironment
 
 ISOLATIONS = [pytest.param("netns", marks=pytest.mark.skipif(not netns_available(), reason="no `unshare -n` here")),
@@ -121,3 +123,38 @@ def test_python_tool_in_the_tool_environment_with_a_shorter_tool_deadline():
     assert [m["content"] for m in r.messages] == ["42", "Error: python timed out after 1 s"]
     assert r.info == {"tool_calls": 2, "tool_errors": 1}
     assert env.tools[0]["function"]["parameters"]["required"] == ["code"]
+
+
+SIGNAL = """
+import os
+try:
+    os.kill({pid}, 0)
+    print("reached the node")
+except OSError as e:
+    print("refused", type(e).__name__)
+if {via_process}:
+    import subprocess
+    r = subprocess.run(["kill", "-0", "{pid}"], capture_output=True)
+    print("kill binary", "reached the node" if r.returncode == 0 else "refused")
+print("uid", os.getuid())
+"""
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_code_cannot_signal_the_node(isolation):
+    r = asyncio.run(run_python(SIGNAL.format(pid=os.getpid(), via_process=False), isolation=isolation, wall_s=20))
+    assert r.ok and r.stdout.startswith("refused PermissionError"), r.stdout + r.stderr
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not netns_available() or not SYSTEM_PYTHON
+                    or not runs_as(SYSTEM_PYTHON, 65534), reason="needs root, `unshare -n` and a Python nobody can run")
+def test_as_root_the_code_runs_as_nobody_and_its_processes_cannot_signal_the_node(server):
+    port, accepted = server
+    r = asyncio.run(run_python(SIGNAL.format(pid=os.getpid(), via_process=True), isolation="netns", wall_s=20,
+                               executable=SYSTEM_PYTHON))
+    assert r.uid == 65534 and r.stdout.splitlines() == ["refused PermissionError", "kill binary refused", "uid 65534"]
+    r = asyncio.run(run_python(CONNECT.format(port=port), isolation="netns", wall_s=20, executable=SYSTEM_PYTHON))
+    assert r.stdout.startswith("blocked") and accepted == []

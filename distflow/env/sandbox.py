@@ -11,6 +11,11 @@ path) in a new session, with:
   the child itself before it runs the code;
 * a wall-clock deadline (a process sleeping or blocked uses no CPU): the whole process group
   is killed at ``wall_s``;
+* no power over the node: started as root, it drops to an unprivileged user (``nobody``) before
+  the code runs (when the interpreter works as that user: a Python installed under ``/root``
+  does not), so it cannot signal the node's processes or write their files; and an audit hook
+  refuses ``os.kill`` / ``os.killpg`` of any process but its own (in the namespace mode, a
+  process the code starts is not hooked: there the user switch is what protects the node);
 * no network: in a fresh network namespace (``unshare -n``: only a loopback that is down)
   when that works here (root, or unprivileged user namespaces); otherwise an audit hook in the
   child refuses every socket operation and process creation (``isolation="audit"``). The audit
@@ -36,29 +41,37 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["SandboxResult", "run_python", "python", "make_python_tool", "netns_available"]
+__all__ = ["SandboxResult", "run_python", "python", "make_python_tool", "netns_available", "runs_as"]
 
-# The child's bootstrap: limits first, then (audit isolation) the hook, then the user's code
-# read from stdin. Its argv: cpu_s, memory bytes, fsize bytes, isolation.
+# The child's bootstrap: limits first, then the code read from stdin, then (as root) the switch to
+# an unprivileged user, then (audit isolation) the hook, then the code runs.
+# Its argv: cpu_s, memory bytes, fsize bytes, isolation, uid to run as (-1: stay).
 _BOOT = r"""
-import resource, sys
-cpu, mem, fsize, isolation = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+import os, resource, sys
+cpu, mem, fsize, isolation, uid = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+                                   int(sys.argv[5]))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 code = sys.stdin.read()
 sys.stdin.close()
-if isolation == "audit":
-    _DENY = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-             "os.forkpty", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "_posixsubprocess")
-    def _hook(event, args, _deny=_DENY):
-        if event.startswith(_deny):
-            raise PermissionError(f"sandbox: {event} is not allowed (no network, no processes)")
-    sys.addaudithook(_hook)
-del resource, cpu, mem, fsize, isolation
+if uid >= 0:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+_DENY = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+         "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata") if isolation == "audit" else ()
+def _hook(event, args, _deny=_DENY, _me=os.getpid()):
+    if event.startswith(_deny) or (event in ("os.kill", "os.killpg") and args[0] not in (_me, 0)):
+        raise PermissionError(f"sandbox: {event} is not allowed (no network, no processes, no signals out)")
+sys.addaudithook(_hook)
+del os, resource, cpu, mem, fsize, isolation, uid
 exec(compile(code, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
+
+
+_NOBODY = 65534  # the conventional uid of "nobody"
 
 
 @dataclass
@@ -72,6 +85,7 @@ class SandboxResult:
     limit: str | None = None
     truncated: bool = False
     isolation: str = ""
+    uid: int = -1  # the user the code ran as (-1: the node's)
 
     @property
     def ok(self) -> bool:
@@ -109,6 +123,17 @@ def netns_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=8)
+def runs_as(executable: str, uid: int) -> bool:
+    """Whether Python ``executable`` works as user ``uid`` (its standard library readable by it);
+    checked once per pair. Needs root."""
+    try:
+        return subprocess.run([executable, "-I", "-c", "import json, socket, encodings"], user=uid, group=uid,
+                              extra_groups=[], capture_output=True, timeout=30, cwd="/").returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
     """Read ``stream`` to its end, keeping the first ``limit`` bytes (the rest is read and dropped,
     so a child printing without end neither blocks on a full pipe nor fills our memory)."""
@@ -130,21 +155,29 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
 
 async def run_python(code: str, *, cpu_s: int = 5, memory_mb: int = 512, wall_s: float = 10.0,
                      max_output_bytes: int = 16384, isolation: Literal["auto", "netns", "audit"] = "auto",
-                     cwd: str | None = None) -> SandboxResult:
+                     cwd: str | None = None, uid: int | None = None, executable: str | None = None) -> SandboxResult:
     """Run ``code`` in a sandboxed subprocess (see the module doc) and return what happened.
     ``isolation``: ``netns`` (a network namespace; ValueError when unavailable), ``audit`` (the
     in-process hook), ``auto`` (netns when available). Cancelling the call kills the child.
-    ``cwd``: the working directory (default: a fresh temporary one, removed afterwards)."""
+    ``cwd``: the working directory (default: a fresh temporary one, removed afterwards). ``uid``: the
+    user the code runs as (default: ``nobody`` when this process is root and ``executable`` works as
+    nobody, else this user; -1: this user). ``executable``: the Python to run (default: this one)."""
     if isolation == "auto":
         isolation = "netns" if netns_available() else "audit"
     if isolation == "netns" and not netns_available():
         raise ValueError("isolation='netns' needs `unshare -n` to work here (root or user namespaces)")
     if isolation not in ("netns", "audit"):
         raise ValueError(f"isolation must be 'auto', 'netns' or 'audit', got {isolation!r}")
-    argv = [sys.executable, "-I", "-c", _BOOT, str(int(cpu_s)), str(int(memory_mb) << 20), str(64 << 20), isolation]
+    executable = executable or sys.executable
+    if uid is None:
+        uid = _NOBODY if os.geteuid() == 0 and runs_as(executable, _NOBODY) else -1
+    argv = [executable, "-I", "-c", _BOOT, str(int(cpu_s)), str(int(memory_mb) << 20), str(64 << 20), isolation,
+            str(uid)]
     if isolation == "netns":
         argv = [shutil.which("unshare") or "unshare", "-n", *argv]
     tmp = None if cwd is not None else tempfile.mkdtemp(prefix="distflow-sandbox-")
+    if tmp is not None and uid >= 0:
+        os.chown(tmp, uid, -1)  # the code may write its scratch files there
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": cwd or tmp, "LANG": "C.UTF-8",
            "PYTHONIOENCODING": "utf-8"}
     proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -179,11 +212,11 @@ async def run_python(code: str, *, cpu_s: int = 5, memory_mb: int = 512, wall_s:
     if limit is None and rc == -signal.SIGXCPU:
         limit = "cpu"  # RLIMIT_CPU: SIGXCPU at the soft limit (SIGKILL at the hard one, a second later)
     return SandboxResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                         None if limit == "wall" else rc, limit, cut_out or cut_err, isolation)
+                         None if limit == "wall" else rc, limit, cut_out or cut_err, isolation, uid)
 
 
 def make_python_tool(*, cpu_s: int = 5, memory_mb: int = 512, wall_s: float = 10.0, max_output_bytes: int = 16384,
-                     isolation: Literal["auto", "netns", "audit"] = "auto"):
+                     isolation: Literal["auto", "netns", "audit"] = "auto", executable: str | None = None):
     """A ``python(code)`` tool with these limits (for :class:`distflow.env.tools.ToolEnvironment`)."""
 
     async def python(code: str) -> str:
@@ -194,7 +227,7 @@ def make_python_tool(*, cpu_s: int = 5, memory_mb: int = 512, wall_s: float = 10
             code: the complete Python program to run.
         """
         result = await run_python(code, cpu_s=cpu_s, memory_mb=memory_mb, wall_s=wall_s,
-                                  max_output_bytes=max_output_bytes, isolation=isolation)
+                                  max_output_bytes=max_output_bytes, isolation=isolation, executable=executable)
         return result.observation(wall_s, cpu_s)
 
     return python
