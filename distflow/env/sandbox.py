@@ -162,15 +162,16 @@ async def run_python(code: str, *, cpu_s: int = 5, memory_mb: int = 512, wall_s:
     ``cwd``: the working directory (default: a fresh temporary one, removed afterwards). ``uid``: the
     user the code runs as (default: ``nobody`` when this process is root and ``executable`` works as
     nobody, else this user; -1: this user). ``executable``: the Python to run (default: this one)."""
+    has_netns = await asyncio.to_thread(netns_available)  # probes run once, off the loop
     if isolation == "auto":
-        isolation = "netns" if netns_available() else "audit"
-    if isolation == "netns" and not netns_available():
+        isolation = "netns" if has_netns else "audit"
+    if isolation == "netns" and not has_netns:
         raise ValueError("isolation='netns' needs `unshare -n` to work here (root or user namespaces)")
     if isolation not in ("netns", "audit"):
         raise ValueError(f"isolation must be 'auto', 'netns' or 'audit', got {isolation!r}")
     executable = executable or sys.executable
     if uid is None:
-        uid = _NOBODY if os.geteuid() == 0 and runs_as(executable, _NOBODY) else -1
+        uid = _NOBODY if os.geteuid() == 0 and await asyncio.to_thread(runs_as, executable, _NOBODY) else -1
     argv = [executable, "-I", "-c", _BOOT, str(int(cpu_s)), str(int(memory_mb) << 20), str(64 << 20), isolation,
             str(uid)]
     if isolation == "netns":
