@@ -17,7 +17,7 @@ path) in a new session, with:
   refuses ``os.kill`` / ``os.killpg`` of any process but its own (in the namespace mode, a
   process the code starts is not hooked: there the user switch is what protects the node);
 * no network: in a fresh network namespace (``unshare -n``: only a loopback that is down)
-  when that works here (root, or unprivileged user namespaces); otherwise an audit hook in the
+  when that works here (as root); otherwise an audit hook in the
   child refuses every socket operation and process creation (``isolation="audit"``). The audit
   hook stops a model's ordinary code (``socket``, ``urllib``, ``subprocess``, ``ctypes``) but
   is no security boundary against an adversary; the namespace is.
@@ -44,7 +44,8 @@ from typing import Literal
 __all__ = ["SandboxResult", "run_python", "python", "make_python_tool", "netns_available", "runs_as"]
 
 # The child's bootstrap: limits first, then the code read from stdin, then (as root) the switch to
-# an unprivileged user, then (audit isolation) the hook, then the code runs.
+# an unprivileged user, then the audit hook (signals out; with audit isolation also the network
+# and new processes), then the code runs.
 # Its argv: cpu_s, memory bytes, fsize bytes, isolation, uid to run as (-1: stay).
 _BOOT = r"""
 import os, resource, sys
@@ -113,7 +114,7 @@ class SandboxResult:
 
 @functools.lru_cache(maxsize=1)
 def netns_available() -> bool:
-    """Whether ``unshare -n`` can make a network namespace here (checked once per process)."""
+    """Whether ``unshare -n`` can make a network namespace here (as root; checked once per process)."""
     exe = shutil.which("unshare")
     if exe is None:
         return False
@@ -166,7 +167,7 @@ async def run_python(code: str, *, cpu_s: int = 5, memory_mb: int = 512, wall_s:
     if isolation == "auto":
         isolation = "netns" if has_netns else "audit"
     if isolation == "netns" and not has_netns:
-        raise ValueError("isolation='netns' needs `unshare -n` to work here (root or user namespaces)")
+        raise ValueError("isolation='netns' needs `unshare -n` to work here (as root)")
     if isolation not in ("netns", "audit"):
         raise ValueError(f"isolation must be 'auto', 'netns' or 'audit', got {isolation!r}")
     executable = executable or sys.executable
