@@ -164,3 +164,14 @@ def test_tools_by_name_and_their_errors():
         resolve_tools([fails, "tests.test_env_tools:fails"])
     with pytest.raises(ValueError, match="not a function"):
         Tool.of("tests.test_env_tools:__doc__")
+
+
+def test_the_package_imports_without_torch_or_transformers():
+    """The building blocks are pure: a rollout process pays for torch only where it needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, distflow.env, distflow.env.toy; "
+            "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
