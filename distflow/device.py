@@ -169,7 +169,6 @@ PEAK_FLOPS = (("H200 NVL", 835e12, 60e12), ("H200", 989e12, 67e12), ("H100 PCIe"
               ("H800", 989e12, 67e12), ("B200", 2250e12, None), ("A100", 312e12, 19.5e12),
               ("A800", 312e12, 19.5e12), ("L40S", 362e12, 91.6e12), ("L40", 181e12, 90.5e12),
               ("L4", 121e12, 30.3e12))
-FALLBACK_PEAK_FLOPS = 1e14  # a placeholder: mfu is then only comparable between runs on one machine
 
 
 def tf32_matmuls() -> bool:

@@ -7,7 +7,7 @@ in ``group`` (and the COMPUTE nodes downstream of them, e.g. a GRPO advantage af
 reward model). The rollout node of shard s sends its WHOLE batch of a step to the group's
 rank ``s % size`` (:meth:`distflow.runtime.Runtime.targets_after`), so every prompt group
 is on one node; this node runs its pipeline with the rollout stage registry
-(:func:`distflow.rollout.stages.run_stages`; the context's ``engine`` is only asked for
+(:func:`distflow.step.rollout_half` on the batch; the context's ``engine`` is only asked for
 its ``tokenizer``: no policy is loaded, a reward model stage loads its own model), and
 forwards the result to the next group through ``buffer.redistribute.scatter``, keeping
 ``source_rank`` (the shard), so the trainers still see exactly one part per (step, shard).
@@ -63,14 +63,14 @@ async def run_stage_worker(rt: Runtime) -> None:
         shard = int(env.meta["source_rank"])
         extra = {k: v for k, v in env.meta.items() if k not in RESERVED_META}
         if pipeline:
-            from distflow.rollout.stages import RolloutContext, run_stages
+            from distflow.rollout.stages import RolloutContext
+            from distflow.step import rollout_half, step_seed
 
             stats: dict[str, int] = {}
-            seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
-            ctx = RolloutContext(engine, cfg, [], seed, list(pipeline), stats)
+            ctx = RolloutContext(engine, cfg, [], step_seed(cfg.seed, shard, step), list(pipeline), stats)
             async with lock:
                 try:
-                    batch = await asyncio.to_thread(run_stages, pipeline, ctx, batch)
+                    batch = await asyncio.to_thread(rollout_half, list(pipeline), ctx, batch)
                 except Exception as e:  # a failing stage fails this node (the launcher restarts it), not the send
                     if not failed.done():
                         failed.set_exception(e)

@@ -39,12 +39,14 @@ def test_throughput_and_mfu_hand_computed():
     out = throughput({"time_update_s": 2.0, "train_tokens": 5000.0}, num_params=1_000_000, world=2, peak_flops=1e12)
     assert out == {"tokens_per_s": 2500.0, "mfu": pytest.approx(0.0075)}
     assert throughput({"time_update_s": 0.0, "train_tokens": 10.0}, 1, 1, 1.0) == {"tokens_per_s": 0.0, "mfu": 0.0}
+    # an unknown peak (a CPU): no mfu at all rather than one against a made-up peak
+    assert throughput({"time_update_s": 2.0, "train_tokens": 5000.0}, 1_000_000, 2, None) == {"tokens_per_s": 2500.0}
 
 
 def test_peak_flops_by_gpu_name_and_dtype_and_the_config_wins():
     from types import SimpleNamespace
 
-    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops, tf32_matmuls
+    from distflow.device import peak_flops, tf32_matmuls
     from distflow.trainer.worker import trainer_peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
@@ -70,7 +72,7 @@ def test_peak_flops_by_gpu_name_and_dtype_and_the_config_wins():
     assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12 and peak_flops("NVIDIA L4", "bfloat16") == 121e12
     assert peak_flops("Some Future GPU", "bfloat16") is None and peak_flops(None, "bfloat16") is None
     assert trainer_peak_flops(SimpleNamespace(peak_flops=2e15, device="cuda", dtype="bfloat16")) == 2e15
-    assert trainer_peak_flops(SimpleNamespace(peak_flops=None, device="cpu", dtype="float32")) == FALLBACK_PEAK_FLOPS
+    assert trainer_peak_flops(SimpleNamespace(peak_flops=None, device="cpu", dtype="float32")) is None
 
 
 def test_stage_summary_line_status_column_and_plot(tmp_path):

@@ -3,13 +3,17 @@ end to end in one default run (`distflow run`, as shipped: 2 rollout + 2 trainer
 mean reward of the last 10 steps minus the first 10 >= 0.3. The reward is the policy's: with
 a filter (DAPO's dynamic sampling) that is ``generated_reward_mean``, the reward of what was
 generated before the filter dropped groups (the trained samples' mean is biased by the filter).
+A key the chosen loss ignores (cispo: clip_low) is refused where a config sets it; every example
+loads, and so does the resolved dump of it that the launcher writes for its nodes.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from distflow.core.config import load_config
 from distflow.trainer.metrics import read_metrics
@@ -90,3 +94,139 @@ def _learns(algo: str, tmp_path: Path, toy_model: Path) -> None:
 @pytest.mark.parametrize("algo", sorted(CONFIGS))
 def test_shipped_algorithm_learns(algo: str, tmp_path, toy_model) -> None:
     _learns(algo, tmp_path, toy_model)
+
+
+# ------------------------------------------------------------------ keys a loss ignores
+def _ignored() -> list[tuple[str, str]]:
+    from distflow.rl.names import LOSS_OPTION_KEYS, POLICY_LOSS_KEYS, POLICY_LOSS_NAMES
+
+    return [(loss, key) for loss in POLICY_LOSS_NAMES for key in LOSS_OPTION_KEYS
+            if key not in POLICY_LOSS_KEYS[loss]]
+
+
+def _config(loss: str, **keys):
+    """grpo_quickstart (a reference node, kl_coef) trained by ``loss``, with clip_low, clip_high and
+    dual_clip unset but for ``keys`` (None: null)."""
+    from distflow.core.config import config_from_dict, load_yaml
+    from distflow.rl.names import LOSS_OPTION_KEYS
+
+    raw = load_yaml(path("grpo").read_text())
+    for k in LOSS_OPTION_KEYS:
+        raw.pop(k, None)
+    assert raw["workflow"][4]["id"] == "update"
+    raw["workflow"][4]["fn"] = loss
+    return config_from_dict({**raw, **keys}, source=f"grpo_quickstart with {loss}")
+
+
+SET_VALUES = {"clip_low": [0.1, 0.2], "clip_high": [0.1, 0.2], "dual_clip": [3.0]}  # 0.2: the default, set
+
+
+def test_the_ignored_keys_are_cispos_clip_low_and_dual_clip_and_gspos_dual_clip() -> None:
+    from distflow.core.config import Config
+    from distflow.rl.names import POLICY_LOSS_KEYS
+
+    assert _ignored() == [("gspo", "dual_clip"), ("cispo", "clip_low"), ("cispo", "dual_clip")]
+    assert {k for keys in POLICY_LOSS_KEYS.values() for k in keys} <= set(Config.model_fields)  # config keys
+
+
+@pytest.mark.parametrize("loss,key", _ignored())
+def test_a_loss_refuses_each_key_it_ignores_where_set(loss: str, key: str) -> None:
+    from distflow.core.config import ConfigError
+
+    cfg = _config(loss)  # unset: loads
+    assert cfg.workflow[4].fn == loss and key not in cfg.model_fields_set
+    for value in SET_VALUES[key]:  # set, even to its default: refused, naming key, node, loss and the fix
+        with pytest.raises(ConfigError, match=rf"{key}: workflow node 'update' trains with '{loss}', which ignores "
+                                              rf"it \(.+\); remove {key}"):
+            _config(loss, **{key: value})
+    if key == "dual_clip":  # null is off, which is what the loss does: not refused
+        assert _config(loss, dual_clip=None).dual_clip is None
+
+
+def test_cispos_refusal_says_what_cispo_clips() -> None:
+    from distflow.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"clip_low: workflow node 'update' trains with 'cispo', which ignores it "
+                                          r"\(CISPO clips only the importance weight, from above: clip_high\); "
+                                          r"remove clip_low"):
+        load_config(path("cispo"), ["clip_low=0.2"])
+
+
+@pytest.mark.parametrize("loss", ["grpo", "ppo", "dapo", "reinforce_pp", "gspo", "cispo"])
+def test_a_loss_takes_every_key_it_reads(loss: str) -> None:
+    from distflow.rl.names import LOSS_OPTION_KEYS, POLICY_LOSS_KEYS
+
+    reads = [k for k in LOSS_OPTION_KEYS if k in POLICY_LOSS_KEYS[loss]]
+    cfg = _config(loss, **{k: SET_VALUES[k][0] for k in reads})
+    assert all(getattr(cfg, k) == SET_VALUES[k][0] for k in reads)
+
+
+def test_every_example_loads_and_its_resolved_dump_loads_again(tmp_path) -> None:
+    """Every shipped config loads, and so does the resolved config.yaml the launcher writes for its
+    nodes (model_dump: every key set, those a loss ignores at their defaults); a dump whose
+    ignored key was changed is still refused."""
+    import yaml
+
+    from distflow.core.config import ConfigError, config_from_dict
+
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert len(examples) >= 11
+    for example in examples:
+        cfg = load_config(example)
+        again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
+        assert again.model_dump() == cfg.model_dump(), example.name
+    dump = load_config(path("cispo")).model_dump(mode="json")
+    assert dump["clip_low"] == 0.2 and dump["dual_clip"] is None
+    with pytest.raises(ConfigError, match=r"clip_low: workflow node 'update' trains with 'cispo'"):
+        config_from_dict({**dump, "clip_low": 0.1})
+
+
+def test_kl_clamp_is_refused_where_no_estimator_is_k3() -> None:
+    from distflow.core.config import ConfigError
+
+    assert load_config(path("grpo")).kl_clamp == 10.0  # the default bound of k3
+    assert load_config(path("grpo"), ["kl_clamp=5"]).kl_clamp == 5.0
+    assert load_config(path("grpo"), ["kl_clamp=null"]).kl_clamp is None  # the exact k3
+    assert load_config(path("grpo"), ["kl_estimator=k2"]).kl_clamp == 10.0  # unset: loads
+    with pytest.raises(ConfigError, match=r"kl_clamp: bounds the k3 KL estimator only, but kl_estimator is k2 and "
+                                          r"kl_reward_estimator k1, so it would do nothing; remove kl_clamp"):
+        load_config(path("grpo"), ["kl_estimator=k2", "kl_clamp=5"])
+    # the per-token reward penalty reads it too (kl_reward_estimator k3)
+    assert load_config(path("ppo"), ["kl_estimator=k2", "kl_reward_estimator=k3", "kl_clamp=5"]).kl_clamp == 5.0
+    for bad in ("0", "-1"):
+        with pytest.raises(ConfigError, match="kl_clamp"):
+            load_config(path("grpo"), [f"kl_clamp={bad}"])
+
+
+def test_kl_clamp_reaches_the_loss_and_the_reward_penalty() -> None:
+    """The config's kl_clamp is what the trainer hands the policy loss and the per-token KL penalty.
+    One token 20 nats under the reference (d = 20): k3 = 229.292051 bounded (10 + 12.6108686 x
+    17.3891314), e^20 - 21 = 485165174.4 exact (kl_clamp null)."""
+    from types import SimpleNamespace
+
+    from distflow.buffer.batch import SampleBatch
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.stages import TrainerContext, _token_rewards
+
+    for over, k3 in (([], 229.292051), (["kl_clamp=null"], math.exp(20) - 21)):
+        # the reward penalty: kl_coef 0.5 x k3 on token 0, the outcome (1) on the last token
+        cfg = load_config(path("ppo"), ["kl_reward_estimator=k3", "kl_coef=0.5", *over])
+        b = SampleBatch.from_lists(["s0"], ["p0"], [[2, 5]], [[6, 7]], [[-21.0, -1.0]])
+        b.set_ragged("ref_logprobs", torch.tensor([-1.0, -1.0]))
+        b.set_scalar("reward", torch.tensor([1.0]))
+        rewards = _token_rewards(cfg.plan().node("gae"), TrainerContext(cfg), b, torch.ones(1, 2, dtype=torch.bool))
+        assert rewards.shape == (1, 2) and abs(rewards[0, 1].item() - 1.0) < 1e-6
+        assert abs(rewards[0, 0].item() + 0.5 * k3) < 1e-5 * max(1.0, k3)
+        # the loss term: the keywords Actor._loss hands the policy loss
+        cfg = load_config(path("grpo"), over)
+        seen: dict = {}
+
+        def loss_fn(*args, **kw):
+            seen.update(kw)
+            return torch.zeros(()), {}
+
+        b.set_scalar("advantage", torch.tensor([0.0]))
+        fake = SimpleNamespace(cfg=cfg, device=torch.device("cpu"))
+        Actor._loss(fake, loss_fn, b, torch.ones(1, dtype=torch.bool), SimpleNamespace(response_lens=[2]),
+                    torch.tensor([-21.0, -1.0]), torch.zeros(2), cfg.kl_coef, 2.0, 1.0)
+        assert seen["kl_clamp"] == cfg.kl_clamp and seen["kl_estimator"] == "k3"

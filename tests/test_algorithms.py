@@ -1,4 +1,4 @@
-"""Tests for distflow.rl.algorithms against hand-computed numbers.
+"""Tests for the RL maths (distflow.rl) against hand-computed numbers.
 
 Every expected value is a literal worked out by hand (the arithmetic is in the comments),
 never by calling the function under test.
@@ -13,20 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distflow.rl.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    POLICY_LOSSES,
-    compute_gae,
-    group_advantages,
-    kl_k3,
-    masked_mean,
-    masked_sum,
-    masked_whiten,
-    policy_loss,
-    resolve,
-    rloo_advantages,
-    value_loss,
-)
+from distflow.rl.advantages import group_advantages, rloo_advantages
+from distflow.rl.gae import compute_gae, value_loss
+from distflow.rl.kl import kl_k3
+from distflow.rl.losses import policy_loss
+from distflow.rl.masked import masked_mean, masked_sum, masked_whiten
+from distflow.rl.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
 
 
 def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
@@ -138,8 +130,15 @@ def test_kl_k3_is_non_negative_and_finite_for_extreme_ratios() -> None:
     ref = torch.tensor([[-100.0, 0.0, 0.0, -30.0 + 1e-6]])
     k = kl_k3(logp, ref)
     assert torch.isfinite(k).all() and (k >= 0).all()
-    # d = +100 is clamped to 20: e^20 - 20 - 1 = 485165174.41
-    assert k[0, 1].item() == pytest.approx(485165174.41, rel=1e-6)
+    # d = +100 is past k3's knee (kl_clamp 10: d_c = 2.6108686, where e^d - d - 1 = 10): the tangent there,
+    # 10 + (10 + d_c)(100 - d_c) = 10 + 12.6108686 x 97.3891314 = 1238.16154
+    assert k[0, 1].item() == pytest.approx(1238.16154, rel=1e-6)
+    # unbounded (clamp None), past d = 20 (exp stays finite) the tangent there: e^20 - 21 + (e^20 - 1) x 80
+    # = 485165174.41 + 38813215552.78 = 39298380727.19
+    exact = kl_k3(logp, ref, None)
+    assert torch.isfinite(exact).all() and (exact >= 0).all()
+    assert exact[0, 1].item() == pytest.approx(39298380727.19, rel=1e-6)
+    assert exact[0, 0].item() == pytest.approx(99.0, rel=1e-6)
     # d = -100 is not clamped (exp(d) just tends to 0): e^-100 + 100 - 1 = 99
     assert k[0, 0].item() == pytest.approx(99.0, rel=1e-6)
     # d = 1e-4: d^2/2 = 5e-9 (accurate thanks to expm1)
@@ -402,7 +401,7 @@ def test_registries_and_resolve() -> None:
     assert resolve(ADVANTAGE_ESTIMATORS, "grpo", "advantage estimator") is group_advantages
     assert resolve(POLICY_LOSSES, "ppo", "policy loss") is policy_loss
     assert POLICY_LOSSES["grpo"] is policy_loss
-    fn = resolve(ADVANTAGE_ESTIMATORS, "distflow.rl.algorithms:rloo_advantages", "advantage estimator")
+    fn = resolve(ADVANTAGE_ESTIMATORS, "distflow.rl.advantages:rloo_advantages", "advantage estimator")
     assert fn is rloo_advantages
     assert resolve({}, "math:sqrt", "x")(9.0) == 3.0
 

@@ -19,7 +19,8 @@ import torch
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import config_from_dict
 from distflow.trainer.critic import CRITIC_DIR, WEIGHTS_FILE, Critic, split_mini_batches
-from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
+from distflow.step import train_half
+from distflow.trainer.stages import build_context, save_checkpoint
 from tests.host_reads import HostReads
 from tests.process_group import process_group, store_path
 
@@ -220,7 +221,7 @@ def test_one_ppo_step_through_the_trainer_executor(group, toy_model, tmp_path) -
     actor = Actor(cfg, True)
     ctx = build_context(cfg, pipeline, actor)
     b = batch_of(4)
-    stats = run_pipeline(pipeline, ctx, b)
+    stats = train_half(pipeline, ctx, b)
     for key in ("token_advantages", "returns", "values", "ref_logprobs"):
         assert b.tensors[key].shape == b.tensors["response_tokens"].shape, key
     assert {"pg_loss", "grad_norm", "vf_loss", "critic_steps"} <= set(stats)
@@ -357,7 +358,7 @@ def test_gae_on_a_rank_with_no_samples(toy_model, kl_in_reward: bool) -> None:
     whitening all-reduces (the same two as a rank with samples, or the others hang in them) and
     leaves empty advantages and returns. It raised before the collective (a KeyError on
     'logprobs' with the KL penalty in the reward, an empty max() without it)."""
-    from distflow.trainer.executor import TrainerContext, gae
+    from distflow.trainer.stages import TrainerContext, token_advantage
 
     cfg = make_cfg(toy_model, kl_in_reward=kl_in_reward, kl_coef=0.1)
     calls: list[list[float]] = []
@@ -369,7 +370,7 @@ def test_gae_on_a_rank_with_no_samples(toy_model, kl_in_reward: bool) -> None:
     b = SampleBatch.empty()  # what a rank without samples takes; the earlier stages add these
     b.set_ragged("values", torch.zeros(0))
     b.set_ragged("ref_logprobs", torch.zeros(0))
-    gae(cfg.plan().node("gae"), TrainerContext(cfg, all_reduce=all_reduce), b)
+    token_advantage(cfg.plan().node("gae"), TrainerContext(cfg, all_reduce=all_reduce), b)
     assert calls == [[0.0, 0.0], [0.0]]
     assert b.tensors["token_advantages"].shape == (0,) and b.tensors["returns"].shape == (0,)
     assert b.tensors["advantage"].shape == (0,)
@@ -378,5 +379,5 @@ def test_gae_on_a_rank_with_no_samples(toy_model, kl_in_reward: bool) -> None:
     full.set_ragged("values", torch.zeros(int(full.tensors["response_lens"].sum())))
     full.set_ragged("ref_logprobs", torch.full_like(full.tensors["logprobs"], -1.5))
     calls.clear()
-    gae(cfg.plan().node("gae"), TrainerContext(cfg, all_reduce=all_reduce), full)
+    token_advantage(cfg.plan().node("gae"), TrainerContext(cfg, all_reduce=all_reduce), full)
     assert len(calls) == 2 and calls[0][0] == float(full.tensors["response_lens"].sum()) and len(calls[1]) == 1

@@ -267,11 +267,12 @@ def _edit(base: list[dict[str, Any]], drop: tuple[str, ...] = (), **deps: list[s
     # GRPO's estimator fed straight from generate: no rewards to normalise
     (_edit(GRPO_WORKFLOW, ("reward",), advantage=["generate"]),
      "node 'advantage' (role ACTOR): grpo reads rewards, but no node upstream of it (key 'deps', directly or "
-     "through its deps) is a REWARD node"),
+     "through its deps) makes them: a REWARD COMPUTE or REWARD MODEL_INFERENCE node"),
     # the update fed by the reference only: no advantages
     (_edit(GRPO_WORKFLOW, update=["reference"]),
      "node 'update' (role ACTOR): grpo reads advantages, but no node upstream of it (key 'deps', directly or "
-     "through its deps) is an advantage estimator"),
+     "through its deps) makes them: an ACTOR COMPUTE (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, "
+     "gae, reinforce_pp_token) node"),
     # a filter is not an estimator
     (_edit(GRPO_WORKFLOW, ("advantage",), update=["ds", "reference"])
      + [node("ds", fn="dynamic_sampling", deps=["reward"])],
@@ -279,10 +280,10 @@ def _edit(base: list[dict[str, Any]], drop: tuple[str, ...] = (), **deps: list[s
     # gae without the critic's values; the critic update without gae's returns
     (_edit(PPO_WORKFLOW, gae=["reward"]),
      "node 'gae' (role ACTOR): gae reads values, but no node upstream of it (key 'deps', directly or through its "
-     "deps) is a CRITIC MODEL_INFERENCE (values) node"),
+     "deps) makes them: a CRITIC MODEL_INFERENCE node"),
     (_edit(PPO_WORKFLOW, critic_update=["values", "reward"]),
      "node 'critic_update' (role CRITIC): value_loss reads returns, but no node upstream of it (key 'deps', "
-     "directly or through its deps) is a gae node (the value targets)"),
+     "directly or through its deps) makes them: an ACTOR COMPUTE (gae) node"),
 ])
 def test_each_stage_input_is_made_upstream(nodes, expected) -> None:
     """Shapes that plan but would fail at step 1 (after every model has loaded) are named here."""
@@ -401,3 +402,17 @@ def test_generate_only_on_rollout_and_supported_placements_plan() -> None:
     assert (p.group_of["rm"], p.group_of["rm_t"], p.group_of["est"]) == ("rollout", "trainer", "trainer")
     assert ids(plan(PPO_WORKFLOW, SIZES).pipeline("trainer")) == ["reference", "values", "gae", "update",
                                                                    "critic_update"]
+
+
+@pytest.mark.parametrize("index, fn, message", [
+    (0, "banana", "node 'generate' (role ACTOR): ACTOR MODEL_INFERENCE (generate) takes fn 'generate', not 'banana' "
+                  "(key 'fn')"),
+    (3, "ref_logprb", "node 'reference' (role REFERENCE): REFERENCE MODEL_INFERENCE (reference logprobs) takes fn "
+                      "'ref_logprob' or 'ref', not 'ref_logprb' (did you mean 'ref_logprob'?) (key 'fn')"),
+])
+def test_the_fn_of_a_stage_without_functions_is_one_it_knows(index, fn, message) -> None:
+    """A generate or reference node's fn names no function, but a typo there was accepted
+    whatever it said (workflow.0.fn=banana trained normally): it is refused, naming the key."""
+    nodes = [dict(n) for n in GRPO_WORKFLOW]
+    nodes[index]["fn"] = fn
+    assert plan_error(nodes) == message

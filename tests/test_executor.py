@@ -22,13 +22,20 @@ from distflow.buffer.dataloader import PromptRow
 from distflow.core.config import ConfigError, config_from_dict
 from distflow.core.dag import load_workflow
 from distflow.rollout.engine import SamplingParams, make_engine
-from distflow.rollout.stages import StageError, run_pipeline
-from distflow.trainer.executor import TrainerContext, run_pipeline as run_trainer_pipeline
+from distflow.rollout.stages import RolloutContext, StageError
+from distflow.step import rollout_half, train_half as run_trainer_pipeline
+from distflow.trainer.stages import TrainerContext
 
 GEN = {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"}
 REWARD = {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "successor", "deps": ["generate"]}
 ADV = {"id": "advantage", "role": "ACTOR", "type": "COMPUTE", "fn": "grpo", "deps": ["reward"]}
 UPDATE = {"id": "update", "role": "ACTOR", "type": "MODEL_TRAIN", "fn": "grpo", "deps": ["advantage"]}
+
+
+def run_pipeline(pipeline, engine, cfg, rows, seed, stats=None, refill=None):
+    """The rollout half on one step's prompts (the rollout node's call, without the node)."""
+    ctx = RolloutContext(engine, cfg, rows, seed, list(pipeline), stats if stats is not None else {}, refill=refill)
+    return rollout_half(list(pipeline), ctx)
 
 
 def make_cfg(model: Path | str = "unused", workflow=None, **kw):
@@ -341,7 +348,7 @@ def test_token_whitening_keeps_a_tiny_spread() -> None:
     """Returns of 1 + a spread of 1e-3 or 1e-5 (a step where every sample is right, the KL's noise
     on top) whiten as verl does, (a - mean) * rsqrt(var + 1e-8) in fp64: unit variance, or at most
     1e4 x. A one-pass fp32 E[a^2] - mean^2 cancelled to 0 and scaled the noise by 1e8."""
-    from distflow.trainer.executor import _whiten_tokens
+    from distflow.trainer.stages import _whiten_tokens
 
     cfg = make_cfg(workflow=PPO_WF, gamma=1.0, lam=1.0)
     b = SampleBatch.from_lists([f"s{i}" for i in range(64)], [f"p{i}" for i in range(64)], [[1]] * 64,
@@ -388,9 +395,8 @@ def test_reinforce_pp_stage_whitens_over_response_tokens(group) -> None:
         return
     b = SampleBatch.from_lists(["a:s0", "b:s0"], ["a", "b"], [[1], [1]], [[2], [2, 3, 4]])
     b.set_scalar("reward", torch.tensor([1.0, 0.0]))
-    from distflow.rollout.stages import RolloutContext, run_stages
 
-    run_stages([node], RolloutContext(None, cfg, [], 0), b)
+    rollout_half([node], RolloutContext(None, cfg, [], 0), b)
     assert torch.allclose(b.tensors["advantage"], torch.tensor([1.5, -0.5]), atol=1e-5)
 
 
@@ -453,7 +459,6 @@ def test_outcome_reinforce_pp_leaves_truncated_samples_out_of_its_statistics(gro
     whitening; the outcome form kept it in its mean and std, then zeroed its advantage. Here the
     two samples trained on both have reward 1 and the truncated two 0: the outcome form gave the
     trained ones +1.354 (pushed up although they do not differ), the token form 0."""
-    from distflow.rollout.stages import RolloutContext, run_stages
 
     def batch() -> SampleBatch:
         b = SampleBatch.from_lists(["a:s0", "a:s1", "b:s0", "b:s1"], ["a", "a", "b", "b"], [[1]] * 4,
@@ -472,7 +477,7 @@ def test_outcome_reinforce_pp_leaves_truncated_samples_out_of_its_statistics(gro
         if group == "trainer":
             run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg), b)
         else:
-            run_stages([cfg.plan().node("advantage")], RolloutContext(None, cfg, [], 0), b)
+            rollout_half([cfg.plan().node("advantage")], RolloutContext(None, cfg, [], 0), b)
         assert torch.allclose(b.tensors["advantage"], torch.zeros(4), atol=1e-6), (fn, b.tensors["advantage"])
     # without the mask every sample trains and counts: rewards 1, 0, 1, 0 over 2, 4, 2, 4 tokens
     cfg = make_cfg(workflow=[GEN, REWARD, {**ADV, "fn": "reinforce_pp", "group": group}, UPDATE])
@@ -480,7 +485,7 @@ def test_outcome_reinforce_pp_leaves_truncated_samples_out_of_its_statistics(gro
     if group == "trainer":
         run_trainer_pipeline([cfg.plan().node("advantage")], TrainerContext(cfg), b)
     else:
-        run_stages([cfg.plan().node("advantage")], RolloutContext(None, cfg, [], 0), b)
+        rollout_half([cfg.plan().node("advantage")], RolloutContext(None, cfg, [], 0), b)
     mean, n = 4 / 12, 12
     std = math.sqrt((4 * (1 - mean) ** 2 + 8 * mean ** 2) / (n - 1))
     expect = torch.tensor([(1 - mean) / std, -mean / std] * 2)
@@ -488,8 +493,8 @@ def test_outcome_reinforce_pp_leaves_truncated_samples_out_of_its_statistics(gro
 
 
 def test_token_level_estimators_are_placed_on_the_trainer() -> None:
-    with pytest.raises(ConfigError, match=r"reinforce_pp_token is a token-level estimator and runs on the trainer "
-                                          r"group, not on 'rollout' \(key 'group'\)"):
+    with pytest.raises(ConfigError, match=r"reinforce_pp_token runs on the trainer group only, not on "
+                                          r"'rollout' \(key 'group'\)"):
         make_cfg(workflow=[GEN, REWARD, {**RPP_TOKEN, "deps": ["reward"], "group": "rollout"}, UPDATE])
     # kl_in_reward reads the reference logprobs: the reference must run before the estimator
     late_ref = [GEN, REWARD, {**RPP_TOKEN, "deps": ["reward"]},

@@ -15,7 +15,7 @@ import torch
 from distflow.rl.advantages import (discounted_returns, nonconstant_groups, overlong_penalty,
                                     reinforce_pp_advantages, reinforce_pp_baseline_advantages,
                                     reinforce_pp_token_advantages, token_rewards)
-from distflow.rl.kl import kl_estimate, kl_k1, kl_k2, kl_k3, kl_low_var
+from distflow.rl.kl import K3_CLAMP, k3_knee, kl_estimate, kl_k1, kl_k2, kl_k3, kl_low_var
 from distflow.rl.losses import aggregate_loss, cispo_loss, entropy_from_logits, gspo_loss, policy_loss, tis_weights
 from distflow.rl.registry import COMPUTE_FUNCTIONS, GROUP_ESTIMATORS, POLICY_LOSSES
 from tests.host_reads import HostReads
@@ -102,6 +102,111 @@ def test_low_var_kl_is_clamped_where_k3_is_not() -> None:
     close(lp.grad, [0.0])
     d = torch.tensor([40.0])  # the top stays clamped: exp(20) is the largest term
     assert torch.isfinite(kl_k3(torch.zeros(1), d)).all()
+
+
+# k3's knee at the default bound 10: the root of exp(d) - d - 1 = 10, i.e. exp(d) = 11 + d. By hand,
+# Newton from d = 2.6: exp(2.6) = 13.463738, f = 13.463738 - 13.6 = -0.136262, f' = 12.463738 ->
+# d = 2.610933; exp(2.610933) = 13.611740, f = 0.000808, f' = 12.611740 -> d_c = 2.6108686
+# (exp = 13.6108687 = 11 + d_c, f = 3e-8). The bounded gradient is exp(d_c) - 1 = 10 + d_c.
+KNEE = 2.6108686
+E20 = math.exp(20.0)  # 485165195.41
+
+
+def test_k3_knee_by_hand() -> None:
+    assert K3_CLAMP == 10.0
+    assert abs(k3_knee(10.0) - KNEE) < 1e-6
+    assert abs(math.exp(k3_knee(10.0)) - 11.0 - k3_knee(10.0)) < 1e-9  # exp(d) - d - 1 = 10
+    # clamp 0.5: exp(d) - d - 1 = 0.5 -> d = 0.8577 (exp(0.8577) = 2.3577 = 1.5 + 0.8577)
+    assert abs(k3_knee(0.5) - 0.857676) < 1e-5
+    assert k3_knee(None) == 20.0 and k3_knee(1e12) == 20.0  # the exp() bound: e^20 - 21 = 4.85e8 < 1e12
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="kl_clamp must be > 0"):
+            k3_knee(bad)
+
+
+# r = logp - ref; d = -r. k3 = exp(d) - d - 1, d k3 / d logp = 1 - exp(d).
+#   r = 0:   0, 0 (either way)
+#   r = 1:   e^-1 = 0.367879, 1 - e^-1 = 0.632121 (either way: the policy is the likelier, gradient < 1)
+#   r = 20:  19 + e^-20 = 19.0, 1 - e^-20 = 1.0 (either way: that side needs no bound)
+#   r = -1:  e - 2 = 0.718282, 1 - e = -1.718282 (k3 = 0.72 < 10: under the knee either way)
+#   r = -20: exact e^20 - 21 = 485165174.4, 1 - e^20 = -485165194.4;
+#            bounded: 10 + (10 + d_c)(20 - d_c) = 10 + 12.6108686 * 17.3891314 = 229.292051, -(10 + d_c)
+K3_BY_HAND = [
+    (0.0, 10.0, 0.0, 0.0), (0.0, None, 0.0, 0.0),
+    (1.0, 10.0, math.exp(-1), 1 - math.exp(-1)), (1.0, None, math.exp(-1), 1 - math.exp(-1)),
+    (20.0, 10.0, 19.0, 1.0), (20.0, None, 19.0, 1.0),
+    (-1.0, 10.0, math.e - 2, 1 - math.e), (-1.0, None, math.e - 2, 1 - math.e),
+    (-20.0, 10.0, 229.292051, -12.6108686), (-20.0, None, E20 - 21, 1 - E20),
+]
+
+
+@pytest.mark.parametrize("r,clamp,value,grad", K3_BY_HAND)
+def test_k3_value_and_gradient_by_hand(r, clamp, value, grad) -> None:
+    lp = torch.tensor([r], dtype=torch.float64, requires_grad=True)
+    k3 = kl_k3(lp, torch.zeros(1, dtype=torch.float64), clamp)
+    k3.sum().backward()
+    tol = 1e-5 * max(1.0, abs(value))
+    assert abs(k3.item() - value) < tol, (k3.item(), value)
+    assert abs(lp.grad.item() - grad) < 1e-5 * max(1.0, abs(grad)), (lp.grad.item(), grad)
+    # kl_estimate passes the bound to k3 (its default is K3_CLAMP, 10)
+    est = kl_estimate(lp.detach(), torch.zeros(1, dtype=torch.float64), "k3", clamp=clamp)
+    assert abs(est.item() - value) < tol
+
+
+def test_k3_is_continuous_with_one_slope_at_the_knee() -> None:
+    """At the knee the exact piece and the tangent meet: the value is 10 and the gradient counted once."""
+    lp = torch.tensor([-k3_knee(10.0)], dtype=torch.float64, requires_grad=True)
+    k3 = kl_k3(lp, torch.zeros(1, dtype=torch.float64))
+    k3.sum().backward()
+    close(k3, [10.0])
+    close(lp.grad, [-12.6108686])
+    below = kl_k3(torch.tensor([-k3_knee(10.0) + 1e-6], dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    above = kl_k3(torch.tensor([-k3_knee(10.0) - 1e-6], dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    close(below, [10.0 - 12.6108686e-6], atol=1e-9)
+    close(above, [10.0 + 12.6108686e-6], atol=1e-9)
+
+
+def test_k3_loss_with_one_outlier_token_has_a_bounded_gradient() -> None:
+    """A batch of 4 x 8 tokens on the reference (r = 0, gradient 0) but one the policy finds 20 nats
+    less likely than the reference (a sampled token the reference loved): GRPO's loss with a KL term
+    (kl_coef 0.1, advantages 0: the KL term alone), token-mean over 32 tokens. Its gradient in logp
+    is kl_coef / 32 x dk3/dlogp on that token and 0 elsewhere: bounded, 0.1 / 32 x -12.6108686 =
+    -0.0394090; exact k3, 0.1 / 32 x (1 - e^20) = -1516141.2 (clipped by grad_clip, that one token
+    would be the whole step)."""
+    ref = torch.full((4, 8), -1.0)
+    mask = torch.ones(4, 8)
+    adv = torch.zeros(4)
+    norms = {}
+    for clamp in (10.0, None):
+        lp = ref.clone()
+        lp[2, 5] = -21.0
+        lp.requires_grad_(True)
+        loss, m = policy_loss(lp, lp.detach(), adv, mask, ref_logprobs=ref, kl_coef=0.1, kl_estimator="k3",
+                              kl_clamp=clamp)
+        loss.backward()
+        others = lp.grad.clone()
+        others[2, 5] = 0.0
+        assert torch.equal(others, torch.zeros(4, 8))
+        norms[clamp] = lp.grad.norm().item()
+        # the kl metric: the outlier's k3 over 32 tokens (229.292051 / 32 bounded, (e^20 - 21) / 32 exact)
+        close(m["kl"], (229.292051 if clamp else E20 - 21) / 32, atol=1e-5 * (1 if clamp else E20 / 32))
+    assert abs(norms[10.0] - 0.1 / 32 * 12.6108686) < 1e-6
+    assert abs(norms[None] - 0.1 / 32 * (E20 - 1)) < 1e-5 * 0.1 / 32 * E20
+    assert norms[10.0] < 0.05 < 1e6 < norms[None]
+    # the default of every loss is the bound
+    lp = ref.clone()
+    lp[2, 5] = -21.0
+    lp.requires_grad_(True)
+    for fn in (policy_loss, gspo_loss, cispo_loss):
+        lp.grad = None
+        fn(lp, lp.detach(), adv, mask, ref_logprobs=ref, kl_coef=0.1)[0].backward()
+        assert abs(lp.grad.norm().item() - 0.1 / 32 * 12.6108686) < 1e-6, fn.__name__
+
+
+def test_kl_clamp_must_be_positive() -> None:
+    lp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="kl_clamp must be > 0"):
+        policy_loss(lp, lp, torch.zeros(1), torch.ones(1, 2), ref_logprobs=lp, kl_coef=0.1, kl_clamp=0.0)
 
 
 def test_kl_gradient_flows_through_logprobs_only() -> None:
@@ -271,3 +376,46 @@ def test_torch_free_names_match_the_registries() -> None:
 
     assert sorted(COMPUTE_NAMES) == sorted(COMPUTE_FUNCTIONS)
     assert sorted(POLICY_LOSS_NAMES) == sorted(POLICY_LOSSES)
+
+
+# Two samples of 3 tokens where every option key changes a loss that reads it (worked by hand):
+# log ratios row 0 [0.5, -0.5, 0.3] (A = +1), row 1 [-0.7, 0.4, -0.6] (A = -1).
+#   clip_high: row 0's ratio e^0.5 = 1.65 (A > 0) is cut at 1 + clip_high, 1.01 or 1.2; GSPO's
+#     sequence ratio e^0.1 = 1.105 at 1.01 or not at 1.2; CISPO's weight min(1.65, 1 + clip_high).
+#   clip_low: row 1's ratio e^-0.7 = 0.50 (A < 0) is raised to 1 - clip_low, 0.99 or 0.8; GSPO's
+#     e^-0.3 = 0.74 likewise; CISPO has no lower bound: the same loss.
+#   dual_clip: row 1's ratio e^0.4 = 1.49 (A < 0) is bounded by c = 1.3 (PPO's token surrogate only).
+KEYS_LP_OLD = torch.tensor([[0.5, -0.5, 0.3], [-0.7, 0.4, -0.6]])
+KEYS_BASE = {"clip_low": 0.01, "clip_high": 0.01}
+KEYS_ALT = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 1.3}
+
+
+def _loss_and_grad(fn, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    lp = KEYS_LP_OLD.clone().requires_grad_(True)
+    loss, _ = fn(lp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3), **kw)
+    loss.backward()
+    return loss.detach(), lp.grad
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "reinforce_pp", "gspo", "cispo"])
+def test_the_loss_key_table_is_what_each_loss_reads(name: str) -> None:
+    """distflow.rl.names.POLICY_LOSS_KEYS, against the code: changing a key a loss reads changes its
+    loss or gradient on this batch; a key it ignores changes neither (or the loss does not take it:
+    a TypeError from finish_loss). Every ignored key has the reason the config's refusal gives."""
+    from distflow.rl.names import (LOSS_IGNORES, LOSS_OPTION_KEYS, LOSS_SHARED_KEYS, POLICY_LOSS_KEYS,
+                                   POLICY_LOSS_NAMES, SURROGATE_LOSS_NAMES)
+
+    assert sorted(POLICY_LOSS_KEYS) == sorted(POLICY_LOSS_NAMES)
+    assert set(LOSS_SHARED_KEYS) <= set(POLICY_LOSS_KEYS[name])
+    assert SURROGATE_LOSS_NAMES == ("grpo", "ppo", "dapo", "reinforce_pp")
+    fn = POLICY_LOSSES[name]
+    base_loss, base_grad = _loss_and_grad(fn, **KEYS_BASE)
+    for key in LOSS_OPTION_KEYS:
+        try:
+            loss, grad = _loss_and_grad(fn, **{**KEYS_BASE, key: KEYS_ALT[key]})
+        except TypeError:
+            changed = False
+        else:
+            changed = not (torch.allclose(loss, base_loss) and torch.allclose(grad, base_grad))
+        assert changed == (key in POLICY_LOSS_KEYS[name]), (name, key, changed)
+        assert ((name, key) in LOSS_IGNORES) == (not changed), (name, key)

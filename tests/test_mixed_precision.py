@@ -69,7 +69,7 @@ def test_bf16_compute_step_moves_fp32_masters_like_an_fp32_step(toy_model, world
     for state in actor.optim.state.values():
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
     out = tmp_path / "ckpt"
-    from distflow.trainer.executor import TrainerContext, save_checkpoint
+    from distflow.trainer.stages import TrainerContext, save_checkpoint
 
     save_checkpoint(TrainerContext(actor.cfg, actor=actor, critic=None, rank=0), out, after16, {"step": 1})
     import torch.distributed.checkpoint as dcp
@@ -120,7 +120,7 @@ def test_a_checkpoint_counts_only_once_every_part_is_written(toy_model, world1, 
     ``newest_checkpoint`` skips instead of one whose stale marker vouches for torn contents."""
     from distflow.launch.checkpoint import STATE_FILE, newest_checkpoint
     from distflow.trainer.actor import Actor
-    from distflow.trainer.executor import TrainerContext, save_checkpoint
+    from distflow.trainer.stages import TrainerContext, save_checkpoint
 
     import shutil
 
@@ -157,7 +157,7 @@ def test_checkpoint_drops_the_policys_full_state_before_the_critic_gathers(toy_m
 
     from distflow.launch.checkpoint import STATE_FILE
     from distflow.trainer.actor import Actor
-    from distflow.trainer.executor import TrainerContext, save_checkpoint
+    from distflow.trainer.stages import TrainerContext, save_checkpoint
 
     actor = Actor(_cfg(toy_model), with_reference=False)
     refs: list = []

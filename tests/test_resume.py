@@ -54,7 +54,7 @@ def test_resume_from_a_step_0_checkpoint_trains(toy_model, toy_data, tmp_path):
     the step some other way (``start_step``) instead of waiting for it until step_timeout_s."""
     from distflow.launch.checkpoint import data_order
     from distflow.trainer.actor import Actor
-    from distflow.trainer.executor import build_context, save_checkpoint
+    from distflow.trainer.stages import build_context, save_checkpoint
     from tests.process_group import process_group, store_path
 
     out = tmp_path / "run"

@@ -23,7 +23,8 @@ import pytest
 from distflow.buffer.dataloader import DatasetError, PromptShard
 from distflow.core.config import config_from_dict
 from distflow.rollout.engine import make_engine
-from distflow.rollout.stages import row_requirements, run_pipeline
+from distflow.rollout.stages import RolloutContext, row_requirements
+from distflow.step import rollout_half
 
 GEN = {"id": "generate", "role": "ACTOR", "type": "MODEL_INFERENCE", "fn": "generate"}
 REWARD = {"id": "reward", "role": "REWARD", "type": "COMPUTE", "fn": "successor", "deps": ["generate"]}
@@ -56,7 +57,8 @@ def rollout_step(cfg, engine, loader: PromptShard, refill=None) -> tuple:
     bad_before = loader.bad_rows_skipped
     rows = loader.batch(0, 0, cfg.rollout_batch)
     stats: dict[str, float] = {}
-    batch = run_pipeline(cfg.plan().pipeline("rollout"), engine, cfg, rows, 3, stats, refill=refill)
+    pipeline = cfg.plan().pipeline("rollout")
+    batch = rollout_half(pipeline, RolloutContext(engine, cfg, rows, 3, pipeline, stats, refill=refill))
     return batch, stats, loader.bad_rows_skipped - bad_before
 
 

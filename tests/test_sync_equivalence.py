@@ -7,13 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distflow.buffer.dataloader import PromptShard
 from distflow.core.config import load_config
-from distflow.rollout.engine import make_engine
-from distflow.rollout.stages import run_pipeline
-from distflow.trainer.actor import Actor
+from distflow.step import synchronous_run
 from distflow.trainer.metrics import read_metrics
-from distflow.trainer.executor import build_context, run_pipeline as run_trainer_pipeline
 from tests.conftest import ROOT, run_distflow
 from tests.process_group import process_group, store_path
 
@@ -21,24 +17,10 @@ STEPS = 4
 
 
 def synchronous_reference(cfg) -> list[dict]:
-    """The textbook synchronous GRPO loop over the same functions, in this process."""
+    """The step's two halves called one after the other in this process (distflow.step)."""
     torch.set_num_threads(1)
     with process_group(store_path()):
-        loader = PromptShard(cfg.dataset, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle)
-        engine = make_engine("torch", cfg.model_path, dtype=cfg.dtype)
-        plan = cfg.plan()
-        actor = Actor(cfg, with_reference=True)
-        ctx = build_context(cfg, plan.pipeline("trainer"), actor)
-        out = []
-        for step, (_, _, rows) in enumerate(loader.iterate(cfg.rollout_batch, cfg.epochs)):
-            if step == STEPS:
-                break
-            seed = (cfg.seed * 1_000_003 + 0) * 100_003 + step
-            batch = run_pipeline(plan.pipeline("rollout"), engine, cfg, rows, seed)
-            stats = run_trainer_pipeline(plan.pipeline("trainer"), ctx, batch)
-            engine.load_weights(actor.version, actor.full_state_dict())
-            out.append({"reward_mean": float(batch.tensors["reward"].mean()), **stats})
-        return out
+        return list(synchronous_run(cfg, STEPS))
 
 
 def test_on_policy_run_matches_synchronous_loop(toy_model, toy_data, tmp_path):

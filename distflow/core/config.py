@@ -21,8 +21,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, _suggest, load_workflow, plan
-from distflow.rl.names import (LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free names
-                               LOSS_RECOMPUTE_DEFAULTS, SURROGATE_LOSS_NAMES, TOKEN_ESTIMATOR_NAMES)
+from distflow.rl.loss_keys import check_ignored_keys  # torch-free
+from distflow.rl.names import (GROUP_ESTIMATORS, LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free, from the catalog
+                               LOSS_RECOMPUTE_DEFAULTS, TOKEN_ESTIMATOR_NAMES)
 from distflow.rl.node_args import check_node_args  # torch-free
 
 
@@ -201,6 +202,9 @@ class Config(BaseModel):
             raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
         return v
     grad_clip: float = Field(1.0, gt=0)
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="steps in a row whose loss or gradient is not finite (each skipped with a warning "
+                             "naming it) before the run stops as diverged, exit 2")
     clip_low: float = Field(0.2, ge=0, description="ratio clip below 1; default 0.2 (gspo: 3e-4)")
     clip_high: float = Field(0.2, ge=0, description="ratio clip above 1; default 0.2 (gspo: 4e-4)")
     dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c > 1: a token with a negative "
@@ -221,6 +225,11 @@ class Config(BaseModel):
         "k1", description="estimator of the per-token KL penalty with kl_in_reward: k1 (log pi - log ref), whose "
                           "score-function gradient is the KL's (verl's and OpenRLHF's default); kl_estimator is "
                           "the loss term's")
+    kl_clamp: float | None = Field(
+        10.0, gt=0, description="bound of the k3 estimator (loss term and reward penalty): where k3 would exceed it "
+                                "because the policy finds a token far less likely than the reference, it continues "
+                                "along its tangent, so a token's gradient is at most kl_clamp + d_c where k3(d_c) = "
+                                "kl_clamp (12.61 at 10; exact k3's is 4.9e8 at a log-ratio of 20); null = exact k3")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient in the policy loss")
     overlong: Literal["none", "mask", "penalty"] = Field(
         "none", description="truncated responses (finish_reason length): mask = no loss, penalty = DAPO's soft "
@@ -241,11 +250,10 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _algorithm(self) -> "Config":
-        group_estimators = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # = distflow.rl.GROUP_ESTIMATORS
         for n in self.workflow:  # what each stage reads of its node's args (a dotted fn: preflight)
             check_node_args(n, type(self).model_fields)
         for n in self.workflow:
-            if n.type.value == "COMPUTE" and n.fn in group_estimators and self.group_size < 2:
+            if n.type.value == "COMPUTE" and n.fn in GROUP_ESTIMATORS and self.group_size < 2:
                 raise ValueError(f"group_size: {self.group_size} gives workflow node {n.id!r} ({n.fn}, a group "
                                  f"baseline) all-zero advantages; use group_size >= 2")
             if n.type.value == "COMPUTE" and n.fn == "dynamic_sampling" and self.group_size < 2:
@@ -266,6 +274,7 @@ class Config(BaseModel):
                              "nothing: only log pi of the sampled token is differentiated, and the mean of that "
                              "gradient is zero. Use k3 (the default) or k2 (the gradient of KL(pi || ref)), or "
                              "kl_in_reward: true, where k1 is the usual penalty (kl_reward_estimator)")
+        check_ignored_keys(self)  # a key the chosen loss ignores (cispo: clip_low), where set
         for n in self.workflow:  # a loss's own clip range and aggregation where the config leaves them unset
             if n.role.value != "ACTOR" or n.type.value != "MODEL_TRAIN":
                 continue
@@ -279,10 +288,6 @@ class Config(BaseModel):
                 self.loss_agg = LOSS_AGG_DEFAULTS[n.fn]
             if n.fn in LOSS_RECOMPUTE_DEFAULTS and "recompute_old_logprobs" not in self.model_fields_set:
                 self.recompute_old_logprobs = True
-            if self.dual_clip is not None and ":" not in n.fn and n.fn not in SURROGATE_LOSS_NAMES:
-                raise ValueError(f"dual_clip: workflow node {n.id!r} trains with {n.fn!r}, which has no token "
-                                 f"ratio to dual-clip (dual_clip applies to {', '.join(SURROGATE_LOSS_NAMES)}); "
-                                 "remove dual_clip")
         if self.kl_coef > 0 and not any(n.role.value == "REFERENCE" for n in self.workflow):
             raise ValueError(f"kl_coef: {self.kl_coef} penalises the KL to the reference model, but the workflow has "
                              "no REFERENCE MODEL_INFERENCE node, so no KL would be applied. Add one (fn: ref_logprob, "

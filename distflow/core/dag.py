@@ -16,8 +16,8 @@ Planning rules
 * group of a node: its explicit ``group`` if set; else ACTOR MODEL_INFERENCE (generation)
   -> ``rollout``; any MODEL_TRAIN -> ``trainer``; any other MODEL_INFERENCE (REFERENCE,
   CRITIC, and REWARD models) -> ``trainer`` (frozen/critic models live with the trainer);
-  a token-level estimator (``gae``, ``reinforce_pp_token``: per-token rewards, reference
-  logprobs, values) -> ``trainer``, and only there; any other COMPUTE -> the group of its
+  a function the catalog ties to one group (the token-level estimators) -> that group, and
+  only there; any other COMPUTE -> the group of its
   deepest dep, ties going to the later group in flow order. A COMPUTE node without deps has
   no input and is an error.
 * flow order of groups: ``rollout`` first, ``trainer`` last, any other group of
@@ -26,16 +26,17 @@ Planning rules
 * every node's group must have workers (a positive size in ``group_sizes``).
 * at least one MODEL_TRAIN node; exactly one ACTOR MODEL_INFERENCE (generate) node, and
   it has no deps (it reads prompts from the dataloader).
-* what a stage reads is made upstream of it (a dep, or a dep's dep): a generate node exists;
-  a built-in estimator or filter (``grpo``, ``gae``, ``dynamic_sampling``, ...) has a REWARD
-  node upstream, and ``gae`` a CRITIC MODEL_INFERENCE (values) one; ACTOR MODEL_TRAIN has an
-  advantage estimator (an ACTOR COMPUTE node other than ``dynamic_sampling``), and CRITIC
-  MODEL_TRAIN a ``gae`` node (its returns). Else the run would fail at step 1, after loading.
-* every (role, type) must have an executor stage on its group (:data:`STAGE_GROUPS`): e.g.
+* what a node reads is made upstream of it (a dep, or a dep's dep): each stage and built-in
+  function declares in the catalog (:mod:`distflow.rl.catalog`) the sample fields it ``needs``
+  and ``produces`` (an estimator needs rewards, GAE also the critic's values and makes returns,
+  an update needs advantages, the critic's update returns); a generate node exists. Else the run
+  would fail at step 1, after loading. A function that runs on one group only (a token-level
+  estimator: per-token rewards, reference logprobs, values live on the trainer) runs there.
+* every (role, type) must have a stage on its group (the catalog's ``groups``): e.g.
   generation only on ``rollout``, training and the reference/critic models only on
   ``trainer``; REFERENCE COMPUTE or a REWARD MODEL_TRAIN node has no stage anywhere. The
-  executors (``distflow.rollout.stages``, ``distflow.trainer.executor``) register exactly
-  these combinations, so a plan that passes here never meets an unknown stage at run time.
+  step (:mod:`distflow.step`) runs the same catalog, so a plan that passes here never meets
+  an unknown stage at run time.
 """
 
 from __future__ import annotations
@@ -46,17 +47,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Sequence
 
-from distflow.rl.names import COMPUTE_NAMES, CRITIC_ESTIMATOR_NAMES, TOKEN_ESTIMATOR_NAMES  # torch-free tables
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from distflow.rl.catalog import CUSTOM, FUNCTIONS, ROLLOUT, STAGES, TRAINER, node_io, node_runs_on  # torch-free
 
 __all__ = [
     "ROLLOUT", "TRAINER", "Role", "NodeType", "WorkflowNode", "WorkflowError", "Plan", "plan", "load_workflow",
     "GRPO_WORKFLOW", "PPO_WORKFLOW", "STAGE_GROUPS", "CUSTOM",
 ]
 
-ROLLOUT = "rollout"
-TRAINER = "trainer"
 _ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
@@ -85,20 +84,8 @@ class NodeType(_CaseInsensitiveEnum):
     COMPUTE = "COMPUTE"
 
 
-CUSTOM = "*"  # any group of group_sizes other than rollout and trainer (e.g. a reward-model group)
-
-# (role, type) -> the groups with an executor stage for it. Keep in step with the registries of
-# distflow/rollout/stages.py (rollout, custom groups) and distflow/trainer/executor.py (trainer).
-STAGE_GROUPS: dict[tuple[str, str], frozenset[str]] = {
-    ("ACTOR", "MODEL_INFERENCE"): frozenset({ROLLOUT}),  # generate
-    ("REWARD", "COMPUTE"): frozenset({ROLLOUT, CUSTOM}),  # rule-based reward (needs the tokenizer's decode)
-    ("REWARD", "MODEL_INFERENCE"): frozenset({ROLLOUT, TRAINER, CUSTOM}),  # learned reward model
-    ("ACTOR", "COMPUTE"): frozenset({ROLLOUT, TRAINER, CUSTOM}),  # advantage estimators, GAE, filters
-    ("REFERENCE", "MODEL_INFERENCE"): frozenset({TRAINER}),
-    ("CRITIC", "MODEL_INFERENCE"): frozenset({TRAINER}),
-    ("CRITIC", "MODEL_TRAIN"): frozenset({TRAINER}),
-    ("ACTOR", "MODEL_TRAIN"): frozenset({TRAINER}),
-}
+# (role, type) -> the groups with an implementation of its stage (the catalog's; CUSTOM: a group of its own).
+STAGE_GROUPS: dict[tuple[str, str], frozenset[str]] = {k: st.groups for k, st in STAGES.items()}
 
 
 def _check_stage(n: "WorkflowNode", group: str) -> None:
@@ -113,6 +100,12 @@ def _check_stage(n: "WorkflowNode", group: str) -> None:
         where = ", ".join(sorted("a group of its own" if g == CUSTOM else repr(g) for g in allowed))
         raise WorkflowError(f"{n.label}: {key[0]} {key[1]} cannot run on group {group!r} (key 'group'); it runs "
                             f"on {where}")
+    spec = STAGES[key]
+    if spec.fns is not None and n.fn not in spec.fns:
+        close = difflib.get_close_matches(n.fn, list(spec.fns), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise WorkflowError(f"{n.label}: {key[0]} {key[1]} ({spec.does}) takes fn {' or '.join(map(repr, spec.fns))}, "
+                            f"not {n.fn!r}{hint} (key 'fn')")
 
 
 class WorkflowError(ValueError):
@@ -340,31 +333,28 @@ def _check_inputs(order: list[WorkflowNode], by_id: dict[str, WorkflowNode]) -> 
         raise WorkflowError(f"workflow has no ACTOR MODEL_INFERENCE (generate) node (nodes: "
                             f"{', '.join(repr(n.id) for n in order)}): nothing would produce samples")
 
-    def made(n: WorkflowNode) -> set[str]:  # what a node adds to the samples it passes on
-        if n.role is Role.REWARD:
-            return {"rewards"}
-        if n.role is Role.CRITIC and n.type is NodeType.MODEL_INFERENCE:
-            return {"values"}
-        if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn != "dynamic_sampling":
-            return {"advantages", "returns"} if n.fn in CRITIC_ESTIMATOR_NAMES else {"advantages"}
-        return set()
-
     upstream: dict[str, set[str]] = {}
     for n in order:
-        up = upstream[n.id] = set().union(*(upstream[d] | made(by_id[d]) for d in n.deps))
-        needs: list[tuple[str, str]] = []
-        if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn in COMPUTE_NAMES:
-            needs.append(("rewards", "a REWARD node"))
-            if n.fn in CRITIC_ESTIMATOR_NAMES:
-                needs.append(("values", "a CRITIC MODEL_INFERENCE (values) node"))
-        elif n.role is Role.ACTOR and n.type is NodeType.MODEL_TRAIN:
-            needs.append(("advantages", "an advantage estimator (an ACTOR COMPUTE node such as grpo or gae)"))
-        elif n.role is Role.CRITIC and n.type is NodeType.MODEL_TRAIN:
-            needs.append(("returns", f"a {' or '.join(CRITIC_ESTIMATOR_NAMES)} node (the value targets)"))
-        for what, maker in needs:
-            if what not in up:
-                raise WorkflowError(f"{n.label}: {n.fn} reads {what}, but no node upstream of it (key 'deps', "
-                                    f"directly or through its deps) is {maker}")
+        up = upstream[n.id] = set().union(*(upstream[d] | node_io(by_id[d].role.value, by_id[d].type.value,
+                                                                   by_id[d].fn)[1] for d in n.deps))
+        needs, _ = node_io(n.role.value, n.type.value, n.fn)
+        for what in sorted(needs - up - {"responses"}):  # the responses: every node is downstream of generate
+            raise WorkflowError(f"{n.label}: {n.fn} reads {what}, but no node upstream of it (key 'deps', "
+                                f"directly or through its deps) makes them: {_makers(what)}")
+
+
+def _makers(what: str) -> str:
+    """Which nodes make sample field ``what``, as the catalog declares: 'a REWARD COMPUTE or ... node'."""
+    out = []
+    for (role, type_), st in STAGES.items():
+        if st.slot == "compute":
+            names = [f.name for f in FUNCTIONS["compute"].values() if what in f.produces]
+            if names:
+                out.append(f"{role} {type_} ({', '.join(names)})")
+        elif what in st.produces:
+            out.append(f"{role} {type_}")
+    joined = " or ".join(out)
+    return f"{'an' if joined[0] in 'AEIOU' else 'a'} {joined} node"
 
 
 def _flow_order(sizes: dict[str, int]) -> list[str]:
@@ -378,8 +368,9 @@ def _default_group(n: WorkflowNode, depth: dict[str, int], group_of: dict[str, s
         return ROLLOUT if n.role is Role.ACTOR else TRAINER
     if n.type is NodeType.MODEL_TRAIN:
         return TRAINER
-    if n.role is Role.ACTOR and n.fn in TOKEN_ESTIMATOR_NAMES:  # per-token rewards, reference logprobs, values
-        return TRAINER
+    only = node_runs_on(n.role.value, n.type.value, n.fn)
+    if only is not None:  # a token-level estimator: per-token rewards, reference logprobs, values
+        return only
     if not n.deps:
         raise WorkflowError(f"{n.label}: a COMPUTE node runs where its inputs are, so key 'deps' must name at "
                             f"least one node")
@@ -435,9 +426,9 @@ def plan(nodes: Sequence[WorkflowNode] | Sequence[Mapping[str, Any]], group_size
         if sizes[g] == 0:
             raise WorkflowError(f"{n.label} has no workers: group {g!r} has size 0")
         _check_stage(n, g)
-        if n.role is Role.ACTOR and n.type is NodeType.COMPUTE and n.fn in TOKEN_ESTIMATOR_NAMES and g != TRAINER:
-            raise WorkflowError(f"{n.label}: {n.fn} is a token-level estimator and runs on the trainer group, not "
-                                f"on {g!r} (key 'group')")
+        only = node_runs_on(n.role.value, n.type.value, n.fn)
+        if only is not None and g != only:
+            raise WorkflowError(f"{n.label}: {n.fn} runs on the {only} group only, not on {g!r} (key 'group')")
         group_of[n.id] = g
 
     boundary: list[tuple[str, str]] = []

@@ -21,12 +21,17 @@ log = logging.getLogger("distflow")  # the node's own lines, as `distflow run` r
 
 def exit_code_of(error: BaseException) -> int:
     """A node's exit status for the error that ended it: 2 (:data:`distflow.launch.launcher.CONFIG_EXIT`) for a
-    configuration or data error, which a restart would meet again (`distflow run` does not
-    restart such a node), else 1."""
+    configuration or data error, or a bug in a function the config names (a reward), which a
+    restart would meet again (`distflow run` does not restart such a node), else 1."""
     from distflow.buffer.dataloader import DatasetError
     from distflow.hf import ModelDirError
+    from distflow.rl.catalog import UserFunctionError
+    from distflow.rollout.protocol import NonFiniteOutputError
+    from distflow.trainer.health import DivergedError, NothingTrainedError
 
-    return 2 if isinstance(error, (ConfigError, DatasetError, ModelDirError)) else 1
+    deterministic = (ConfigError, DatasetError, ModelDirError, UserFunctionError, NonFiniteOutputError, DivergedError,
+                     NothingTrainedError)
+    return 2 if isinstance(error, deterministic) else 1
 
 
 async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str, port: int, data_port: int,

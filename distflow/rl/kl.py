@@ -7,11 +7,26 @@ the reward, and every framework picks a different Monte-Carlo estimator of
 
 * ``k1 = r``                         unbiased, high variance, can be negative;
 * ``k2 = r^2 / 2``                   biased, low variance, >= 0;
-* ``k3 = exp(-r) - 1 + r``           unbiased, >= 0 (GRPO's choice);
+* ``k3 = exp(-r) - 1 + r``           unbiased, >= 0 (GRPO's choice); its gradient in ``log pi``,
+  ``1 - exp(-r)``, grows without bound where the policy finds a token far less likely than the
+  reference (``-4.9e8`` at ``r = -20``), so by default it is **bounded** (``kl_clamp``, below);
 * ``low_var_kl`` = k3 with ``r`` clamped to [-20, 20] and the result clamped to
-  [-10, 10] (verl's ``low_var_kl``): bounded under large policy drift, but with no gradient
-  where a clamp holds (a token the reference finds over ~11 nats less likely than the policy
-  is not pulled back at all).
+  [-10, 10] (verl's ``low_var_kl``, which verl also calls ``k3``): bounded under large policy
+  drift, but with no gradient where a clamp holds (a token the reference finds over ~11 nats
+  less likely than the policy, or the policy over ~2.6 nats less likely than the reference, is
+  not pulled back at all).
+
+The bound of k3 (``clamp``, the config's ``kl_clamp``, default 10): where the estimate would
+exceed ``clamp`` because the policy is the less likely (``d = -r > 0``), k3 continues along its
+tangent at the knee ``d_c`` where ``k3 = clamp`` (``exp(d_c) - d_c - 1 = clamp``; 2.6109 at 10).
+Its value stays continuous and grows linearly, and its gradient in ``log pi`` never exceeds
+``exp(d_c) - 1 = clamp + d_c`` in size (12.61 at 10), however far the token is: one outlier
+token cannot blow up a step, and unlike a clamp it is still pulled back, with that largest
+force. The other side (``r > 0``) needs no bound: there k3 tends to ``r - 1`` with gradient
+below 1. ``clamp=None`` is the exact k3 up to ``d = 20`` (:data:`LOG_RATIO_CLAMP`, which keeps
+``exp`` finite), tangent beyond. Names elsewhere (docs/algorithms.md): verl's ``k3`` and
+OpenRLHF's ``k3`` are clamped forms (verl: our ``low_var_kl``; OpenRLHF clamps every
+estimator's value to [-10, 10]); our ``k3`` is the unclamped estimator with the tangent bound.
 
 As a loss term only ``log pi`` of the sampled token is differentiated, so what each estimator
 optimises in expectation is not always the KL its value estimates: k2's gradient is that of
@@ -26,6 +41,8 @@ loss term (``kl_estimator`` + ``kl_coef`` in the policy loss) or as a reward pen
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable
 
 import torch
@@ -33,9 +50,10 @@ from torch import Tensor
 
 from distflow.rl.masked import LOG_RATIO_CLAMP, _fp32, _require, _shape
 
-__all__ = ["kl_k1", "kl_k2", "kl_k3", "kl_low_var", "KL_ESTIMATORS", "kl_estimate"]
+__all__ = ["kl_k1", "kl_k2", "kl_k3", "kl_low_var", "KL_ESTIMATORS", "kl_estimate", "k3_knee", "K3_CLAMP"]
 
 LOW_VAR_KL_CLAMP = 10.0
+K3_CLAMP = 10.0  # the default bound of k3 (the config's kl_clamp): verl's and OpenRLHF's clamp level
 
 
 def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor, name: str) -> Tensor:
@@ -56,16 +74,43 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return 0.5 * r * r
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = ``exp(d) - d - 1`` with ``d = ref - logp`` (at most 20). [*S] -> [*S] fp32, >= 0.
+@functools.lru_cache(maxsize=64)
+def k3_knee(clamp: float | None) -> float:
+    """The log-ratio ``d_c = log ref - log pi > 0`` where k3 reaches ``clamp``: the root of
+    ``exp(d) - d - 1 = clamp`` (2.610869 at 10), at most :data:`LOG_RATIO_CLAMP` (20, also the
+    knee of ``clamp=None``). Newton from ``sqrt(2 clamp)``, right of the root (``exp(d) - d - 1 >=
+    d^2 / 2`` for ``d >= 0``), where the convex function's iterates fall monotonically onto it."""
+    if clamp is None:
+        return LOG_RATIO_CLAMP
+    _require(isinstance(clamp, (int, float)) and not isinstance(clamp, bool) and clamp > 0,
+             f"kl_clamp must be > 0 (or None for the exact k3), got {clamp!r}")
+    c = float(clamp)
+    if c >= math.expm1(LOG_RATIO_CLAMP) - LOG_RATIO_CLAMP:
+        return LOG_RATIO_CLAMP
+    d = math.sqrt(2.0 * c)
+    for _ in range(100):
+        step = (math.expm1(d) - d - c) / math.expm1(d)
+        d -= step
+        if step <= 1e-15 * d:
+            break
+    return d
 
-    Computed as ``expm1(d) - d``: accurate for small ``d`` and never rounds below 0. Only the
-    top is clamped, so ``exp`` stays finite; below, ``exp(d)`` just tends to 0 and the value
-    grows as ``-d - 1`` with gradient 1: a token the reference finds far less likely than the
-    policy is pulled back hardest, not ignored (a clamp at -20 gave it no gradient).
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, clamp: float | None = K3_CLAMP) -> Tensor:
+    """k3 = ``exp(d) - d - 1`` with ``d = ref - logp``, bounded by ``clamp``. [*S] -> [*S] fp32, >= 0.
+
+    Up to the knee ``d_c = k3_knee(clamp)`` it is exact, computed as ``expm1(d) - d`` (accurate
+    for small ``d``, never below 0); beyond, the tangent there: ``clamp + (clamp + d_c)(d - d_c)``,
+    gradient in ``logp`` ``-(clamp + d_c)`` (module docstring). Below, ``exp(d)`` just tends to 0
+    and the value grows as ``-d - 1`` with gradient 1: a token the reference finds far less likely
+    than the policy is pulled back, not ignored (a clamp at -20 gave it no gradient).
+    ``clamp=None``: exact up to ``d = 20``, tangent beyond (the gradient there is ~4.9e8).
     """
-    d = torch.clamp(-_log_ratio(logprobs, ref_logprobs, "kl_k3"), max=LOG_RATIO_CLAMP)
-    return torch.expm1(d) - d
+    d = -_log_ratio(logprobs, ref_logprobs, "kl_k3")
+    knee = k3_knee(clamp)
+    dc = torch.clamp(d, max=knee)
+    # relu, not clamp(min=0): its gradient at exactly the knee is 0, so the two pieces' sum is the slope once
+    return torch.expm1(dc) - dc + math.expm1(knee) * torch.relu(d - knee)
 
 
 def kl_low_var(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -82,8 +127,12 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
-    """The per-token KL estimate named ``estimator`` (k1 | k2 | k3 | low_var_kl). [*S] -> [*S]."""
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", *,
+                clamp: float | None = K3_CLAMP) -> Tensor:
+    """The per-token KL estimate named ``estimator`` (k1 | k2 | k3 | low_var_kl). [*S] -> [*S].
+    ``clamp``: k3's bound (:func:`kl_k3`; the config's ``kl_clamp``), unused by the others."""
     fn = KL_ESTIMATORS.get(estimator)
     _require(fn is not None, f"kl_estimator: unknown estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    if estimator == "k3":
+        return kl_k3(logprobs, ref_logprobs, clamp)
     return fn(logprobs, ref_logprobs)

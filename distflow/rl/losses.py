@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from distflow.rl.kl import kl_estimate
+from distflow.rl.kl import K3_CLAMP, kl_estimate
 from distflow.rl.masked import (LOG_RATIO_CLAMP, _check_bt, _fp32, _masked, _normalizer, _require, _shape,
                                 masked_mean, masked_sum)
 
@@ -112,7 +112,7 @@ def _check_common(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
 
 def finish_loss(pg: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, metrics: dict[str, Tensor], *,
                 ref_logprobs: Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                entropy: Tensor | None = None, entropy_coef: float = 0.0,
+                kl_clamp: float | None = K3_CLAMP, entropy: Tensor | None = None, entropy_coef: float = 0.0,
                 behaviour_logprobs: Tensor | None = None, tis_cap: float | None = None,
                 loss_agg: str = "token-mean", token_normalizer: float | Tensor | None = None,
                 seq_normalizer: float | Tensor | None = None, norm_constant: float | None = None,
@@ -121,7 +121,8 @@ def finish_loss(pg: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor
 
     ``per_token = tis_w * pg + kl_coef * KL(kl_estimator) - entropy_coef * entropy`` where
     ``tis_w`` are :func:`tis_weights` (when ``tis_cap`` and ``behaviour_logprobs`` are given),
-    KL is against ``ref_logprobs`` and ``entropy`` is ``[B, T]`` from the trainer. Adds the
+    KL is against ``ref_logprobs`` (``kl_clamp``: k3's bound, :func:`distflow.rl.kl.kl_k3`) and
+    ``entropy`` is ``[B, T]`` from the trainer. Adds the
     metrics ``pg_loss``, ``kl``, ``entropy``, ``tis_weight_mean``, ``tis_clip_frac`` (when used).
     """
     _require(kl_coef >= 0.0, f"kl_coef must be >= 0, got {kl_coef}")
@@ -142,7 +143,7 @@ def finish_loss(pg: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor
     if ref_logprobs is not None:
         _check_bt("ref_logprobs", ref_logprobs, logprobs)
         kl = kl_estimate(torch.where(valid, lp, zero), torch.where(valid, _fp32(ref_logprobs).detach(), zero),
-                         kl_estimator)
+                         kl_estimator, clamp=kl_clamp)
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
         out["kl"] = masked_mean(kl, mask)
@@ -237,9 +238,11 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask:
 
     per token ``pg = -sg(min(ratio, 1 + clip_high)) * A * logprobs``: every token keeps its
     gradient (none is dropped by clipping, unlike PPO); only the weight is bounded. As in the
-    CISPO paper there is no lower bound on the weight (``clip_low`` is accepted for a common
-    signature and not used). Metrics: ``clip_frac`` (tokens whose weight hit the bound),
-    ``ratio_mean``, ``approx_kl``, plus :func:`finish_loss`'s.
+    CISPO paper there is no lower bound on the weight: ``clip_low`` is accepted for a common
+    signature (the trainer passes it to every loss) and not used, and the config refuses a
+    ``clip_low`` set with ``cispo`` (:data:`distflow.rl.names.POLICY_LOSS_KEYS`). Metrics:
+    ``clip_frac`` (tokens whose weight hit the bound), ``ratio_mean``, ``approx_kl``, plus
+    :func:`finish_loss`'s.
     """
     adv = _check_common(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
     log_ratio = _token_log_ratio(logprobs, old_logprobs, mask)

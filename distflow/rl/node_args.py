@@ -9,87 +9,34 @@ and, for a key that is a config setting (``clip_high`` on an update node), the c
 set instead. A ``package.module:function`` is checked against its signature where it is
 imported (:func:`distflow.launch.preflight.check_functions`).
 
-Torch-free (the launcher's start-up): the names of the compute dtypes are repeated from
-:data:`distflow.device.COMPUTE_DTYPES`, and a test keeps the two equal.
+The keys are declared with each stage and function in :mod:`distflow.rl.catalog`; this module
+applies them. Torch-free (the launcher's start-up).
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-import math
 from typing import Any, Callable, Collection, Mapping
 
-__all__ = ["STAGE_ARGS", "REQUIRED_ARGS", "FN_ARGS", "check_node_args", "check_signature_args"]
+from distflow.rl.catalog import FUNCTIONS, REWARD_MODEL_DTYPES, STAGES
+from distflow.rl.checks import Check
 
-Check = Callable[[Any], "str | None"]  # the problem with a value, or None
+__all__ = ["STAGE_ARGS", "REQUIRED_ARGS", "FN_ARGS", "REWARD_MODEL_DTYPES", "check_node_args",
+           "check_signature_args"]
 
-REWARD_MODEL_DTYPES = ("float32", "bfloat16", "float16")  # = distflow.device.COMPUTE_DTYPES
-
-
-def _number(lo: float = -math.inf, hi: float = math.inf, *, above: bool = False) -> Check:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-            return "must be a number"
-        if (v <= lo if above else v < lo) or v > hi:
-            low = f"> {lo:g}" if above else f">= {lo:g}"
-            return f"must be {low}" + (f" and <= {hi:g}" if hi != math.inf else "")
-        return None
-    return check
-
-
-def _flag(v: Any) -> str | None:
-    return None if isinstance(v, bool) else "must be true or false"
-
-
-def _count(lo: int) -> Check:
-    def check(v: Any) -> str | None:
-        return None if isinstance(v, int) and not isinstance(v, bool) and v >= lo else f"must be an integer >= {lo}"
-    return check
-
-
-def _one_of(*names: str) -> Check:
-    def check(v: Any) -> str | None:
-        return None if v in names else f"must be one of {', '.join(names)}"
-    return check
-
-
-def _path(v: Any) -> str | None:
-    return None if isinstance(v, str) and v.strip() else "must be a non-empty path"
-
-
-_EPS = {"eps": _number(0)}
-_DISCOUNT = {"gamma": _number(0, 1), "whiten": _flag}
-
-# (role, type) -> the keys its stage reads, whatever the fn (the stages without an fn table).
-STAGE_ARGS: dict[tuple[str, str], dict[str, Check]] = {
-    ("ACTOR", "MODEL_INFERENCE"): {},  # generate: sampling is configured by config keys
-    ("ACTOR", "MODEL_TRAIN"): {},  # the loss: clip_low, clip_high, kl_coef, ... are config keys
-    ("REFERENCE", "MODEL_INFERENCE"): {},
-    ("CRITIC", "MODEL_INFERENCE"): {},
-    ("CRITIC", "MODEL_TRAIN"): {},  # value_clip, critic_lr are config keys
-    ("REWARD", "MODEL_INFERENCE"): {"path": _path, "weight": _number(), "dtype": _one_of(*REWARD_MODEL_DTYPES),
-                                    "micro_batch_size": _count(1)},
-}
+# (role, type) -> the keys its stage reads, whatever the fn (the stages whose fn picks no catalog function).
+STAGE_ARGS: dict[tuple[str, str], Mapping[str, Check]] = {k: s.args for k, s in STAGES.items() if s.args is not None}
 
 # (role, type) -> the keys its node must set.
-REQUIRED_ARGS: dict[tuple[str, str], tuple[str, ...]] = {("REWARD", "MODEL_INFERENCE"): ("path",)}
+REQUIRED_ARGS: dict[tuple[str, str], tuple[str, ...]] = {k: s.required for k, s in STAGES.items() if s.required}
 
 # Built-in fn of an ACTOR COMPUTE or REWARD COMPUTE node -> the keys it reads.
-FN_ARGS: dict[str, dict[str, Check]] = {
-    "grpo": {"norm_std": _flag, **_EPS},
-    "dr_grpo": dict(_EPS),
-    "rloo": {},
-    "reinforce_pp": dict(_EPS),
-    "reinforce_pp_baseline": dict(_EPS),
-    "gae": {**_DISCOUNT, "lam": _number(0, 1)},
-    "reinforce_pp_token": dict(_DISCOUNT),
-    "dynamic_sampling": {"max_retries": _count(0), "refill": _one_of("fresh", "same")},
-    "successor": {}, "gsm8k": {}, "exact_match": {},  # rule rewards: fn(response, row)
-}
+FN_ARGS: dict[str, Mapping[str, Check]] = {name: f.args for slot in ("compute", "reward")
+                                           for name, f in FUNCTIONS[slot].items()}
 
 
-def _allowed(role: str, kind: str, fn: str) -> dict[str, Check] | None:
+def _allowed(role: str, kind: str, fn: str) -> Mapping[str, Check] | None:
     """The keys a node may set, or None where a dotted function's signature decides."""
     if (role, kind) in STAGE_ARGS:
         return STAGE_ARGS[(role, kind)]

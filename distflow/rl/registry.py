@@ -17,60 +17,29 @@ is a config plus, at most, one registered pure function.
 from __future__ import annotations
 
 import difflib
-import functools
 import importlib
 from typing import Any, Callable, Mapping
 
 from torch import Tensor
 
-from distflow.rl.advantages import (discounted_returns, group_advantages, nonconstant_groups,
-                                    reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages)
-from distflow.rl.gae import compute_gae, value_loss
-from distflow.rl.losses import cispo_loss, gspo_loss, policy_loss
+from distflow.rl.catalog import FUNCTIONS, functions
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "COMPUTE_FUNCTIONS", "GROUP_ESTIMATORS", "TOKEN_ESTIMATORS",
            "TOKEN_WEIGHTED_ESTIMATORS", "POLICY_LOSSES", "VALUE_LOSSES", "outcome_advantages", "resolve"]
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
-    "grpo": group_advantages,
-    "dr_grpo": functools.partial(group_advantages, norm_std=False),
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-}
 
-# Outcome estimators that whiten over response tokens: their callers pass each sample's response
-# length as ``token_counts`` (:func:`outcome_advantages`).
-TOKEN_WEIGHTED_ESTIMATORS = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
+def _table(slot: str, kind: str | None = None) -> dict[str, Callable[..., Any]]:
+    return {name: FUNCTIONS[slot][name].load() for name in functions(slot, kind)}
 
-# Estimators whose baseline is the prompt's group: meaningless (all-zero) with group_size 1.
-# distflow.core.config keeps the same names (core imports nothing of rl); a test checks they agree.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
-TOKEN_ESTIMATORS: dict[str, Callable[..., Any]] = {
-    "gae": compute_gae,  # fn(token_rewards [B, T], values [B, T], mask [B, T], gamma, lam) -> (adv, returns)
-    "reinforce_pp_token": discounted_returns,  # fn(token_rewards [B, T], mask [B, T], gamma) -> returns [B, T]
-}
-
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "grpo": policy_loss,  # clipped surrogate; KL/entropy/TIS/aggregation from finish_loss
-    "ppo": policy_loss,  # same surrogate; PPO's advantages come from GAE
-    "dapo": policy_loss,  # same surrogate; DAPO = clip_high > clip_low + dynamic sampling + overlong shaping
-    "reinforce_pp": policy_loss,  # REINFORCE++ keeps PPO's clipped surrogate on its advantages
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-}
-
-# Every name an ACTOR COMPUTE node may give as ``fn`` (any group): estimators and batch filters.
-COMPUTE_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    **ADVANTAGE_ESTIMATORS,
-    **TOKEN_ESTIMATORS,
-    "dynamic_sampling": nonconstant_groups,  # DAPO: the rollout stage regenerates/drops constant groups
-}
-
-VALUE_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "value_loss": value_loss,
-}
+# The catalog's functions, imported: names and properties are the catalog's (distflow.rl.catalog).
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = _table("compute", "outcome")
+TOKEN_WEIGHTED_ESTIMATORS = frozenset(functions("compute", "outcome", token_weighted=True))
+GROUP_ESTIMATORS = functions("compute", "outcome", group_baseline=True)
+TOKEN_ESTIMATORS: dict[str, Callable[..., Any]] = _table("compute", "token")
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = _table("policy_loss")
+COMPUTE_FUNCTIONS: dict[str, Callable[..., Any]] = _table("compute")  # every name an ACTOR COMPUTE node may give
+VALUE_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = _table("value_loss")
 
 
 def resolve(registry: Mapping[str, Callable[..., Any]], name: str, what: str) -> Callable[..., Any]:

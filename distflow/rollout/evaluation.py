@@ -26,14 +26,14 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import PromptShard
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import call_on, chosen_device
 from distflow.rl.eval_report import EVAL_KIND, SUMMARY_KEYS, due_point, eval_points, report_meta, summarize
 from distflow.rollout.engine import RolloutEngine
-from distflow.rollout.stages import run_pipeline
+from distflow.rollout.stages import RolloutContext
+from distflow.step import rollout_half, step_seed
 
 log = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 30.0  # the longest a shard's report waits for trainer rank 0's ack
@@ -76,7 +76,7 @@ def evaluate(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, l
     if on_chunk is not None:
         on_chunk(0)
     for k, i in enumerate(range(0, len(rows), size)):
-        batch = run_pipeline(nodes, engine, eval_cfg, rows[i:i + size], seed + k, stats)
+        batch = rollout_half(nodes, RolloutContext(engine, eval_cfg, rows[i:i + size], seed + k, nodes, stats))
         for key, v in summarize(batch).items():  # a prompt's responses are all in its chunk: sums add up
             out[key] += v
         if on_chunk is not None:
@@ -143,7 +143,7 @@ class NodeEvaluator:
                 loader = self.loaders.get(shard)
                 if loader is None:
                     loader = self.loaders[shard] = eval_shard(cfg, shard)
-                seed = (cfg.seed * 1_000_003 + shard) * 100_003 + point + 0xE7A1
+                seed = step_seed(cfg.seed, shard, point + 0xE7A1)
                 summary = await asyncio.to_thread(call_on, chosen_device(), evaluate, self.pipeline, self.engine, cfg,
                                                   loader, seed, self._progress_reporter())
             except Exception as e:  # noqa: BLE001 - an evaluation never stops training

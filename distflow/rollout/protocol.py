@@ -56,6 +56,20 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
 
 
+class NonFiniteOutputError(RuntimeError):
+    """The policy's logits were not finite (NaN or inf) while sampling: its weights diverged (a
+    learning rate far too high). Deterministic for those weights, so the node exits 2 (not
+    restarted) naming the weights version, instead of sampling garbage."""
+
+
+def check_finite_logprobs(logprobs: list[float], version: int) -> None:
+    """Raise :class:`NonFiniteOutputError` when a sampled token's logprob is NaN (the sampler's
+    mark of a row whose logits were not finite)."""
+    if any(x != x for x in logprobs):  # NaN != NaN; cheaper than math.isnan per element
+        raise NonFiniteOutputError(f"the policy (weights version {version}) gives non-finite logits: training "
+                                   f"diverged (the trainer's log names the step; lower lr, or grad_clip)")
+
+
 @dataclass
 class Completion:
     """One sampled continuation of one prompt."""

@@ -22,21 +22,28 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import re
 from typing import Any, Callable, Sequence
+
+from distflow.rl.catalog import FUNCTIONS
 
 __all__ = [
     "RewardFn",
     "extract_final_number",
+    "declares",
     "register_reward",
     "registered_rewards",
     "resolve_reward",
     "reward_keys",
+    "reward_value",
+    "REWARD_RANGE",
     "reward_row_check",
     "row_requirements",
 ]
 
 RewardFn = Callable[[str, dict], float]
+REWARD_RANGE = (0.0, 1.0)  # the documented range of a reward (the built-ins'); others are counted and warned of
 RowCheck = Callable[[dict], "str | None"]  # row -> why the reward cannot score it, or None
 _REGISTRY: dict[str, RewardFn] = {}
 
@@ -71,6 +78,30 @@ def _row_check(check: Any, owner: str) -> RowCheck | None:
     return check
 
 
+def declares(fn: RewardFn | None = None, *, required_keys: Sequence[str] = (), check_row: RowCheck | None = None,
+             owner: str = "") -> Any:
+    """Decorator: set what reward ``fn`` reads of a row (``fn.required_keys``) and whether it can
+    score a row at all (``fn.check_row``). The built-in rewards are named by the catalog
+    (:mod:`distflow.rl.catalog`, slot ``reward``) and declare through this."""
+    if fn is not None:
+        owner = owner or getattr(fn, "__name__", repr(fn))
+    keys, check = _key_tuple(required_keys, owner or "?"), _row_check(check_row, owner or "?")
+
+    def deco(f: RewardFn) -> RewardFn:
+        name = owner or getattr(f, "__name__", repr(f))
+        for attr, value in (("required_keys", keys or None), ("check_row", check)):
+            if value is None:
+                continue
+            try:
+                setattr(f, attr, value)
+            except AttributeError:
+                raise ValueError(f"reward {name!r}: cannot set {attr} on {type(f).__name__} {f!r}; "
+                                 f"register a plain function") from None
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
 def register_reward(name: str, *, required_keys: Sequence[str] = (),
                     check_row: RowCheck | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: make ``fn`` available to workflow configs as ``name``. ``required_keys``: the row
@@ -79,20 +110,14 @@ def register_reward(name: str, *, required_keys: Sequence[str] = (),
     a key, or with a problem, is a bad row (see the module doc)."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
-    keys, check_row = _key_tuple(required_keys, name), _row_check(check_row, name)
+    if name in FUNCTIONS["reward"]:
+        raise ValueError(f"reward {name!r} is a built-in reward")
+    declare = declares(required_keys=required_keys, check_row=check_row, owner=name)
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
-        for attr, value in (("required_keys", keys or None), ("check_row", check_row)):
-            if value is None:
-                continue
-            try:
-                setattr(fn, attr, value)
-            except AttributeError:
-                raise ValueError(f"reward {name!r}: cannot set {attr} on {type(fn).__name__} {fn!r}; "
-                                 f"register a plain function") from None
-        _REGISTRY[name] = fn
+        _REGISTRY[name] = declare(fn)
         return fn
 
     return deco
@@ -110,7 +135,7 @@ def reward_row_check(fn: Callable[..., float], name: str = "") -> RowCheck | Non
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*FUNCTIONS["reward"], *_REGISTRY})
 
 
 def resolve_reward(spec: str) -> RewardFn:
@@ -118,6 +143,8 @@ def resolve_reward(spec: str) -> RewardFn:
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
+    if spec in FUNCTIONS["reward"]:
+        return FUNCTIONS["reward"][spec].load()
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     if ":" not in spec:
@@ -136,6 +163,21 @@ def resolve_reward(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not callable ({type(fn).__name__})")
     return fn  # type: ignore[return-value]
+
+
+def reward_value(value: Any) -> float:
+    """A reward function's return value as a float; ValueError saying what it returned instead. A
+    number (int, float, bool, numpy or a 0-d tensor) that is finite; never a string ("1.0" would
+    parse, and a function returning text has a bug), None, a list or NaN."""
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        raise ValueError(f"returned {value!r:.80} ({type(value).__name__}), not a number")
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as e:  # a tensor or array of more than one element
+        raise ValueError(f"returned {value!r:.80} ({type(value).__name__}), not a number: {e}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"returned {value!r}, not a finite number")
+    return v
 
 
 def _field(row: dict, key: str, reward: str) -> Any:
@@ -234,7 +276,7 @@ def _successor_problem(row: dict) -> str | None:
     return "'answer' is empty" if not str(row.get("answer", "")).strip() else None
 
 
-@register_reward("successor", required_keys=("answer",), check_row=_successor_problem)
+@declares(required_keys=("answer",), check_row=_successor_problem)
 def successor(response: str, row: dict) -> float:
     """Toy task: 1.0 if the response starts with the answer digit (``row["answer"]``)."""
     answer = str(_field(row, "answer", "successor")).strip()
@@ -266,7 +308,7 @@ def _gsm8k_problem(row: dict) -> str | None:
     return None if _expected_number(raw) is not None else f"'answer' {raw!r:.60} is not a number"
 
 
-@register_reward("gsm8k", required_keys=("answer",), check_row=_gsm8k_problem)
+@declares(required_keys=("answer",), check_row=_gsm8k_problem)
 def gsm8k(response: str, row: dict) -> float:
     """1.0 if the response's final number equals the row's answer numerically.
 
@@ -285,7 +327,7 @@ def gsm8k(response: str, row: dict) -> float:
     return 1.0 if math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9) else 0.0
 
 
-@register_reward("exact_match", required_keys=("answer",))
+@declares(required_keys=("answer",))
 def exact_match(response: str, row: dict) -> float:
     """1.0 if the stripped response equals the stripped ``str(row["answer"])``."""
     answer = _field(row, "answer", "exact_match")

@@ -115,7 +115,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # Strictly below the total (u * total may round up to it), so the first column with
     # cdf > target exists and is a column where the cdf rises: one with probability > 0.
     target = torch.minimum(u.to(torch.float64).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # A row whose logits were not finite has a NaN cdf and finds no column: it gets the last one (a valid
+    # index, no host sync here) and its logprob is NaN, which the engine reports (NonFiniteOutputError).
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def sample_rows(logits: torch.Tensor, params: SamplingParams,

@@ -1,14 +1,12 @@
-"""The rollout group's executor: a registry of stage functions run in plan order.
+"""The rollout group's stages: what each workflow node of the rollout half does.
 
-Why this module exists: the planner hands the rollout group a linear pipeline (e.g.
-generate -> reward -> advantage). Each workflow node's (role, type) selects a registered
-stage; the node's ``fn`` picks the concrete function inside it (a reward name, an
-advantage estimator). There is no per-algorithm switch: a new algorithm is a config plus,
-at most, one registered pure function (``distflow.rl.registry``). The (role, type)
-pairs registered here are those :data:`distflow.core.dag.STAGE_GROUPS` allows on
-``rollout`` and on worker groups of their own (:mod:`distflow.stage_worker` runs this same
-registry on the batch it receives, through :func:`run_stages`), so the planner has
-already rejected anything else with the node's name.
+Why this module exists: the rollout half of a step (:func:`distflow.step.rollout_half`) runs
+the rollout group's nodes in plan order (e.g. generate -> reward -> advantage); the catalog
+(:mod:`distflow.rl.catalog`) names, for each ``(role, type)``, the function here that runs it
+on the rollout group and on worker groups of their own (:mod:`distflow.stage_worker` runs the
+same half on the batch it receives). The node's ``fn`` picks the concrete function inside it
+(a reward name, an advantage estimator). There is no per-algorithm switch, and the planner has
+already rejected a node with no stage here.
 
 Stages: ``stage(node, ctx, batch) -> batch``; they never touch the network.
 
@@ -41,24 +39,19 @@ from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import BadRowPolicy, PromptRow, keep_row
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
-from distflow.core.executor import StageRegistry
 from distflow.hf import chat_prompt_ids, end_of_turn
-from distflow.rl.advantages import nonconstant_groups
+from distflow.rl.catalog import StageError, UserFunctionError, function, node_runs_on
 from distflow.rl.reward_model import score_batch
-from distflow.rl.registry import TOKEN_ESTIMATORS, outcome_advantages
+from distflow.rl.registry import outcome_advantages
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_token_counts
 from distflow.rollout.engine import RolloutEngine, SamplingParams
-from distflow.rollout.rewards import RowCheck, resolve_reward
+from distflow.rollout.rewards import REWARD_RANGE, RowCheck, resolve_reward, reward_value
 from distflow.rollout.rewards import row_requirements as rewards_row_requirements
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageError", "RolloutContext", "STAGES", "register_stage", "run_pipeline", "sampling_params",
-           "encode_prompts", "row_requirements", "run_stages", "generate", "reward", "reward_model", "advantage"]
-
-
-class StageError(RuntimeError):
-    """A stage could not run on a batch; names the workflow node."""
+__all__ = ["StageError", "RolloutContext", "sampling_params", "encode_prompts", "row_requirements", "generate",
+           "reward", "reward_model", "advantage"]
 
 
 @dataclass
@@ -74,15 +67,12 @@ class RolloutContext:
     stats: dict[str, float] = field(default_factory=dict)
     weights_update: Callable[[], Any] | None = None  # partial rollout: polled by the engine mid-generation
     refill: Callable[[int, int], list[PromptRow]] | None = None  # (attempt, n) -> fresh prompts of this shard
+    rerun: Callable[..., SampleBatch] | None = None  # (pipeline, ctx) -> batch: the rollout half, for a filter
 
     def count(self, key: str, n: float) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
 
 
-Stage = Callable[[WorkflowNode, RolloutContext, "SampleBatch | None"], SampleBatch]
-REGISTRY: StageRegistry[Stage] = StageRegistry("rollout", StageError)
-STAGES = REGISTRY.stages
-register_stage = REGISTRY.register
 
 
 def sampling_params(cfg: Config, tokenizer: Any = None) -> SamplingParams:
@@ -204,14 +194,16 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     return batch
 
 
-@register_stage("ACTOR", "MODEL_INFERENCE")
 def generate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
     return generate_rows(ctx.engine, ctx.cfg, ctx.rows, ctx.seed, ctx.stats, ctx.weights_update)
 
 
-@register_stage("REWARD", "COMPUTE")
 def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
-    """Score every sample with the node's reward function: fn(response_text, row, **args) -> float."""
+    """Score every sample with the node's reward function: fn(response_text, row, **args) -> float.
+    A function that raises or returns what is not a finite number has a bug that every restart
+    would meet again: :class:`UserFunctionError` (the node exits 2) naming the function, the row
+    and what it returned. A score outside the documented range is counted (``reward_out_of_range``)
+    and warned of once."""
     batch = _need(node, batch)
     try:
         fn: Callable[..., float] = resolve_reward(node.fn)
@@ -219,17 +211,34 @@ def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -
         raise StageError(f"workflow node {node.id!r}: {e}") from None
     tok = ctx.engine.tokenizer
     texts = [tok.decode(t.tolist(), skip_special_tokens=True) for t in batch.ragged("response_tokens")]
-    values = []
-    for sid, text, extra in zip(batch.sample_ids, texts, batch.extras):
+    where = {r.prompt_id: r.where or f"row {r.row_index}" for r in ctx.rows}
+    values, outside = [], 0
+    for sid, pid, text, extra in zip(batch.sample_ids, batch.prompt_ids, texts, batch.extras):
+        what = f"workflow node {node.id!r}: reward {node.fn!r} on {where.get(pid, pid)} (sample {sid})"
         try:
-            values.append(float(fn(text, extra["row"], **node.args)))
-        except Exception as e:  # a bad row must name itself, not kill the node silently
-            raise StageError(f"workflow node {node.id!r}: reward {node.fn!r} failed on sample {sid}: {e}") from e
+            raw = fn(text, extra["row"], **node.args)
+        except Exception as e:  # its bug, not the node's: named and not restarted
+            raise UserFunctionError(f"{what} raised {type(e).__name__}: {e}") from e
+        try:
+            value = reward_value(raw)
+        except ValueError as e:
+            raise UserFunctionError(f"{what} {e}") from None
+        outside += not REWARD_RANGE[0] <= value <= REWARD_RANGE[1]
+        values.append(value)
+    if outside:
+        ctx.count("reward_out_of_range", outside)
+        if node.fn not in _WARNED_RANGE:
+            _WARNED_RANGE.add(node.fn)
+            log.warning("workflow node %r: reward %r gave %d of %d scores outside the documented range [%g, %g] "
+                        "(counted as reward_out_of_range; group advantages normalise them, shaping assumes the range)",
+                        node.id, node.fn, outside, len(values), *REWARD_RANGE)
     batch.set_scalar("reward", torch.tensor(values, dtype=torch.float32))
     return batch
 
 
-@register_stage("REWARD", "MODEL_INFERENCE")
+_WARNED_RANGE: set[str] = set()  # reward functions warned of once per process
+
+
 def reward_model(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
     from distflow.device import COMPUTE_DTYPES, node_device
 
@@ -241,9 +250,9 @@ def reward_model(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | N
 
 
 def _estimate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> SampleBatch:
-    if node.fn in TOKEN_ESTIMATORS:
-        raise StageError(f"workflow node {node.id!r}: {node.fn!r} is a token-level estimator and runs on the "
-                         f"trainer group (key 'group')")
+    only = node_runs_on(node.role.value, node.type.value, node.fn)
+    if only is not None:
+        raise StageError(f"workflow node {node.id!r}: {node.fn!r} runs on the {only} group only (key 'group')")
     adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", outcome_rewards(batch, ctx.cfg),
                              group_index(batch.prompt_ids), trained_token_counts(batch, ctx.cfg), node.args)
     batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
@@ -264,6 +273,7 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
     ``generated_reward`` (their sum) of the first generation: the trained samples' mean reward
     is biased by the filter (a policy that solves every prompt trains on few, mixed groups),
     the generated one is the policy's."""
+    keeps = function("compute", node.fn).load()  # rewards [n], group ids [n] -> keep [n] (nonconstant_groups)
     retries = int(node.args.get("max_retries", 2))
     refill = node.args.get("refill", "fresh")  # fresh | same (the config checked it: distflow.rl.node_args)
     prefix = ctx.pipeline[:ctx.pipeline.index(node)] if node in ctx.pipeline else []
@@ -276,7 +286,7 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
             return []
         if "reward" not in b.tensors:
             raise StageError(f"workflow node {node.id!r}: dynamic_sampling needs a REWARD node among its deps")
-        return nonconstant_groups(b.tensors["reward"].float(), group_index(b.prompt_ids)).tolist()
+        return keeps(b.tensors["reward"].float(), group_index(b.prompt_ids)).tolist()
 
     first, lost_total = batch, 0
     for attempt in range(retries):
@@ -292,8 +302,10 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
             break
         ctx.count("resampled_prompts", len(rows))
         sub_stats: dict[str, float] = {}
-        sub_ctx = RolloutContext(ctx.engine, ctx.cfg, rows, ctx.seed + 7919 * (attempt + 1), ctx.pipeline, sub_stats)
-        sub = _run(prefix, sub_ctx)
+        sub_ctx = RolloutContext(ctx.engine, ctx.cfg, rows, ctx.seed + 7919 * (attempt + 1), ctx.pipeline, sub_stats,
+                                 rerun=ctx.rerun)
+        assert ctx.rerun is not None, "dynamic_sampling runs inside distflow.step.rollout_half"
+        sub = ctx.rerun(prefix, sub_ctx)
         for key in ("skipped_prompts", "bad_prompts", "bad_rows"):  # unusable replacements: counted as well
             if sub_stats.get(key):
                 ctx.count(key, sub_stats[key])
@@ -311,44 +323,9 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
     return batch.select([i for i, k in enumerate(keep) if k])
 
 
-COMPUTE_FNS: dict[str, Callable[[WorkflowNode, RolloutContext, SampleBatch], SampleBatch]] = {
-    "dynamic_sampling": dynamic_sampling,
-}
-
-
-@register_stage("ACTOR", "COMPUTE")
 def advantage(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
     """An outcome advantage estimator over whole prompt groups (all on this node by
-    construction), or a batch filter of :data:`COMPUTE_FNS`."""
+    construction), or a group filter (the catalog's kind ``filter``: dynamic sampling)."""
     batch = _need(node, batch)
-    special = COMPUTE_FNS.get(node.fn)
-    return special(node, ctx, batch) if special else _estimate(node, ctx, batch)
-
-
-# ----------------------------------------------------------------------------- the executor
-def _run(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: SampleBatch | None = None) -> SampleBatch:
-    """Run ``pipeline`` from ``batch`` (None: the pipeline starts with generate)."""
-    for node, stage in REGISTRY.walk(pipeline, {n.id for n in ctx.pipeline or pipeline}):
-        batch = stage(node, ctx, batch)
-    if batch is None:
-        raise StageError("the rollout pipeline has no generate node")
-    return batch
-
-
-def run_pipeline(pipeline: list[WorkflowNode], engine: RolloutEngine, cfg: Config, rows: list[PromptRow],
-                 seed: int, stats: dict[str, float] | None = None,
-                 weights_update: Callable[[], Any] | None = None,
-                 refill: Callable[[int, int], list[PromptRow]] | None = None) -> SampleBatch:
-    """Run this group's pipeline (plan order, deps checked) on one step's prompts; blocking,
-    call in a thread. ``stats`` (optional) receives the counters (``skipped_prompts``,
-    ``resampled_prompts``, ``dropped_prompts``); ``refill(attempt, n)`` (optional) gives fresh
-    prompts of this shard for a filter that replaces the ones it drops."""
-    ctx = RolloutContext(engine, cfg, rows, seed, list(pipeline), stats if stats is not None else {}, weights_update,
-                         refill)
-    return _run(list(pipeline), ctx)
-
-
-def run_stages(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: SampleBatch) -> SampleBatch:
-    """Run a worker group's pipeline (plan order, deps checked) on a batch another group made
-    (:mod:`distflow.stage_worker`); blocking, call in a thread."""
-    return _run(list(pipeline), ctx, batch)
+    fn = function("compute", node.fn)
+    return dynamic_sampling(node, ctx, batch) if fn is not None and fn.kind == "filter" else _estimate(node, ctx, batch)

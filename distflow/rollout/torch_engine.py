@@ -31,8 +31,8 @@ import torch
 from distflow.device import node_device, on_device
 from distflow.hf import load_causal_lm, load_tokenizer
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION, LlamaRunner, empty_cache, unsupported_reason
-from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
-                                       parse_dtype, validate_prompts)
+from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_finite_logprobs,
+                                       check_model_dir, parse_dtype, validate_prompts)
 from distflow.rollout.sampling import counter_uniform, sample_rows, seed_key
 from distflow.rollout.weight_loading import WeightTarget
 
@@ -229,6 +229,8 @@ class TorchEngine:
                              use_cache=True, **{self._cache_kw: past})
             past, logits = cache_of(res), res.logits[:, -1, :].float()
         tokens_l, logps_l, lens_l, stop_l = tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+        for i in range(b):
+            check_finite_logprobs(logps_l[i][:lens_l[i]], self.version)
         return [Completion(tokens=tokens_l[i][:lens_l[i]], logprobs=logps_l[i][:lens_l[i]],
                            finish_reason="stop" if stop_l[i] else "length", first_version=self.version,
                            last_version=self.version) for i in range(b)]
@@ -380,6 +382,7 @@ class _Batcher:
         toks, lps, ends = self.out_tok[idx].tolist(), self.out_lp[idx].tolist(), self.end[idx].tolist()
         for j, i in enumerate(fin):
             q, length = self.slot_seq[i], (ends[j] if done[i] else n_max)
+            check_finite_logprobs(lps[j][:length], version)
             self.results[q] = Completion(tokens=toks[j][:length], logprobs=lps[j][:length],
                                          finish_reason="stop" if done[i] else "length",
                                          first_version=self.first_version.pop(q), last_version=version)

@@ -39,7 +39,8 @@ from distflow.rollout.engine import make_engine
 from distflow.rl.eval_report import eval_progress
 from distflow.rollout.evaluation import NodeEvaluator
 from distflow.rollout.llama_forward import KV_CACHE_FRACTION
-from distflow.rollout.stages import run_pipeline
+from distflow.rollout.stages import RolloutContext
+from distflow.step import rollout_half, step_seed
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime, shard_cover
 from distflow.trace import Trace
 from distflow.weights import WeightInbox
@@ -262,13 +263,13 @@ class RolloutLoop:
             bad_before = loaders[shard].bad_rows_skipped
             rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
             t0 = time.perf_counter()
-            seed = (cfg.seed * 1_000_003 + shard) * 100_003 + step
+            seed = step_seed(cfg.seed, shard, step)
             stage_stats: dict[str, float] = {}
             refill = (lambda attempt, n, loader=loaders[shard], e=epoch, i=in_epoch:  # noqa: E731
                       loader.reserve(e, i, attempt, n, local_batch=cfg.rollout_batch))
             # The stages run in a pool thread: enter this node's GPU there (a reward model runs in it).
-            batch = await asyncio.to_thread(call_on, chosen_device(), run_pipeline, self.pipeline, engine, cfg, rows,
-                                            seed, stage_stats, self.weights_update, refill)
+            ctx = RolloutContext(engine, cfg, rows, seed, self.pipeline, stage_stats, self.weights_update, refill)
+            batch = await asyncio.to_thread(call_on, chosen_device(), rollout_half, self.pipeline, ctx)
             t_gen = time.perf_counter() - t0
             if loaders[shard].bad_rows_skipped > bad_before:  # bad_rows: skip (refill rows included)
                 stage_stats["bad_rows"] = loaders[shard].bad_rows_skipped - bad_before

@@ -393,7 +393,7 @@ class Actor:
             clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             **({"dual_clip": cfg.dual_clip} if getattr(cfg, "dual_clip", None) is not None else {}),
             ref_logprobs=padded("ref_logprobs") if kl_coef else None, kl_coef=kl_coef,
-            kl_estimator=getattr(cfg, "kl_estimator", "k3"),
+            kl_estimator=getattr(cfg, "kl_estimator", "k3"), kl_clamp=getattr(cfg, "kl_clamp", 10.0),
             entropy=flat_to_padded(ent, rl)[0], entropy_coef=getattr(cfg, "entropy_coef", 0.0),
             behaviour_logprobs=padded("logprobs") if has_old else None, tis_cap=getattr(cfg, "tis_cap", None),
             loss_agg=getattr(cfg, "loss_agg", "token-mean"), token_normalizer=normalizer,

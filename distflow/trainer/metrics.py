@@ -17,6 +17,12 @@ from distflow.core.status import STAGE_TIME_KEYS
 # Every per-stage key a step's metrics (and trainer rank 0's mesh metadata) carry.
 STAGE_KEYS = (*STAGE_TIME_KEYS, "tokens_per_s", "mfu")
 
+# What each stage time is, for timings.png's legend (docs/metrics.md has the same words).
+STAGE_LABELS = {"time_generate_s": "generate (rollout)", "time_wait_s": "wait for samples (trainer)",
+                "time_logprobs_s": "reference / old logprobs (trainer)", "time_update_s": "update (trainer)",
+                "time_weights_s": "gather + publish weights (trainer)",
+                "time_load_weights_s": "load weights (rollout)"}
+
 
 class MetricsWriter:
     """``metrics.jsonl`` (or ``name``: ``eval.jsonl``) of a run. A fresh run starts it empty; a run
@@ -73,11 +79,11 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, eval_path: Path | None 
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    steps = [r["step"] for r in rows]
+    steps = [generated_by(r) for r in rows]  # x: the policy version, as eval.jsonl's step
     rewards = [r["reward_mean"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, rewards, marker=".", linewidth=1, label="trained samples")
-    generated = [(r["step"], r["generated_reward_mean"]) for r in rows if "generated_reward_mean" in r]
+    generated = [(generated_by(r), r["generated_reward_mean"]) for r in rows if "generated_reward_mean" in r]
     if generated:
         ax.plot(*zip(*generated), linewidth=1, label="generated (before the filter)")
     if len(rewards) >= 5:
@@ -90,7 +96,7 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, eval_path: Path | None 
         ax.plot(*zip(*held_out), marker="o", linewidth=1.5, label="held-out evaluation")
     if generated or held_out or len(rewards) >= 5:
         ax.legend(loc="upper left")
-    ax.set_xlabel("trainer step")
+    ax.set_xlabel("policy version (steps trained) that generated the samples")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
@@ -98,6 +104,15 @@ def plot_reward_curve(metrics_path: Path, out_png: Path, eval_path: Path | None 
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
+
+
+def generated_by(row: dict[str, Any]) -> float:
+    """A metrics row's position on the reward curve: the policy version that generated its samples,
+    on average (``step - staleness_mean``; ``step`` is 0-based and is the version the trainer held
+    before the step's update), the same axis as an eval.jsonl row's ``step`` (the version it
+    evaluated). With rollout one step ahead (``max_staleness: 1``) a step trains on the samples of
+    the version before it, so plotting rows at ``step`` put them one step off the evaluations."""
+    return float(row["step"]) - float(row.get("staleness_mean") or 0.0)
 
 
 def eval_curve(path: Path) -> tuple[list[tuple[int, float]], int]:
@@ -120,19 +135,20 @@ def plot_timings(metrics_path: Path, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    steps = [int(r["step"]) + 1 for r in rows]  # the progress line's "step k/N"
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
     bottom = [0.0] * len(rows)
     for key in STAGE_TIME_KEYS:
         vals = [float(r.get(key) or 0.0) for r in rows]
         if any(vals):
-            ax.bar(steps, vals, bottom=bottom, width=1.0, label=key.removeprefix("time_").removesuffix("_s"))
+            ax.bar(steps, vals, bottom=bottom, width=1.0, label=STAGE_LABELS[key])
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xlabel("trainer step")
-    ax.set_ylabel("seconds")
+    ax.set_ylabel("seconds per step")
     ax.grid(alpha=0.3, axis="y")
-    if any(bottom):
-        ax.legend(loc="upper right", fontsize="small")
+    if any(bottom):  # beside the bars, never over them
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="stage (where it runs)",
+                  title_fontsize="small", frameon=False)
     ax.set_title(f"{metrics_path.parent.name}: time per stage")
     fig.tight_layout()
     fig.savefig(out_png)

@@ -37,7 +37,9 @@ from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.weights.tiers import resolve_transport, serving_plan
 from distflow.launch.checkpoint import check_data_order, data_order
 from distflow.trainer.actor import Actor, all_reduce
-from distflow.trainer.executor import build_context, run_pipeline, save_checkpoint
+from distflow.step import train_half
+from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
+from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
 from distflow.trainer.evaluation import EvalBook
@@ -119,21 +121,24 @@ def rollout_times(member: Callable[[str], Any], rollout_ids: list[str]) -> dict[
     return out
 
 
-def throughput(stats: dict[str, float], num_params: int, world: int, peak_flops: float) -> dict[str, float]:
+def throughput(stats: dict[str, float], num_params: int, world: int, peak_flops: float | None) -> dict[str, float]:
     """Trainer tokens/s (prompt + response tokens of the update over its time) and MFU
     (6 x params x tokens / time / (world x peak_flops): forward + backward FLOPs of a dense
-    decoder, attention and the recomputations of activation checkpointing not counted)."""
+    decoder, attention and the recomputations of activation checkpointing not counted). No
+    ``mfu`` where the peak is unknown (a CPU, an unlisted GPU without ``peak_flops``): a figure
+    against a made-up peak would look like a measurement."""
     t = stats.get("time_update_s", 0.0)
     tokens = stats.get("train_tokens", 0.0)
-    if t <= 0:
-        return {"tokens_per_s": 0.0, "mfu": 0.0}
-    return {"tokens_per_s": tokens / t, "mfu": 6.0 * num_params * tokens / t / (world * peak_flops)}
+    out = {"tokens_per_s": tokens / t if t > 0 else 0.0}
+    if peak_flops is not None:
+        out["mfu"] = 6.0 * num_params * tokens / t / (world * peak_flops) if t > 0 else 0.0
+    return out
 
 
-def trainer_peak_flops(cfg: Any) -> float:
+def trainer_peak_flops(cfg: Any) -> float | None:
     """``peak_flops`` for the mfu metric: the config's, else this GPU's data-sheet figure for
-    the compute dtype, else a placeholder (logged, so an mfu is never silently off by 10x)."""
-    from distflow.device import FALLBACK_PEAK_FLOPS, peak_flops, tf32_matmuls
+    the compute dtype, else None (no mfu: said once in the log, with how to get one)."""
+    from distflow.device import peak_flops, tf32_matmuls
 
     if cfg.peak_flops is not None:
         return cfg.peak_flops
@@ -144,9 +149,8 @@ def trainer_peak_flops(cfg: Any) -> float:
         kind = cfg.dtype if cfg.dtype != "float32" else "float32 (TF32)" if tf32_matmuls() else "float32 (no TF32)"
         log.info("mfu against %s's dense %s peak, %.3g FLOP/s (set peak_flops to override)", name, kind, found)
         return found
-    log.info("mfu against a placeholder peak of %.0e FLOP/s (%s): set peak_flops for a meaningful figure",
-             FALLBACK_PEAK_FLOPS, name or "cpu")
-    return FALLBACK_PEAK_FLOPS
+    log.info("no mfu: the peak FLOP/s of %s is unknown (set peak_flops to report one)", name or "a CPU")
+    return None
 
 
 class SampleInbox:
@@ -288,6 +292,7 @@ async def run_trainer(rt: Runtime) -> None:
 
     step, t_last, t_start = actor.version, time.perf_counter(), time.perf_counter()
     start_step = step
+    divergence, emptiness = DivergenceWatch(cfg.max_nonfinite_steps, cfg.lr), EmptyRunWatch()
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
@@ -351,7 +356,7 @@ async def run_trainer(rt: Runtime) -> None:
         actor.total_steps = inbox.total
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
-        stats = await on_gpu(run_pipeline, pipeline, ctx, batch)
+        stats = await on_gpu(train_half, pipeline, ctx, batch)
         n, reward, stale, truncated, resp_tokens = await on_gpu(step_summary, actor, batch, step)
         t_weights = time.perf_counter()
         await publish(actor.version)
@@ -362,6 +367,7 @@ async def run_trainer(rt: Runtime) -> None:
         stages = {k: round(v, 4) for k, v in {**stats, **times}.items() if k in STAGE_KEYS}
         rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1),
                          **stages)
+        rollout_stats = with_generated_mean(inbox.stage_stats.pop(step, {}))  # the counters ride on part 0 (rank 0)
         if writer is not None:
             if startup is None and (startup := first_startup(rt, rollout_ids) or None):
                 times.update(startup)
@@ -370,7 +376,9 @@ async def run_trainer(rt: Runtime) -> None:
                           "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
                           "truncated_frac": truncated / max(n, 1), "response_len_mean": resp_tokens / max(n, 1),
                           "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
-                          **with_generated_mean(inbox.stage_stats.pop(step, {})), **stats, **times})
+                          **rollout_stats, **stats, **times})
+        divergence.after_step(step, stats)  # after the row is written: the metrics show the step that stopped it
+        emptiness.after_step(step, int(n), rollout_stats)
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:

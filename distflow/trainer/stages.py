@@ -1,11 +1,9 @@
-"""The trainer group's executor: a registry of stage functions run in plan order.
+"""The trainer group's stages: what each workflow node of the train half does.
 
-Why this module exists: the trainer's part of a workflow (reference logprobs, critic
-values, GAE, actor and critic updates, ...) is a plan, not a hard-coded switch. Each
-workflow node's (role, type) selects a registered stage; the node's ``fn`` picks the
-function inside it. The pairs registered here are those
-:data:`distflow.core.dag.STAGE_GROUPS` allows on ``trainer``, so the planner has already
-rejected anything else with the node's name.
+Why this module exists: the train half of a step (:func:`distflow.step.train_half`) runs the
+trainer group's nodes in plan order; the catalog (:mod:`distflow.rl.catalog`) names, for each
+``(role, type)``, the function here that runs it on the trainer group, and the node's ``fn``
+picks the maths inside it. The planner has already refused a node with no stage here.
 
 Stages: ``stage(node, ctx, batch) -> dict of metrics`` (may add fields to ``batch``):
 
@@ -35,16 +33,16 @@ import torch.distributed as dist
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
-from distflow.core.executor import StageRegistry
 from distflow.device import COMPUTE_DTYPES, collective_device, node_device
 from distflow.rl.advantages import token_rewards
 from distflow.rl.kl import kl_estimate
-from distflow.rl.registry import ADVANTAGE_ESTIMATORS, TOKEN_ESTIMATORS, outcome_advantages, resolve
+from distflow.rl.catalog import RETURNS, VALUES, function
+from distflow.rl.registry import ADVANTAGE_ESTIMATORS, outcome_advantages, resolve
 from distflow.rl.reward_model import score_batch
 from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_samples, trained_token_counts
 
-__all__ = ["TrainerContext", "STAGES", "register_stage", "run_pipeline", "build_context", "save_checkpoint",
-           "padded", "flat"]
+__all__ = ["TrainerContext", "build_context", "save_checkpoint", "padded", "flat", "reference", "critic_values",
+           "reward_model", "advantage", "token_advantage", "actor_update", "critic_update"]
 
 
 @dataclass
@@ -80,9 +78,6 @@ class TrainerContext:
 
 
 Stage = Callable[[WorkflowNode, TrainerContext, SampleBatch], dict[str, float]]
-REGISTRY: StageRegistry[Stage] = StageRegistry("trainer")
-STAGES = REGISTRY.stages
-register_stage = REGISTRY.register
 
 
 # ----------------------------------------------------------------------------- ragged <-> padded
@@ -107,19 +102,16 @@ def _need(node: WorkflowNode, what: Any, name: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- stages
-@register_stage("REFERENCE", "MODEL_INFERENCE")
 def reference(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     _need(node, ctx.actor, "actor").reference_logprobs(batch)
     return {}
 
 
-@register_stage("CRITIC", "MODEL_INFERENCE")
 def critic_values(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     _need(node, ctx.critic, "critic").values(batch)
     return {}
 
 
-@register_stage("REWARD", "MODEL_INFERENCE")
 def reward_model(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     """Each rank scores its own samples with a replicated, frozen reward model."""
     score_batch(node, batch, node_device(ctx.cfg.device), COMPUTE_DTYPES[ctx.cfg.dtype], ctx.cfg.model_path)
@@ -140,7 +132,7 @@ def _token_rewards(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch,
         old = batch.tensors.get("old_logprobs")
         old = batch.tensors["logprobs"] if old is None else old
         kl = kl_estimate(padded(old.float(), lens)[0], padded(batch.tensors["ref_logprobs"].float(), lens)[0],
-                         cfg.kl_reward_estimator)
+                         cfg.kl_reward_estimator, clamp=cfg.kl_clamp)
     outcome = outcome_rewards(batch, cfg) if len(batch) else torch.zeros(0)
     return token_rewards(outcome, mask, kl, cfg.kl_coef if kl is not None else 0.0)
 
@@ -168,42 +160,35 @@ def _set_token_advantages(batch: SampleBatch, ctx: TrainerContext, adv: torch.Te
     batch.set_scalar("advantage", adv.sum(1) / torch.clamp(mask.sum(1), min=1))
 
 
-def gae(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
-    """PPO's advantages: ``token_advantages`` and ``returns`` (ragged) from rewards and values.
-    ``node.args``: ``gamma``, ``lam`` (default: the config's), ``whiten`` (default true:
-    advantages normalised over every valid token of the step, all ranks)."""
-    cfg = ctx.cfg
-    if "values" not in batch.tensors:
-        raise ValueError(f"workflow node {node.id!r}: gae needs the critic's 'values' (a CRITIC MODEL_INFERENCE "
-                         f"node among its deps)")
-    values, mask = padded(batch.tensors["values"].float(), batch.tensors["response_lens"])
-    rewards = _token_rewards(node, ctx, batch, mask)
-    gamma, lam = float(node.args.get("gamma", cfg.gamma)), float(node.args.get("lam", cfg.lam))
-    adv, ret = TOKEN_ESTIMATORS["gae"](rewards, values, mask, gamma, lam)
-    if node.args.get("whiten", True):
-        adv = _whiten_tokens(ctx, batch, adv, mask)
-    _set_token_advantages(batch, ctx, adv, mask)
-    batch.set_ragged("returns", flat(ret, mask).float())
-    return {}
-
-
-def reinforce_pp_token(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
-    """REINFORCE++ over per-token rewards (OpenRLHF's ``reinforce_plus_plus``): each token's advantage
-    is its discounted return ``G_t = r_t + gamma G_{t+1}`` of the token rewards (the outcome on the
-    last token, minus ``kl_coef`` x KL per token with ``kl_in_reward``), whitened over every trained
-    token of the step (all ranks). No critic. ``node.args``: ``gamma`` (default: the config's),
-    ``whiten`` (default true)."""
+def token_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
+    """A token-level estimator (the catalog's kind ``token``) over per-token rewards: the shaped
+    outcome on the last response token, minus ``kl_coef`` x KL per token with ``kl_in_reward``.
+    An estimator that reads the critic's values (GAE) gets them and makes ``returns`` (ragged,
+    the critic's targets) too; one that does not (REINFORCE++ token: discounted returns ``G_t =
+    r_t + gamma G_{t+1}``) makes the advantages alone. Its keyword arguments (``gamma``, ``lam``)
+    are the node's ``args``, defaulting to the config keys of the same names; ``whiten`` (default
+    true) normalises the advantages over every trained token of the step (all ranks)."""
+    fn = function("compute", node.fn)
     lens = batch.tensors["response_lens"]
-    mask = padded(torch.zeros(int(lens.sum()), device=lens.device), lens)[1]  # on the batch's device
+    if VALUES in fn.needs:
+        if "values" not in batch.tensors:
+            raise ValueError(f"workflow node {node.id!r}: {node.fn} needs the critic's 'values' (a CRITIC "
+                             f"MODEL_INFERENCE node among its deps)")
+        values, mask = padded(batch.tensors["values"].float(), lens)
+        inputs: tuple[torch.Tensor, ...] = (values, mask)
+    else:
+        mask = padded(torch.zeros(int(lens.sum()), device=lens.device), lens)[1]  # on the batch's device
+        inputs = (mask,)
     rewards = _token_rewards(node, ctx, batch, mask)
-    adv = TOKEN_ESTIMATORS["reinforce_pp_token"](rewards, mask, float(node.args.get("gamma", ctx.cfg.gamma)))
+    kw = {k: float(node.args.get(k, getattr(ctx.cfg, k))) for k in fn.args if k in ("gamma", "lam")}
+    out = fn.load()(rewards, *inputs, **kw)
+    adv, ret = out if RETURNS in fn.produces else (out, None)
     if node.args.get("whiten", True):
         adv = _whiten_tokens(ctx, batch, adv, mask)
     _set_token_advantages(batch, ctx, adv, mask)
+    if ret is not None:
+        batch.set_ragged("returns", flat(ret, mask).float())
     return {}
-
-
-TOKEN_STAGES: dict[str, Stage] = {"gae": gae, "reinforce_pp_token": reinforce_pp_token}
 
 
 def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
@@ -223,14 +208,14 @@ def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: Sam
     return {}
 
 
-@register_stage("ACTOR", "COMPUTE")
 def advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
-    if node.fn in TOKEN_STAGES:
-        return TOKEN_STAGES[node.fn](node, ctx, batch)
+    """An ACTOR COMPUTE node on the trainer group: a token-level estimator, or an outcome one over the step."""
+    fn = function("compute", node.fn)
+    if fn is not None and fn.kind == "token":
+        return token_advantage(node, ctx, batch)
     return global_outcome_advantage(node, ctx, batch)
 
 
-@register_stage("ACTOR", "MODEL_TRAIN")
 def actor_update(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     actor = _need(node, ctx.actor, "actor")
     t_lp = 0.0
@@ -241,35 +226,9 @@ def actor_update(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) ->
     return {**actor.update(node, batch), "time_logprobs_s": t_lp}
 
 
-@register_stage("CRITIC", "MODEL_TRAIN")
 def critic_update(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
     stats = _need(node, ctx.critic, "critic").update(node, batch)
     return {f"critic_{k}" if not k.startswith(("vf_", "critic_")) else k: v for k, v in stats.items()}
-
-
-# ----------------------------------------------------------------------------- the executor
-def run_pipeline(pipeline: list[WorkflowNode], ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
-    """Run the trainer group's pipeline on one step's batch in plan order (deps checked);
-    returns the merged metrics of every stage plus where the time went (``time_logprobs_s``,
-    ``time_update_s``, ``time_critic_s``, ``time_reward_s``, ``time_compute_s``). Blocking;
-    every rank calls it."""
-    stats: dict[str, float] = {"time_logprobs_s": 0.0, "time_update_s": 0.0}
-    for node, stage in REGISTRY.walk(pipeline):
-        t0 = time.perf_counter()
-        out = dict(stage(node, ctx, batch))
-        took = time.perf_counter() - t0
-        lp = out.pop("time_logprobs_s", 0.0)
-        stats.update(out)
-        key = _TIMERS.get((node.role.value, node.type.value), "time_compute_s")
-        stats["time_logprobs_s"] += lp
-        stats[key] = stats.get(key, 0.0) + took - lp
-    return stats
-
-
-# Where each stage's wall time is reported (the step's metrics say where its time went).
-_TIMERS = {("REFERENCE", "MODEL_INFERENCE"): "time_logprobs_s", ("ACTOR", "MODEL_TRAIN"): "time_update_s",
-           ("CRITIC", "MODEL_INFERENCE"): "time_critic_s", ("CRITIC", "MODEL_TRAIN"): "time_critic_s",
-           ("REWARD", "MODEL_INFERENCE"): "time_reward_s"}
 
 
 def build_context(cfg: Config, pipeline: list[WorkflowNode], actor: Any) -> TrainerContext:
