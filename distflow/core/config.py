@@ -306,6 +306,26 @@ class Config(BaseModel):
     # -- deadlines ------------------------------------------------------------------
     step_timeout_s: float = Field(600.0, gt=0, description="longest wait for one step's data or weights")
 
+    # -- trackers and operator metrics (distflow/trackers, distflow/launch/prometheus.py; docs/trackers.md) --
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        ["jsonl"], description="where trainer rank 0 logs every step's metrics, evaluation rows and sample "
+                               "tables; jsonl (metrics.jsonl, eval.jsonl, samples.jsonl) is always on")
+    tracker_project: str = Field("distflow", min_length=1, description="W&B project / MLflow experiment name")
+    tracker_run_name: str | None = Field(None, min_length=1, description="the run's name in the trackers "
+                                                                         "(default: name)")
+    tracker_uri: str | None = Field(None, min_length=1, description="MLflow tracking URI (default: "
+                                    "$MLFLOW_TRACKING_URI, else the file store output_dir/mlruns)")
+    wandb_mode: Literal["offline", "online", "shared"] = Field(
+        "offline", description="offline: files under output_dir/wandb (wandb sync uploads them); online; shared: "
+                               "W&B's multi-writer mode, every node writes the same run id")
+    sample_table_k: int = Field(4, ge=0, description="the sample table of a logged step holds the top-k and "
+                                                     "bottom-k of trainer rank 0's samples by reward (0: no table)")
+    sample_table_every: int = Field(1, ge=1, description="log a sample table every N trainer steps")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of every node on "
+                                     "this port (0: any free port, logged; null: off)")
+    metrics_host: str = Field("127.0.0.1", min_length=1, description="address of the /metrics endpoint "
+                                                                      "(loopback unless opened on purpose)")
+
     workflow: list[WorkflowNode]
 
     @field_validator("workflow", mode="before")

@@ -280,8 +280,15 @@ async def run_trainer(rt: Runtime) -> None:
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
+    trackers = None
+    if rank == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
+        from distflow.trackers import open_trackers
+
+        trackers = open_trackers(cfg, rt.node.node_id, actor.version if cfg.resume_from else None)
+        writer = trackers.tee(writer)
     if evals is not None and rank == 0:
-        evals.attach(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None, name="eval.jsonl"))
+        evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None,
+                                                name="eval.jsonl"), "log_eval"))
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
     log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
              mine)
@@ -371,6 +378,7 @@ async def run_trainer(rt: Runtime) -> None:
                           "truncated_frac": truncated / max(n, 1), "response_len_mean": resp_tokens / max(n, 1),
                           "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
                           **with_generated_mean(inbox.stage_stats.pop(step, {})), **stats, **times})
+            trackers.samples(step, batch)
         t_last = now
         step += 1
         if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:
@@ -400,6 +408,8 @@ async def run_trainer(rt: Runtime) -> None:
         else:
             evals.finish()
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png", evals.writer.path)
+    if trackers is not None:
+        await asyncio.to_thread(trackers.close)
     st = rt.shard.stats()
     log.info("trainer rank %d: done after %d steps (dropped parts: %s; parts taken in %d, of them posted by "
              "same-host nodes %d, posts refused %d)", rank, step, inbox.dropped, st["puts"], st["posted_parts"],
