@@ -306,7 +306,7 @@ class Config(BaseModel):
     # -- deadlines ------------------------------------------------------------------
     step_timeout_s: float = Field(600.0, gt=0, description="longest wait for one step's data or weights")
 
-    # -- trackers and operator metrics (distflow/trackers, distflow/launch/prometheus.py; docs/trackers.md) --
+    # -- trackers and operator metrics (distflow/trackers, distflow/core/prometheus.py; docs/trackers.md) --
     trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         ["jsonl"], description="where trainer rank 0 logs every step's metrics, evaluation rows and sample "
                                "tables; jsonl (metrics.jsonl, eval.jsonl, samples.jsonl) is always on")
