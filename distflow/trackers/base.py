@@ -16,6 +16,7 @@ holds one small class (not named after its library, which it imports).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -76,6 +77,9 @@ class TrackerSet:
         self._dropped = 0
         self._thread = threading.Thread(target=self._work, name="trackers", daemon=True)
         self._thread.start()
+        # A trainer that fails mid-run never reaches its close(): flush what is queued at exit
+        # anyway (a W&B offline file or MLflow run left half-written is worse than a late exit).
+        atexit.register(self.close, 10.0)
 
     # ------------------------------------------------------------------ producer side (rank 0's loop)
     def submit(self, method: str, step: int, payload: Any) -> None:
@@ -106,6 +110,7 @@ class TrackerSet:
         """Drain the queue (bounded by ``timeout``), close every backend, log what failed."""
         if not self._thread.is_alive():
             return
+        atexit.unregister(self.close)
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
