@@ -201,3 +201,29 @@ def test_a_real_run_logs_every_step_to_every_tracker(toy_model, toy_data, tmp_pa
     assert [r["eval/step"] for r in rows if "eval/eval_reward_mean" in r] == evals
     samples = read_metrics(out / "samples.jsonl")
     assert {s["step"] for s in samples} == set(steps) and all(s["prompt"].endswith("=") for s in samples)
+
+
+@needs_all
+def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path):
+    """resume_from at step 2: TensorBoard purges the steps trained again, MLflow continues the same
+    run (its id kept in trackers.json), W&B the same run id, samples.jsonl drops the later tables."""
+    from distflow.trackers import open_trackers
+    from distflow.trackers.backend_wandb import run_id
+
+    cfg = config(tmp_path, trackers=["tensorboard", "mlflow", "wandb"], sample_table_k=1)
+    out = Path(cfg.output_dir)
+    for resume, steps in ((None, range(4)), (2, range(2, 5))):
+        ts = open_trackers(cfg, resume_step=resume)
+        w = ts.tee(MetricsWriter(out, resume_step=resume))
+        for step in steps:
+            w.write({"step": step, "reward_mean": float(step) + (10 if resume else 0)})
+            ts.samples(step, batch([0.0, 1.0]))
+        ts.close()
+    assert tb_scalars(out / "tensorboard", "train/reward_mean") == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0),
+                                                                     (4, 14.0)]
+    client, run = mlflow_run(out, cfg)
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")][-3:] == [2, 3, 4]
+    assert {p.name.split("-")[-1] for p in out.glob("wandb/offline-run-*")} == {run_id(out, cfg.name)}
+    assert [(r["step"], r["kind"]) for r in read_metrics(out / "samples.jsonl")] == \
+        [(s, k) for s in range(5) for k in ("top", "bottom")]
