@@ -116,8 +116,8 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
         return fields.get("JobState", "?"), int(fields.get("Restarts", "0"))
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted((self.root / "log").glob("*"))
-                         if p.is_file())
+        files = sorted(p for p in (self.root / "log").glob("*") if p.is_file())
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in files)
 
     def stop(self) -> None:
         if shutil.which("scancel"):

@@ -77,7 +77,8 @@ def manifests(args: argparse.Namespace, overrides: Sequence[str], secret: str) -
                  "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels, "ports": ports}})
     gpus = args.gpus_per_pod if args.gpus_per_pod is not None else int(cfg.device == "cuda")
     shape = {"trainer": (cfg.trainer_nodes, gpus),
-             "rollout": (cfg.rollout_nodes, args.rollout_gpus_per_pod if args.rollout_gpus_per_pod is not None else gpus)}
+             "rollout": (cfg.rollout_nodes,
+                         args.rollout_gpus_per_pod if args.rollout_gpus_per_pod is not None else gpus)}
     for role, (replicas, role_gpus) in shape.items():
         docs.append(statefulset(name, role, replicas, role_gpus, args, labels, meta, service, seed_pod, secret_name,
                                 [f"rollout_nodes={cfg.rollout_nodes}", f"trainer_nodes={cfg.trainer_nodes}",
@@ -110,7 +111,8 @@ def statefulset(name: str, role: str, replicas: int, gpus: int, args: argparse.N
         "volumeMounts": [{"name": "config", "mountPath": "/etc/distflow", "readOnly": True},
                          {"name": "data", "mountPath": "/data"}, {"name": "shm", "mountPath": "/dev/shm"}],
     }
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(f"{name}-{role}", **{"distflow/role": role}),
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": meta(f"{name}-{role}", **{"distflow/role": role}),
             "spec": {"serviceName": service, "replicas": replicas, "podManagementPolicy": "Parallel",
                      "selector": {"matchLabels": pod_labels},
                      "template": {"metadata": {"labels": pod_labels},

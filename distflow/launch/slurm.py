@@ -58,8 +58,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def render(args: argparse.Namespace, overrides: Sequence[str]) -> tuple[str, Path]:
-    """(script text, run dir). The config is validated first, so a bad key fails here, not on the cluster."""
+def render(args: argparse.Namespace, overrides: Sequence[str]) -> tuple[str, Path, Any]:
+    """(script text, run dir, config). The config is validated first, so a bad key fails here, not on the
+    cluster."""
     import jinja2
 
     from distflow.core.config import ConfigError, load_config
@@ -76,7 +77,8 @@ def render(args: argparse.Namespace, overrides: Sequence[str]) -> tuple[str, Pat
     tasks = cfg.trainer_nodes + cfg.rollout_nodes
     env = dict(e.split("=", 1) for e in args.env if "=" in e)
     context: dict[str, Any] = dict(
-        config=str(Path(args.config).resolve()), cwd=os.getcwd(), job_name=args.job_name or cfg.name, run_dir=str(run_dir),
+        config=str(Path(args.config).resolve()), cwd=os.getcwd(), job_name=args.job_name or cfg.name,
+        run_dir=str(run_dir),
         output_dir=str(out), partition=args.partition, account=args.account, time=args.time,
         signal_s=args.signal_s, sbatch_args=args.sbatch_arg, het=args.rollout_hosts is not None,
         hosts=args.hosts or max(1, -(-tasks // 8)), trainer_hosts=args.trainer_hosts, rollout_hosts=args.rollout_hosts,
@@ -89,7 +91,7 @@ def render(args: argparse.Namespace, overrides: Sequence[str]) -> tuple[str, Pat
     jenv = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     jenv.filters["q"] = lambda v: shlex.quote(str(v))
     name = Path(args.template).name if args.template else "slurm.sbatch.j2"
-    return jenv.get_template(name).render(**context), run_dir
+    return jenv.get_template(name).render(**context), run_dir, cfg
 
 
 def write_secret(path: Path) -> None:
@@ -107,7 +109,7 @@ def write_secret(path: Path) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    from distflow.core.config import ConfigError, load_config
+    from distflow.core.config import ConfigError
 
     if argv[:1] == ["newest"]:
         return newest_main(argv[1:])
@@ -115,7 +117,7 @@ def main(argv: Sequence[str]) -> int:
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     args = parser().parse_args(flags)
     try:
-        script, run_dir = render(args, overrides)
+        script, run_dir, cfg = render(args, overrides)
     except (ConfigError, OSError) as e:
         print(f"distflow slurm: {e}", file=sys.stderr)
         return 2
@@ -125,10 +127,10 @@ def main(argv: Sequence[str]) -> int:
     if args.dry_run:
         sys.stdout.write(script)
         return 0
-    if load_config(args.config, overrides).toy_model:  # as `distflow run` does: the nodes only read it
+    if cfg.toy_model:  # as `distflow run` does: the nodes only read it
         from distflow.launcher import build_toy_models
 
-        build_toy_models(load_config(args.config, overrides))
+        build_toy_models(cfg)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     write_secret(run_dir / "secret")
