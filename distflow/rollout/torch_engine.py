@@ -110,7 +110,8 @@ class TorchEngine:
                                         "weight_swaps": 0, "slots_in_use": 0}
         from distflow.core.prometheus import register  # read only when a node serves /metrics
 
-        register("engine", lambda: {"engine_slots_in_use": self.stats["slots_in_use"], "engine_slots": self.max_slots})
+        register("engine", lambda: {"engine_slots_in_use": self.stats["slots_in_use"],
+                                    "engine_slots": self.max_slots})
         why = unsupported_reason(self.model)
         self.runner: LlamaRunner | None = None
         if why is None:
