@@ -19,11 +19,14 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
       --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 --timeout 15
   fi
 fi
-EXTRAS="dev"
+EXTRAS="dev,trackers"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   # cupy and NCCL built for the CUDA major version the installed torch uses (gpu = CUDA 12, gpu-cu13 = CUDA 13)
   CUDA_MAJOR=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
-  if [ "$CUDA_MAJOR" = "13" ]; then EXTRAS="dev,gpu-cu13"; else EXTRAS="dev,gpu"; fi
+  if [ "$CUDA_MAJOR" = "13" ]; then EXTRAS="dev,trackers,gpu-cu13"; else EXTRAS="dev,trackers,gpu"; fi
 fi
 "$PY" -m pip install -e ".[$EXTRAS]"
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  bash scripts/test-deps.sh   # system packages of the tests (Slurm, munge); they skip without them
+fi
 "$PY" -c "import torch, distflow; print(f'setup: distflow {distflow.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"

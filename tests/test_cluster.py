@@ -85,15 +85,17 @@ def test_token_balanced_routing_trains_every_sample_once(toy_model, toy_data, tm
 
 
 def test_child_failure_stops_everyone_and_names_the_error(toy_model, toy_data, tmp_path):
+    """A node that dies (not a deterministic error of the config's code, which exits 2 at once:
+    tests/test_user_mistakes.py) is restarted up to `restarts` times, then the run stops, naming it."""
     out = tmp_path / "run"
     t0 = time.monotonic()
-    r = run_distflow(small_run_args(toy_model, toy_data, out, "workflow.1.fn=tests.failing:exploding_reward",
+    r = run_distflow(small_run_args(toy_model, toy_data, out, "workflow.1.fn=tests.failing:dying_reward",
                                     "restarts=1"), timeout=180, env={"PYTHONPATH": str(ROOT)})
     assert r.returncode == 1
     # Each rollout node died, was restarted once (restarts=1), and died again.
     assert "rollout-0 died (exit 1)" in r.stderr and "rollout-1 died (exit 1)" in r.stderr
     assert "(restart 1 of 1)" in r.stderr and " failed (exit 1)" in r.stderr
-    assert "reward 'tests.failing:exploding_reward' failed" in r.stderr and "boom on row" in r.stderr
+    assert "dying on row" in r.stderr
     assert time.monotonic() - t0 < 150
     assert not run_pids(out)
 

@@ -317,6 +317,11 @@ class MeshSection(Section):
     join_timeout_s: float = Field(60.0, gt=0, description=(
         "how long a node waits for its seeds and for the groups to be complete"))
     max_frame_bytes: int = Field(1 << 20, ge=4096, description="larger control frames are dropped and counted")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description=(
+        "serve Prometheus `/metrics` of every node on this port (0: any free port, logged; null: off); one node "
+        "per host with a fixed port"))
+    metrics_host: str = Field("127.0.0.1", min_length=1, description=(
+        "address of the `/metrics` endpoint (loopback unless opened on purpose)"))
 
 
 class LaunchSection(Section):
@@ -352,6 +357,22 @@ class LaunchSection(Section):
         "cover its shard; a dead trainer rank or controller stops the run, and so does a node that exits 2 (a "
         "configuration or data error), which is never restarted"))
     trace_samples: bool = Field(False, description="each node writes which sample ids it handled to `output_dir/trace/`")
+    # trackers (distflow/trackers; docs/trackers.md): where the run's metrics go besides metrics.jsonl
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(["jsonl"], description=(
+        "where trainer rank 0 logs every step's metrics, evaluation rows and sample tables; `jsonl` "
+        "(metrics.jsonl, eval.jsonl, samples.jsonl) is always on"))
+    tracker_project: str = Field("distflow", min_length=1, description="W&B project / MLflow experiment name")
+    tracker_run_name: str | None = Field(None, min_length=1, description="the run's name in the trackers "
+                                                                         "(default: `name`)")
+    tracker_uri: str | None = Field(None, min_length=1, description=(
+        "MLflow tracking URI (default: `$MLFLOW_TRACKING_URI`, else SQLite at `output_dir/mlflow.db`)"))
+    wandb_mode: Literal["offline", "online", "shared"] = Field("offline", description=(
+        "`offline`: files under `output_dir/wandb` (`wandb sync` uploads them); `online`; `shared`: W&B's "
+        "multi-writer mode, every node writes the same run id"))
+    sample_table_k: int = Field(4, ge=0, description=(
+        "the sample table of a logged step holds the top-k and bottom-k of trainer rank 0's samples by reward "
+        "(0: no table)"))
+    sample_table_every: int = Field(1, ge=1, description="log a sample table every N trainer steps")
 
     @field_validator("worker_groups")
     @classmethod

@@ -72,7 +72,8 @@ def node_parser() -> argparse.ArgumentParser:
                         "the worker group named by --group (config worker_groups)")
     p.add_argument("--group", default=None, help="with --role worker: the group of worker_groups this node serves")
     p.add_argument("--config", required=True, help="workflow/run config (YAML)")
-    p.add_argument("--seeds", default="", help="HOST:PORT[,...] of any nodes already in the mesh (none for the first)")
+    p.add_argument("--seeds", default="", help="HOST:PORT[,...] of any nodes already in the mesh (none for the first); "
+                                          "auto: from $DISTFLOW_SEEDS, Slurm or Kubernetes (distflow/launch/seeds.py)")
     p.add_argument("--host", default=None, help="address to bind (default: config bind_host, loopback)")
     p.add_argument("--advertise-host", default=None,
                    help="address peers use to reach this node (required with --host 0.0.0.0, e.g. in containers)")
@@ -96,6 +97,10 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     args = node_parser().parse_args(flags)
     try:
         cfg = load_config(args.config, overrides)
+        if args.seeds == "auto":  # from DISTFLOW_SEEDS, the Slurm allocation or the Kubernetes service
+            from distflow.launch.seeds import auto_seeds
+
+            args.seeds = ",".join(auto_seeds(args.host or cfg.bind_host, args.port))
         seeds = parse_seeds(args.seeds)
         secret = os.environ.get(SECRET_ENV, "")
         if len(secret) < 16:
@@ -164,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("status", help="live table of a running cluster's members", add_help=False)
     sub.add_parser("config", help="--explain KEY: a config key's section, type, default and meaning; "
                                   "--show CONFIG: a config resolved", add_help=False)
+    sub.add_parser("slurm", help="render (and submit) an sbatch script for CONFIG", add_help=False)
+    sub.add_parser("k8s", help="render Kubernetes manifests for CONFIG", add_help=False)
     t = sub.add_parser("toy-model", help="build a tiny toy model and tokenizer into DIR")
     t.add_argument("dir")
     t.add_argument("--kind", choices=["successor", "gsm8k", "reward"], default="successor",
@@ -185,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from distflow.core.config_explain import config_main
 
         return config_main(argv[1:])
+    if argv[:1] in (["slurm"], ["k8s"]):  # they parse their own arguments (and KEY=VALUE overrides)
+        from importlib import import_module
+
+        return import_module(f"distflow.launch.{argv[0]}").main(argv[1:])
     argv, overrides = split_overrides(argv)
     args = p.parse_args(argv)
     if overrides and args.cmd != "run":

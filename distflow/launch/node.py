@@ -59,6 +59,16 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         await rt.stop(graceful=False)
         return 1
     log.info("%s up: control %s, data port %d", node_id, rt.node.address, rt.channel.port)
+    exporter = None
+    if cfg.metrics_port is not None:  # opt-in Prometheus /metrics of this node (distflow/core/prometheus.py)
+        from distflow.core.prometheus import MetricsServer
+
+        try:
+            exporter = await MetricsServer(rt).start(cfg.metrics_host, cfg.metrics_port)
+        except OSError as e:
+            log.error("%s: cannot serve /metrics on %s:%d: %s", node_id, cfg.metrics_host, cfg.metrics_port, e)
+            await rt.stop(graceful=False)
+            return 1
     work = asyncio.create_task(loop_fn(rt), name=f"{role}-loop")
     stopper = asyncio.create_task(stop.wait(), name="signal-wait")
     # A trainer rank watches its group: a dead rank ends the torch.distributed group.
@@ -93,6 +103,8 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         from distflow.core.aio import cancel_and_wait
 
         await cancel_and_wait(tasks, 10)
+        if exporter is not None:
+            await exporter.stop()
         # A node that failed by itself does not "leave": its peers see it die (and adopt its
         # work). One that stops because a peer died announces its leave, so the others know.
         await rt.stop(graceful=not failed_here)

@@ -107,7 +107,11 @@ class TorchEngine:
         self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_id or 0)
         self._target: WeightTarget | None = WeightTarget(self.model)
         self.stats: dict[str, float] = {"capture_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0,
-                                        "weight_swaps": 0}
+                                        "weight_swaps": 0, "slots_in_use": 0}
+        from distflow.core.prometheus import register  # read only when a node serves /metrics
+
+        register("engine", lambda: {"engine_slots_in_use": self.stats["slots_in_use"],
+                                    "engine_slots": self.max_slots})
         why = unsupported_reason(self.model)
         self.runner: LlamaRunner | None = None
         if why is None:
@@ -314,6 +318,7 @@ class _Batcher:
             while self.admit():
                 self.check()  # a first token may already be a stop (or the length limit)
             self.compact()
+            self.eng.stats["slots_in_use"] = self.n_active  # (Prometheus /metrics)
             if not self.n_active:
                 return [c for c in self.results if c is not None]
             remaining = min(self.params.max_new_tokens - g for g in self.slot_gen[:self.n_active])

@@ -285,8 +285,15 @@ async def run_trainer(rt: Runtime) -> None:
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
+    trackers = None
+    if rank == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
+        from distflow.trackers import open_trackers
+
+        trackers = open_trackers(cfg, rt.node.node_id, actor.version if cfg.resume_from else None)
+        writer = trackers.tee(writer)
     if evals is not None and rank == 0:
-        evals.attach(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None, name="eval.jsonl"))
+        evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None,
+                                                name="eval.jsonl"), "log_eval"))
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
     log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
              mine)
@@ -378,6 +385,7 @@ async def run_trainer(rt: Runtime) -> None:
                           "truncated_frac": truncated / max(n, 1), "response_len_mean": resp_tokens / max(n, 1),
                           "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
                           **rollout_stats, **stats, **times})
+            trackers.samples(step, batch)
         divergence.after_step(step, stats)  # after the row is written: the metrics show the step that stopped it
         emptiness.after_step(step, int(n), rollout_stats)
         t_last = now
@@ -409,6 +417,8 @@ async def run_trainer(rt: Runtime) -> None:
         else:
             evals.finish()
         await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png", evals.writer.path)
+    if trackers is not None:
+        await asyncio.to_thread(trackers.close)
     st = rt.shard.stats()
     log.info("trainer rank %d: done after %d steps (dropped parts: %s; parts taken in %d, of them posted by "
              "same-host nodes %d, posts refused %d)", rank, step, inbox.dropped, st["puts"], st["posted_parts"],

@@ -1,0 +1,133 @@
+"""A real one-host Slurm cluster for tests: munged, slurmctld and slurmd started as root.
+
+Why a real one: the sbatch script DistFlow renders is shell run by Slurm's own daemons
+(srun steps, signals, requeue); a mock would test our assumptions about Slurm, not Slurm.
+Everything is private to the test: its own munge key and socket, its own slurm.conf
+(``$SLURM_CONF``), ports, state and spool directories under a temp dir, so the machine's
+own Slurm or munge (if any) is never touched. One node, the machine itself, with 8 CPUs
+configured (``SlurmdParameters=config_overrides``: a 2-core CI box still runs 4 tasks).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from tests.netns import ensure_tool
+
+
+def unavailable_reason() -> str | None:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the Slurm test starts slurmctld/slurmd as root (SlurmUser=root); not root here"
+    for binary, package in (("munged", "munge"), ("slurmctld", "slurm-wlm"), ("slurmd", "slurm-wlm")):
+        if reason := ensure_tool(binary, package):
+            return reason
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SlurmLab:
+    def __init__(self, root: Path):
+        self.root = root
+        self.host = socket.gethostname()
+        self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, timeout: float = 60.0) -> None:
+        r = self.root
+        for d in ("munge", "state", "spool", "log"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(r / "munge", 0o755)
+        key = r / "munge" / "key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        sock = r / "munge" / "sock"
+        self._spawn(["munged", "-F", "-f", f"--key-file={key}", f"--socket={sock}", f"--pid-file={r}/munge/pid",
+                     f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/seed"], "munged")
+        self._wait(lambda: sock.exists(), timeout, "munged's socket")
+        (r / "slurm.conf").write_text(f"""ClusterName=dft{os.getpid()}
+SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={sock}
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+JobRequeue=1
+KillWait=30
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MailProg=/bin/true
+NodeName={self.host} NodeAddr=127.0.0.1 CPUs=8 RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+""")
+        self._spawn(["slurmctld", "-D", "-i", "-f", str(r / "slurm.conf")], "slurmctld")
+        self._spawn(["slurmd", "-D", "-f", str(r / "slurm.conf"), "-N", self.host], "slurmd")
+        self._wait(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T", check=False).stdout, timeout,
+                   "an idle node in sinfo")
+
+    def _spawn(self, cmd: list[str], name: str) -> None:
+        out = open(self.root / "log" / f"{name}.out", "wb")
+        self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                           start_new_session=True))
+
+    def _wait(self, ok, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ok():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm lab: no {what} after {timeout:.0f} s; logs: {self.logs()}")
+            time.sleep(0.3)
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        r = subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, timeout=timeout)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+        return r
+
+    def job_state(self, job: str) -> tuple[str, int]:
+        """(state, restarts) of a job, from scontrol."""
+        out = self.run("scontrol", "show", "job", job).stdout
+        fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+        return fields.get("JobState", "?"), int(fields.get("Restarts", "0"))
+
+    def logs(self) -> str:
+        files = sorted(p for p in (self.root / "log").glob("*") if p.is_file())
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in files)
+
+    def stop(self) -> None:
+        if shutil.which("scancel"):
+            self.run("scancel", "--user=root", check=False)
+        for p in reversed(self.procs):  # only the daemons this lab started, by pid
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
