@@ -132,6 +132,7 @@ def test_every_shipped_toy_config_has_a_learning_test() -> None:
     assert shipped == sorted(LEARNS + AS_SHIPPED) and sorted(LONGEST_FIRST) == LEARNS
 
 
+@pytest.mark.timeout(960)  # past the wait below, so a slow run fails with the worker's error, not pytest's kill
 @pytest.mark.parametrize("algo", LONGEST_FIRST)  # the order the pool starts them
 def test_shipped_algorithm_learns(algo: str, curves: dict[str, Future]) -> None:
     run = curves[algo].result(timeout=900)
@@ -140,6 +141,7 @@ def test_shipped_algorithm_learns(algo: str, curves: dict[str, Future]) -> None:
     assert_learns(algo, run["key"], run["rewards"], run["steps"])
 
 
+@pytest.mark.timeout(480)  # past the run's own 420 s
 def test_dapo_learns_as_shipped(tmp_path, toy_model) -> None:
     out = tmp_path / "dapo"
     r = run_distflow(["run", str(path("dapo")), "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
