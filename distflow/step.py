@@ -98,14 +98,17 @@ def train_half(pipeline: list[WorkflowNode], ctx: TrainerContext, batch: SampleB
 def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str, Any]]:
     """The whole loop in this process, one step after the other: read the prompts, run the rollout
     half, the train half, load the new weights into the engine. Yields each step's metrics
-    (``step``, ``reward_mean``, ``samples`` and the train half's). One rollout shard and one
-    trainer rank; needs a torch.distributed group of one (the caller's, or one it makes here)."""
+    (``step``, ``reward_mean``, ``samples``, the rollout counters with ``generated_reward_mean`` as a
+    trainer node writes them, and the train half's). ``steps`` (default: the config's ``max_steps``,
+    else every step of ``epochs``) bounds the run. One rollout shard and one trainer rank; needs a
+    torch.distributed group of one (the caller's, or one it makes here)."""
     import torch.distributed as dist
 
     from distflow.buffer.dataloader import PromptShard
     from distflow.rollout.engine import make_engine
     from distflow.rollout.stages import RolloutContext
     from distflow.trainer.actor import Actor
+    from distflow.trainer.metrics import with_generated_mean
     from distflow.trainer.stages import build_context
 
     own_group = not dist.is_initialized()
@@ -121,16 +124,20 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
         engine = make_engine("torch", cfg.model_path, dtype=cfg.dtype)  # a CPU or one-GPU reference: no vLLM
         actor = Actor(cfg, with_reference=any(n.role.value == "REFERENCE" for n in trainer))
         ctx = build_context(cfg, trainer, actor)
-        for step, (_, _, rows) in enumerate(loader.iterate(cfg.rollout_batch, cfg.epochs)):
-            if steps is not None and step >= steps:
+        limit = steps if steps is not None else (cfg.max_steps or None)  # as the nodes: max_steps ends the run
+        for step, (epoch, in_epoch, rows) in enumerate(loader.iterate(cfg.rollout_batch, cfg.epochs)):
+            if limit is not None and step >= limit:
                 break
             stage_stats: dict[str, float] = {}
+            refill = (lambda attempt, n, e=epoch, i=in_epoch:  # noqa: E731 - a filter's fresh prompts, as a node draws them
+                      loader.reserve(e, i, attempt, n, local_batch=cfg.rollout_batch))
             batch = rollout_half(rollout, RolloutContext(engine, cfg, rows, step_seed(cfg.seed, 0, step), rollout,
-                                                         stage_stats))
+                                                         stage_stats, refill=refill))
             reward = batch.tensors["reward"].float().mean().item() if len(batch) else float("nan")
             stats = train_half(trainer, ctx, batch)
             engine.load_weights(actor.version, actor.full_state_dict())
-            yield {"step": step, "reward_mean": reward, "samples": len(batch), **stage_stats, **stats}
+            yield {"step": step, "reward_mean": reward, "samples": len(batch), **with_generated_mean(stage_stats),
+                   **stats}
     finally:
         if own_group:
             dist.destroy_process_group()

@@ -8,8 +8,9 @@ one veth (``veth0``, address ``SUBNET.i/24``) plugged into a bridge that lives i
 separate "switch" namespace, so the machine's own network is never touched. Taking a
 host off the network is ``ip link set pI down`` on the switch side.
 
-Also here: the system tools the deployment tests need (``pdsh``, ``docker-compose``),
-installed from Debian when missing and allowed (root with apt-get), else a skip reason.
+Also here: the skip reason of a test whose system tool (``pdsh``, ``docker-compose``, ``ip``)
+is missing. Tests install nothing: ``scripts/test-deps.sh`` (run by ``scripts/setup.sh`` as
+root with apt-get) is the one step that does.
 
 Every name carries the creating process's pid, so namespaces that a killed test run left
 behind are recognised and removed (:func:`reap_stale`) without touching another run's.
@@ -45,7 +46,7 @@ def unavailable_reason() -> str | None:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "network namespaces need root"
     if not shutil.which("ip"):
-        return "iproute2 (`ip`) is not installed"
+        return missing_tool("ip", "iproute2")
     probe = Lab(1)
     try:
         probe.create()
@@ -175,22 +176,12 @@ class Lab:
 
 
 # ---------------------------------------------------------------------- system tools
-def ensure_tool(binary: str, package: str) -> str | None:
-    """Make ``binary`` available, installing Debian's ``package`` if missing and allowed.
-    Returns None when it is there, else the reason it is not (for pytest.skip)."""
+TEST_DEPS = "scripts/test-deps.sh"
+
+
+def missing_tool(binary: str, package: str) -> str | None:
+    """None when ``binary`` is on PATH, else the skip reason: the tool, and the one step that installs
+    it (tests never install anything themselves)."""
     if shutil.which(binary):
         return None
-    if not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("apt-get"):
-        return f"{binary} is not installed, and this is not root with apt-get to install {package}"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        if r.returncode != 0:  # stale package lists: refresh once and retry
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600, env=env)
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    except subprocess.TimeoutExpired:
-        return f"apt-get install {package} timed out"
-    if shutil.which(binary):
-        return None
-    return f"apt-get install {package} failed: {(r.stderr or r.stdout).strip()[-300:]}"
+    return f"{binary} is not installed: run {TEST_DEPS} (as root; it installs Debian's {package})"

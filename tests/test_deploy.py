@@ -35,7 +35,7 @@ from distflow.core.auth import new_secret
 from distflow.core.config import read_raw
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
-from tests.netns import ensure_tool
+from tests.netns import missing_tool
 
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
@@ -46,11 +46,11 @@ FAKE_ADDR = "172.18.0.5"
 # ====================================================================== docker-compose
 @pytest.fixture(scope="module")
 def compose() -> list[str]:
-    """The compose command: Docker's v2 plugin if present, else Debian's docker-compose (installed if allowed)."""
+    """The compose command: Docker's v2 plugin if present, else Debian's docker-compose (scripts/test-deps.sh)."""
     if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True,
                                                  timeout=30).returncode == 0:
         return ["docker", "compose"]
-    reason = ensure_tool("docker-compose", "docker-compose")
+    reason = missing_tool("docker-compose", "docker-compose")
     if reason:
         pytest.skip(reason)
     return ["docker-compose"]
@@ -327,7 +327,7 @@ def test_hostfile_errors_name_the_line_and_the_problem(text: str, message: str) 
 # ====================================================================== pdsh, for real
 @pytest.fixture(scope="module")
 def pdsh() -> str:
-    reason = ensure_tool("pdsh", "pdsh")
+    reason = missing_tool("pdsh", "pdsh")
     if reason:
         pytest.skip(reason)
     return shutil.which("pdsh")
@@ -551,3 +551,22 @@ def test_pdsh_bad_config_starts_nothing_and_says_why(pdsh_run):
     assert "prompts_per_step (3) must be a multiple of rollout_nodes (2)" in r.stderr
     assert processes_mentioning(str(c["run_dir"]), str(c["cfg"])) == {}
     assert not list(c["run_dir"].glob("hosts/*/pids/*.pid"))
+
+
+# ====================================================================== the tests' system tools
+def test_tests_install_nothing_and_every_tool_they_skip_without_comes_from_test_deps():
+    """One documented step installs the system tools (scripts/test-deps.sh, run by setup.sh as root
+    with apt-get); a test whose tool is missing skips naming the tool and that step."""
+    script = (ROOT / "scripts" / "test-deps.sh").read_text()
+    installed = set(tuple(t.split(":")) for t in re.search(r"^TOOLS=\(([^)]*)\)", script, re.M).group(1)
+                    .replace('"', "").split())
+    sources = {p.name: p.read_text() for p in (ROOT / "tests").glob("*.py")}
+    checked = {m for text in sources.values() for m in re.findall(r'missing_tool\("([^"]+)", "([^"]+)"\)', text)}
+    assert checked == installed == {("pdsh", "pdsh"), ("docker-compose", "docker-compose"), ("ip", "iproute2")}
+    for needle in ('"apt' + '-get"', "'apt" + "-get'", '"pip", "inst' + 'all"', '"-m", "p' + 'ip"'):  # argv of an install
+        assert not [name for name, text in sources.items() if needle in text], needle
+    assert "bash scripts/test-deps.sh" in (ROOT / "scripts" / "setup.sh").read_text()
+    reason = missing_tool  # (not spelled as a call: the scan above would count these two)
+    assert reason("dft-no-such-tool", "dft-pkg") == ("dft-no-such-tool is not installed: run scripts/test-deps.sh "
+                                                    "(as root; it installs Debian's dft-pkg)")
+    assert reason("sh", "dash") is None

@@ -255,7 +255,8 @@ def test_evaluation_generates_greedily_and_scores_every_row_of_the_shard(toy_mod
 
 def test_points_in_the_last_steps_are_evaluated_while_the_nodes_wait_for_weights(toy_model, toy_data, tmp_path):
     """In-process run, max_staleness 1: after generating its last step a node only waits for weights,
-    and the point one step before the end must still be evaluated then (it was lost before)."""
+    and the point one step before the end must still be evaluated then (it was lost before). The
+    suite's check that `--in-process` trains at all (exit 0, one metrics row per step) is this run."""
     from tests.conftest import run_distflow
 
     out = tmp_path / "run"
@@ -264,6 +265,7 @@ def test_points_in_the_last_steps_are_evaluated_while_the_nodes_wait_for_weights
                       "trainer_nodes=1", "max_steps=4", "eval_every=3", "max_staleness=1", "--in-process"],
                      timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
     rows = read_metrics(out / "eval.jsonl")
     assert [(e["step"], e["eval_shards"], e["eval_samples"]) for e in rows] == [(0, 2, 128), (3, 2, 128), (4, 2, 128)]
     assert rows[1]["policy_version_min"] == 3 and rows[2]["policy_version_max"] == 4

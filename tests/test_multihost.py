@@ -36,7 +36,7 @@ from distflow.core.config import read_raw
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.conftest import ROOT
-from tests.netns import Host, Lab, ensure_tool, reap_stale, unavailable_reason
+from tests.netns import Host, Lab, missing_tool, reap_stale, unavailable_reason
 
 NODE_MAIN = "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"
 STATUS_MAIN = "import sys; from distflow.core.status import status_main; sys.exit(status_main(sys.argv[1:]))"
@@ -179,7 +179,7 @@ def test_mesh_forms_across_three_hosts(lab, nodes, toy_model, tmp_path):
 
 # ---------------------------------------------------------------------- (b)
 def test_quickstart_trains_across_hosts_with_pdsh(lab, toy_model, tmp_path):
-    reason = ensure_tool("pdsh", "pdsh")
+    reason = missing_tool("pdsh", "pdsh")
     if reason:
         pytest.skip(reason)
     h1, h2, h3 = lab.hosts

@@ -207,6 +207,7 @@ def test_a_failing_stage_on_the_worker_group_stops_the_run_naming_it(toy_model, 
                       f"dataset={toy_data}", "prompts_per_step=16", "group_size=4", "max_new_tokens=2",
                       "restarts=0", "workflow.1.fn=tests.failing:exploding_reward",
                       f"workflow.2.args.path={tmp_path / 'rm'}"], timeout=240, env=CHILD_ENV)
-    assert r.returncode == 1
-    assert "reward-0 used up its 0 restarts" in r.stderr
-    assert "workflow node 'score': reward 'tests.failing:exploding_reward' failed on sample" in r.stderr
+    assert r.returncode == 2, r.stderr[-2000:]  # a bug in the config's reward: never restarted
+    assert "reward-0 exited 2" in r.stderr and "not restarted, the run stops" in r.stderr
+    assert "workflow node 'score': reward 'tests.failing:exploding_reward' on " in r.stderr
+    assert "raised RuntimeError: boom on row" in r.stderr
