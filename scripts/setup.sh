@@ -28,9 +28,6 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   if [ "$CUDA_MAJOR" = "13" ]; then EXTRAS="dev,trackers,gpu-cu13"; else EXTRAS="dev,trackers,gpu"; fi
 fi
 "$PY" -m pip install -e ".[$EXTRAS]"
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  bash scripts/test-deps.sh   # system packages of the tests (Slurm, munge); they skip without them
-fi
 "$PY" -c "import torch, distflow; print(f'setup: distflow {distflow.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   # optional for DistFlow itself: if apt-get cannot install them, the tests that need them skip naming them
