@@ -106,4 +106,24 @@ def measure(n: int, samples: int, reps: int, base: float, spread: float, update_
     return out
 
 
-__all__ = ["PER_PRODUCER", "SAMPLE_BYTES", "SleepCluster", "gen_schedule", "measure"]
+def measure_wake(reps: int = 6, n: int = 2, samples: int = PER_PRODUCER, sleep_s: float = 0.1) -> float:
+    """CPU seconds a process pays more per step when it slept between steps (cold caches, timers):
+    the same peer-to-peer step back to back and with ``sleep_s`` sleeps, alternating; the median
+    difference of total CPU divided by the 2N processes. A property of the machine and its load,
+    measured apart from the validation steps it is then charged to."""
+    cl = SleepCluster(n, samples)
+    try:
+        for _ in range(2):
+            cl.step("distflow", [0.0] * n, 0.0)
+            cl.step("distflow", [sleep_s] * n, sleep_s / 2)
+        diffs = []
+        for _ in range(reps):
+            _, cold = cl.step("distflow", [sleep_s] * n, sleep_s / 2)
+            _, warm = cl.step("distflow", [0.0] * n, 0.0)
+            diffs.append(cold - warm)
+    finally:
+        cl.stop()
+    return statistics.median(diffs) / (2 * n)
+
+
+__all__ = ["PER_PRODUCER", "SAMPLE_BYTES", "SleepCluster", "gen_schedule", "measure", "measure_wake"]

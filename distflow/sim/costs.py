@@ -44,7 +44,8 @@ class Workload:
 
     Response lengths: lognormal, median ``median_frac`` of the cap, ``sigma`` spread, cut to
     [16, max_response] (a capped long tail). Bytes per sample as the data plane carries them:
-    int64 prompt and response tokens, fp32 logprobs and an fp32 loss mask per response token."""
+    int64 prompt and response tokens, fp32 logprobs and an fp32 loss mask per response token
+    (as ``bench/redistribute.py``'s payload), and the per-sample scalars."""
 
     sample_tokens: int = 8192  # prompt + response cap
     prompts_per_worker: int = 2
@@ -54,6 +55,7 @@ class Workload:
     sigma: float = 1.0
     prompt_bytes_per_token: int = 8
     response_bytes_per_token: int = 16
+    scalar_bytes: int = 48  # lengths, versions, truncated (int64), reward and advantage (fp32)
 
     @property
     def prompt_len(self) -> int:
@@ -72,7 +74,8 @@ class Workload:
         return [min(self.max_response, max(16, int(rng.lognormvariate(mu, self.sigma)))) for _ in range(n)]
 
     def sample_bytes(self, response_len: int) -> int:
-        return self.prompt_len * self.prompt_bytes_per_token + response_len * self.response_bytes_per_token + 64
+        return self.prompt_len * self.prompt_bytes_per_token + response_len * self.response_bytes_per_token \
+            + self.scalar_bytes
 
     def replace(self, **kw) -> "Workload":
         return dataclasses.replace(self, **kw)
