@@ -103,7 +103,7 @@ def main() -> None:
                     metavar="FILE", help="where the benches' JSON lines are written when they are run")
     ap.add_argument("--sizes", default="2,4,8", help="validation sizes (real processes)")
     ap.add_argument("--samples", type=int, default=32, help="samples per producer in the validation runs")
-    ap.add_argument("--reps", type=int, default=5, help="validation repetitions per design and size")
+    ap.add_argument("--reps", type=int, default=7, help="validation repetitions per design and size")
     ap.add_argument("--skip-validation", action="store_true", help="simulate only (no validation_error_max)")
     ap.add_argument("--ns", default="8,16,32,64,128,256,512,1024")
     ap.add_argument("--steps", type=int, default=2, help="simulated steps averaged per point")

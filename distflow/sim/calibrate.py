@@ -84,7 +84,7 @@ def run_benches(root: str, timeout: float = 600.0) -> dict[str, Any]:
     lines = {
         "message_zmq_64k": _bench(root, [*msg, "--payload-kib", "64"], timeout),
         "message_zmq_1m": _bench(root, [*msg, "--payload-kib", "1024"], timeout),
-        "redistribute": _bench(root, ["bench/redistribute.py", "--quick", "--parts", "handoff", "--sizes", "2,8"],
+        "redistribute": _bench(root, ["bench/redistribute.py", "--quick", "--parts", "handoff", "--sizes", "2,4,8"],
                                timeout),
         "mesh": _bench(root, ["bench/mesh.py", "--sizes", "16", "--repeat", "1", "--idle-seconds", "5",
                               "--idle-nodes", "16"], timeout),
@@ -99,10 +99,11 @@ def fit(lines: dict[str, Any]) -> Calibration:
 
     Remote messages: ``bench/message.py`` at 64 KiB and 1 MiB gives CPU per message on each side;
     the slope between them is the per-byte cost, the intercept the fixed cost. Posted parts:
-    ``bench/redistribute.py`` at N=2 and N=8 (64 samples, 3.5 MiB per producer): a p2p producer
-    scatters N parts of the same bytes, so its slope in N is the cost of one post; a consumer's
-    slope is the cost of one taken part; the controller takes N whole batches and splits N x 3.5
-    MiB, so its slope, less one post and one take, is the per-byte cost of a split plus a join."""
+    ``bench/redistribute.py`` at N=2, 4, 8 (64 samples, 3.5 MiB per producer): a p2p producer
+    scatters N parts of the same bytes, so its slope in N (least squares) is the cost of one post;
+    a consumer's slope is the cost of one taken part; the controller takes N whole batches and
+    splits N x 3.5 MiB, so its slope, less one post and one take, is the per-byte cost of a split
+    plus a join; the intercepts, less those bytes, are the fixed costs of a scatter and a take."""
     small, big = lines["message_zmq_64k"], lines["message_zmq_1m"]
     db = (big["payload_kib"] - small["payload_kib"]) * 1024
     tx_b = max(0.0, (big["channel_tx_us"] - small["channel_tx_us"]) * 1e-6 / db)
@@ -111,14 +112,16 @@ def fit(lines: dict[str, Any]) -> Calibration:
     rx = max(1e-6, small["channel_rx_us"] * 1e-6 - rx_b * small["payload_kib"] * 1024)
     r = lines["redistribute"]
     ms = 1e-3
-    post_tx = max(1e-6, (r["p2p_producer_cpu_ms_8"] - r["p2p_producer_cpu_ms_2"]) * ms / 6)
-    post_rx = max(1e-6, (r["p2p_consumer_cpu_ms_8"] - r["p2p_consumer_cpu_ms_2"]) * ms / 6)
-    ctrl_slope = (r["controller_cpu_ms_8"] - r["controller_cpu_ms_2"]) * ms / 6  # per producer batch
+    sizes = sorted(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("controller_cpu_ms_"))
+    post_tx = max(1e-6, _slope(sizes, [r[f"p2p_producer_cpu_ms_{n}"] * ms for n in sizes]))
+    post_rx = max(1e-6, _slope(sizes, [r[f"p2p_consumer_cpu_ms_{n}"] * ms for n in sizes]))
+    ctrl_slope = _slope(sizes, [r[f"controller_cpu_ms_{n}"] * ms for n in sizes])  # per producer batch
     per_byte = max(0.0, (ctrl_slope - post_tx - post_rx) / HANDOFF_BYTES)  # split + join, each byte once
-    # intercepts: producer = scatter + 2 posts... at N=2: scatter_s + 2 post_tx + bytes x pack
-    pack = join = per_byte / 2
-    scatter = max(0.0, r["p2p_producer_cpu_ms_2"] * ms - 2 * post_tx - HANDOFF_BYTES * pack)
-    take = max(0.0, r["p2p_consumer_cpu_ms_2"] * ms - 2 * post_rx - HANDOFF_BYTES * join)
+    pack = join = per_byte / 2  # (the two copies are alike: numpy gathers into one buffer, out of it)
+    # intercepts (least squares over the sizes): producer = scatter + N posts + its bytes packed
+    scatter = max(0.0, _intercept(sizes, [r[f"p2p_producer_cpu_ms_{n}"] * ms for n in sizes])
+                  - HANDOFF_BYTES * pack)
+    take = max(0.0, _intercept(sizes, [r[f"p2p_consumer_cpu_ms_{n}"] * ms for n in sizes]) - HANDOFF_BYTES * join)
     m = lines.get("mesh") or {}
     mesh = m.get("idle_cpu_fraction", 0.0) / max(1, m.get("idle_nodes", 1))
     return Calibration(remote_tx_s=tx, remote_rx_s=rx, remote_tx_s_per_byte=tx_b, remote_rx_s_per_byte=rx_b,
@@ -129,6 +132,17 @@ def fit(lines: dict[str, Any]) -> Calibration:
 
 def with_wake(cal: Calibration, wake_s: float) -> Calibration:
     return dataclasses.replace(cal, wake_s=max(0.0, wake_s))
+
+
+def _slope(xs: list[int], ys: list[float]) -> float:
+    """Least-squares slope of ys on xs (two points: the line through them)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _intercept(xs: list[int], ys: list[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return my - _slope(xs, ys) * mx
 
 
 def load_or_run(path: str, root: str, rerun: bool = False) -> tuple[Calibration, dict[str, Any]]:
