@@ -37,18 +37,18 @@ class Calibration:
     measures it as steps with sleeps against back-to-back steps, :func:`with_wake`);
     ``mesh_cpu_fraction``: share of a core each node spends on SWIM gossip while idle."""
 
-    remote_tx_s: float = 144e-6  # defaults: this project's CI VM, 2026-11-29 (bench/scale.py prints its own)
-    remote_rx_s: float = 126e-6
-    remote_tx_s_per_byte: float = 0.30e-9
-    remote_rx_s_per_byte: float = 0.24e-9
-    post_tx_s: float = 5e-6
-    post_rx_s: float = 32e-6
-    pack_s_per_byte: float = 0.086e-9
-    join_s_per_byte: float = 0.086e-9
-    scatter_s: float = 745e-6
-    take_s: float = 392e-6
-    wake_s: float = 140e-6
-    mesh_cpu_fraction: float = 0.0
+    remote_tx_s: float = 151e-6  # defaults: this project's CI VM, bench/scale.py of 2026-11-29 01:55 UTC
+    remote_rx_s: float = 167e-6
+    remote_tx_s_per_byte: float = 0.29e-9
+    remote_rx_s_per_byte: float = 0.37e-9
+    post_tx_s: float = 26e-6
+    post_rx_s: float = 45e-6
+    pack_s_per_byte: float = 0.084e-9
+    join_s_per_byte: float = 0.084e-9
+    scatter_s: float = 678e-6
+    take_s: float = 383e-6
+    wake_s: float = 96e-6
+    mesh_cpu_fraction: float = 0.0026
     source: str = "defaults (no bench run)"
 
     def to_json(self) -> dict[str, Any]:
