@@ -6,7 +6,8 @@ controller) of ``bench/redistribute.py``'s harness, generation and update replac
 known length, real parts through the real channel and ``scatter``. Here every process shares
 ``cores`` cores (processor sharing, :class:`engine.Cores`): a cluster gives each process a core,
 this machine gives 17 processes two. The same :class:`Calibration` costs as the cluster model
-are charged (all parts are posted: one host). Predicts wall time and CPU seconds per step.
+are charged: parts are posted (the ``auto`` channel on one host) or, with ``remote``, sent as acked
+zmq messages (``--channel zmq``, as between hosts). Predicts wall time and CPU seconds per step.
 
 The single controller here is the bench's relay (gather the step, one split), which is what its
 harness runs; the cluster model's per-batch controller differs only in how many splits it does.
@@ -37,13 +38,24 @@ class LocalStep:
         return self.samples * self.sample_bytes
 
 
-def predict(design: str, st: LocalStep, cal: Calibration, cores: float = 2.0) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one step of ``design`` ("distflow" | "single")."""
+def predict(design: str, st: LocalStep, cal: Calibration, cores: float = 2.0, remote: bool = False) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one step of ``design`` ("distflow" | "single"). ``remote``:
+    every part is an acked zmq message (``--channel zmq``: as between hosts) instead of a post."""
     eng = Engine()
     cpu = Cores(eng, cores)
     n, b = st.n, st.batch_bytes
     ends: list[float] = []
     parts_in = {f"c{j}": 0 for j in range(n)}
+
+    def send_cost(parts: int, nbytes: float, packed: bool) -> float:
+        """A scatter of ``parts`` parts holding ``nbytes`` (packed into parts, or the whole batch as is)."""
+        c = cal.scatter_s + cal.wake_s + (nbytes * cal.pack_s_per_byte if packed else 0.0)
+        if remote:
+            return c + parts * cal.remote_tx_s + nbytes * cal.remote_tx_s_per_byte
+        return c + parts * cal.post_tx_s
+
+    def recv_cost(nbytes: float) -> float:
+        return cal.remote_rx_s + nbytes * cal.remote_rx_s_per_byte if remote else cal.post_rx_s
 
     def consumer_done(j: int) -> None:
         eng.after(st.update_s, lambda: ends.append(eng.now))
@@ -55,18 +67,16 @@ def predict(design: str, st: LocalStep, cal: Calibration, cores: float = 2.0) ->
 
     def post_to_consumers(need: int, per_part: float) -> None:
         for j in range(n):
-            cpu.submit(f"c{j}", cal.post_rx_s, consumer_part, j, need, per_part * need)
+            cpu.submit(f"c{j}", recv_cost(per_part), consumer_part, j, need, per_part * need)
 
     if design == "distflow":
         def produce(i: int) -> None:
-            work = cal.scatter_s + cal.wake_s + n * cal.post_tx_s + b * cal.pack_s_per_byte
-            cpu.submit(f"p{i}", work, post_to_consumers, n, b / n)
+            cpu.submit(f"p{i}", send_cost(n, b, True), post_to_consumers, n, b / n)
     elif design == "single":
         got = [0]
 
         def relay() -> None:
-            work = (cal.take_s + cal.wake_s + n * b * cal.join_s_per_byte + cal.scatter_s + n * cal.post_tx_s
-                    + n * b * cal.pack_s_per_byte)
+            work = cal.take_s + n * b * cal.join_s_per_byte + send_cost(n, n * b, True)
             cpu.submit("ctl", work, post_to_consumers, 1, b)
 
         def arrived() -> None:
@@ -74,9 +84,8 @@ def predict(design: str, st: LocalStep, cal: Calibration, cores: float = 2.0) ->
             if got[0] == n:
                 relay()
 
-        def produce(i: int) -> None:
-            work = cal.scatter_s + cal.wake_s + cal.post_tx_s + b * cal.pack_s_per_byte
-            cpu.submit(f"p{i}", work, lambda: cpu.submit("ctl", cal.post_rx_s, arrived))
+        def produce(i: int) -> None:  # one part: posted (packed into the shared buffer) or the batch as is
+            cpu.submit(f"p{i}", send_cost(1, b, not remote), lambda: cpu.submit("ctl", recv_cost(b), arrived))
     else:
         raise ValueError(f"design must be 'distflow' or 'single', got {design!r}")
     for i in range(n):
