@@ -28,6 +28,7 @@ Run: ``python bench/scale.py [--calibration FILE] [--plot docs/scaling.png] [--q
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -122,6 +123,10 @@ def main() -> None:
     ap.add_argument("--latency-us", type=float, default=10.0)
     ap.add_argument("--prompts-per-worker", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--remote-scale", type=float, default=1.0,
+                    help="multiply the calibrated CPU of a part sent to another host (a sensitivity check: the zmq "
+                         "validation finds a many-peer step paying more per message than bench/message.py's one in "
+                         "flight)")
     ap.add_argument("--quick", action="store_true", help="validation at N=2,4 with 3 reps; 1 simulated step")
     ap.add_argument("--plot", default=None, metavar="PNG", help="save the efficiency plot (matplotlib)")
     args = ap.parse_args()
@@ -144,6 +149,13 @@ def main() -> None:
         from scale_validate import measure_wake
 
         cal = with_wake(cal, measure_wake())
+    if args.remote_scale != 1.0:
+        k = args.remote_scale
+        cal = dataclasses.replace(cal, remote_tx_s=cal.remote_tx_s * k, remote_rx_s=cal.remote_rx_s * k,
+                                  remote_tx_s_per_byte=cal.remote_tx_s_per_byte * k,
+                                  remote_rx_s_per_byte=cal.remote_rx_s_per_byte * k,
+                                  source=f"{cal.source}; remote part costs x{k:g} (--remote-scale)")
+        figures["remote_scale"] = k
     print(f"calibration ({cal.source}; measured, CPU per event):")
     print(f"  part to another host (zmq message + ack): sender {cal.remote_tx_s * 1e6:.0f} us + "
           f"{cal.remote_tx_s_per_byte * 1e9:.2f} ns/B, receiver {cal.remote_rx_s * 1e6:.0f} us + "
