@@ -169,7 +169,6 @@ def main() -> None:
 
     # 2. validation (measured vs model)
     if not args.skip_validation:
-        sizes = [int(x) for x in args.sizes.split(",")]
         for kind, sz, key in (("auto", args.sizes, "validation"), ("zmq", args.zmq_sizes, "validation_zmq")):
             if not sz:
                 continue
