@@ -151,9 +151,11 @@ def worker_main() -> None:
                     open_ingress(ch, shard)  # same-host producers post their parts (no-op without posting)
                 state.update(ch=ch, shard=shard, node=req["node"])
                 if req.get("batch"):
-                    state["batch"] = make_batch(PER_PRODUCER, req["seed"])
+                    state["batch"] = make_batch(req.get("samples", PER_PRODUCER), req["seed"])
                 reply(rid, port=ch.port, transport=ch.stats()["transport"])
             elif cmd == "scatter":
+                if req.get("delay"):  # bench/scale.py's validation: generation replaced by a sleep of known length
+                    await asyncio.sleep(req["delay"])
                 eps = [Endpoint(*c) for c in req["consumers"]]
                 b = with_ids(state["batch"], state["node"], req["step"])
                 await scatter(state["ch"], b, eps, step=req["step"], source_rank=req["rank"], timeout=120)
@@ -161,7 +163,11 @@ def worker_main() -> None:
             elif cmd == "take":
                 b = await gather_step(state["shard"], req["step"], req["sources"], timeout=120)
                 t = now()
-                reply(rid, t=t, ids=b.sample_ids)
+                if req.get("after"):  # bench/scale.py's validation: the update replaced by a sleep
+                    await asyncio.sleep(req["after"])
+                    reply(rid, t=t, end=now(), ids=b.sample_ids)
+                else:
+                    reply(rid, t=t, ids=b.sample_ids)
             elif cmd == "relay":  # the single controller: gather everything, then send each consumer its part
                 b = await gather_step(state["shard"], req["step"], req["sources"], timeout=120)
                 eps = [Endpoint(*c) for c in req["consumers"]]
