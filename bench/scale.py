@@ -233,10 +233,10 @@ def main() -> None:
     # the fixes, on the headline table
     table, length = HEADLINE
     wl = base_wl.replace(sample_tokens=length)
-    fixes = {"distflow, route_by tokens (as built)": curve("distflow", ns, table, wl, net, cal, args.steps,
-                                                           balance="tokens"),
-             "distflow, tokens rotated by producer (fix)": curve("distflow", ns, table, wl, net, cal, args.steps,
-                                                                 balance="tokens_rotated"),
+    fixes = {"distflow, route_by tokens (rotated by producer)": curve("distflow", ns, table, wl, net, cal,
+                                                                      args.steps, balance="tokens"),
+             "distflow, tokens unrotated (before the fix)": curve("distflow", ns, table, wl, net, cal, args.steps,
+                                                                  balance="tokens_unrotated"),
              "single, gathered then one split (fix)": curve("single", ns, table, wl, net, cal, args.steps,
                                                             controller="gathered"),
              "distflow, owner, 64 samples per worker": curve("distflow", ns, table,
@@ -248,8 +248,8 @@ def main() -> None:
               + f"   (trainer max/mean tokens at N={ns[-1]}: {c[ns[-1]]['imbalance']:.2f})")
     figures["variants"] = {name: [round(c[n]["eff"], 3) for n in ns] for name, c in fixes.items()}
     figures["ns"] = ns
-    figures["distflow_tokens_efficiency_512"] = e512(fixes["distflow, route_by tokens (as built)"])
-    figures["distflow_rotated_efficiency_512"] = e512(fixes["distflow, tokens rotated by producer (fix)"])
+    figures["distflow_tokens_efficiency_512"] = e512(fixes["distflow, route_by tokens (rotated by producer)"])
+    figures["distflow_unrotated_efficiency_512"] = e512(fixes["distflow, tokens unrotated (before the fix)"])
     figures["single_gathered_efficiency_512"] = e512(fixes["single, gathered then one split (fix)"])
     figures["distflow_owner_64_efficiency_512"] = e512(fixes["distflow, owner, 64 samples per worker"])
     key = f"{table}_{length // 1024}k"

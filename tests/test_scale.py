@@ -144,17 +144,33 @@ def test_simulated_parts_are_the_routing_modules_parts():
             assert [sum(batch[i].nbytes for i in g) for g in groups] == [p.nbytes() for p in real]
 
 
-def test_token_balance_as_built_piles_onto_low_ranks_and_rotation_spreads_it():
+def test_token_balance_rotated_by_producer_spreads_what_unrotated_piled_onto_low_ranks():
     wl = Workload(sample_tokens=1024, prompts_per_worker=1, group_size=4)
     n = 16
     batches = make_batches(n, wl, seed=1)
-    loads = {b: [0] * n for b in ("tokens", "tokens_rotated")}
+    loads = {b: [0] * n for b in ("tokens_unrotated", "tokens")}
     for bal in loads:
         for r, batch in enumerate(batches):
             for t, g in enumerate(route(batch, n, bal, r)):
                 loads[bal][t] += sum(batch[i].tokens for i in g)
-    assert all(x == 0 for x in loads["tokens"][4:])  # 4 samples per producer: ranks 4.. get nothing
-    assert sum(1 for x in loads["tokens_rotated"] if x) == n
+    assert all(x == 0 for x in loads["tokens_unrotated"][4:])  # 4 samples per producer: ranks 4.. got nothing
+    assert sum(1 for x in loads["tokens"] if x) == n
+
+
+def test_route_by_tokens_rotates_each_producers_partition_by_its_rank():
+    """The real groups_for: the heaviest part of producer r goes to consumer r mod N."""
+    import torch
+
+    from distflow.buffer.batch import SampleBatch
+    from distflow.buffer.redistribute import groups_for
+
+    lens = [9, 1, 5, 3]  # heaviest first: part 0 = [0], part 1 = [2], part 2 = [3], part 3 = [1]
+    batch = SampleBatch.from_lists([f"s{i}" for i in range(4)], ["p"] * 4, [[1]] * 4,
+                                   [[1] * n for n in lens], [[0.0] * n for n in lens])
+    assert groups_for(batch, 4, "tokens", source_rank=0) == [[0], [2], [3], [1]]
+    assert groups_for(batch, 4, "tokens", source_rank=1) == [[1], [0], [2], [3]]
+    assert groups_for(batch, 4, "tokens", source_rank=6) == [[3], [1], [0], [2]]
+    assert torch.equal(batch.num_tokens(), torch.tensor([10, 2, 6, 4]))
 
 
 def test_single_controller_cpu_and_link_match_the_closed_form():

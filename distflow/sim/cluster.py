@@ -34,7 +34,7 @@ from distflow.sim.calibrate import Calibration
 from distflow.sim.costs import CostTable, Network, Workload
 from distflow.sim.engine import Engine, Fifo
 
-BALANCES = ("owner", "tokens", "tokens_rotated")
+BALANCES = ("owner", "tokens", "tokens_unrotated")
 
 
 @dataclass
@@ -92,18 +92,19 @@ def route(batch: list[Sample], n: int, balance: str = "owner", source_rank: int 
     """Sample indices per trainer rank, by the routing module's own functions.
 
     ``owner``: ``routing.owners`` (blake2b of the id mod N), as scatter's default. ``tokens``:
-    ``routing.token_partition`` per producer, as ``route_by: tokens`` does. ``tokens_rotated``:
-    the same partition with part k sent to rank (k + source_rank) mod N (a fix this model
-    proposes: every producer's heaviest part otherwise lands on rank 0)."""
+    ``routing.token_partition`` per producer with part k sent to rank (k + source_rank) mod N, as
+    ``route_by: tokens`` does (``redistribute.groups_for``). ``tokens_unrotated``: every producer's
+    part k to rank k, as it did before this model showed that the heaviest part of every producer
+    then lands on rank 0."""
     if balance == "owner":
         groups: list[list[int]] = [[] for _ in range(n)]
         for i, r in enumerate(owners([s.sample_id for s in batch], n)):
             groups[r].append(i)
         return groups
     parts = token_partition([s.tokens for s in batch], n)
-    if balance == "tokens":
+    if balance == "tokens_unrotated":
         return parts
-    if balance == "tokens_rotated":
+    if balance == "tokens":
         return [parts[(r - source_rank) % n] for r in range(n)]
     raise ValueError(f"unknown balance {balance!r}; expected one of {BALANCES}")
 
