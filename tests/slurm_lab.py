@@ -18,16 +18,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.netns import ensure_tool
+from tests.netns import missing_tool
 
 
 def unavailable_reason() -> str | None:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the Slurm test starts slurmctld/slurmd as root (SlurmUser=root); not root here"
-    for binary, package in (("munged", "munge"), ("slurmctld", "slurm-wlm"), ("slurmd", "slurm-wlm")):
-        if reason := ensure_tool(binary, package):
-            return reason
-    return None
+    return missing_tool("munged", "munge") or missing_tool("slurmctld", "slurm-wlm") or missing_tool("slurmd", "slurm-wlm")
 
 
 def _free_port() -> int:

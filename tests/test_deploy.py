@@ -562,7 +562,8 @@ def test_tests_install_nothing_and_every_tool_they_skip_without_comes_from_test_
                     .replace('"', "").split())
     sources = {p.name: p.read_text() for p in (ROOT / "tests").glob("*.py")}
     checked = {m for text in sources.values() for m in re.findall(r'missing_tool\("([^"]+)", "([^"]+)"\)', text)}
-    assert checked == installed == {("pdsh", "pdsh"), ("docker-compose", "docker-compose"), ("ip", "iproute2")}
+    assert checked == installed == {("pdsh", "pdsh"), ("docker-compose", "docker-compose"), ("ip", "iproute2"),
+                                    ("munged", "munge"), ("slurmctld", "slurm-wlm"), ("slurmd", "slurm-wlm")}
     for needle in ('"apt' + '-get"', "'apt" + "-get'", '"pip", "inst' + 'all"', '"-m", "p' + 'ip"'):  # argv of an install
         assert not [name for name, text in sources.items() if needle in text], needle
     assert "bash scripts/test-deps.sh" in (ROOT / "scripts" / "setup.sh").read_text()

@@ -127,6 +127,8 @@ def test_python_tool_in_the_tool_environment_with_a_shorter_tool_deadline():
 
 SIGNAL = """
 import os
+
+pytestmark = pytest.mark.cluster  # every test runs the sandbox's child Python process
 try:
     os.kill({pid}, 0)
     print("reached the node")
