@@ -106,6 +106,7 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
     from distflow.rollout.engine import make_engine
     from distflow.rollout.stages import RolloutContext
     from distflow.trainer.actor import Actor
+    from distflow.trainer.metrics import with_generated_mean
     from distflow.trainer.stages import build_context
 
     own_group = not dist.is_initialized()
@@ -130,7 +131,8 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
             reward = batch.tensors["reward"].float().mean().item() if len(batch) else float("nan")
             stats = train_half(trainer, ctx, batch)
             engine.load_weights(actor.version, actor.full_state_dict())
-            yield {"step": step, "reward_mean": reward, "samples": len(batch), **stage_stats, **stats}
+            yield {"step": step, "reward_mean": reward, "samples": len(batch), **with_generated_mean(stage_stats),
+                   **stats}
     finally:
         if own_group:
             dist.destroy_process_group()
