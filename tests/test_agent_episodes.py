@@ -97,6 +97,11 @@ def test_config_pairs_fn_episodes_with_an_environment(tool_model):
         _cfg(tool_model, "environment=null")
     with pytest.raises(Exception, match="not both"):
         _cfg(tool_model, "tools=[distflow.env.sandbox:python]")
+    with pytest.raises(Exception, match="not episodes"):
+        _cfg(tool_model, f"eval_dataset={ROOT / 'examples' / 'data' / 'tool_lookup.jsonl'}")
+    with pytest.raises(Exception, match="fn: episodes"):  # an environment without an episodes node
+        load_config(ROOT / "examples" / "grpo_quickstart.yaml", [f"model_path={tool_model}", "toy_model=false",
+                                                                 "environment=distflow.env.toy_tasks:LookupEnv"])
 
 
 def test_the_policy_loss_reads_the_loss_mask_hand_computed(toy_model, tmp_path):
@@ -118,3 +123,14 @@ def test_the_policy_loss_reads_the_loss_mask_hand_computed(toy_model, tmp_path):
         stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
     assert stats["tokens"] == 5.0
     assert math.isclose(stats["loss"], -0.2, abs_tol=1e-6), stats["loss"]
+
+
+def test_preflight_imports_the_environment_and_binds_its_args(tool_model):
+    from distflow.core.config_keys import ConfigError
+    from distflow.launch.preflight import check_functions
+
+    check_functions(_cfg(tool_model))  # the example's: importable, arguments bind
+    with pytest.raises(ConfigError, match="environment: .*Nope"):
+        check_functions(_cfg(tool_model, "environment=distflow.env.toy_tasks:Nope"))
+    with pytest.raises(ConfigError, match="environment: .*bogus"):
+        check_functions(_cfg(tool_model, "environment_args={bogus: 1}"))

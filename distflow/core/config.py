@@ -125,6 +125,9 @@ class Config(BaseModel):
         if (self.environment or self.tools) and not episodes:
             raise ValueError(f"{'environment' if self.environment else 'tools'}: set, but no generate node runs "
                              "episodes: give the ACTOR MODEL_INFERENCE node fn: episodes (fn: generate is single-turn)")
+        if episodes and self.eval_dataset:
+            raise ValueError("eval_dataset: evaluation generates single-turn responses, not episodes; a run with "
+                             "fn: episodes cannot evaluate on it yet (remove eval_dataset)")
         if self.environment and self.tools:
             raise ValueError("environment and tools: give either an environment (with its own tools) or tools (the "
                              "built-in tool environment), not both")
