@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from distflow.core.config_keys import ConfigError, canonical, field_of, suggest, to_sections
 from distflow.core.config_paths import PATH_KEYS, absolute, absolute_paths, resolve_raw
 from distflow.core.config_sections import (FLAT_KEYS, RESERVED_GROUPS, SECTIONS, AlgorithmSection,  # noqa: F401
-                                           DataSection, EnvSection, LaunchSection, MeshSection, ModelSection, RolloutSection,
-                                           TrainerSection, TransportSection)
+                                           DataSection, EnvSection, LaunchSection, MeshSection, ModelSection,
+                                           RolloutSection, TrainerSection, TransportSection)
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, plan
 from distflow.rl.loss_keys import check_ignored_keys  # torch-free
 from distflow.rl.names import (GROUP_ESTIMATORS, LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free, from the catalog

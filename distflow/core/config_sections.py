@@ -409,7 +409,8 @@ class LaunchSection(Section):
 # section name -> model, in the order the docs and `distflow config --show` present them
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelSection, "data": DataSection, "algorithm": AlgorithmSection, "rollout": RolloutSection,
-    "env": EnvSection, "trainer": TrainerSection, "transport": TransportSection, "mesh": MeshSection, "launch": LaunchSection,
+    "env": EnvSection, "trainer": TrainerSection, "transport": TransportSection, "mesh": MeshSection,
+    "launch": LaunchSection,
 }
 REQUIRED_SECTIONS = ("model", "data", "algorithm")  # they hold a key without a default
 
