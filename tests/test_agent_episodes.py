@@ -134,3 +134,24 @@ def test_preflight_imports_the_environment_and_binds_its_args(tool_model):
         check_functions(_cfg(tool_model, "environment=distflow.env.toy_tasks:Nope"))
     with pytest.raises(ConfigError, match="environment: .*bogus"):
         check_functions(_cfg(tool_model, "environment_args={bogus: 1}"))
+
+
+def test_a_reward_node_adds_its_score_of_the_final_reply_to_the_environment_reward(tool_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    call, end = tok.convert_tokens_to_ids(["<tool_call>", "<|im_end|>"])
+    seven = tok.convert_tokens_to_ids("7")
+    rows = [PromptRow("e0:0", 0, {"prompt": "1234", "secret": "7", "answer": "7"}),
+            PromptRow("e0:1", 1, {"prompt": "5678", "secret": "7", "answer": "1"})]
+    engine = FakeEngine(tok, [call, end], {"1234": [seven, end], "5678": [seven, end]})
+    workflow = ("[{id: generate, role: ACTOR, type: MODEL_INFERENCE, fn: episodes}, "
+                "{id: reward, role: REWARD, type: COMPUTE, fn: exact_match, deps: [generate]}, "
+                "{id: advantage, role: ACTOR, type: COMPUTE, fn: grpo, deps: [reward]}, "
+                "{id: update, role: ACTOR, type: MODEL_TRAIN, fn: grpo, deps: [advantage]}]")
+    cfg = _cfg(tool_model, f"workflow={workflow}")
+    ctx = RolloutContext(engine, cfg, rows, seed=0, pipeline=cfg.plan().pipeline("rollout"))
+    batch = rollout_half(ctx.pipeline, ctx)
+    # the environment's 1.0 (call + right secret), plus exact_match of the final reply "7" (not the response,
+    # which holds the tool call and the observation too)
+    assert batch.tensors["reward"].tolist() == [2.0, 2.0, 1.0, 1.0]
