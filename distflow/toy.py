@@ -144,13 +144,18 @@ def build_toy_reward_model(out_dir: str | os.PathLike[str], *, seed: int = 0, hi
 
 
 def ensure_toy_model(out_dir: str | os.PathLike[str], *, seed: int = 0, kind: str = "successor") -> str:
-    """Build the toy model of ``kind`` (``successor``: this module's; ``gsm8k``:
+    """Build the toy model of ``kind`` (``successor``: this module's; ``tool``:
+    :func:`distflow.env.toy_tasks.build_tool_model`; ``gsm8k``:
     :func:`distflow.toy_gsm8k.build_gsm8k_model`; ``reward``: :func:`build_toy_reward_model`)
     into ``out_dir`` unless a ``config.json`` is already there."""
-    if kind not in ("successor", "gsm8k", "reward"):
-        raise ValueError(f"toy model kind {kind!r} is not successor, gsm8k or reward")
+    if kind not in ("successor", "gsm8k", "reward", "tool"):
+        raise ValueError(f"toy model kind {kind!r} is not successor, gsm8k, reward or tool")
     if not (Path(out_dir) / "config.json").is_file():
-        if kind == "reward":
+        if kind == "tool":  # the tool toy task's (distflow.env.toy_tasks): a chat template, digits only
+            from distflow.env.toy_tasks import build_tool_model
+
+            build_tool_model(out_dir, seed=seed)
+        elif kind == "reward":
             build_toy_reward_model(out_dir, seed=seed)
         elif kind == "gsm8k":
             build_gsm8k_model(out_dir, seed=seed)

@@ -267,7 +267,8 @@ def _edit(base: list[dict[str, Any]], drop: tuple[str, ...] = (), **deps: list[s
     # GRPO's estimator fed straight from generate: no rewards to normalise
     (_edit(GRPO_WORKFLOW, ("reward",), advantage=["generate"]),
      "node 'advantage' (role ACTOR): grpo reads rewards, but no node upstream of it (key 'deps', directly or "
-     "through its deps) makes them: a REWARD COMPUTE or REWARD MODEL_INFERENCE node"),
+     "through its deps) makes them: an ACTOR MODEL_INFERENCE (episodes) or REWARD COMPUTE or REWARD "
+     "MODEL_INFERENCE node"),
     # the update fed by the reference only: no advantages
     (_edit(GRPO_WORKFLOW, update=["reference"]),
      "node 'update' (role ACTOR): grpo reads advantages, but no node upstream of it (key 'deps', directly or "
@@ -405,7 +406,7 @@ def test_generate_only_on_rollout_and_supported_placements_plan() -> None:
 
 
 @pytest.mark.parametrize("index, fn, message", [
-    (0, "banana", "node 'generate' (role ACTOR): ACTOR MODEL_INFERENCE (generate) takes fn 'generate', not 'banana' "
+    (0, "banana", "node 'generate' (role ACTOR): ACTOR MODEL_INFERENCE (generate) takes fn 'generate' or 'episodes', not 'banana' "
                   "(key 'fn')"),
     (3, "ref_logprb", "node 'reference' (role REFERENCE): REFERENCE MODEL_INFERENCE (reference logprobs) takes fn "
                       "'ref_logprob' or 'ref', not 'ref_logprb' (did you mean 'ref_logprob'?) (key 'fn')"),

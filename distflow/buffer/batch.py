@@ -26,7 +26,10 @@ import torch
 
 # Flat fields aligned with prompt tokens / response tokens, keyed by their lengths tensor.
 PROMPT_FIELDS = ("prompt_tokens",)
-RESPONSE_FIELDS = ("response_tokens", "logprobs", "ref_logprobs", "values", "old_logprobs", "token_advantages", "returns")
+# loss_mask (int64, 0/1): present only on multi-turn episodes (docs/agents.md): 1 on the tokens the engine
+# sampled, 0 on observation, tool and template tokens; a batch without it trains every response token.
+RESPONSE_FIELDS = ("response_tokens", "logprobs", "ref_logprobs", "values", "old_logprobs", "token_advantages", "returns",
+                   "loss_mask")
 SCALAR_FIELDS = ("policy_version", "reward", "advantage", "truncated", "last_version")
 LENGTHS = {"prompt_tokens": "prompt_lens", **{f: "response_lens" for f in RESPONSE_FIELDS}}
 PACKED = "packed"  # meta key (the layout) and tensor name (the buffer) of the packed wire form

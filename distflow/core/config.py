@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from distflow.core.config_keys import ConfigError, canonical, field_of, suggest, to_sections
 from distflow.core.config_paths import PATH_KEYS, absolute, absolute_paths, resolve_raw
 from distflow.core.config_sections import (FLAT_KEYS, RESERVED_GROUPS, SECTIONS, AlgorithmSection,  # noqa: F401
-                                           DataSection, LaunchSection, MeshSection, ModelSection, RolloutSection,
-                                           TrainerSection, TransportSection)
+                                           DataSection, EnvSection, LaunchSection, MeshSection, ModelSection,
+                                           RolloutSection, TrainerSection, TransportSection)
 from distflow.core.dag import Plan, WorkflowError, WorkflowNode, plan
 from distflow.rl.loss_keys import check_ignored_keys  # torch-free
 from distflow.rl.names import (GROUP_ESTIMATORS, LOSS_AGG_DEFAULTS, LOSS_CLIP_DEFAULTS,  # torch-free, from the catalog
@@ -50,6 +50,7 @@ class Config(BaseModel):
     data: DataSection = Field(description=DataSection.__doc__)
     algorithm: AlgorithmSection = Field(description=AlgorithmSection.__doc__)
     rollout: RolloutSection = Field(default_factory=RolloutSection, description=RolloutSection.__doc__)
+    env: EnvSection = Field(default_factory=EnvSection, description=EnvSection.__doc__)
     trainer: TrainerSection = Field(default_factory=TrainerSection, description=TrainerSection.__doc__)
     transport: TransportSection = Field(default_factory=TransportSection, description=TransportSection.__doc__)
     mesh: MeshSection = Field(default_factory=MeshSection, description=MeshSection.__doc__)
@@ -116,6 +117,20 @@ class Config(BaseModel):
                              "recomputed old logprobs) against the engine's; without recompute_old_logprobs: true "
                              "both are the engine's, every weight is 1 and tis_cap does nothing. Set "
                              "recompute_old_logprobs: true, or remove tis_cap")
+        episodes = [n.id for n in self.workflow if (n.role.value, n.type.value, n.fn) ==
+                    ("ACTOR", "MODEL_INFERENCE", "episodes")]
+        if episodes and not (self.environment or self.tools):
+            raise ValueError(f"workflow node {episodes[0]!r}: fn: episodes runs multi-turn episodes, which need "
+                             "environment: module:Class or tools: [module:function, ...] (docs/agents.md)")
+        if (self.environment or self.tools) and not episodes:
+            raise ValueError(f"{'environment' if self.environment else 'tools'}: set, but no generate node runs "
+                             "episodes: give the ACTOR MODEL_INFERENCE node fn: episodes (fn: generate is single-turn)")
+        if episodes and self.eval_dataset:
+            raise ValueError("eval_dataset: evaluation generates single-turn responses, not episodes; a run with "
+                             "fn: episodes cannot evaluate on it yet (remove eval_dataset)")
+        if self.environment and self.tools:
+            raise ValueError("environment and tools: give either an environment (with its own tools) or tools (the "
+                             "built-in tool environment), not both")
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"overlong_buffer: overlong: penalty needs 0 < overlong_buffer <= max_new_tokens "
                              f"({self.max_new_tokens}), got {self.overlong_buffer}")

@@ -44,9 +44,10 @@ class ModelSection(Section):
         "reward model at the `args.path` of each REWARD MODEL_INFERENCE node that is missing one; `distflow "
         "toy-model --kind reward DIR` builds it by hand). Only `distflow run` builds it; a hand-started node "
         "does not check a missing toy model"))
-    toy_kind: Literal["successor", "gsm8k"] = Field("successor", description=(
-        "which toy model `toy_model` builds: `successor` (the quickstart's character-level Llama) or `gsm8k` (a "
-        "byte-level BPE tokenizer with a Qwen chat template and a tiny Qwen2; docs/gsm8k.md)"))
+    toy_kind: Literal["successor", "gsm8k", "tool"] = Field("successor", description=(
+        "which toy model `toy_model` builds: `successor` (the quickstart's character-level Llama), `gsm8k` (a "
+        "byte-level BPE tokenizer with a Qwen chat template and a tiny Qwen2; docs/gsm8k.md) or `tool` (a "
+        "character-level chat tokenizer with a Hermes tool template and a tiny Llama; docs/agents.md)"))
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
         "compute dtype of the trainer and the engines: `float32` or `bfloat16` (master weights, AdamW state and "
         "gradient reduction stay fp32: FSDP2 `MixedPrecisionPolicy`; the checkpoint's Hugging Face weights are "
@@ -131,6 +132,33 @@ class RolloutSection(Section):
     eval_temperature: float = Field(0.0, ge=0, description=(
         "sampling temperature of evaluation; 0 is greedy (`top_p`, `top_k`, `max_new_tokens` and "
         "`max_prompt_length` are the run's)"))
+
+
+class EnvSection(Section):
+    """Multi-turn agentic episodes (docs/agents.md): the environment or tools, and the episode's budgets.
+    Read by the generate node's ``fn: episodes`` (and only with it)."""
+
+    environment: str | None = Field(None, min_length=3, description=(
+        "`module:Class` of the environment, one instance per episode (`reset(row)`, `step(reply)`; "
+        "docs/agents.md); imported and its `environment_args` bound to the constructor before any node starts. "
+        "Needs the generate node's `fn: episodes`; not with `tools`"))
+    environment_args: dict[str, Any] = Field(default_factory=dict, description=(
+        "keyword arguments of the environment's constructor (with `tools`: of the built-in tool environment: "
+        "`system_prompt`, `tool_timeout`, `reward: module:function`, ...)"))
+    tools: list[str] = Field(default_factory=list, description=(
+        "`module:function` tools of the built-in tool environment (Hermes `<tool_call>` JSON calls; schemas from "
+        "the signatures and docstrings), e.g. `distflow.env.sandbox:python`; not with `environment`"))
+    max_turns: int = Field(4, ge=1, description="model turns per episode")
+    max_total_tokens: int = Field(512, ge=2, description=(
+        "tokens of the whole episode the model conditions on (prompt, turns, observations); each turn samples at "
+        "most `min(max_new_tokens, what is left)`, and at most the model's positions"))
+    max_tool_errors: int | None = Field(None, ge=0, description=(
+        "failed tool calls per episode before it stops (`stop_tool_error`); null: no limit"))
+    env_timeout_s: float = Field(60.0, gt=0, description=(
+        "deadline of every call into the environment (constructor, `reset`, `step`, `close`); past it the episode "
+        "ends as `env_error` (counted, not trained), the others go on"))
+    max_concurrent_episodes: int | None = Field(None, ge=1, description=(
+        "episodes of a rollout node in flight at once (null: all of its step's)"))
 
 
 class TrainerSection(Section):
@@ -402,7 +430,8 @@ class LaunchSection(Section):
 # section name -> model, in the order the docs and `distflow config --show` present them
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelSection, "data": DataSection, "algorithm": AlgorithmSection, "rollout": RolloutSection,
-    "trainer": TrainerSection, "transport": TransportSection, "mesh": MeshSection, "launch": LaunchSection,
+    "env": EnvSection, "trainer": TrainerSection, "transport": TransportSection, "mesh": MeshSection,
+    "launch": LaunchSection,
 }
 REQUIRED_SECTIONS = ("model", "data", "algorithm")  # they hold a key without a default
 

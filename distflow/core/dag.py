@@ -353,6 +353,8 @@ def _makers(what: str) -> str:
                 out.append(f"{role} {type_} ({', '.join(names)})")
         elif what in st.produces:
             out.append(f"{role} {type_}")
+        elif fns := [fn for fn, made in st.fn_produces.items() if what in made]:
+            out.append(f"{role} {type_} ({', '.join(fns)})")
     joined = " or ".join(out)
     return f"{'an' if joined[0] in 'AEIOU' else 'a'} {joined} node"
 

@@ -38,7 +38,7 @@ from distflow.env.api import EnvError, call_env, check_messages, check_step_resu
 from distflow.env.episode import STOP_REASONS, Episode, TemplateError, TokenAssembly, end_of_turn_id, render_prompt
 from distflow.env.tools import ToolEnvironment
 
-__all__ = ["EpisodeRunner", "GenerateFn", "environment_factory", "summarize"]
+__all__ = ["EpisodeRunner", "GenerateFn", "environment_factory", "summarize", "episode_means"]
 
 # generate(prompt_ids, params) -> Completion (tokens, logprobs, finish_reason, first/last_version),
 # or an awaitable of one
@@ -265,3 +265,18 @@ def summarize(episodes: Sequence[Episode]) -> dict[str, float]:
         out[f"stop_{ep.stop_reason}"] = out.get(f"stop_{ep.stop_reason}", 0) + 1
     return out
 
+
+def episode_means(stats: dict[str, float]) -> dict[str, float]:
+    """Per-episode means of the summed counters (once per step, after the shards are added):
+    ``episode_turns_mean``, ``tool_calls_per_episode``, ``tool_errors_per_episode``,
+    ``tool_call_rate`` (share of episodes that called a tool), ``episode_len_mean`` (tokens of an
+    episode's samples), ``turn_len_mean`` (sampled tokens per turn). Unchanged without episodes."""
+    n = stats.get("episodes", 0)
+    if not n:
+        return stats
+    turns = stats.get("episode_turns", 0)
+    return {**stats, "episode_turns_mean": turns / n, "tool_calls_per_episode": stats.get("episode_tool_calls", 0) / n,
+            "tool_errors_per_episode": stats.get("episode_tool_errors", 0) / n,
+            "tool_call_rate": stats.get("episodes_with_tool_call", 0) / n,
+            "episode_len_mean": stats.get("episode_tokens", 0) / n,
+            "turn_len_mean": stats.get("episode_sampled_tokens", 0) / max(turns, 1)}

@@ -57,13 +57,17 @@ DROP_THINK_TEMPLATE = _TEMPLATE.replace(
                "else m.content").strip("\n")
 
 
-def build_chat_tokenizer(out_dir: str | os.PathLike[str], template: str = HERMES_TEMPLATE):  # -> a fast tokenizer
+def build_chat_tokenizer(out_dir: str | os.PathLike[str], template: str = HERMES_TEMPLATE,
+                         chars: str | None = None):  # -> a fast tokenizer
     """Build the character-level chat tokenizer with ``template``, save it into ``out_dir`` and
-    load it back with ``AutoTokenizer.from_pretrained`` (the path a model directory takes)."""
+    load it back with ``AutoTokenizer.from_pretrained`` (the path a model directory takes).
+    ``chars``: the characters of the vocabulary (default: printable ASCII and newline; others
+    become ``<unk>``): the tool toy task keeps only digits and newline, so that a random policy
+    samples a tool call often enough to learn from it."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    chars = list(dict.fromkeys(chars)) if chars is not None else [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {tok: i for i, tok in enumerate(CHAT_SPECIALS + CHAT_MARKERS + tuple(chars))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

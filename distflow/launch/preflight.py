@@ -62,6 +62,13 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
                 check(POLICY_LOSS_NAMES, node.fn, "policy loss")
         except Exception as e:
             raise ConfigError(f"workflow node {node.id!r}: {e}") from None
+    if (cfg.environment or cfg.tools) and any(n.fn == "episodes" for n in (cfg.workflow if nodes is None else nodes)):
+        from distflow.env.runner import environment_factory  # torch-free: imports the class and binds its args
+
+        try:
+            environment_factory(cfg.environment, cfg.environment_args, cfg.tools)
+        except Exception as e:
+            raise ConfigError(f"{'environment' if cfg.environment else 'tools'}: {e}") from None
 
 
 def rows_to_check(cfg: Config, perm, steps_per_epoch: int, num_rows: int, limit: int = CHECK_ROWS) -> list[int]:

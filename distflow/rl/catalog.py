@@ -181,6 +181,7 @@ class Stage:
     required: tuple[str, ...] = ()
     timer: str = "time_compute_s"
     fns: tuple[str, ...] | None = None  # the names its fn may take where no function slot decides (None: any)
+    fn_produces: Mapping[str, frozenset[str]] = field(default_factory=dict)  # a fn of fns that makes more
 
     @property
     def key(self) -> tuple[str, str]:
@@ -194,8 +195,11 @@ class Stage:
 _R, _T = "distflow.rollout.stages", "distflow.trainer.stages"
 
 STAGES: dict[tuple[str, str], Stage] = {s.key: s for s in (
+    # fn generate: one response per sample; fn episodes: multi-turn episodes against the config's environment
+    # or tools (docs/agents.md), which also score them (the environment's rewards; a REWARD node adds to them)
     Stage("ACTOR", "MODEL_INFERENCE", "generate", frozenset({ROLLOUT}), {ROLLOUT: f"{_R}:generate"},
-          produces=frozenset({RESPONSES}), fns=("generate",)),
+          produces=frozenset({RESPONSES}), fns=("generate", "episodes"),
+          fn_produces={"episodes": frozenset({RESPONSES, REWARDS})}),
     Stage("REWARD", "COMPUTE", "rule-based reward (needs the tokenizer's decode)", frozenset({ROLLOUT, CUSTOM}),
           {ROLLOUT: f"{_R}:reward"}, frozenset({RESPONSES}), frozenset({REWARDS}), slot="reward", args=None),
     Stage("REWARD", "MODEL_INFERENCE", "learned reward model", frozenset({ROLLOUT, TRAINER, CUSTOM}),
@@ -228,7 +232,7 @@ def node_io(role: str, type_: str, fn: str) -> tuple[frozenset[str], frozenset[s
         return frozenset(), frozenset()
     f = FUNCTIONS[s.slot].get(fn) if s.slot == "compute" else None
     if f is None:  # a stage of its own, or a dotted compute function
-        return s.needs, s.produces
+        return s.needs, s.fn_produces.get(fn, s.produces)
     return s.needs | f.needs, f.produces
 
 

@@ -20,7 +20,8 @@ from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.rl.advantages import overlong_penalty
 
-__all__ = ["group_index", "outcome_rewards", "mask_truncated", "trained_samples", "trained_token_counts"]
+__all__ = ["group_index", "outcome_rewards", "mask_truncated", "trained_samples", "trained_token_counts",
+           "response_loss_mask", "sampled_token_counts", "split_episodes"]
 
 
 def group_index(prompt_ids: Sequence[str]) -> Tensor:
@@ -59,10 +60,49 @@ def trained_samples(batch: SampleBatch, cfg: Config) -> Tensor:
     return batch.tensors["truncated"].reshape(n) == 0
 
 
+def response_loss_mask(batch: SampleBatch) -> Tensor | None:
+    """Flat [sum(response_lens)] bool: the response tokens the engine sampled (a multi-turn
+    episode's ``loss_mask``: its observation, tool and template tokens are 0), or None when the
+    batch has no ``loss_mask`` (single-turn: every response token is sampled, and callers keep
+    their unmasked arithmetic, bit for bit)."""
+    m = batch.tensors.get("loss_mask")
+    return None if m is None else m != 0
+
+
 def trained_token_counts(batch: SampleBatch, cfg: Config) -> Tensor:
     """[n] int64: each sample's response tokens that the policy loss trains on (0 for a sample
-    :func:`trained_samples` leaves out). The weights of a token-weighted whitening (outcome
-    REINFORCE++), so a truncated sample is out of its statistics as it is out of the token form's."""
-    lens = batch.tensors["response_lens"]
+    :func:`trained_samples` leaves out; only the sampled ones of an episode, see
+    :func:`response_loss_mask`). The weights of a token-weighted whitening (outcome REINFORCE++),
+    so a truncated sample is out of its statistics as it is out of the token form's."""
+    lens = sampled_token_counts(batch)
     return lens * trained_samples(batch, cfg).to(lens.device)
 
+
+def sampled_token_counts(batch: SampleBatch) -> Tensor:
+    """[n] int64: each sample's response tokens the engine sampled (``response_lens`` itself for a
+    batch without ``loss_mask``)."""
+    lens = batch.tensors["response_lens"]
+    mask = response_loss_mask(batch)
+    if mask is None:
+        return lens
+    index = torch.repeat_interleave(torch.arange(len(batch), device=lens.device), lens)
+    return torch.zeros(len(batch), dtype=torch.int64, device=lens.device).index_add_(0, index, mask.long())
+
+
+
+def split_episodes(batch: SampleBatch) -> tuple[list[int], Tensor] | None:
+    """Where a multi-turn episode was split into several samples (``extras["episode"]`` shared,
+    docs/agents.md): (the first sample of each episode, [n] int64 episode index of each sample),
+    so an outcome estimator sees each episode once and its samples share its advantage. None
+    when every sample is its own episode (single-turn samples, unsplit episodes)."""
+    names = [e.get("episode") for e in batch.extras]
+    if not names or None in names or len(set(names)) == len(names):
+        return None
+    index: dict[str, int] = {}
+    firsts, inverse = [], []
+    for i, name in enumerate(names):
+        if name not in index:
+            index[name] = len(firsts)
+            firsts.append(i)
+        inverse.append(index[name])
+    return firsts, torch.tensor(inverse, dtype=torch.int64)

@@ -43,7 +43,7 @@ from distflow.hf import chat_prompt_ids, end_of_turn
 from distflow.rl.catalog import StageError, UserFunctionError, function, node_runs_on
 from distflow.rl.reward_model import score_batch
 from distflow.rl.registry import outcome_advantages
-from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_token_counts
+from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, split_episodes, trained_token_counts
 from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import REWARD_RANGE, RowCheck, resolve_reward, reward_value
 from distflow.rollout.rewards import row_requirements as rewards_row_requirements
@@ -194,7 +194,27 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     return batch
 
 
+def usable_rows(ctx: RolloutContext) -> list[PromptRow]:
+    """The step's rows less the bad ones (a key a reward reads missing, or its ``check_row``
+    refusing), skipped and counted by their loader's policy as :func:`generate_rows` does; the
+    rows of multi-turn episodes, whose environment renders the prompts itself."""
+    needed, checks = row_requirements(ctx.cfg.workflow)
+    if not (needed or checks):
+        return list(ctx.rows)
+    fallback = BadRowPolicy(ctx.cfg.bad_rows)
+    keep = [r for r in ctx.rows if keep_row(r, needed, fallback, checks)]  # raises with bad_rows: error
+    if fallback.skipped:
+        ctx.count("bad_rows", fallback.skipped)
+    return keep
+
+
 def generate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
+    """ACTOR MODEL_INFERENCE: ``fn: generate`` (one response per sample) or ``fn: episodes``
+    (multi-turn episodes against the config's environment: :mod:`distflow.rollout.episodes`)."""
+    if node.fn == "episodes":
+        from distflow.rollout.episodes import episodes
+
+        return episodes(ctx, usable_rows(ctx), sampling_params(ctx.cfg, ctx.engine.tokenizer))
     return generate_rows(ctx.engine, ctx.cfg, ctx.rows, ctx.seed, ctx.stats, ctx.weights_update)
 
 
@@ -210,7 +230,9 @@ def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -
     except ValueError as e:
         raise StageError(f"workflow node {node.id!r}: {e}") from None
     tok = ctx.engine.tokenizer
-    texts = [tok.decode(t.tolist(), skip_special_tokens=True) for t in batch.ragged("response_tokens")]
+    # an episode is scored on its final reply (its response also holds the earlier turns and observations)
+    texts = [e["final_reply"] if "final_reply" in e else tok.decode(t.tolist(), skip_special_tokens=True)
+             for t, e in zip(batch.ragged("response_tokens"), batch.extras)]
     where = {r.prompt_id: r.where or f"row {r.row_index}" for r in ctx.rows}
     values, outside = [], 0
     for sid, pid, text, extra in zip(batch.sample_ids, batch.prompt_ids, texts, batch.extras):
@@ -232,7 +254,10 @@ def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -
             log.warning("workflow node %r: reward %r gave %d of %d scores outside the documented range [%g, %g] "
                         "(counted as reward_out_of_range; group advantages normalise them, shaping assumes the range)",
                         node.id, node.fn, outside, len(values), *REWARD_RANGE)
-    batch.set_scalar("reward", torch.tensor(values, dtype=torch.float32))
+    scores = torch.tensor(values, dtype=torch.float32)
+    if "reward" in batch.tensors:  # an episode's environment rewards (or an earlier REWARD node): added to
+        scores = batch.tensors["reward"].float() + scores
+    batch.set_scalar("reward", scores)
     return batch
 
 
@@ -253,8 +278,17 @@ def _estimate(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch) -> Sa
     only = node_runs_on(node.role.value, node.type.value, node.fn)
     if only is not None:
         raise StageError(f"workflow node {node.id!r}: {node.fn!r} runs on the {only} group only (key 'group')")
-    adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", outcome_rewards(batch, ctx.cfg),
-                             group_index(batch.prompt_ids), trained_token_counts(batch, ctx.cfg), node.args)
+    rewards, groups, counts = outcome_rewards(batch, ctx.cfg), group_index(batch.prompt_ids), \
+        trained_token_counts(batch, ctx.cfg)
+    split = split_episodes(batch)
+    if split is not None:  # a split episode counts once in its group; its samples share its advantage
+        firsts, inverse = split
+        rewards, groups = rewards[firsts], group_index([batch.prompt_ids[i] for i in firsts])
+        counts = torch.zeros(len(firsts), dtype=counts.dtype).index_add_(0, inverse, counts)
+    adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", rewards, groups, counts,
+                             node.args)
+    if split is not None:
+        adv = adv[split[1]]
     batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
     return batch
 

@@ -44,7 +44,7 @@ from distflow.device import collective_device, node_device
 from distflow.hf import load_tokenizer, meta_causal_lm
 from distflow.launch.checkpoint import read_run_state
 from distflow.rl.registry import POLICY_LOSSES, resolve
-from distflow.rl.shaping import trained_samples, trained_token_counts
+from distflow.rl.shaping import response_loss_mask, trained_samples, trained_token_counts
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
@@ -340,8 +340,12 @@ class Actor:
                     loss, metrics = self._loss(loss_fn, mb, keep, inputs, lp, ent, kl_coef, normalizer,
                                                seq_normalizer)
                     kept = sum(n for n, k in zip(inputs.response_lens, keep.tolist()) if k)  # host numbers
-                    trained = torch.repeat_interleave(keep, mb.tensors["response_lens"]).to(ent.device,
-                                                                                             non_blocking=True)
+                    trained = torch.repeat_interleave(keep, mb.tensors["response_lens"])
+                    sampled = response_loss_mask(mb)  # an episode's observation tokens are not trained
+                    if sampled is not None:
+                        trained = trained & sampled
+                        kept = int(trained.sum())  # (a CPU tensor: no device sync)
+                    trained = trained.to(ent.device, non_blocking=True)
                     # entropy over the tokens the loss trains on (a select, not a boolean index: no sync)
                     ent_sum = torch.where(trained, ent.detach().double(), 0.0).sum()
                     sums.add("entropy", ent_sum, 1.0 / max(global_tokens, 1.0))
@@ -386,6 +390,8 @@ class Actor:
 
         lp2, mask = flat_to_padded(lp, rl)
         mask = mask & to_dev(keep)[:, None]  # overlong: mask: truncated samples add nothing
+        if "loss_mask" in mb.tensors:  # a multi-turn episode: only the tokens the engine sampled
+            mask = mask & (padded("loss_mask") != 0)
         has_old = "old_logprobs" in mb.tensors
         adv = padded("token_advantages") if "token_advantages" in mb.tensors else to_dev(mb.tensors["advantage"])
         return _call_loss(

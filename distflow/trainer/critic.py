@@ -35,6 +35,7 @@ from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
 from distflow.device import node_device
 from distflow.rl.registry import VALUE_LOSSES, resolve
+from distflow.rl.shaping import response_loss_mask, sampled_token_counts
 from distflow.trainer.actor import (DeviceSums, all_reduce, apply_optimizer_config, load_optimizer,
                                     ragged_in_batch_order, save_optimizer, step_micro_batches)
 from distflow.trainer.attention import model_attention_mask, use_varlen_attention
@@ -190,25 +191,32 @@ class Critic:
         cfg = self.cfg
         sums = DeviceSums(["vf_loss", "vf_clip_frac", "value_mean"], self.device)  # read back once, at the end
         steps, skipped, grad_norm = 0, 0, 0.0
-        lens = batch.tensors["response_lens"]
+        # the tokens the value loss fits: every response token, or an episode's sampled ones (its
+        # observation tokens have no return: GAE skips them)
+        sampled = response_loss_mask(batch)
+        trained = sampled_token_counts(batch)
         for _ in range(cfg.ppo_epochs):
             for mini in split_mini_batches(len(batch), cfg.mini_batches_per_step):
-                tokens = all_reduce([float(lens[mini].sum()) if mini else 0.0])[0]
+                tokens = all_reduce([float(trained[mini].sum()) if mini else 0.0])[0]
                 normalizer = max(tokens, 1.0) / self.world
                 self.optim.zero_grad(set_to_none=True)
                 for chunk, inputs in _micro_batches(batch, mini, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch):
                     v = self._forward(inputs)
+                    fitted = float(v.numel())
                     if chunk is None:
                         loss, metrics = v.sum() * 0.0, {}
                     else:
                         mb = batch.select(chunk)
-                        mask = torch.ones(1, v.numel(), device=self.device)
+                        mask = (torch.ones(1, v.numel(), device=self.device) if sampled is None else
+                                mb.tensors["loss_mask"].to(self.device, dtype=torch.float32)[None])
                         old = mb.tensors["values"].to(self.device, non_blocking=True)[None]  # no stream sync
                         ret = mb.tensors["returns"].to(self.device, non_blocking=True)[None]
                         loss, metrics = loss_fn(v[None], old, ret, mask, clip=cfg.value_clip,
                                                 token_normalizer=normalizer)
+                        if sampled is not None:
+                            fitted = float(mb.tensors["loss_mask"].sum())
                     loss.backward()
-                    w = float(v.numel()) / max(tokens, 1.0) / (cfg.ppo_epochs * cfg.mini_batches_per_step)
+                    w = fitted / max(tokens, 1.0) / (cfg.ppo_epochs * cfg.mini_batches_per_step)
                     for k in sums.keys:
                         if k in metrics:
                             sums.add(k, metrics[k], w)

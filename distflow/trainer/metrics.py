@@ -61,9 +61,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def with_generated_mean(stats: dict[str, float]) -> dict[str, float]:
-    """The step's summed rollout counters, plus ``generated_reward_mean`` where a filter
+    """The step's summed rollout counters, plus the per-episode means of multi-turn episodes
+    (:func:`distflow.env.runner.episode_means`), plus ``generated_reward_mean`` where a filter
     (DAPO's dynamic sampling) counted what the policy generated before it dropped groups:
     ``reward_mean`` is over the trained samples only, which the filter biases."""
+    from distflow.env.runner import episode_means  # torch-free
+
+    stats = episode_means(stats)  # multi-turn episodes: per-episode means of the summed counters
     n = stats.get("generated_samples", 0)
     if n > 0:
         return {**stats, "generated_reward_mean": stats.get("generated_reward", 0.0) / n}

@@ -154,10 +154,20 @@ def _whiten_tokens(ctx: TrainerContext, batch: SampleBatch, adv: torch.Tensor, m
     return torch.where(mask, ((adv.double() - mean) * scale).to(adv.dtype), 0.0)
 
 
-def _set_token_advantages(batch: SampleBatch, ctx: TrainerContext, adv: torch.Tensor, mask: torch.Tensor) -> None:
+def _set_token_advantages(batch: SampleBatch, ctx: TrainerContext, adv: torch.Tensor, mask: torch.Tensor,
+                          valid: torch.Tensor) -> None:
+    """``mask``: the trained tokens ([B, T]); ``valid``: every response token (the ragged layout)."""
     adv = mask_truncated(adv, batch, ctx.cfg)
-    batch.set_ragged("token_advantages", flat(adv, mask).float())
+    batch.set_ragged("token_advantages", flat(adv, valid).float())
     batch.set_scalar("advantage", adv.sum(1) / torch.clamp(mask.sum(1), min=1))
+
+
+def _sampled_tokens(batch: SampleBatch, valid: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the response tokens the engine sampled: ``valid`` itself, or within it a
+    multi-turn episode's ``loss_mask`` (GAE and the returns skip its observation tokens)."""
+    if "loss_mask" not in batch.tensors:
+        return valid
+    return valid & (padded(batch.tensors["loss_mask"], batch.tensors["response_lens"])[0] != 0)
 
 
 def token_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
@@ -174,10 +184,12 @@ def token_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch)
         if "values" not in batch.tensors:
             raise ValueError(f"workflow node {node.id!r}: {node.fn} needs the critic's 'values' (a CRITIC "
                              f"MODEL_INFERENCE node among its deps)")
-        values, mask = padded(batch.tensors["values"].float(), lens)
+        values, valid = padded(batch.tensors["values"].float(), lens)
+        mask = _sampled_tokens(batch, valid)
         inputs: tuple[torch.Tensor, ...] = (values, mask)
     else:
-        mask = padded(torch.zeros(int(lens.sum()), device=lens.device), lens)[1]  # on the batch's device
+        valid = padded(torch.zeros(int(lens.sum()), device=lens.device), lens)[1]  # on the batch's device
+        mask = _sampled_tokens(batch, valid)
         inputs = (mask,)
     rewards = _token_rewards(node, ctx, batch, mask)
     kw = {k: float(node.args.get(k, getattr(ctx.cfg, k))) for k in fn.args if k in ("gamma", "lam")}
@@ -185,9 +197,9 @@ def token_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch)
     adv, ret = out if RETURNS in fn.produces else (out, None)
     if node.args.get("whiten", True):
         adv = _whiten_tokens(ctx, batch, adv, mask)
-    _set_token_advantages(batch, ctx, adv, mask)
+    _set_token_advantages(batch, ctx, adv, mask, valid)
     if ret is not None:
-        batch.set_ragged("returns", flat(ret, mask).float())
+        batch.set_ragged("returns", flat(ret, valid).float())
     return {}
 
 
