@@ -36,6 +36,51 @@ def start(node_id: str, role: str, cfg: Path, port: int, seeds: str, env: dict, 
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
+class HandCluster:
+    """One trainer and three rollout `distflow-node` processes started by hand from the config
+    ``raw`` (each with its own log under ``tmp_path/logs``), as on a cluster: no launcher."""
+
+    def __init__(self, tmp_path: Path, raw: dict):
+        self.cfg = tmp_path / "cfg.yaml"
+        self.cfg.write_text(yaml.safe_dump(raw))
+        self.logs = tmp_path / "logs"
+        self.logs.mkdir()
+        self.env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
+        self.ports = free_ports("127.0.0.1", 4)
+        self.seed = f"127.0.0.1:{self.ports[0]}"
+        self.metrics = Path(raw["output_dir"]) / "metrics.jsonl"
+        self.procs = {"trainer-0": start("trainer-0", "trainer", self.cfg, self.ports[0], "", self.env, self.logs)}
+        for i in range(3):
+            self.start_rollout(i)
+
+    def start_rollout(self, i: int) -> None:  # the same id and port on a restart
+        self.procs[f"rollout-{i}"] = start(f"rollout-{i}", "rollout", self.cfg, self.ports[1 + i], self.seed, self.env,
+                                           self.logs)
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()[-3000:]
+
+    def wait_rows(self, n: int, deadline: float) -> int:
+        """Wait (bounded) until metrics.jsonl has ``n`` rows while the trainer lives; returns the rows."""
+        while len(read_metrics(self.metrics)) < n and time.monotonic() < deadline:
+            assert self.procs["trainer-0"].poll() is None, self.log("trainer-0")
+            time.sleep(0.1)
+        return len(read_metrics(self.metrics))
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(10)
+
+    def wait_exit_0(self, names: tuple[str, ...], timeout: float) -> None:
+        for name in names:
+            assert self.procs[name].wait(timeout=timeout) == 0, self.log(name)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
 def test_killed_rollout_is_covered_and_rejoins(toy_model, tmp_path):
     from distflow.toy import make_toy_dataset
 
@@ -45,37 +90,18 @@ def test_killed_rollout_is_covered_and_rejoins(toy_model, tmp_path):
     raw.update(output_dir=str(tmp_path / "out"), model_path=str(toy_model), toy_model=False, dataset=str(data),
                rollout_nodes=3, trainer_nodes=1, prompts_per_step=PER_STEP, group_size=GROUP, max_new_tokens=6,
                trace_samples=True, max_staleness=1, step_timeout_s=120)
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    env = {**os.environ, "DISTFLOW_SECRET": new_secret(), "PYTHONUNBUFFERED": "1"}
-    ports = free_ports("127.0.0.1", 4)
-    seed = f"127.0.0.1:{ports[0]}"
-    procs = {"trainer-0": start("trainer-0", "trainer", cfg, ports[0], "", env, logs)}
-    for i in range(3):
-        procs[f"rollout-{i}"] = start(f"rollout-{i}", "rollout", cfg, ports[1 + i], seed, env, logs)
-    metrics_path = tmp_path / "out" / "metrics.jsonl"
+    nodes = HandCluster(tmp_path, raw)
     try:
         deadline = time.monotonic() + 120
-        while len(read_metrics(metrics_path)) < 3 and time.monotonic() < deadline:
-            assert procs["trainer-0"].poll() is None, (logs / "trainer-0.log").read_text()[-3000:]
-            time.sleep(0.1)
-        killed_at = len(read_metrics(metrics_path))
-        procs["rollout-1"].send_signal(signal.SIGKILL)
-        procs["rollout-1"].wait(10)
+        killed_at = nodes.wait_rows(3, deadline)
+        nodes.kill("rollout-1")
         # Training goes on without it (its shard is adopted by rollout-2).
-        while len(read_metrics(metrics_path)) < killed_at + 5 and time.monotonic() < deadline:
-            assert procs["trainer-0"].poll() is None, (logs / "trainer-0.log").read_text()[-3000:]
-            time.sleep(0.1)
-        assert len(read_metrics(metrics_path)) >= killed_at + 5
-        procs["rollout-1"] = start("rollout-1", "rollout", cfg, ports[2], seed, env, logs)  # same id, same port
-        for name in ("trainer-0", "rollout-0", "rollout-2", "rollout-1"):
-            assert procs[name].wait(timeout=180) == 0, (logs / f"{name}.log").read_text()[-3000:]
+        assert nodes.wait_rows(killed_at + 5, deadline) >= killed_at + 5
+        nodes.start_rollout(1)  # same id, same port
+        nodes.wait_exit_0(("trainer-0", "rollout-0", "rollout-2", "rollout-1"), 180)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+        nodes.close()
+    logs, metrics_path = nodes.logs, nodes.metrics
 
     steps = ROWS // PER_STEP
     metrics = read_metrics(metrics_path)
