@@ -109,25 +109,29 @@ def checkpoint_version(ckpt: Path) -> int:
     return int(json.loads((ckpt / STATE_FILE).read_text())["policy_version"])
 
 
-def newest_checkpoint(output_dir: str | Path) -> Path | None:
+def newest_checkpoint(output_dir: str | Path, since: float | None = None) -> Path | None:
     """The checkpoint of ``output_dir`` with the highest policy version (``checkpoint``,
-    ``checkpoint-N``), complete enough to ``resume_from``; None when there is none."""
+    ``checkpoint-N``), complete enough to ``resume_from``; None when there is none. ``since``
+    (a wall-clock time: the run's start) leaves out the checkpoints marked before it: those of an
+    earlier run in the same output_dir, which a run that saved nothing must not offer as its own."""
     best: tuple[int, float, Path] | None = None
     for d in Path(output_dir).glob("checkpoint*"):
         try:
             key = (checkpoint_version(d), (d / STATE_FILE).stat().st_mtime, d)
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        if since is not None and key[1] < since:
+            continue
         if best is None or key[:2] > best[:2]:
             best = key
     return best[2] if best else None
 
 
-def resume_hint(output_dir: str | Path, resume_from: str | None = None) -> str:
-    """What to resume from after a stop: the newest checkpoint of ``output_dir``, else the one
-    this run resumed from (``resume_from``, when it is a checkpoint: it holds distflow_state.json),
-    else none."""
-    ckpt = newest_checkpoint(output_dir)
+def resume_hint(output_dir: str | Path, resume_from: str | None = None, since: float | None = None) -> str:
+    """What to resume from after a stop: the newest checkpoint of ``output_dir`` (written since
+    ``since``, the run's start, when given: never another run's), else the one this run resumed
+    from (``resume_from``, when it is a checkpoint: it holds distflow_state.json), else none."""
+    ckpt = newest_checkpoint(output_dir, since)
     if ckpt is None and resume_from and (Path(resume_from) / STATE_FILE).is_file():
         return f"no newer checkpoint was saved; continue with resume_from={resume_from}"
     if ckpt is None:

@@ -177,12 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="successor: the quickstart's character-level Llama; gsm8k: BPE chat tokenizer + tiny Qwen2; "
                         "reward: a tiny reward model (sequence classification) over the successor tokenizer")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--force", action="store_true", help="write into DIR even when it is not empty (overwrites)")
     d = sub.add_parser("toy-data", help="write a toy prompt set (JSONL) to PATH")
     d.add_argument("path")
     d.add_argument("--kind", choices=["successor", "gsm8k"], default="successor",
                    help="successor: {prompt, answer}; gsm8k: word problems {question, answer: '... #### N'}")
     d.add_argument("--rows", type=positive_int, default=1024)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--force", action="store_true", help="overwrite PATH when it exists and is not empty")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["status"]:
         from distflow.core.status import status_main
@@ -213,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def toy_main(args: argparse.Namespace) -> int:
-    """`distflow toy-model DIR` / `distflow toy-data PATH`: a path that cannot be written is one line, exit 2."""
+    """`distflow toy-model DIR` / `distflow toy-data PATH`: a path that cannot be written, or one that holds
+    something already (a real model, a prompt set: overwritten only with ``--force``), is one line, exit 2."""
     from pathlib import Path
 
     target = Path(args.dir if args.cmd == "toy-model" else args.path)
@@ -225,6 +228,13 @@ def toy_main(args: argparse.Namespace) -> int:
     if args.cmd == "toy-data" and (target.is_dir() or (blocker is not None and blocker != target)):
         what = f"{str(target)!r} is a directory" if target.is_dir() else f"{str(blocker)!r} is a file"
         print(f"distflow toy-data: {what}; PATH must be a file to write", file=sys.stderr)
+        return 2
+    # Never overwrite what is there (a real model directory, a prompt set) without being told to.
+    full = any(target.iterdir()) if target.is_dir() else target.is_file() and target.stat().st_size > 0
+    if full and not args.force:
+        what = "directory is not empty" if target.is_dir() else "file exists"
+        print(f"distflow {args.cmd}: {str(target)!r}: the {what}; refusing to overwrite it (add --force to overwrite, "
+              f"or name a new {'DIR' if args.cmd == 'toy-model' else 'PATH'})", file=sys.stderr)
         return 2
     try:
         if args.cmd == "toy-model":

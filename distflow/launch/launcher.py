@@ -42,9 +42,10 @@ import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config, ConfigError
+from distflow.core.launch_env import run_start
 from distflow.launch.checkpoint import checkpoint_version, resume_hint
-from distflow.launch.children import (Child, error_line, start_children, stop_children, stop_for_checkpoint, tail,
-                                      wait_all)
+from distflow.launch.children import (Child, error_line, exit_text, start_children, stop_children, stop_for_checkpoint,
+                                      tail, wait_all)
 from distflow.launch.placement import plan_placement
 from distflow.launch.preflight import check_functions, check_inputs
 from distflow.launch.progress import Progress, eval_summary
@@ -200,16 +201,26 @@ def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt
     except KeyboardInterrupt:  # a second Ctrl-C: do not wait for the checkpoint
         _say("distflow: interrupted again; stopping every node now")
         stop_children(children, grace_s=5.0)
-    _say(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}")
+    _say(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from, run_start())}")
     return code
 
 
-def _report(failed: list[Child], cfg: Config, why: str) -> None:
-    lines = [f"distflow: {c.node_id} failed (exit {c.proc.returncode}): {error_line(c.log_path)}" for c in failed]
+def _report(failed: list[Child], cfg: Config, why: str, bar: Progress | None = None) -> None:
+    lines = [f"distflow: {c.node_id} failed ({exit_text(c.proc.returncode)}): {error_line(c.log_path)}"
+             for c in failed]
     first = failed[0]
-    hint = resume_hint(cfg.output_dir, cfg.resume_from)
-    print("\n".join(lines) + f"\ndistflow: {why}; stopping the other nodes. {hint}\n"
-          f"--- last lines of {first.log_path} ---\n{tail(first.log_path)}", file=sys.stderr)
+    hint = resume_hint(cfg.output_dir, cfg.resume_from, run_start())
+    _tell(bar, "\n".join(lines) + f"\ndistflow: {why}; stopping the other nodes. {hint}\n"
+               f"--- last lines of {first.log_path} ---\n{tail(first.log_path)}")
+
+
+def _tell(bar: Progress | None, text: str) -> None:
+    """A message on its own lines: over a progress bar, the bar's line is cleared first (and redrawn
+    after), so the message is never glued onto it."""
+    if bar is not None:
+        bar.write(text)
+    else:
+        print(text, file=sys.stderr)
 
 
 def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, poll_s: float = 0.2) -> int:
@@ -226,14 +237,14 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
         misconfigured = [c for c in children if codes[c.node_id] == CONFIG_EXIT]
         if misconfigured:  # deterministic: a restart would fail the same way, and so would the adopters of its work
             _report(misconfigured, cfg, f"{misconfigured[0].node_id} exited {CONFIG_EXIT} on a configuration or data "
-                                        f"error, which a restart would not fix: not restarted, the run stops")
+                                        f"error, which a restart would not fix: not restarted, the run stops", bar)
             stop_children(children)
             return CONFIG_EXIT
         fatal = [c for c in children if c.role not in RESTARTABLE and codes[c.node_id] not in (None, 0)]
         if fatal:
             time.sleep(1.0)  # let the nodes that saw the failure report what they saw
             failed = fatal + [c for c in children if c not in fatal and c.proc.poll() not in (None, 0)]
-            _report(failed, cfg, f"{fatal[0].role} {fatal[0].node_id} died, the run cannot go on without it")
+            _report(failed, cfg, f"{fatal[0].role} {fatal[0].node_id} died, the run cannot go on without it", bar)
             stop_children(children)
             return 1
         trainers_running = all(codes[t.node_id] is None for t in trainers)
@@ -242,15 +253,15 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
             if c.role not in RESTARTABLE or rc in (None, 0) or c.proc.pid in handled or not trainers_running:
                 continue
             handled.add(c.proc.pid)
-            why = f"{c.node_id} died (exit {rc}): {error_line(c.log_path)}"
+            why = f"{c.node_id} died ({exit_text(rc)}): {error_line(c.log_path)}"
             if c.restarts >= cfg.restarts:
-                _report([c], cfg, f"{c.node_id} used up its {cfg.restarts} restarts (restarts: {cfg.restarts})")
+                _report([c], cfg, f"{c.node_id} used up its {cfg.restarts} restarts (restarts: {cfg.restarts})", bar)
                 stop_children(children)
                 return 1
             meanwhile = ("its shard is adopted by the other rollout nodes" if c.role == "rollout" else
                          "the rollout nodes retry their sends to it until it is back")
-            print(f"distflow: {why}; {meanwhile}; restarting it with the same "
-                  f"id and ports (restart {c.restarts + 1} of {cfg.restarts})", file=sys.stderr)
+            _tell(bar, f"distflow: {why}; {meanwhile}; restarting it with the same id and ports "
+                       f"(restart {c.restarts + 1} of {cfg.restarts})")
             c.respawn()
         time.sleep(poll_s)
     # The trainers are done: the rollout nodes stop on the final version within a moment (a

@@ -154,11 +154,16 @@ def check_model(cfg: Config, role: str | None = None) -> None:
     """``model_path`` is a model directory, for a node of ``role`` that loads it (rollout, trainer;
     None: any): a few file checks, so every node start makes them (a hand-started node learnt of a
     bad path only after its group had formed, or its join timed out first). A node does not build
-    the toy model (`distflow run` does): with ``toy_model`` a missing one is not checked for a role."""
-    toy_pending = role is not None and cfg.toy_model and not (Path(cfg.model_path) / "config.json").is_file()
-    if role in (None, "rollout", "trainer") and not toy_pending and (problem := model_dir_problem(cfg.model_path)):
-        raise ConfigError(f"model_path: {problem}")
-    if role in (None, "rollout") and not toy_pending:
+    the toy model (`distflow run` builds it before its nodes start): a hand-started node of a
+    ``toy_model`` config whose model is missing is told the command that builds it."""
+    if role in (None, "rollout", "trainer") and (problem := model_dir_problem(cfg.model_path)):
+        toy = ""
+        if cfg.toy_model and role is not None:
+            kind = "" if cfg.toy_kind == "successor" else f" --kind {cfg.toy_kind}"
+            toy = (f"; toy_model: true, but a hand-started node does not build it: run `distflow toy-model "
+                   f"{cfg.model_path}{kind}` first (on every host)")
+        raise ConfigError(f"model_path: {problem}{toy}")
+    if role in (None, "rollout"):
         check_lengths(cfg)
 
 
@@ -186,9 +191,7 @@ def check_lengths(cfg: Config) -> None:
 def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
     """What a node of ``role`` reads before it can work, checked now: the model directory (rollout,
     trainer), the prompt set (rollout), ``resume_from`` (trainer); ``role`` None: every role (`distflow
-    run`). Raises ConfigError naming the key; returns notes to print (rows ``bad_rows: skip`` skips).
-    A node does not build the toy model (`distflow run` does): with ``toy_model`` a missing one is
-    not checked for a role."""
+    run`). Raises ConfigError naming the key; returns notes to print (rows ``bad_rows: skip`` skips)."""
     notes = []
     check_model(cfg, role)
     if role in (None, "rollout") and (note := check_dataset(cfg)):
