@@ -60,13 +60,18 @@ def test_another_runs_checkpoint_is_never_offered_as_the_resume_point(tmp_path):
 def test_a_failed_run_does_not_offer_the_stale_checkpoint_of_its_output_dir(toy_model, toy_data, tmp_path):
     """`distflow run` in an output_dir that holds an earlier run's checkpoint, with a reward that
     raises: it stops naming the reward, and says it saved nothing, not "newest checkpoint ...:
-    continue with resume_from=" that earlier run's checkpoint."""
+    continue with resume_from=" that earlier run's checkpoint. The reward's module lies beside the
+    config only: the nodes import it all the same (the config's directory is importable)."""
     (tmp_path / "buggy.py").write_text("def raises(response, row):\n    raise KeyError('oops')\n")
+    config = tmp_path / "exp.yaml"  # beside buggy.py: its nodes import it with no PYTHONPATH set (item 9)
+    config.write_text((ROOT / QUICKSTART).read_text())
     out = tmp_path / "run"
     ckpt = stale_checkpoint(out)
-    r = run_distflow(["run", QUICKSTART, "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
-                      f"dataset={toy_data}", "toy_model=false", "workflow.1.fn=buggy:raises"],
-                     timeout=240, env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    r = subprocess.run([sys.executable, "-m", "distflow.launch.cli", "run", str(config), "--no-progress",
+                        f"output_dir={out}", f"model_path={toy_model}", f"dataset={toy_data}", "toy_model=false",
+                        "eval_dataset=null", "eval_every=0", "workflow.1.fn=buggy:raises"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240,
+                       env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2, r.stderr[-3000:]
     assert "raised KeyError: 'oops'" in r.stderr
     assert f"resume_from={ckpt}" not in r.stderr and "newest checkpoint" not in r.stderr, r.stderr[-3000:]
@@ -196,3 +201,97 @@ def test_the_progress_bar_stays_readable_at_80_and_160_columns(columns, min_bar)
     assert len(bar) >= min_bar, line
     status = status_line(ROW)
     assert status.startswith("step 37: 2048 samples/s, staleness 0.45, bad_rows 3 | gen 1.20s") and "tok/s" in status, status
+
+
+# ----------------------------------------------------------------------------- 9. validation gaps
+def quickstart(toy_model: Path, tmp_path: Path, data: Path, *overrides: str):
+    from distflow.core.config import load_config
+
+    return load_config(ROOT / QUICKSTART, [f"output_dir={tmp_path / 'out'}", f"model_path={toy_model}",
+                                           "toy_model=false", f"dataset={data}", "eval_dataset=null", "eval_every=0",
+                                           "prompts_per_step=4", "shuffle=false", *overrides])
+
+
+def test_a_list_prompt_without_chat_template_is_refused_at_start_naming_the_row(toy_model, tmp_path):
+    from distflow.core.config import ConfigError
+    from distflow.launch.preflight import check_dataset
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
+                            for p in ["12=", ["a", "b"], "34=", "56="]))
+    with pytest.raises(ConfigError, match=r"^dataset: .*d\.jsonl:2: key 'prompt' must be str, got list \(a list "
+                                          r"of chat messages needs chat_template: true\)"):
+        check_dataset(quickstart(toy_model, tmp_path, data))
+    note = check_dataset(quickstart(toy_model, tmp_path, data, "bad_rows=skip"))
+    assert note is not None and note.startswith("dataset: 1 of the 4 rows checked are bad and will be skipped")
+
+
+def test_a_null_prompt_is_said_to_be_null(toy_model, tmp_path):
+    from distflow.core.config import ConfigError
+    from distflow.launch.preflight import check_dataset
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "12=", "answer": "3"}\n{"prompt": null, "answer": "3"}\n')
+    with pytest.raises(ConfigError, match=r"d\.jsonl:2: key 'prompt' is null"):
+        check_dataset(quickstart(toy_model, tmp_path, data))
+
+
+def test_a_parquet_file_without_the_prompt_column_lists_its_columns(toy_model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from distflow.core.config import ConfigError
+    from distflow.launch.preflight import check_dataset
+
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": ["12=", "34="], "answer": ["3", "5"]}), data)
+    with pytest.raises(ConfigError, match=r"^dataset: .*d\.parquet: no column 'prompt'; its columns: question, answer "
+                                          r"\(prompt_key names the column holding the prompts, e\.g\. prompt_key: "
+                                          r"question\)$"):
+        check_dataset(quickstart(toy_model, tmp_path, data))
+
+
+def test_resuming_a_finished_run_is_refused_at_start(toy_model, toy_data, tmp_path):
+    from distflow.launch.checkpoint import data_order, mark_checkpoint
+
+    cfg = quickstart(toy_model, tmp_path, toy_data, "max_steps=3")
+    ckpt = tmp_path / "out" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    mark_checkpoint(ckpt, {"policy_version": 3, "data_order": data_order(cfg, 48)})
+    r = run_distflow(["run", QUICKSTART, "--no-progress", f"output_dir={tmp_path / 'out'}", f"model_path={toy_model}",
+                      "toy_model=false", f"dataset={toy_data}", "eval_dataset=null", "eval_every=0",
+                      "prompts_per_step=4", "shuffle=false", "max_steps=3", f"resume_from={ckpt}"], timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (f"distflow run: resume_from: checkpoint {ckpt} is at step 3 "
+                                                      f"of 3: nothing left to train (raise max_steps or epochs to "
+                                                      f"train on)"), r.stderr
+
+
+def test_a_known_key_of_another_framework_is_suggested():
+    from distflow.core.config import ConfigError, load_config
+
+    for wrong, right in (("learning_rate", "lr"), ("num_generations", "group_size")):
+        with pytest.raises(ConfigError, match=f"{wrong}: unknown key \\(did you mean '{right}'\\?\\)"):
+            load_config(ROOT / QUICKSTART, [f"{wrong}=1"])
+
+
+@pytest.mark.cluster
+def test_in_process_prints_steps_and_the_summary_and_imports_a_reward_beside_the_config(toy_model, toy_data,
+                                                                                           tmp_path):
+    """--in-process: the same step lines and final summary as `distflow run`; and a reward module beside
+    the config is importable without PYTHONPATH (the config's directory is added)."""
+    import yaml
+
+    (tmp_path / "my_rewards.py").write_text("def half(response, row):\n    return 0.5\n")
+    raw = yaml.safe_load((ROOT / QUICKSTART).read_text())
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", "distflow.launch.cli", "run", str(config), "--in-process",
+                        "--no-progress", f"output_dir={tmp_path / 'out'}", f"model_path={toy_model}",
+                        "toy_model=false", f"dataset={toy_data}", "eval_dataset=null", "eval_every=0",
+                        "trainer_nodes=1", "rollout_nodes=1", "prompts_per_step=4", "group_size=2",
+                        "max_new_tokens=2", "max_steps=2", "workflow.1.fn=my_rewards:half"],
+                       cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 1/2 reward=0.500" in r.stdout and "step 2/2 reward=0.500" in r.stdout, r.stdout
+    assert "distflow: done. 2 steps, final reward 0.500" in r.stderr, r.stderr[-3000:]

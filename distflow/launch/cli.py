@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from distflow.core.auth import SECRET_ENV
 from distflow.core.config import ConfigError, load_config
+from distflow.core.config_paths import add_import_dirs
 from distflow.launch.roles import KINDS
 
 log = logging.getLogger("distflow")
@@ -96,6 +97,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     flags, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     args = node_parser().parse_args(flags)
     try:
+        add_import_dirs(args.config)  # `my_rewards:score` beside the config or in the working directory
         cfg = load_config(args.config, overrides)
         if args.seeds == "auto":  # from DISTFLOW_SEEDS, the Slurm allocation or the Kubernetes service
             from distflow.launch.seeds import auto_seeds
@@ -207,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distflow.launch.launcher import launch
 
     try:
+        add_import_dirs(args.config)  # for this process's checks and, through PYTHONPATH, every node it starts
         cfg = load_config(args.config, overrides)
         return launch(cfg, in_process=args.in_process, progress=not args.no_progress)
     except ConfigError as e:  # the config, or what `distflow run` refuses before any node starts

@@ -128,11 +128,7 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     configuration or data error, 128 + the signal when stopped by Ctrl-C, SIGTERM or SIGHUP.
     Raises ConfigError (exit 2) for what it refuses before any node starts."""
     config_path = prepare(cfg)
-    if in_process:
-        from distflow.launch.inprocess import run_in_process
-
-        return run_in_process(cfg)
-    placement = plan_placement(cfg)  # refuses an impossible placement before anything starts
+    placement = None if in_process else plan_placement(cfg)  # refuses an impossible placement before anything starts
     secret = os.environ.get(SECRET_ENV) or new_secret()
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
     from distflow.launch.placement import describe
@@ -145,8 +141,10 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         step = checkpoint_version(Path(cfg.resume_from))  # the resume_step the trainer uses (its version)
         for name in ("metrics.jsonl", "eval.jsonl"):
             MetricsWriter(metrics.parent, resume_step=step, name=name)
-    print(f"distflow: {describe(placement)}", file=sys.stderr)
     bar = Progress(metrics, enabled=progress and sys.stderr.isatty(), skip_existing=True)
+    if placement is None:
+        return _in_process(cfg, bar)
+    print(f"distflow: {describe(placement)}", file=sys.stderr)
     rows_at_start = bar.seen  # a resumed run's earlier steps
     children: list[Child] = []
     previous = catch_stop_signals()
@@ -173,12 +171,44 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         restore_signals(previous)
     if code:
         return code
+    print(done_message(cfg, bar), file=sys.stderr)
+    return 0
+
+
+def done_message(cfg: Config, bar: Progress) -> str:
+    """The end of a run that completed: its steps, final reward, evaluation, bad rows and outputs."""
     last = bar.last or {}
     gen = f" (generated {last['generated_reward_mean']:.3f})" if "generated_reward_mean" in last else ""
-    print(f"distflow: done. {last.get('step', -1) + 1} steps, final reward {last.get('reward_mean', float('nan')):.3f}"
-          f"{gen}{eval_summary(Path(cfg.output_dir) / 'eval.jsonl')}{bar.summary()}; metrics {metrics}, "
-          f"checkpoint {Path(cfg.output_dir) / 'checkpoint'}", file=sys.stderr)
-    return 0
+    return (f"distflow: done. {last.get('step', -1) + 1} steps, final reward "
+            f"{last.get('reward_mean', float('nan')):.3f}{gen}{eval_summary(Path(cfg.output_dir) / 'eval.jsonl')}"
+            f"{bar.summary()}; metrics {bar.path}, checkpoint {Path(cfg.output_dir) / 'checkpoint'}")
+
+
+def _in_process(cfg: Config, bar: Progress) -> int:
+    """``--in-process``: the nodes run in this thread's loop; a thread feeds the same progress (bar or
+    step lines) from metrics.jsonl, and a completed run ends with the same summary as ``distflow run``."""
+    import threading
+
+    from distflow.launch.inprocess import run_in_process
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            bar.poll()
+
+    watcher = threading.Thread(target=watch, name="distflow-progress", daemon=True)
+    watcher.start()
+    try:
+        code = run_in_process(cfg)
+    finally:
+        stop.set()
+        watcher.join(5)
+        bar.poll()
+        bar.close()
+    if code == 0:
+        print(done_message(cfg, bar), file=sys.stderr)
+    return code
 
 
 def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt, checkpoint: bool) -> int:

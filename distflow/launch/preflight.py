@@ -99,8 +99,10 @@ def check_dataset(cfg: Config) -> str | None:
         if path is None:
             continue
         try:
+            # as the rollout stages encode a prompt: text, or chat messages with chat_template only
+            kinds = {cfg.prompt_key: (str, list) if cfg.chat_template else (str,)}
             shard = PromptShard(path, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle and key == "dataset",
-                                bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,))
+                                bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,), key_types=kinds)
         except DatasetError as e:
             raise ConfigError(f"{key}: {e}") from None
         if key == "dataset":
@@ -142,12 +144,31 @@ def check_resume(cfg: Config) -> None:
     from distflow.launch.checkpoint import newest_checkpoint, read_run_state
 
     try:
-        read_run_state(Path(cfg.resume_from), cfg)
+        state = read_run_state(Path(cfg.resume_from), cfg)
+        done = int(state["policy_version"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         msg = str(e) if str(e).startswith("resume_from") else f"resume_from {cfg.resume_from!r}: {type(e).__name__}: {e}"
         newest = newest_checkpoint(cfg.output_dir)
         hint = f"; the newest checkpoint of output_dir is {newest}" if newest and str(newest) != cfg.resume_from else ""
         raise ConfigError(msg + hint) from None
+    total = _total_steps(cfg, state)
+    if total is not None and done >= total:  # else a cluster starts, trains nothing and says "final reward nan"
+        raise ConfigError(f"resume_from: checkpoint {cfg.resume_from} is at step {done} of {total}: nothing left to "
+                          f"train (raise max_steps or epochs to train on)")
+
+
+def _total_steps(cfg: Config, state: dict[str, Any]) -> int | None:
+    """The steps of the run ``cfg`` resumes: over the checkpoint's recorded row count, else the prompt
+    set's (None where neither is known: a trainer host without the prompt set)."""
+    num_rows = (state.get("data_order") or {}).get("num_rows")
+    if not isinstance(num_rows, int) and Path(cfg.dataset).is_file():
+        from distflow.buffer.dataloader import DatasetError, PromptShard
+
+        try:
+            num_rows = PromptShard(cfg.dataset, 0, 1, shuffle=False, bad_rows="skip").num_rows
+        except DatasetError:
+            return None
+    return cfg.total_steps(num_rows) if isinstance(num_rows, int) and num_rows > 0 else None
 
 
 def check_model(cfg: Config, role: str | None = None) -> None:
