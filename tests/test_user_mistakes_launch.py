@@ -200,7 +200,8 @@ def test_the_progress_bar_stays_readable_at_80_and_160_columns(columns, min_bar)
     bar = line.split("|")[1]
     assert len(bar) >= min_bar, line
     status = status_line(ROW)
-    assert status.startswith("step 37: 2048 samples/s, staleness 0.45, bad_rows 3 | gen 1.20s") and "tok/s" in status, status
+    assert status.startswith("step 37: 2048 samples/s, staleness 0.45, bad_rows 3 | gen 1.20s"), status
+    assert "tok/s" in status, status
 
 
 # ----------------------------------------------------------------------------- 9. validation gaps
@@ -295,3 +296,61 @@ def test_in_process_prints_steps_and_the_summary_and_imports_a_reward_beside_the
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step 1/2 reward=0.500" in r.stdout and "step 2/2 reward=0.500" in r.stdout, r.stdout
     assert "distflow: done. 2 steps, final reward 0.500" in r.stderr, r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- 6. one dead trainer
+def test_periodic_saves_by_time_by_default_keeping_only_the_newest(tmp_path):
+    from distflow.core.config import load_config
+    from distflow.launch.checkpoint import PeriodicSaves
+
+    cfg = load_config(ROOT / QUICKSTART, [])
+    assert cfg.save_every == 0 and 0 < cfg.save_interval_s <= 3600  # the default saves
+    now = [0.0]
+    saves = PeriodicSaves(cfg.model_copy(update={"save_interval_s": 60.0, "save_every": 4}), clock=lambda: now[0])
+    assert not saves.due(1, 10)
+    now[0] = 61.0
+    assert saves.due(2, 10) and not saves.due(10, 10)  # never after the last step: the final checkpoint follows
+    for step in (2, 3, 4, 5):
+        (tmp_path / saves.name(step)).mkdir()
+        saves.saved(tmp_path, step, remove=True)
+    # 2 and 3 were time-based (each removed by the next); 4 is save_every's (kept); 5 time-based (newest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-5"]
+    assert not saves.due(6, 10)  # the clock restarted at the last save
+    saves.superseded(remove=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+    assert not PeriodicSaves(cfg.model_copy(update={"save_interval_s": 0.0}), clock=lambda: 1e9).due(3, 10)
+
+
+@pytest.mark.cluster
+def test_a_dead_trainer_leaves_a_checkpoint_and_the_plots_by_default(toy_model, tmp_path):
+    """Two trainer ranks, no save_every: the time-based saves (here every 0.5 s; both ranks agree) leave a
+    checkpoint to resume from when trainer-1 is killed, and the failed run writes its plots."""
+    from distflow.toy import make_toy_dataset
+    from distflow.trainer.metrics import read_metrics
+    from tests.procs import run_pids
+
+    data = tmp_path / "data.jsonl"
+    make_toy_dataset(data, 800, seed=5)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", "run", QUICKSTART, "--no-progress",
+                             f"output_dir={out}", f"model_path={toy_model}", f"dataset={data}", "toy_model=false",
+                             "eval_dataset=null", "eval_every=0", "prompts_per_step=4", "group_size=2",
+                             "max_new_tokens=2", "trainer_nodes=2", "rollout_nodes=1", "save_interval_s=0.5"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("checkpoint-*/distflow_state.json")) or len(read_metrics(out / "metrics.jsonl")) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        pid = next(iter(run_pids(out, "trainer-1")))
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "trainer-1 failed (killed by SIGKILL)" in err and "restart from scratch" not in err
+    hint = err.split("resume_from=", 1)[1].split()[0]
+    assert Path(hint).name.startswith("checkpoint-") and (Path(hint) / "distflow_state.json").is_file(), err
+    assert len(list(out.glob("checkpoint-*"))) <= 2  # the older time-based ones were removed (one may be mid-write)
+    assert (out / "reward_curve.png").is_file() and (out / "timings.png").is_file(), err[-2000:]

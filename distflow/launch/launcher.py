@@ -161,7 +161,9 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     except KeyboardInterrupt as why:  # Ctrl-C, or SIGTERM / SIGHUP (Interrupted)
         bar.close()
         stepped = len(read_metrics(metrics)) > rows_at_start  # a step of this run completed: save it
-        return stop_on_interrupt(cfg, children, why, checkpoint=stepped)
+        code = stop_on_interrupt(cfg, children, why, checkpoint=stepped)
+        plot_trained(cfg)
+        return code
     except BaseException:  # the launcher itself failed: never leave the nodes running detached
         print("distflow: the launcher failed; stopping every node", file=sys.stderr)
         stop_children(children, grace_s=5.0)
@@ -170,9 +172,30 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         bar.close()
         restore_signals(previous)
     if code:
+        plot_trained(cfg)
         return code
     print(done_message(cfg, bar), file=sys.stderr)
     return 0
+
+
+def plot_trained(cfg: Config) -> None:
+    """A run that failed or was stopped: reward_curve.png and timings.png of the steps it trained
+    (trainer rank 0 writes them only at the end of a run that completed), so the plots are never
+    lost with the run. Nothing when no step was trained; a plot that fails is one line."""
+    from distflow.trainer.metrics import plot_reward_curve, plot_timings, read_metrics
+
+    out = Path(cfg.output_dir)
+    metrics, evals = out / "metrics.jsonl", out / "eval.jsonl"
+    if not read_metrics(metrics):
+        return
+    try:
+        plot_reward_curve(metrics, out / "reward_curve.png", evals if evals.is_file() else None)
+        plot_timings(metrics, out / "timings.png")
+    except Exception as e:  # noqa: BLE001 - a plot is no reason to hide the run's own exit status
+        _say(f"distflow: could not plot the trained steps: {type(e).__name__}: {e}")
+        return
+    _say(f"distflow: plots of the {len(read_metrics(metrics))} trained steps: {out / 'reward_curve.png'}, "
+         f"{out / 'timings.png'}")
 
 
 def done_message(cfg: Config, bar: Progress) -> str:
@@ -208,6 +231,8 @@ def _in_process(cfg: Config, bar: Progress) -> int:
         bar.close()
     if code == 0:
         print(done_message(cfg, bar), file=sys.stderr)
+    else:
+        plot_trained(cfg)
     return code
 
 
