@@ -319,6 +319,17 @@ def test_periodic_saves_by_time_by_default_keeping_only_the_newest(tmp_path):
     saves.superseded(remove=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
     assert not PeriodicSaves(cfg.model_copy(update={"save_interval_s": 0.0}), clock=lambda: 1e9).due(3, 10)
+    # a save that took 10 s spaces the next to 200 s at least: saving stays under 5% of the run
+    now[0] = 0.0
+    big = PeriodicSaves(cfg.model_copy(update={"save_interval_s": 60.0}), clock=lambda: now[0])
+    now[0] = 100.0
+    assert big.due(1, 10)
+    now[0] = 110.0
+    big.saved(tmp_path, 1, remove=False)
+    now[0] = 250.0
+    assert not big.due(2, 10)
+    now[0] = 311.0
+    assert big.due(3, 10)
 
 
 @pytest.mark.cluster

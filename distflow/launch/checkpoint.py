@@ -55,23 +55,29 @@ def mark_checkpoint(out_dir: Path, run_state: dict[str, Any]) -> None:
 
 class PeriodicSaves:
     """When a trainer saves between steps: every ``save_every`` steps (kept), and, by default, every
-    ``save_interval_s`` seconds (only the newest of those kept), so that the default run loses at
-    most that much training to one dead trainer. Each rank asks :meth:`due` with its own clock; the
-    trainers agree by reducing the answer with MAX (one scalar, next to a step's own collectives: not
-    noticed), so every rank saves at the same step. :meth:`saved` (rank 0, after the save) removes the
-    previous time-based checkpoint of this run."""
+    ``save_interval_s`` seconds (only the newest of those kept), so that the default run loses little
+    training to one dead trainer. Never so often that saving costs more than 1/:data:`COST_SHARE` of the
+    run: the interval is at least that many times the last save's duration (a big model's save of
+    minutes spaces them to hours; a toy's, every ``save_interval_s``). Each rank asks :meth:`due` with
+    its own clock; the trainers agree by reducing the answer with MAX (one scalar, next to a step's
+    own collectives: not noticed), so every rank saves at the same step. :meth:`saved` (after the
+    save; rank 0 removes) drops the previous time-based checkpoint of this run."""
+
+    COST_SHARE = 20  # a save takes at most 5% of the run's time
 
     def __init__(self, cfg: Config, clock=time.monotonic):
         self.every, self.interval, self.clock = cfg.save_every, cfg.save_interval_s, clock
-        self.last = clock()
+        self.last = self.asked = clock()
+        self.cost = 0.0  # the last save's duration (seconds)
         self.previous: Path | None = None  # the last time-based checkpoint this run wrote
 
     def due(self, step: int, total: int | None) -> bool:
         """This rank's view: a save after ``step`` steps (not after the last: the final checkpoint follows)."""
         if total is not None and step >= total:
             return False
-        return bool(self.every and step % self.every == 0) or bool(self.interval and
-                                                                  self.clock() - self.last >= self.interval)
+        self.asked = self.clock()
+        wait = max(self.interval, self.COST_SHARE * self.cost)
+        return bool(self.every and step % self.every == 0) or bool(self.interval and self.asked - self.last >= wait)
 
     def name(self, step: int) -> str:
         return f"checkpoint-{step}"
@@ -80,6 +86,7 @@ class PeriodicSaves:
         """After the save at ``step``; ``remove`` (rank 0): the previous time-based one goes, unless
         ``save_every`` keeps this one or that."""
         self.last = self.clock()
+        self.cost = self.last - self.asked
         kept = bool(self.every and step % self.every == 0)
         if remove and self.previous is not None and self.previous != out_dir / self.name(step):
             shutil.rmtree(self.previous, ignore_errors=True)
