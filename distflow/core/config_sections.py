@@ -43,7 +43,7 @@ class ModelSection(Section):
         "build the tiny toy model at `model_path` when it is missing (with `toy_kind: successor`, also the toy "
         "reward model at the `args.path` of each REWARD MODEL_INFERENCE node that is missing one; `distflow "
         "toy-model --kind reward DIR` builds it by hand). Only `distflow run` builds it; a hand-started node "
-        "does not check a missing toy model"))
+        "(`distflow-node`) refuses a missing one, naming the `distflow toy-model DIR` command that builds it"))
     toy_kind: Literal["successor", "gsm8k"] = Field("successor", description=(
         "which toy model `toy_model` builds: `successor` (the quickstart's character-level Llama) or `gsm8k` (a "
         "byte-level BPE tokenizer with a Qwen chat template and a tiny Qwen2; docs/gsm8k.md)"))
