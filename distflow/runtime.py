@@ -115,7 +115,14 @@ class Runtime:
             return all(roles.count(role) >= n for role, n in need.items())
 
         what = " and ".join(f"{n} {role}" for role, n in need.items() if n) + " nodes to join the mesh"
-        members = await self.node.wait_for(complete, timeout=self.cfg.mesh.join_timeout_s, what=what)
+        try:
+            members = await self.node.wait_for(complete, timeout=self.cfg.mesh.join_timeout_s, what=what)
+        except TimeoutError as e:  # one line naming the seeds and the deadline (the node exits 1, no traceback)
+            from distflow.core.swim_driver import JoinTimeout
+
+            seeds = ", ".join(f"{h}:{p}" for h, p in self.node._seeds) or "none (the first node: the others join it)"
+            raise JoinTimeout(f"{e} (mesh.join_timeout_s: {self.cfg.mesh.join_timeout_s:.3g}); seeds tried: {seeds}; "
+                              f"check that every node was started with --seeds naming a running node") from None
         by_role = {role: sorted((m for m in members if m.role == role), key=lambda m: m.node_id)[:n]
                    for role, n in need.items()}
         rollout, trainer = by_role["rollout"], by_role["trainer"]

@@ -127,7 +127,7 @@ BAD = {
     10: ("[1, 2, 3]", "row must be a JSON object, got list"),
     20: ('{"question": "no prompt"}', "missing required key 'prompt'"),
     30: ('{"prompt": 42}', "key 'prompt' must be str or list, got int"),
-    40: ('{"prompt": null}', "missing required key 'prompt'"),
+    40: ('{"prompt": null}', "key 'prompt' is null"),
 }
 
 
@@ -203,7 +203,7 @@ def test_parquet_reads_only_needed_row_groups(tmp_path):
 def test_parquet_bad_rows_name_the_row(tmp_path):
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["a", None, "c"]}), path)
-    with pytest.raises(DatasetError, match=r"p\.parquet: row 2: missing required key 'prompt'"):
+    with pytest.raises(DatasetError, match=r"p\.parquet: row 2: key 'prompt' is null"):
         PromptShard(str(path), 0, 1, shuffle=False).batch(0, 0, 3)
     skip = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip")
     assert [r.data["prompt"] for r in skip.batch(0, 0, 3)] == ["a", "c"] and skip.bad_rows_skipped == 1

@@ -115,12 +115,13 @@ def test_distflow_run_refuses_before_any_node_in_one_line_exit_2(toy_model, tmp_
         assert not list((tmp_path / "out").glob("logs/*.log"))
 
 
-def test_node_check_runs_the_input_checks_of_its_role(tmp_path):
+def test_node_check_runs_the_input_checks_of_its_role(toy_model, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
 
     def check(role: str, *overrides: str) -> subprocess.CompletedProcess:
-        return subprocess.run(NODE + ["--role", role, "--config", QUICKSTART, f"output_dir={tmp_path}", *overrides,
+        return subprocess.run(NODE + ["--role", role, "--config", QUICKSTART, f"output_dir={tmp_path}",
+                                      f"model_path={toy_model}", *overrides,
                                       "--check"], cwd=ROOT, env=NODE_ENV, capture_output=True, text=True, timeout=60)
 
     r = check("rollout", f"dataset={empty}")
@@ -346,11 +347,12 @@ def test_spawn_passes_its_pid_to_the_node_and_no_preexec_fn(monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_node_whose_launcher_died_before_it_started_exits_at_once():
+def test_a_node_whose_launcher_died_before_it_started_exits_at_once(toy_model):
     """The launcher died between the fork and the node's prctl: no SIGTERM would come, so the node
     (its parent no longer the launcher) exits first thing; a node of a live launcher goes on."""
     def node(launcher_pid: int) -> subprocess.CompletedProcess:
-        return subprocess.run(NODE + ["--role", "rollout", "--config", QUICKSTART, "--check"], cwd=ROOT,
+        return subprocess.run(NODE + ["--role", "rollout", "--config", QUICKSTART, "--check",
+                                      f"model_path={toy_model}"], cwd=ROOT,
                               env={**NODE_ENV, "DISTFLOW_LAUNCHER_PID": str(launcher_pid)}, capture_output=True,
                               text=True, timeout=60)
 

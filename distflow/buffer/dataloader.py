@@ -254,6 +254,13 @@ class PromptShard:
             self._src = _ParquetSource(path)
         else:
             raise DatasetError(f"{path}: unknown prompt file format (expected .jsonl, .ndjson, .parquet or .pq)")
+        if isinstance(self._src, _ParquetSource):  # a column missing from the file: not a row's problem
+            columns = self._src._file.schema_arrow.names
+            for key in self.required_keys:
+                if key not in columns:
+                    raise DatasetError(f"{path}: no column {key!r}; its columns: {', '.join(columns)} (prompt_key "
+                                       f"names the column holding the prompts, e.g. prompt_key: {columns[0]})"
+                                       if columns else f"{path}: no column {key!r}; the file has no columns")
         self.num_rows: int = self._src.num_rows
         if self.num_rows == 0:  # else every node would finish at once and the trainers wait for step 0
             raise DatasetError(f"{path}: the prompt file has no rows")
@@ -352,11 +359,13 @@ class PromptShard:
             return DatasetError(f"{where}: row must be a JSON object, got {type(value).__name__}")
         for key in self.required_keys:
             if _absent(value, key):
-                return DatasetError(f"{where}: missing required key {key!r}")
+                return DatasetError(f"{where}: key {key!r} is null" if key in value
+                                    else f"{where}: missing required key {key!r}")
             types = self.key_types.get(key)
             if types and not isinstance(value[key], types):
                 names = " or ".join(t.__name__ for t in types)
-                return DatasetError(f"{where}: key {key!r} must be {names}, got {type(value[key]).__name__}")
+                chat = " (a list of chat messages needs chat_template: true)" if isinstance(value[key], list) else ""
+                return DatasetError(f"{where}: key {key!r} must be {names}, got {type(value[key]).__name__}{chat}")
         return None
 
     def iterate(self, local_batch: int, epochs: int) -> Iterator[tuple[int, int, list[PromptRow]]]:

@@ -79,10 +79,13 @@ paths made absolute, to change and write elsewhere. A missing input is refused b
 and by every `distflow-node` start (with or without `--check`, for the inputs of its role), in one
 line naming the key and the path, and, for a path the file wrote relative, how it was resolved.
 
-**Imports are not paths.** A workflow function named `package.module:function` is imported with
-Python's import system on each node that runs its stage: from the node's `sys.path` (the installed
-packages, `PYTHONPATH`, and the working directory of a `python -m`-started node), never relative
-to the config file. Make the module importable on every host that runs the stage.
+**Imports.** A workflow function named `package.module:function` is imported with Python's
+import system on each node that runs its stage, from the node's `sys.path`: the installed packages,
+`PYTHONPATH`, and two directories DistFlow adds after them, the directory of the config file
+and the working directory `distflow run` (or `distflow-node`) was started in. So a `my_rewards.py`
+beside the config, or in the directory you run from, is found as `my_rewards:score` without
+setting `PYTHONPATH`; `distflow run` hands both directories to every node it starts (through
+`PYTHONPATH`). A hand-started node on another host needs the module there too.
 """
 
 EVALUATION = """## Evaluation on held-out prompts

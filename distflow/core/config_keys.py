@@ -69,11 +69,24 @@ def field_of(name: str) -> tuple[str, str, FieldInfo] | None:
     return section, key, model.model_fields[key]
 
 
+# The names other frameworks (TRL, verl, OpenRLHF) and papers give to keys DistFlow spells otherwise: no
+# spelling distance finds ``lr`` from ``learning_rate``.
+ALIASES = {"learning_rate": "lr", "num_generations": "group_size", "n_samples_per_prompt": "group_size",
+           "batch_size": "prompts_per_step", "train_batch_size": "prompts_per_step", "max_tokens": "max_new_tokens",
+           "max_completion_length": "max_new_tokens", "response_length": "max_new_tokens", "model": "model_path",
+           "model_name_or_path": "model_path", "data_path": "dataset", "train_files": "dataset",
+           "num_train_epochs": "epochs", "total_steps": "max_steps", "kl_coeff": "kl_coef", "beta": "kl_coef"}
+
+
 def suggest(name: str, section: str | None = None) -> str:
     """A hint for an unknown key: the section a known key belongs to when it was put in another
-    one, else a did-you-mean among the names valid there (flat keys and sections at the top level)."""
+    one, another framework's name for a key (:data:`ALIASES`), else a did-you-mean among the names
+    valid there (flat keys and sections at the top level)."""
     if section is not None and name in FLAT_KEYS:
         return f" ({name!r} is a key of section {FLAT_KEYS[name]}: {FLAT_KEYS[name]}.{name})"
+    alias = ALIASES.get(name)
+    if alias in FLAT_KEYS and (section is None or FLAT_KEYS[alias] == section or section not in SECTIONS):
+        return f" (did you mean {alias!r}?)"
     choices = list(SECTIONS[section].model_fields) if section in SECTIONS else [*FLAT_KEYS, *SECTIONS]
     close = difflib.get_close_matches(name, choices, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

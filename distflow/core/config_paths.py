@@ -141,3 +141,18 @@ def check_input_paths(cfg: Any, role: str | None = None, given: dict[str, str] |
                            "absolute"
             problem += ")"
         raise ConfigError(f"{key}: {problem}")
+
+
+def add_import_dirs(config_path: str | os.PathLike) -> list[str]:
+    """Make ``package.module:function`` names in the config importable from the config file's directory
+    and the working directory (docs/configuration.md, "Imports"): both go after ``sys.path`` and
+    ``PYTHONPATH`` (they never shadow an installed package), so the nodes `distflow run` starts (they
+    inherit the environment, and read a config copied to output_dir) import what this process
+    imports. Returns the directories."""
+    import sys
+
+    dirs = list(dict.fromkeys([os.path.abspath(os.path.dirname(os.fspath(config_path)) or "."), os.getcwd()]))
+    sys.path.extend(d for d in dirs if d not in sys.path)
+    known = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*known, *[d for d in dirs if d not in known]])
+    return dirs

@@ -43,7 +43,7 @@ class ModelSection(Section):
         "build the tiny toy model at `model_path` when it is missing (with `toy_kind: successor`, also the toy "
         "reward model at the `args.path` of each REWARD MODEL_INFERENCE node that is missing one; `distflow "
         "toy-model --kind reward DIR` builds it by hand). Only `distflow run` builds it; a hand-started node "
-        "does not check a missing toy model"))
+        "(`distflow-node`) refuses a missing one, naming the `distflow toy-model DIR` command that builds it"))
     toy_kind: Literal["successor", "gsm8k", "tool"] = Field("successor", description=(
         "which toy model `toy_model` builds: `successor` (the quickstart's character-level Llama), `gsm8k` (a "
         "byte-level BPE tokenizer with a Qwen chat template and a tiny Qwen2; docs/gsm8k.md) or `tool` (a "
@@ -208,6 +208,13 @@ class TrainerSection(Section):
     max_steps: int | None = Field(None, ge=1, description="stop after this many trainer steps")
     save_every: int = Field(0, ge=0, description=(
         "also save `checkpoint-N/` every N steps (the final `checkpoint/` is always written)"))
+    save_interval_s: float = Field(120.0, ge=0, description=(
+        "also save `checkpoint-N/` at the first step end this many seconds after the run's start or its last "
+        "such save, so that a dead trainer loses little training; but never more often than 20 times the last "
+        "save's duration apart (saving takes at most 5% of the run: a big model's saves space themselves "
+        "out). Every rank agrees (they save when any of them is due); the previous time-based checkpoint is "
+        "removed once the next is written (those of `save_every` are kept). 0: only `save_every` and the "
+        "final `checkpoint/`"))
     resume_from: str | None = Field(None, description=(
         "continue from a DistFlow checkpoint directory: weights, sharded optimizer state, and the data position "
         "(the global step; rollout nodes skip to it). Refused, naming the keys, when `seed`, `shuffle`, "

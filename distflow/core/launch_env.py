@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["GPU_NODES_ENV", "LAUNCHER_PID_ENV", "T0_ENV", "launch_time", "process_start_time"]
+__all__ = ["GPU_NODES_ENV", "LAUNCHER_PID_ENV", "T0_ENV", "launch_time", "process_start_time", "run_start"]
 
 T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
 LAUNCHER_PID_ENV = "DISTFLOW_LAUNCHER_PID"  # the launcher's pid, for the node's die_with_launcher
@@ -36,3 +36,9 @@ def process_start_time() -> float:
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.time()
+
+
+def run_start() -> float:
+    """When this run started: its launcher's start (``DISTFLOW_T0``), else this process's. A
+    checkpoint marked before it belongs to another run (:func:`distflow.launch.checkpoint.resume_hint`)."""
+    return launch_time() or process_start_time()

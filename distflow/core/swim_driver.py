@@ -70,8 +70,9 @@ class SwimDriver:
                 return
             if self._loop.time() >= deadline:
                 names = ", ".join(f"{h}:{p}" for h, p in seeds)
-                raise JoinTimeout(f"node {self.node_id} could not join the mesh within {c.join_timeout_s:.3g}s: "
-                                  f"no seed answered ({names}); check the seed addresses, that they are running, "
+                raise JoinTimeout(f"node {self.node_id} could not join the mesh within {c.join_timeout_s:.3g}s "
+                                  f"(mesh.join_timeout_s): no seed answered ({names}); check the seed addresses, "
+                                  f"that they are running, "
                                   f"and that DISTFLOW_SECRET is the cluster's")
             wait = min(2 * wait, 2.0)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from distflow.core.config import Config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DATA_ORDER_KEYS", "STATE_FILE", "check_data_order", "checkpoint_version", "data_order",
+__all__ = ["DATA_ORDER_KEYS", "STATE_FILE", "PeriodicSaves", "check_data_order", "checkpoint_version", "data_order",
            "mark_checkpoint", "newest_checkpoint", "read_run_state", "resume_hint", "unmark_checkpoint"]
 
 STATE_FILE = "distflow_state.json"  # written last by trainer rank 0: its presence makes a directory a checkpoint
@@ -49,6 +51,52 @@ def mark_checkpoint(out_dir: Path, run_state: dict[str, Any]) -> None:
     tmp = out_dir / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(run_state, indent=1))
     os.replace(tmp, out_dir / STATE_FILE)
+
+
+class PeriodicSaves:
+    """When a trainer saves between steps: every ``save_every`` steps (kept), and, by default, every
+    ``save_interval_s`` seconds (only the newest of those kept), so that the default run loses little
+    training to one dead trainer. Never so often that saving costs more than 1/:data:`COST_SHARE` of the
+    run: the interval is at least that many times the last save's duration (a big model's save of
+    minutes spaces them to hours; a toy's, every ``save_interval_s``). Each rank asks :meth:`due` with
+    its own clock; the trainers agree by reducing the answer with MAX (one scalar, next to a step's
+    own collectives: not noticed), so every rank saves at the same step. :meth:`saved` (after the
+    save; rank 0 removes) drops the previous time-based checkpoint of this run."""
+
+    COST_SHARE = 20  # a save takes at most 5% of the run's time
+
+    def __init__(self, cfg: Config, clock=time.monotonic):
+        self.every, self.interval, self.clock = cfg.save_every, cfg.save_interval_s, clock
+        self.last = self.asked = clock()
+        self.cost = 0.0  # the last save's duration (seconds)
+        self.previous: Path | None = None  # the last time-based checkpoint this run wrote
+
+    def due(self, step: int, total: int | None) -> bool:
+        """This rank's view: a save after ``step`` steps (not after the last: the final checkpoint follows)."""
+        if total is not None and step >= total:
+            return False
+        self.asked = self.clock()
+        wait = max(self.interval, self.COST_SHARE * self.cost)
+        return bool(self.every and step % self.every == 0) or bool(self.interval and self.asked - self.last >= wait)
+
+    def name(self, step: int) -> str:
+        return f"checkpoint-{step}"
+
+    def saved(self, out_dir: Path, step: int, remove: bool) -> None:
+        """After the save at ``step``; ``remove`` (rank 0): the previous time-based one goes, unless
+        ``save_every`` keeps this one or that."""
+        self.last = self.clock()
+        self.cost = self.last - self.asked
+        kept = bool(self.every and step % self.every == 0)
+        if remove and self.previous is not None and self.previous != out_dir / self.name(step):
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.previous = None if kept else out_dir / self.name(step)
+
+    def superseded(self, remove: bool) -> None:
+        """After the final checkpoint (``remove``: rank 0): the last time-based one is no longer needed."""
+        if remove and self.previous is not None:
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.previous = None
 
 
 # ---------------------------------------------------------------------- reading and validation
@@ -109,27 +157,32 @@ def checkpoint_version(ckpt: Path) -> int:
     return int(json.loads((ckpt / STATE_FILE).read_text())["policy_version"])
 
 
-def newest_checkpoint(output_dir: str | Path) -> Path | None:
+def newest_checkpoint(output_dir: str | Path, since: float | None = None) -> Path | None:
     """The checkpoint of ``output_dir`` with the highest policy version (``checkpoint``,
-    ``checkpoint-N``), complete enough to ``resume_from``; None when there is none."""
+    ``checkpoint-N``), complete enough to ``resume_from``; None when there is none. ``since``
+    (a wall-clock time: the run's start) leaves out the checkpoints marked before it: those of an
+    earlier run in the same output_dir, which a run that saved nothing must not offer as its own."""
     best: tuple[int, float, Path] | None = None
     for d in Path(output_dir).glob("checkpoint*"):
         try:
             key = (checkpoint_version(d), (d / STATE_FILE).stat().st_mtime, d)
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        if since is not None and key[1] < since:
+            continue
         if best is None or key[:2] > best[:2]:
             best = key
     return best[2] if best else None
 
 
-def resume_hint(output_dir: str | Path, resume_from: str | None = None) -> str:
-    """What to resume from after a stop: the newest checkpoint of ``output_dir``, else the one
-    this run resumed from (``resume_from``, when it is a checkpoint: it holds distflow_state.json),
-    else none."""
-    ckpt = newest_checkpoint(output_dir)
+def resume_hint(output_dir: str | Path, resume_from: str | None = None, since: float | None = None) -> str:
+    """What to resume from after a stop: the newest checkpoint of ``output_dir`` (written since
+    ``since``, the run's start, when given: never another run's), else the one this run resumed
+    from (``resume_from``, when it is a checkpoint: it holds distflow_state.json), else none."""
+    ckpt = newest_checkpoint(output_dir, since)
     if ckpt is None and resume_from and (Path(resume_from) / STATE_FILE).is_file():
         return f"no newer checkpoint was saved; continue with resume_from={resume_from}"
     if ckpt is None:
-        return "no checkpoint was saved yet (save_every: N saves one every N steps); restart from scratch"
+        return ("no checkpoint was saved yet (one is saved every save_interval_s seconds and every save_every "
+                "steps); restart from scratch")
     return f"newest checkpoint {ckpt}: continue with resume_from={ckpt}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -197,10 +198,26 @@ def tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO|WARNING) ")  # a node's non-error log line
+
+
+def exit_text(returncode: int | None) -> str:
+    """How a node process ended, said plainly: "killed by SIGKILL" (a negative status is the signal
+    that ended it: the OOM killer, a kill -9), else "exit N"."""
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
 def error_line(path: Path) -> str:
     """The node's own one-line account of its failure: its last ERROR record, else the last
-    non-empty line of its log (a node that failed before its logging was set up: a usage error,
-    a config refused by ``distflow-node``)."""
+    non-empty line of its log when that is not an ordinary log record (a node that failed before
+    its logging was set up: a usage error, a config refused by ``distflow-node``, a traceback's
+    last line), else "no ERROR line in its log": a node killed from outside (SIGKILL, the OOM
+    killer) says nothing, and its last INFO line is no cause."""
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
@@ -208,4 +225,6 @@ def error_line(path: Path) -> str:
     errors = [ln for ln in lines if " ERROR " in ln]
     if errors:
         return errors[-1].split(": ", 1)[-1]
-    return lines[-1].strip() if lines else "(its log is empty)"
+    if lines and not LOG_RECORD.match(lines[-1]) and not lines[-1].startswith("-----"):
+        return lines[-1].strip()
+    return "no ERROR line in its log" if lines else "(its log is empty)"

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from distflow.core.auth import SECRET_ENV
 from distflow.core.config import ConfigError, load_config
+from distflow.core.config_paths import add_import_dirs
 from distflow.launch.roles import KINDS
 
 log = logging.getLogger("distflow")
@@ -96,6 +97,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     flags, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     args = node_parser().parse_args(flags)
     try:
+        add_import_dirs(args.config)  # `my_rewards:score` beside the config or in the working directory
         cfg = load_config(args.config, overrides)
         if args.seeds == "auto":  # from DISTFLOW_SEEDS, the Slurm allocation or the Kubernetes service
             from distflow.launch.seeds import auto_seeds
@@ -173,16 +175,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("k8s", help="render Kubernetes manifests for CONFIG", add_help=False)
     t = sub.add_parser("toy-model", help="build a tiny toy model and tokenizer into DIR")
     t.add_argument("dir")
-    t.add_argument("--kind", choices=["successor", "gsm8k", "reward"], default="successor",
+    t.add_argument("--kind", choices=["successor", "gsm8k", "reward", "tool"], default="successor",
                    help="successor: the quickstart's character-level Llama; gsm8k: BPE chat tokenizer + tiny Qwen2; "
-                        "reward: a tiny reward model (sequence classification) over the successor tokenizer")
+                        "reward: a tiny reward model (sequence classification) over the successor tokenizer; "
+                        "tool: a chat tokenizer with a tool template + tiny Llama (examples/tool_quickstart.yaml)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--force", action="store_true", help="write into DIR even when it is not empty (overwrites)")
     d = sub.add_parser("toy-data", help="write a toy prompt set (JSONL) to PATH")
     d.add_argument("path")
     d.add_argument("--kind", choices=["successor", "gsm8k"], default="successor",
                    help="successor: {prompt, answer}; gsm8k: word problems {question, answer: '... #### N'}")
     d.add_argument("--rows", type=positive_int, default=1024)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--force", action="store_true", help="overwrite PATH when it exists and is not empty")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["status"]:
         from distflow.core.status import status_main
@@ -205,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distflow.launch.launcher import launch
 
     try:
+        add_import_dirs(args.config)  # for this process's checks and, through PYTHONPATH, every node it starts
         cfg = load_config(args.config, overrides)
         return launch(cfg, in_process=args.in_process, progress=not args.no_progress)
     except ConfigError as e:  # the config, or what `distflow run` refuses before any node starts
@@ -213,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def toy_main(args: argparse.Namespace) -> int:
-    """`distflow toy-model DIR` / `distflow toy-data PATH`: a path that cannot be written is one line, exit 2."""
+    """`distflow toy-model DIR` / `distflow toy-data PATH`: a path that cannot be written, or one that holds
+    something already (a real model, a prompt set: overwritten only with ``--force``), is one line, exit 2."""
     from pathlib import Path
 
     target = Path(args.dir if args.cmd == "toy-model" else args.path)
@@ -226,12 +233,21 @@ def toy_main(args: argparse.Namespace) -> int:
         what = f"{str(target)!r} is a directory" if target.is_dir() else f"{str(blocker)!r} is a file"
         print(f"distflow toy-data: {what}; PATH must be a file to write", file=sys.stderr)
         return 2
+    # Never overwrite what is there (a real model directory, a prompt set) without being told to.
+    full = any(target.iterdir()) if target.is_dir() else target.is_file() and target.stat().st_size > 0
+    if full and not args.force:
+        what = "directory is not empty" if target.is_dir() else "file exists"
+        print(f"distflow {args.cmd}: {str(target)!r}: the {what}; refusing to overwrite it (add --force to overwrite, "
+              f"or name a new {'DIR' if args.cmd == 'toy-model' else 'PATH'})", file=sys.stderr)
+        return 2
     try:
         if args.cmd == "toy-model":
+            from distflow.env.toy_tasks import build_tool_model
             from distflow.toy import build_toy_model, build_toy_reward_model
             from distflow.toy_gsm8k import build_gsm8k_model
 
-            build = {"gsm8k": build_gsm8k_model, "reward": build_toy_reward_model}.get(args.kind, build_toy_model)
+            build = {"gsm8k": build_gsm8k_model, "reward": build_toy_reward_model,
+                     "tool": build_tool_model}.get(args.kind, build_toy_model)
             print(build(args.dir, seed=args.seed))
         else:
             from distflow.toy import make_toy_dataset

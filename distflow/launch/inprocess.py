@@ -18,6 +18,7 @@ from typing import Callable
 from distflow.core.aio import cancel_and_wait, run_loop
 from distflow.core.auth import new_secret
 from distflow.core.config import Config
+from distflow.core.launch_env import run_start
 from distflow.launch.checkpoint import resume_hint
 from distflow.launch.roles import cluster_nodes, role_loop
 from distflow.launch.signals import STOP_SIGNALS, catch_stop_signals, restore_signals, signum_of, stop_name
@@ -193,5 +194,5 @@ def run_in_process(cfg: Config) -> int:
     finally:
         restore_signals(previous)
     if code > 128:
-        print(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}", file=sys.stderr)
+        print(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from, run_start())}", file=sys.stderr)
     return code

@@ -42,9 +42,10 @@ import yaml
 
 from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config, ConfigError
+from distflow.core.launch_env import run_start
 from distflow.launch.checkpoint import checkpoint_version, resume_hint
-from distflow.launch.children import (Child, error_line, start_children, stop_children, stop_for_checkpoint, tail,
-                                      wait_all)
+from distflow.launch.children import (Child, error_line, exit_text, start_children, stop_children, stop_for_checkpoint,
+                                      tail, wait_all)
 from distflow.launch.placement import plan_placement
 from distflow.launch.preflight import check_functions, check_inputs
 from distflow.launch.progress import Progress, eval_summary
@@ -127,11 +128,7 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     configuration or data error, 128 + the signal when stopped by Ctrl-C, SIGTERM or SIGHUP.
     Raises ConfigError (exit 2) for what it refuses before any node starts."""
     config_path = prepare(cfg)
-    if in_process:
-        from distflow.launch.inprocess import run_in_process
-
-        return run_in_process(cfg)
-    placement = plan_placement(cfg)  # refuses an impossible placement before anything starts
+    placement = None if in_process else plan_placement(cfg)  # refuses an impossible placement before anything starts
     secret = os.environ.get(SECRET_ENV) or new_secret()
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
     from distflow.launch.placement import describe
@@ -144,8 +141,10 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         step = checkpoint_version(Path(cfg.resume_from))  # the resume_step the trainer uses (its version)
         for name in ("metrics.jsonl", "eval.jsonl"):
             MetricsWriter(metrics.parent, resume_step=step, name=name)
-    print(f"distflow: {describe(placement)}", file=sys.stderr)
     bar = Progress(metrics, enabled=progress and sys.stderr.isatty(), skip_existing=True)
+    if placement is None:
+        return _in_process(cfg, bar)
+    print(f"distflow: {describe(placement)}", file=sys.stderr)
     rows_at_start = bar.seen  # a resumed run's earlier steps
     children: list[Child] = []
     previous = catch_stop_signals()
@@ -162,7 +161,9 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     except KeyboardInterrupt as why:  # Ctrl-C, or SIGTERM / SIGHUP (Interrupted)
         bar.close()
         stepped = len(read_metrics(metrics)) > rows_at_start  # a step of this run completed: save it
-        return stop_on_interrupt(cfg, children, why, checkpoint=stepped)
+        code = stop_on_interrupt(cfg, children, why, checkpoint=stepped)
+        plot_trained(cfg)
+        return code
     except BaseException:  # the launcher itself failed: never leave the nodes running detached
         print("distflow: the launcher failed; stopping every node", file=sys.stderr)
         stop_children(children, grace_s=5.0)
@@ -171,13 +172,68 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
         bar.close()
         restore_signals(previous)
     if code:
+        plot_trained(cfg)
         return code
+    print(done_message(cfg, bar), file=sys.stderr)
+    return 0
+
+
+def plot_trained(cfg: Config) -> None:
+    """A run that failed or was stopped: reward_curve.png and timings.png of the steps it trained
+    (trainer rank 0 writes them only at the end of a run that completed), so the plots are never
+    lost with the run. Nothing when no step was trained; a plot that fails is one line."""
+    from distflow.trainer.metrics import plot_reward_curve, plot_timings, read_metrics
+
+    out = Path(cfg.output_dir)
+    metrics, evals = out / "metrics.jsonl", out / "eval.jsonl"
+    if not read_metrics(metrics):
+        return
+    try:
+        plot_reward_curve(metrics, out / "reward_curve.png", evals if evals.is_file() else None)
+        plot_timings(metrics, out / "timings.png")
+    except Exception as e:  # noqa: BLE001 - a plot is no reason to hide the run's own exit status
+        _say(f"distflow: could not plot the trained steps: {type(e).__name__}: {e}")
+        return
+    _say(f"distflow: plots of the {len(read_metrics(metrics))} trained steps: {out / 'reward_curve.png'}, "
+         f"{out / 'timings.png'}")
+
+
+def done_message(cfg: Config, bar: Progress) -> str:
+    """The end of a run that completed: its steps, final reward, evaluation, bad rows and outputs."""
     last = bar.last or {}
     gen = f" (generated {last['generated_reward_mean']:.3f})" if "generated_reward_mean" in last else ""
-    print(f"distflow: done. {last.get('step', -1) + 1} steps, final reward {last.get('reward_mean', float('nan')):.3f}"
-          f"{gen}{eval_summary(Path(cfg.output_dir) / 'eval.jsonl')}{bar.summary()}; metrics {metrics}, "
-          f"checkpoint {Path(cfg.output_dir) / 'checkpoint'}", file=sys.stderr)
-    return 0
+    return (f"distflow: done. {last.get('step', -1) + 1} steps, final reward "
+            f"{last.get('reward_mean', float('nan')):.3f}{gen}{eval_summary(Path(cfg.output_dir) / 'eval.jsonl')}"
+            f"{bar.summary()}; metrics {bar.path}, checkpoint {Path(cfg.output_dir) / 'checkpoint'}")
+
+
+def _in_process(cfg: Config, bar: Progress) -> int:
+    """``--in-process``: the nodes run in this thread's loop; a thread feeds the same progress (bar or
+    step lines) from metrics.jsonl, and a completed run ends with the same summary as ``distflow run``."""
+    import threading
+
+    from distflow.launch.inprocess import run_in_process
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            bar.poll()
+
+    watcher = threading.Thread(target=watch, name="distflow-progress", daemon=True)
+    watcher.start()
+    try:
+        code = run_in_process(cfg)
+    finally:
+        stop.set()
+        watcher.join(5)
+        bar.poll()
+        bar.close()
+    if code == 0:
+        print(done_message(cfg, bar), file=sys.stderr)
+    else:
+        plot_trained(cfg)
+    return code
 
 
 def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt, checkpoint: bool) -> int:
@@ -200,16 +256,26 @@ def stop_on_interrupt(cfg: Config, children: list[Child], why: KeyboardInterrupt
     except KeyboardInterrupt:  # a second Ctrl-C: do not wait for the checkpoint
         _say("distflow: interrupted again; stopping every node now")
         stop_children(children, grace_s=5.0)
-    _say(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from)}")
+    _say(f"distflow: stopped. {resume_hint(cfg.output_dir, cfg.resume_from, run_start())}")
     return code
 
 
-def _report(failed: list[Child], cfg: Config, why: str) -> None:
-    lines = [f"distflow: {c.node_id} failed (exit {c.proc.returncode}): {error_line(c.log_path)}" for c in failed]
+def _report(failed: list[Child], cfg: Config, why: str, bar: Progress | None = None) -> None:
+    lines = [f"distflow: {c.node_id} failed ({exit_text(c.proc.returncode)}): {error_line(c.log_path)}"
+             for c in failed]
     first = failed[0]
-    hint = resume_hint(cfg.output_dir, cfg.resume_from)
-    print("\n".join(lines) + f"\ndistflow: {why}; stopping the other nodes. {hint}\n"
-          f"--- last lines of {first.log_path} ---\n{tail(first.log_path)}", file=sys.stderr)
+    hint = resume_hint(cfg.output_dir, cfg.resume_from, run_start())
+    _tell(bar, "\n".join(lines) + f"\ndistflow: {why}; stopping the other nodes. {hint}\n"
+               f"--- last lines of {first.log_path} ---\n{tail(first.log_path)}")
+
+
+def _tell(bar: Progress | None, text: str) -> None:
+    """A message on its own lines: over a progress bar, the bar's line is cleared first (and redrawn
+    after), so the message is never glued onto it."""
+    if bar is not None:
+        bar.write(text)
+    else:
+        print(text, file=sys.stderr)
 
 
 def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, poll_s: float = 0.2) -> int:
@@ -226,14 +292,14 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
         misconfigured = [c for c in children if codes[c.node_id] == CONFIG_EXIT]
         if misconfigured:  # deterministic: a restart would fail the same way, and so would the adopters of its work
             _report(misconfigured, cfg, f"{misconfigured[0].node_id} exited {CONFIG_EXIT} on a configuration or data "
-                                        f"error, which a restart would not fix: not restarted, the run stops")
+                                        f"error, which a restart would not fix: not restarted, the run stops", bar)
             stop_children(children)
             return CONFIG_EXIT
         fatal = [c for c in children if c.role not in RESTARTABLE and codes[c.node_id] not in (None, 0)]
         if fatal:
             time.sleep(1.0)  # let the nodes that saw the failure report what they saw
             failed = fatal + [c for c in children if c not in fatal and c.proc.poll() not in (None, 0)]
-            _report(failed, cfg, f"{fatal[0].role} {fatal[0].node_id} died, the run cannot go on without it")
+            _report(failed, cfg, f"{fatal[0].role} {fatal[0].node_id} died, the run cannot go on without it", bar)
             stop_children(children)
             return 1
         trainers_running = all(codes[t.node_id] is None for t in trainers)
@@ -242,15 +308,15 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
             if c.role not in RESTARTABLE or rc in (None, 0) or c.proc.pid in handled or not trainers_running:
                 continue
             handled.add(c.proc.pid)
-            why = f"{c.node_id} died (exit {rc}): {error_line(c.log_path)}"
+            why = f"{c.node_id} died ({exit_text(rc)}): {error_line(c.log_path)}"
             if c.restarts >= cfg.restarts:
-                _report([c], cfg, f"{c.node_id} used up its {cfg.restarts} restarts (restarts: {cfg.restarts})")
+                _report([c], cfg, f"{c.node_id} used up its {cfg.restarts} restarts (restarts: {cfg.restarts})", bar)
                 stop_children(children)
                 return 1
             meanwhile = ("its shard is adopted by the other rollout nodes" if c.role == "rollout" else
                          "the rollout nodes retry their sends to it until it is back")
-            print(f"distflow: {why}; {meanwhile}; restarting it with the same "
-                  f"id and ports (restart {c.restarts + 1} of {cfg.restarts})", file=sys.stderr)
+            _tell(bar, f"distflow: {why}; {meanwhile}; restarting it with the same id and ports "
+                       f"(restart {c.restarts + 1} of {cfg.restarts})")
             c.respawn()
         time.sleep(poll_s)
     # The trainers are done: the rollout nodes stop on the final version within a moment (a

@@ -106,8 +106,10 @@ def check_dataset(cfg: Config) -> str | None:
         if path is None:
             continue
         try:
+            # as the rollout stages encode a prompt: text, or chat messages with chat_template only
+            kinds = {cfg.prompt_key: (str, list) if cfg.chat_template else (str,)}
             shard = PromptShard(path, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle and key == "dataset",
-                                bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,))
+                                bad_rows=cfg.bad_rows, required_keys=(cfg.prompt_key,), key_types=kinds)
         except DatasetError as e:
             raise ConfigError(f"{key}: {e}") from None
         if key == "dataset":
@@ -149,23 +151,47 @@ def check_resume(cfg: Config) -> None:
     from distflow.launch.checkpoint import newest_checkpoint, read_run_state
 
     try:
-        read_run_state(Path(cfg.resume_from), cfg)
+        state = read_run_state(Path(cfg.resume_from), cfg)
+        done = int(state["policy_version"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         msg = str(e) if str(e).startswith("resume_from") else f"resume_from {cfg.resume_from!r}: {type(e).__name__}: {e}"
         newest = newest_checkpoint(cfg.output_dir)
         hint = f"; the newest checkpoint of output_dir is {newest}" if newest and str(newest) != cfg.resume_from else ""
         raise ConfigError(msg + hint) from None
+    total = _total_steps(cfg, state)
+    if total is not None and done >= total:  # else a cluster starts, trains nothing and says "final reward nan"
+        raise ConfigError(f"resume_from: checkpoint {cfg.resume_from} is at step {done} of {total}: nothing left to "
+                          f"train (raise max_steps or epochs to train on)")
+
+
+def _total_steps(cfg: Config, state: dict[str, Any]) -> int | None:
+    """The steps of the run ``cfg`` resumes: over the checkpoint's recorded row count, else the prompt
+    set's (None where neither is known: a trainer host without the prompt set)."""
+    num_rows = (state.get("data_order") or {}).get("num_rows")
+    if not isinstance(num_rows, int) and Path(cfg.dataset).is_file():
+        from distflow.buffer.dataloader import DatasetError, PromptShard
+
+        try:
+            num_rows = PromptShard(cfg.dataset, 0, 1, shuffle=False, bad_rows="skip").num_rows
+        except DatasetError:
+            return None
+    return cfg.total_steps(num_rows) if isinstance(num_rows, int) and num_rows > 0 else None
 
 
 def check_model(cfg: Config, role: str | None = None) -> None:
     """``model_path`` is a model directory, for a node of ``role`` that loads it (rollout, trainer;
     None: any): a few file checks, so every node start makes them (a hand-started node learnt of a
     bad path only after its group had formed, or its join timed out first). A node does not build
-    the toy model (`distflow run` does): with ``toy_model`` a missing one is not checked for a role."""
-    toy_pending = role is not None and cfg.toy_model and not (Path(cfg.model_path) / "config.json").is_file()
-    if role in (None, "rollout", "trainer") and not toy_pending and (problem := model_dir_problem(cfg.model_path)):
-        raise ConfigError(f"model_path: {problem}")
-    if role in (None, "rollout") and not toy_pending:
+    the toy model (`distflow run` builds it before its nodes start): a hand-started node of a
+    ``toy_model`` config whose model is missing is told the command that builds it."""
+    if role in (None, "rollout", "trainer") and (problem := model_dir_problem(cfg.model_path)):
+        toy = ""
+        if cfg.toy_model and role is not None:
+            kind = "" if cfg.toy_kind == "successor" else f" --kind {cfg.toy_kind}"
+            toy = (f"; toy_model: true, but a hand-started node does not build it: run `distflow toy-model "
+                   f"{cfg.model_path}{kind}` first (on every host)")
+        raise ConfigError(f"model_path: {problem}{toy}")
+    if role in (None, "rollout"):
         check_lengths(cfg)
 
 
@@ -193,9 +219,7 @@ def check_lengths(cfg: Config) -> None:
 def check_inputs(cfg: Config, role: str | None = None) -> list[str]:
     """What a node of ``role`` reads before it can work, checked now: the model directory (rollout,
     trainer), the prompt set (rollout), ``resume_from`` (trainer); ``role`` None: every role (`distflow
-    run`). Raises ConfigError naming the key; returns notes to print (rows ``bad_rows: skip`` skips).
-    A node does not build the toy model (`distflow run` does): with ``toy_model`` a missing one is
-    not checked for a role."""
+    run`). Raises ConfigError naming the key; returns notes to print (rows ``bad_rows: skip`` skips)."""
     notes = []
     check_model(cfg, role)
     if role in (None, "rollout") and (note := check_dataset(cfg)):

@@ -11,8 +11,31 @@ import sys
 from pathlib import Path
 
 
+# The bar's line: the percentage, the bar, the count and times, and the reward (the postfix). Every other
+# figure of a step (samples/s, staleness, stage times) is on the status line above it: in the postfix they
+# squeezed the bar to one character even at 160 columns.
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+
+
+def bar_postfix(r: dict) -> str:
+    """The bar line's postfix for metrics row ``r``: the reward (and the generated one, when the
+    trained reward is another: a filter, a shaping). Short: at 80 columns the bar keeps 17."""
+    gen = f" (gen {r['generated_reward_mean']:.3f})" if "generated_reward_mean" in r else ""
+    return f"reward {r['reward_mean']:.3f}{gen}"
+
+
+def status_line(r: dict) -> str:
+    """The line above the bar for metrics row ``r``: throughput, staleness, bad rows, the stage times."""
+    from distflow.core.status import format_stages
+
+    stages, bad = format_stages(r), int(r.get("bad_rows") or 0)
+    return (f"step {r['step'] + 1}: {r['samples_per_s']:.0f} samples/s, staleness {r['staleness_mean']:.2f}"
+            + (f", bad_rows {bad}" if bad else "") + (f" | {stages}" if stages else ""))
+
+
 class Progress:
-    """A progress bar fed by metrics.jsonl (or plain lines when not a terminal)."""
+    """A progress bar fed by metrics.jsonl (or plain lines when not a terminal), with a status line
+    above it (:func:`status_line`)."""
 
     def __init__(self, metrics_path: Path, enabled: bool, skip_existing: bool = False):
         from tqdm import tqdm
@@ -21,7 +44,10 @@ class Progress:
 
         # skip_existing: a resumed run's rows before its checkpoint are not shown again
         self.path, self.seen = metrics_path, len(read_metrics(metrics_path)) if skip_existing else 0
-        self.bar = tqdm(total=None, unit="step", desc="training", disable=not enabled, dynamic_ncols=True)
+        self.status = tqdm(total=0, bar_format="{desc}", desc="", position=0, leave=False, disable=not enabled,
+                           dynamic_ncols=True)
+        self.bar = tqdm(total=None, unit="step", desc="training", disable=not enabled, dynamic_ncols=True,
+                        bar_format=BAR_FORMAT, position=1)
         self.plain = not enabled
         self.last: dict | None = None
         self.bad_rows = 0  # rows skipped (bad_rows: skip) over the run
@@ -43,9 +69,8 @@ class Progress:
             gen = {"generated": f"{r['generated_reward_mean']:.3f}"} if "generated_reward_mean" in r else {}
             bad = int(r.get("bad_rows") or 0)
             self.bad_rows += bad
-            self.bar.set_postfix(reward=f"{r['reward_mean']:.3f}", **gen, samples_s=f"{r['samples_per_s']:.0f}",
-                                 stale=f"{r['staleness_mean']:.2f}", **({"bad_rows": bad} if bad else {}),
-                                 **({"time": stages} if stages else {}), refresh=False)
+            self.status.set_description_str(status_line(r), refresh=False)
+            self.bar.set_postfix_str(bar_postfix(r), refresh=False)
             if self.plain:
                 generated = "".join(f"{k}={v} " for k, v in gen.items())
                 print(f"step {r['step'] + 1}/{r.get('total_steps', '?')} reward={r['reward_mean']:.3f} {generated}"
@@ -56,6 +81,9 @@ class Progress:
                 self.empty_steps += 1
                 self.bar.write(f"distflow: WARNING: step {r['step'] + 1} trained on 0 samples: its {bad} bad rows "
                                f"were skipped (bad_rows: skip; the rollout logs name them)", file=sys.stderr)
+        if rows[self.seen:]:
+            self.status.refresh()
+            self.bar.refresh()
         self.seen = len(rows)
         evals = read_metrics(self.eval_path) if self.eval_path.is_file() else []
         for e in evals[self.evals_seen:]:
@@ -67,6 +95,13 @@ class Progress:
                               else f" (partial: {e.get('eval_shards')} of {e.get('eval_num_shards')} shards)"))
         self.evals_seen = len(evals)
 
+    def write(self, text: str) -> None:
+        """``text`` on stderr on its own lines: a drawn bar is cleared first and redrawn below it."""
+        try:
+            self.bar.write(text, file=sys.stderr)
+        except (OSError, ValueError):  # the terminal is gone (SIGHUP)
+            pass
+
     def summary(self) -> str:
         """The bad rows of the run, for the done message ("" when none)."""
         if not self.bad_rows:
@@ -77,6 +112,7 @@ class Progress:
 
     def close(self) -> None:
         try:
+            self.status.close()
             self.bar.close()
         except (OSError, ValueError):  # the terminal is gone (SIGHUP)
             pass

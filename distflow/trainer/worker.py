@@ -36,7 +36,7 @@ from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.transport.select import weight_tier
 from distflow.weights.tiers import serving_plan
-from distflow.launch.checkpoint import check_data_order, data_order
+from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_order
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
@@ -284,6 +284,7 @@ async def run_trainer(rt: Runtime) -> None:
     publisher = make_publisher(rt, mine)
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
+    saves = PeriodicSaves(cfg)
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
     trackers = None
     if rank == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
@@ -390,10 +391,15 @@ async def run_trainer(rt: Runtime) -> None:
         emptiness.after_step(step, int(n), rollout_stats)
         t_last = now
         step += 1
-        if cfg.save_every and step % cfg.save_every == 0 and step < inbox.total:
-            await checkpoint(f"checkpoint-{step}")
+        due = saves.due(step, inbox.total)
+        if saves.interval and world > 1:  # each rank's clock: the ranks agree (any due: all save at this step)
+            due = (await on_gpu(all_reduce, [float(due)], dist.ReduceOp.MAX))[0] > 0
+        if due:  # save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
+            await checkpoint(saves.name(step))
+            saves.saved(out_dir, step, remove=rank == 0)
 
     await checkpoint("checkpoint")
+    saves.superseded(remove=rank == 0)
     if writer is not None:
         if evals is None:  # else once the final evaluation is in (below)
             await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
