@@ -17,6 +17,8 @@ from distflow.env import run_python
 from distflow.env.sandbox import make_python_tool, netns_available, runs_as
 from distflow.env.tools import ToolEnvironment
 
+pytestmark = pytest.mark.cluster  # every test runs the sandbox's child Python process
+
 ISOLATIONS = [pytest.param("netns", marks=pytest.mark.skipif(not netns_available(), reason="no `unshare -n` here")),
               "audit"]
 
@@ -127,8 +129,6 @@ def test_python_tool_in_the_tool_environment_with_a_shorter_tool_deadline():
 
 SIGNAL = """
 import os
-
-pytestmark = pytest.mark.cluster  # every test runs the sandbox's child Python process
 try:
     os.kill({pid}, 0)
     print("reached the node")
