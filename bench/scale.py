@@ -264,8 +264,8 @@ def main() -> None:
     if figures["target_met"] is not None:
         print(f"\nheadline ({figures['headline']}): DistFlow {figures['distflow_efficiency_512']:.3f} vs single "
               f"controller {figures['single_efficiency_512']:.3f} at N=512 (ratio "
-              f"{figures['distflow_efficiency_512'] / figures['single_efficiency_512']:.2f}x); with the routing fix "
-              f"{figures['distflow_rotated_efficiency_512']:.3f}; target (>= 0.90 vs < 0.60) "
+              f"{figures['distflow_efficiency_512'] / figures['single_efficiency_512']:.2f}x); route_by tokens "
+              f"{figures['distflow_tokens_efficiency_512']:.3f}; target (>= 0.90 vs < 0.60) "
               f"{'met' if figures['target_met'] else 'not met'}; {time.time() - t_start:.0f} s")
     print(json.dumps(figures))
 
@@ -285,9 +285,9 @@ def plot(path: str, curves: dict, fixes: dict, ns: list[int], figures: dict[str,
             ax.plot(ns, [d[n]["eff"] for n in ns], "-o", color=c, ms=3, label=f"DistFlow, {length // 1024}k")
             ax.plot(ns, [s[n]["eff"] for n in ns], "--s", color=c, ms=3, label=f"single controller, {length // 1024}k")
         if table == HEADLINE[0]:
-            f = fixes["distflow, tokens rotated by producer (fix)"]
+            f = fixes["distflow, route_by tokens (rotated by producer)"]
             ax.plot(ns, [f[n]["eff"] for n in ns], ":^", color="black", ms=3,
-                    label=f"DistFlow, token-balanced (fix), {HEADLINE[1] // 1024}k")
+                    label=f"DistFlow, route_by: tokens, {HEADLINE[1] // 1024}k")
         ax.axhline(0.9, color="grey", lw=0.6)
         ax.axhline(0.6, color="grey", lw=0.6, ls="--")
         ax.set_xscale("log", base=2)
