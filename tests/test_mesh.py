@@ -350,7 +350,8 @@ def test_join_timeout_names_the_seeds():
                     config=MeshConfig(join_timeout_s=0.6))
         t0 = time.perf_counter()
         try:
-            with pytest.raises(JoinTimeout, match=f"within 0.6s: no seed answered \\(127.0.0.1:{port}\\)"):
+            with pytest.raises(JoinTimeout, match=rf"within 0.6s \(mesh.join_timeout_s\): no seed answered "
+                                                  rf"\(127.0.0.1:{port}\)"):
                 await node.start()
             assert time.perf_counter() - t0 < 1.5
         finally:
