@@ -115,7 +115,7 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
     if own_group:
         import tempfile
 
-        store = tempfile.mkdtemp(prefix="distflow-sync-")
+        store = tempfile.mkdtemp(prefix="distflow-sync-")  # the FileStore's directory, removed at the end
         dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
     try:
         plan = cfg.plan()
@@ -140,4 +140,7 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
                    **stats}
     finally:
         if own_group:
+            import shutil
+
             dist.destroy_process_group()
+            shutil.rmtree(store, ignore_errors=True)

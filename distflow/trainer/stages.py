@@ -77,9 +77,6 @@ class TrainerContext:
         return [obj]
 
 
-Stage = Callable[[WorkflowNode, TrainerContext, SampleBatch], dict[str, float]]
-
-
 # ----------------------------------------------------------------------------- ragged <-> padded
 def padded(flat_values: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """flat [sum(lens)] -> (values [B, max(lens)] zero-padded, mask [B, max(lens)] bool):
