@@ -31,7 +31,7 @@ def test_the_reader_sees_processes_started_directly_through_helpers_and_classes(
     assert starts(test_supervise.start_run)
     assert starts(test_multihost.Nodes.start)  # a method: Popen inside `ip netns exec`
     assert starts(test_multihost.mesh_view)  # subprocess.run
-    # `from tests.test_elastic import start` inside the test; distflow.launcher.spawn in a helper
+    # `from tests.test_elastic import start` inside the test; distflow.launch.children.spawn in a helper
     assert starts(test_supervise.test_rollout_nodes_stop_promptly_when_the_trainer_dies_on_a_hand_started_cluster)
     from tests import test_launcher_errors
 
