@@ -112,6 +112,22 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
         fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
         return fields.get("JobState", "?"), int(fields.get("Restarts", "0"))
 
+    def release_requeued(self, job: str, timeout: float = 120.0) -> None:
+        """Start a requeued job now, once its previous attempt is wholly gone.
+
+        Slurm holds a requeued job ~2 min before it may start again. Releasing it at once
+        races the old attempt: slurmd revokes the job's credential when the old batch step
+        ends, with a 1 s clock, and a new attempt whose credential was issued within that same
+        second is killed as "Job credential revoked". So wait for the old steps to be gone and
+        the node idle, then let a second boundary pass before releasing.
+        """
+        self._wait(lambda: not self.run("squeue", "-h", "-s", "-j", job, check=False).stdout.strip(), timeout,
+                   f"end of job {job}'s previous steps")
+        self._wait(lambda: self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle", timeout,
+                   "the node idle again after the requeue")
+        time.sleep(1.5)
+        self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+
     def logs(self) -> str:
         files = sorted(p for p in (self.root / "log").glob("*") if p.is_file())
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in files)

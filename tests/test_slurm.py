@@ -138,7 +138,7 @@ def test_the_time_limit_signal_checkpoints_and_the_requeued_job_resumes_by_itsel
     # What --signal=B:USR1@N does before the time limit: USR1 to the batch shell.
     slurm.run("scancel", "--batch", "--signal=USR1", job)
     wait_for(slurm, lambda: slurm.job_state(job) == ("PENDING", 1), 180, "the job requeued", out)
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds a requeued job ~2 min
+    slurm.release_requeued(job)  # Slurm holds a requeued job ~2 min
     wait_for(slurm, lambda: slurm.job_state(job)[0] in ("COMPLETED", "FAILED", "CANCELLED"), 400,
              f"job {job} done", out)
     assert slurm.job_state(job) == ("COMPLETED", 1), slurm.logs()
