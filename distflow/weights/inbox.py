@@ -71,6 +71,11 @@ class WeightUpdate(NamedTuple):
     buckets: list[dict[str, torch.Tensor]]
     is_delta: bool
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the engine loads: the whole model for a full version, the changed tensors of a delta."""
+        return sum(_nbytes(t) for b in self.buckets for t in b.values())
+
 
 # ============================================================================ rollout side
 class WeightInbox:
