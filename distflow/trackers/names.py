@@ -28,6 +28,7 @@ VERL_NAMES: dict[str, str] = {
     "pg_loss": "actor/pg_loss", "clip_frac": "actor/pg_clipfrac", "approx_kl": "actor/ppo_kl",
     "kl": "actor/kl_loss", "entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "lr": "actor/lr",
     "vf_loss": "critic/vf_loss", "vf_clip_frac": "critic/vf_clipfrac", "vf_grad_norm": "critic/grad_norm",
+    "critic_value_mean": "critic/vpred_mean",
     # the engine's logprobs against the trainer's (verl: rollout_corr)
     "logprob_diff_mean": "rollout_corr/kl", "logprob_kl_k3": "rollout_corr/k3_kl",
     # time and throughput (verl: compute_timing_metrics, compute_throughout_metrics, the actor's perf/)

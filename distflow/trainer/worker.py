@@ -54,7 +54,7 @@ from distflow.weights import WeightPublisher
 log = logging.getLogger(__name__)
 
 # Keys the rollout nodes put in their mesh metadata (rt.node.set_meta): seconds of their last
-# generation batch and of their last weight load, and the bytes that load applied.
+# generation batch and of their last weight load, and the bytes received for that load.
 ROLLOUT_TIME_KEYS = ("time_generate_s", "time_load_weights_s")
 ROLLOUT_META_KEYS = (*ROLLOUT_TIME_KEYS, "weight_load_bytes")
 # Beyond step_timeout_s, how long a collective may wait: while rank 0 alone writes the Hugging
