@@ -164,11 +164,15 @@ def private_stream(device: torch.device) -> tuple[Any, Any]:
 # (first match wins: the more specific names come first): (bf16/fp16 tensor cores, fp32 without
 # tensor cores; None where not listed here). fp32 matmuls run on TF32 tensor cores, at half the
 # bf16 figure, only when torch is told to (off by default: :func:`tf32_matmuls`). Vendor data sheets.
+# A GH200's GPU is an H100 SXM's ("H200" matches it, with the same figures); an H20 is listed after
+# the H200s, a GB200 before the B200; AMD's Instinct GPUs go by the same name (ROCm's torch.cuda).
 PEAK_FLOPS = (("H200 NVL", 835e12, 60e12), ("H200", 989e12, 67e12), ("H100 PCIe", 756e12, 51e12),
               ("H100 NVL", 835e12, 60e12), ("H100", 989e12, 67e12), ("H800 PCIe", 756e12, 51e12),
-              ("H800", 989e12, 67e12), ("B200", 2250e12, None), ("A100", 312e12, 19.5e12),
-              ("A800", 312e12, 19.5e12), ("L40S", 362e12, 91.6e12), ("L40", 181e12, 90.5e12),
-              ("L4", 121e12, 30.3e12))
+              ("H800", 989e12, 67e12), ("H20", 148e12, 44e12), ("GB200", 2500e12, None), ("B200", 2250e12, None),
+              ("B100", 1750e12, None), ("A100", 312e12, 19.5e12), ("A800", 312e12, 19.5e12),
+              ("L40S", 362e12, 91.6e12), ("L40", 181e12, 90.5e12), ("L4", 121e12, 30.3e12),
+              ("RTX 4090", 165.2e12, 82.6e12), ("RTX A6000", 154.8e12, 38.7e12),
+              ("MI325X", 1307.4e12, 163.4e12), ("MI300X", 1307.4e12, 163.4e12), ("MI250X", 383e12, 47.9e12))
 
 
 def tf32_matmuls() -> bool:

@@ -98,10 +98,11 @@ def train_half(pipeline: list[WorkflowNode], ctx: TrainerContext, batch: SampleB
 def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str, Any]]:
     """The whole loop in this process, one step after the other: read the prompts, run the rollout
     half, the train half, load the new weights into the engine. Yields each step's metrics
-    (``step``, ``reward_mean``, ``samples``, the rollout counters with ``generated_reward_mean`` as a
-    trainer node writes them, and the train half's). ``steps`` (default: the config's ``max_steps``,
-    else every step of ``epochs``) bounds the run. One rollout shard and one trainer rank; needs a
-    torch.distributed group of one (the caller's, or one it makes here)."""
+    (``step``, the step's sample statistics and peak memory as a trainer node writes them, the
+    rollout counters with ``generated_reward_mean``, and the train half's). ``steps`` (default:
+    the config's ``max_steps``, else every step of ``epochs``) bounds the run. One rollout shard
+    and one trainer rank; needs a torch.distributed group of one (the caller's, or one it makes
+    here)."""
     import torch.distributed as dist
 
     from distflow.buffer.dataloader import PromptShard
@@ -110,6 +111,7 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
     from distflow.trainer.actor import Actor
     from distflow.trainer.metrics import with_generated_mean
     from distflow.trainer.stages import build_context
+    from distflow.trainer.step_stats import peak_memory, step_statistics
 
     own_group = not dist.is_initialized()
     if own_group:
@@ -133,11 +135,10 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
                       loader.reserve(e, i, attempt, n, local_batch=cfg.rollout_batch))
             batch = rollout_half(rollout, RolloutContext(engine, cfg, rows, step_seed(cfg.seed, 0, step), rollout,
                                                          stage_stats, refill=refill))
-            reward = batch.tensors["reward"].float().mean().item() if len(batch) else float("nan")
             stats = train_half(trainer, ctx, batch)
+            summary = step_statistics(batch, cfg, step, peaks=peak_memory(actor.device))
             engine.load_weights(actor.version, actor.full_state_dict())
-            yield {"step": step, "reward_mean": reward, "samples": len(batch), **with_generated_mean(stage_stats),
-                   **stats}
+            yield {"step": step, **summary, "samples": len(batch), **with_generated_mean(stage_stats), **stats}
     finally:
         if own_group:
             import shutil

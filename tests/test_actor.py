@@ -197,16 +197,19 @@ def test_fused_pass_skips_reference_at_kl_zero_and_recomputes_old_logprobs(toy_m
     assert stats["clip_frac"] == 0.0 and stats["kl"] == 0.0
     assert stats["lr"] == pytest.approx(0.005)  # warm-up step 0 of 2
     assert stats["entropy"] > 0
-    # the step summary the worker logs: truncated_frac and response_len_mean come from these sums
-    from distflow.trainer.worker import step_summary
+    # the step's statistics the worker logs, through the group's collectives (a group of one here)
+    from distflow.trainer.step_stats import step_statistics
 
     batch.set_scalar("reward", torch.arange(8, dtype=torch.float32))
     batch.set_scalar("truncated", torch.tensor([1, 0, 0, 1, 0, 0, 0, 1]))
-    n, reward, stale, truncated, resp = step_summary(actor, batch, step=2)
-    assert (n, reward, stale, truncated) == (8.0, 28.0, 16.0, 3.0)
-    assert resp == float(batch.tensors["response_lens"].sum())
+    out = step_statistics(batch, cfg, step=2)
+    assert (out["samples"], out["reward_mean"], out["reward_max"], out["truncated_frac"]) == (8.0, 3.5, 7.0, 3 / 8)
+    assert out["staleness_mean"] == 2.0  # make_batch's samples are of version 0
+    assert out["response_len_mean"] == float(batch.tensors["response_lens"].sum()) / 8
+    # the old logprobs are this policy's own: the engine's made-up ones differ from them
+    assert out["logprob_diff_max"] > 0 and out["logprob_kl_k3"] > 0
     del batch.tensors["truncated"]  # a batch without the field: 0 truncated
-    assert step_summary(actor, batch, step=2)[3] == 0.0
+    assert step_statistics(batch, cfg, step=2)["truncated_frac"] == 0.0
 
 
 def test_reference_is_frozen_in_compute_dtype_and_resharded_after_its_pass(toy_model, world1):

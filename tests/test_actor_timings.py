@@ -71,6 +71,11 @@ def test_peak_flops_by_gpu_name_and_dtype_and_the_config_wins():
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env={**os.environ, env[0]: env[1]})
     assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12 and peak_flops("NVIDIA L4", "bfloat16") == 121e12
     assert peak_flops("Some Future GPU", "bfloat16") is None and peak_flops(None, "bfloat16") is None
+    # an H20 is no H200 (listed after it), a GH200's GPU is an H100 SXM's, a GB200 is no B200; AMD by its name
+    assert peak_flops("NVIDIA H20", "bfloat16") == 148e12 and peak_flops("NVIDIA H200", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA GH200 480GB", "bfloat16") == 989e12 and peak_flops("NVIDIA GB200", "bfloat16") == 2500e12
+    assert peak_flops("AMD Instinct MI300X", "bfloat16") == 1307.4e12 and peak_flops("AMD Instinct MI300X", "float32") \
+        == 163.4e12
     assert trainer_peak_flops(SimpleNamespace(peak_flops=2e15, device="cuda", dtype="bfloat16")) == 2e15
     assert trainer_peak_flops(SimpleNamespace(peak_flops=None, device="cpu", dtype="float32")) is None
 

@@ -86,17 +86,19 @@ def test_every_backend_reads_back_metrics_eval_and_a_sample_table_per_step(tmp_p
     evals.write({"step": 2, "eval_reward_mean": 0.75})
     ts.close()
     assert ts.total_failures() == 0
-    # TensorBoard
-    assert tb_scalars(out / "tensorboard", "train/reward_mean") == [(0, 0.0), (1, pytest.approx(0.1)),
+    # TensorBoard: verl's name where verl has the figure (distflow/trackers/names.py), else train/KEY
+    assert tb_scalars(out / "tensorboard", "critic/score/mean") == [(0, 0.0), (1, pytest.approx(0.1)),
                                                                      (2, pytest.approx(0.2))]
+    assert tb_scalars(out / "tensorboard", "train/samples") == [(0, 8.0), (1, 8.0), (2, 8.0)]
     assert tb_scalars(out / "tensorboard", "eval/eval_reward_mean") == [(2, 0.75)]
     texts = tb_texts(out / "tensorboard")
     assert sorted(texts) == [0, 1, 2] and "| top | 0 | 2.0 |" in texts[2]
     # MLflow
     client, run = mlflow_run(out, cfg)
     assert run.info.run_name == "t1" and run.info.status == "FINISHED"
-    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward_mean")] == \
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == \
         [(0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "samples")] == [8.0] * 3
     assert [m.value for m in client.get_metric_history(run.info.run_id, "eval/eval_reward_mean")] == [0.75]
     import mlflow.artifacts
 
@@ -107,8 +109,9 @@ def test_every_backend_reads_back_metrics_eval_and_a_sample_table_per_step(tmp_p
     from tests.wandb_log import history
 
     rows = history(wandb_file(out))
-    train = [(r["train/step"], r["train/reward_mean"]) for r in rows if "train/reward_mean" in r]
+    train = [(r["train/step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r]
     assert train == [(0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
+    assert [r["train/samples"] for r in rows if "train/samples" in r] == [8.0] * 3
     assert [(r["eval/step"], r["eval/eval_reward_mean"]) for r in rows if "eval/eval_reward_mean" in r] == [(2, 0.75)]
     tables = [r for r in rows if r.get("samples/_type") == "table-file"]
     assert [(r["train/step"], r["samples/nrows"]) for r in tables] == [(0, 4), (1, 4), (2, 4)]  # each step kept
@@ -177,6 +180,30 @@ def test_the_sample_table_is_top_k_then_bottom_k_each_sample_once():
     assert rows[0]["prompt"] == [1, 2, 2] and rows[0]["response"] == [3, 2]
 
 
+def check_step_statistics(metrics: list[dict], model: Path) -> None:
+    """A real run's rows carry the step's statistics, and they are sane: ordered extremes, shares
+    in [0, 1], the engine's logprobs equal to the trainer's where both ran the same weights
+    (staleness 0: step 0 at least), the weight bytes published = the model's parameter bytes."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(next(model.glob("*.safetensors"))), "pt") as f:  # published in fp32, the CPU's dtype
+        param_bytes = sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # noqa: SIM118
+    for m in metrics:
+        for name in ("response_len", "prompt_len", "reward", "advantage"):
+            assert m[f"{name}_max"] >= m[f"{name}_mean"] >= m[f"{name}_min"], (name, m)
+        assert m["staleness_max"] >= m["staleness_mean"] >= 0 and m["reward_std"] >= 0
+        assert 0.0 <= m["truncated_frac"] <= 1.0 and m["throughput"] > 0 and m["step_time_s"] > 0
+        assert m["peak_rss_gb"] > 0 and "max_memory_allocated_gb" not in m  # a CPU run: peak RSS, named so
+        assert m["weight_sync_bytes"] == param_bytes
+        assert m.get("weight_load_bytes", param_bytes) == param_bytes  # full versions, once a node loaded one
+        assert m["logprob_kl_k3"] >= 0 and m["logprob_diff_max"] >= abs(m["logprob_diff_mean"])
+    on_policy = [m for m in metrics if m["staleness_max"] == 0]
+    assert on_policy and all(m["logprob_diff_max"] < 1e-3 and m["logprob_kl_k3"] < 1e-6 for m in on_policy)
+    assert "weight_load_bytes" in metrics[-1]
+
+
 @needs_all
 def test_a_real_run_logs_every_step_to_every_tracker(toy_model, toy_data, tmp_path):
     from tests.conftest import run_distflow
@@ -185,19 +212,24 @@ def test_a_real_run_logs_every_step_to_every_tracker(toy_model, toy_data, tmp_pa
     out = tmp_path / "run"
     r = run_distflow(["run", str(QUICKSTART), "--no-progress", f"output_dir={out}", f"model_path={toy_model}",
                       f"dataset={toy_data}", "toy_model=false", "prompts_per_step=8", "group_size=2",
-                      "trainer_nodes=1", "max_steps=3", "eval_every=2", "--in-process",
+                      "trainer_nodes=1", "max_steps=3", "eval_every=2", "--in-process", "recompute_old_logprobs=true",
                       "trackers=[tensorboard,wandb,mlflow]", "sample_table_k=2"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    steps = [m["step"] for m in read_metrics(out / "metrics.jsonl")]
+    metrics = read_metrics(out / "metrics.jsonl")
+    steps = [m["step"] for m in metrics]
     evals = [m["step"] for m in read_metrics(out / "eval.jsonl")]
     assert steps == [0, 1, 2] and evals == [0, 2, 3]
-    assert [s for s, _ in tb_scalars(out / "tensorboard", "train/reward_mean")] == steps
+    check_step_statistics(metrics, toy_model)
+    assert [s for s, _ in tb_scalars(out / "tensorboard", "critic/score/mean")] == steps
+    length = tb_scalars(out / "tensorboard", "response_length/max")  # verl's name, read back by TensorBoard's reader
+    assert length == [(m["step"], m["response_len_max"]) for m in metrics]
+    assert [s for s, _ in tb_scalars(out / "tensorboard", "train/staleness_max")] == steps  # no verl name
     assert [s for s, _ in tb_scalars(out / "tensorboard", "eval/eval_reward_mean")] == evals
     assert sorted(tb_texts(out / "tensorboard")) == steps
     client, run = mlflow_run(out, None)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "time_update_s")] == steps
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "timing_s/update_actor")] == steps
     rows = history(wandb_file(out))
-    assert [r["train/step"] for r in rows if "train/reward_mean" in r] == steps
+    assert [r["train/step"] for r in rows if "critic/score/mean" in r] == steps
     assert [r["eval/step"] for r in rows if "eval/eval_reward_mean" in r] == evals
     samples = read_metrics(out / "samples.jsonl")
     assert {s["step"] for s in samples} == set(steps) and all(s["prompt"].endswith("=") for s in samples)
@@ -219,11 +251,11 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path):
             w.write({"step": step, "reward_mean": float(step) + (10 if resume else 0)})
             ts.samples(step, batch([0.0, 1.0]))
         ts.close()
-    assert tb_scalars(out / "tensorboard", "train/reward_mean") == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0),
-                                                                     (4, 14.0)]
+    assert tb_scalars(out / "tensorboard", "critic/score/mean") == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0),
+                                                                      (4, 14.0)]
     client, run = mlflow_run(out, cfg)
     assert len(client.search_runs([run.info.experiment_id])) == 1
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")][-3:] == [2, 3, 4]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")][-3:] == [2, 3, 4]
     # offline-run-<time>-<run id>, with "-1" appended by W&B when both runs started in the same second
     assert {p.name.split("-")[3] for p in out.glob("wandb/offline-run-*")} == {run_id(out, cfg.name)}
     assert [(r["step"], r["kind"]) for r in read_metrics(out / "samples.jsonl")] == \

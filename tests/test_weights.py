@@ -378,6 +378,7 @@ def test_unapplied_delta_merges_onto_pending_and_lagging_peer_gets_full() -> Non
             merged = {n: t for bk in upd.buckets for n, t in bk.items()}
             assert sorted(merged) == sorted(NAMES) and sum(len(bk) for bk in upd.buckets) == 6
             assert all(torch.equal(merged[n], t) for n, t in weights(3, changed).items())
+            assert inbox.taken_bytes == (6 + 1 + 2) * T_BYTES  # the sync's bytes: full v1, v2's one, v3's two
             alive["rollout"] = False  # misses v4..v6
             for v in (4, 5, 6):
                 pub.offer(v, weights(v, changed))
@@ -696,9 +697,11 @@ def test_streamed_versions_apply_buckets_as_they_arrive() -> None:
             assert seen == [(1, NAMES[0:2]), (1, NAMES[2:4]), (1, NAMES[4:6])]
             upd = inbox.take_update()
             assert upd == (1, [], True) and inbox.streaming is None  # nothing left: an empty partial set
+            assert inbox.taken_bytes == 6 * T_BYTES  # streamed, yet counted: the sync's bytes
             pub.offer(2, weights(2, changed))  # a delta streams onto the version the engine holds
             await pub.flush(10)
             assert seen[-1] == (2, [NAMES[5]]) and inbox.take_update() == (2, [], True)
+            assert inbox.taken_bytes == T_BYTES  # the one tensor changed
             assert all(torch.equal(engine[n], t) for n, t in weights(2, changed).items())
             # a streamed version cut off half-way (its sender restarted it): dirty, deltas refused
             await inbox.receive(Envelope("trainer", "weights", {"version": 3, "bucket": 0, "base": None},
@@ -982,6 +985,7 @@ def test_buckets_may_arrive_in_any_order() -> None:
         upd = inbox.take_update()
         assert upd is not None and upd.version == 1 and inbox.version == 1
         assert _values(upd) == [{"w0": [1.0, 1.0]}, {"w1": [2.0, 2.0]}, {"w2": [3.0, 3.0]}]
+        assert inbox.taken_bytes == 3 * 2 * 4  # the bytes of this weight sync: 3 buckets of 2 fp32
         # a commit whose indices are not all in is refused, naming what arrived
         inbox = WeightInbox()
         await inbox.receive(_wmsg(1, 2.0))
@@ -1009,6 +1013,8 @@ def test_a_send_that_starts_over_replaces_the_partial_version() -> None:
         upd = inbox.take_update()
         assert upd is not None and upd.version == 1 and inbox.stale_dropped == 1
         assert _values(upd) == [{"w0": [2.0, 2.0]}, {"w1": [2.0, 2.0]}]
+        # the sync's bytes: the two buckets of the attempt committed (2 fp32 each); the wire carried 4
+        assert inbox.taken_bytes == 2 * 8 and inbox.received_bytes == 4 * 8
         # a sender that does not number its attempts: an index seen twice starts the version over
         inbox = WeightInbox()
         for bucket, value in ((0, 1.0), (1, 1.0), (0, 2.0), (1, 2.0)):

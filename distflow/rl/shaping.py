@@ -21,7 +21,7 @@ from distflow.core.config import Config
 from distflow.rl.advantages import overlong_penalty
 
 __all__ = ["group_index", "outcome_rewards", "mask_truncated", "trained_samples", "trained_token_counts",
-           "response_loss_mask", "sampled_token_counts", "split_episodes"]
+           "response_loss_mask", "trained_token_mask", "sampled_token_counts", "split_episodes"]
 
 
 def group_index(prompt_ids: Sequence[str]) -> Tensor:
@@ -67,6 +67,17 @@ def response_loss_mask(batch: SampleBatch) -> Tensor | None:
     their unmasked arithmetic, bit for bit)."""
     m = batch.tensors.get("loss_mask")
     return None if m is None else m != 0
+
+
+def trained_token_mask(batch: SampleBatch, cfg: Config) -> Tensor:
+    """Flat [sum(response_lens)] bool: the response tokens the policy loss trains on (those of
+    :func:`trained_samples`, and of an episode only the sampled ones, :func:`response_loss_mask`).
+    The loss's entropy and the step's token statistics (advantages, the engine's logprob
+    mismatch) are taken over exactly these tokens."""
+    lens = batch.tensors["response_lens"]
+    keep = torch.repeat_interleave(trained_samples(batch, cfg).to(lens.device), lens)
+    sampled = response_loss_mask(batch)
+    return keep if sampled is None else keep & sampled.to(keep.device)
 
 
 def trained_token_counts(batch: SampleBatch, cfg: Config) -> Tensor:

@@ -293,13 +293,15 @@ class RolloutLoop:
 
     async def load_fresh_weights(self) -> None:
         """Apply the newest complete weights, if any arrived, bucket by bucket in place; the
-        time it took is gossiped as ``time_load_weights_s`` (the trainers put it in metrics)."""
+        time it took and the bytes received for it (streamed buckets too) are gossiped as
+        ``time_load_weights_s`` and ``weight_load_bytes`` (the trainers put them in metrics)."""
         update = self.inbox.take_update()
         if update is None:
             return
         t0 = time.perf_counter()
         await asyncio.to_thread(self.engine.load_weights, update.version, update.buckets, update.is_delta)
-        self.rt.node.set_meta(time_load_weights_s=round(time.perf_counter() - t0, 4))
+        self.rt.node.set_meta(time_load_weights_s=round(time.perf_counter() - t0, 4),
+                              weight_load_bytes=self.inbox.taken_bytes)
 
     def make_weights_update(self) -> Callable[[], object] | None:
         """Partial rollout: the engine polls this (from its worker thread) at decode-step

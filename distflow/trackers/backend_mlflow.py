@@ -8,7 +8,8 @@ machine. Only the tracking client is needed (``mlflow-skinny`` with SQLAlchemy a
 no server, UI or pandas). The run's id is kept in ``OUTPUT_DIR/trackers.json``, so a
 resumed run continues the same MLflow run.
 
-Step metrics keep their names; evaluation metrics are ``eval/NAME``. A step's sample table
+Step metrics go by verl's names where verl has the figure (:mod:`distflow.trackers.names`), the
+others keep their flat keys; evaluation metrics are ``eval/NAME``. A step's sample table
 is the artifact ``samples/step_NNNNNN.json`` in the split layout MLflow's ``log_table``
 writes (``{"columns": [...], "data": [[...], ...]}``), so ``mlflow.load_table`` reads it.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distflow.trackers.base import SAMPLE_COLUMNS, Tracker
+from distflow.trackers.names import tracker_name
 
 
 def tracking_uri(explicit: str | None, output_dir: Path) -> str:
@@ -51,16 +53,18 @@ class MlflowTracker(Tracker):
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
 
-    def _log(self, step: int, metrics: dict[str, float], prefix: str) -> None:
+    def _log(self, step: int, metrics: dict[str, float], prefix: str | None) -> None:
+        """``prefix`` None: a step's metrics, by their tracker names; else evaluation's, ``prefix`` + key."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(prefix + k, v, now, step) for k, v in metrics.items() if k != "step"]
+        batch = [Metric(tracker_name(k, "") if prefix is None else prefix + k, v, now, step)
+                 for k, v in metrics.items() if k != "step"]
         for i in range(0, len(batch), 1000):  # MLflow's limit per log_batch
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._log(step, metrics, "")
+        self._log(step, metrics, None)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         self._log(step, metrics, "eval/")

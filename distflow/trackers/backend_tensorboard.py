@@ -3,7 +3,8 @@
 Written with torch's SummaryWriter (torch is there anyway; the ``tensorboard`` package
 supplies the event-file protos). A resumed run opens the writer with ``purge_step``, so
 TensorBoard hides the earlier attempt's events of the steps trained again, as metrics.jsonl
-drops them. Step metrics go under ``train/``, evaluation under ``eval/``, and each step's
+drops them. Step metrics go by verl's names where verl has the figure (``response_length/mean``:
+:mod:`distflow.trackers.names`), the others under ``train/``; evaluation under ``eval/``; each step's
 sample table is a markdown text summary ``samples`` at that step (every step kept).
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distflow.trackers.base import SAMPLE_COLUMNS, Tracker
+from distflow.trackers.names import tracker_name
 
 
 class TensorBoardTracker(Tracker):
@@ -27,7 +29,7 @@ class TensorBoardTracker(Tracker):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
             if k != "step":
-                self.writer.add_scalar(f"train/{k}", v, step)
+                self.writer.add_scalar(tracker_name(k), v, step)
         self.writer.flush()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:

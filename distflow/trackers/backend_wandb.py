@@ -8,9 +8,11 @@ labelled by its node id, with no collector process of ours): every node of a clu
 derives the same run id from the output directory and run name, so a requeued or resumed
 attempt continues the same run too.
 
-Steps: training rows use ``train/step`` and evaluation rows ``eval/step`` as their x axes
-(``define_metric``), because evaluation rows arrive after later training steps and W&B
-drops rows logged at a step below its current one. Each step's sample table is a
+Names: a step's metrics go by verl's names where verl has the figure
+(:mod:`distflow.trackers.names`), the others as ``train/KEY``. Steps: training rows use
+``train/step`` and evaluation rows ``eval/step`` as their x axes (``define_metric``), because
+evaluation rows arrive after later training steps and W&B drops rows logged at a step below
+its current one. Each step's sample table is a
 ``wandb.Table`` logged under ``samples``: every logged table is kept, not overwritten.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from distflow.trackers.base import SAMPLE_COLUMNS, Tracker
+from distflow.trackers.names import tracker_name, verl_groups
 
 
 def run_id(output_dir: Path, run_name: str) -> str:
@@ -46,13 +49,14 @@ class WandbTracker(Tracker):
         self.run = wandb.init(project=project, name=run_name, id=run_id(output_dir, run_name), resume="allow",
                               dir=str(output_dir), config=config, reinit="create_new", **kwargs)
         self.run.define_metric("train/step")
-        self.run.define_metric("train/*", step_metric="train/step")
+        for group in ("train", *verl_groups()):  # verl's names (actor/..., perf/...) too
+            self.run.define_metric(f"{group}/*", step_metric="train/step")
         self.run.define_metric("eval/step")
         self.run.define_metric("eval/*", step_metric="eval/step")
         self.run.define_metric("samples", step_metric="train/step")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log({"train/step": step, **{f"train/{k}": v for k, v in metrics.items() if k != "step"}})
+        self.run.log({"train/step": step, **{tracker_name(k): v for k, v in metrics.items() if k != "step"}})
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log({"eval/step": step, **{f"eval/{k}": v for k, v in metrics.items() if k != "step"}})

@@ -44,7 +44,7 @@ from distflow.device import collective_device, node_device
 from distflow.hf import load_tokenizer, meta_causal_lm
 from distflow.launch.checkpoint import read_run_state
 from distflow.rl.registry import POLICY_LOSSES, resolve
-from distflow.rl.shaping import response_loss_mask, trained_samples, trained_token_counts
+from distflow.rl.shaping import response_loss_mask, trained_samples, trained_token_counts, trained_token_mask
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
@@ -340,10 +340,8 @@ class Actor:
                     loss, metrics = self._loss(loss_fn, mb, keep, inputs, lp, ent, kl_coef, normalizer,
                                                seq_normalizer)
                     kept = sum(n for n, k in zip(inputs.response_lens, keep.tolist()) if k)  # host numbers
-                    trained = torch.repeat_interleave(keep, mb.tensors["response_lens"])
-                    sampled = response_loss_mask(mb)  # an episode's observation tokens are not trained
-                    if sampled is not None:
-                        trained = trained & sampled
+                    trained = trained_token_mask(mb, cfg)  # an episode's observation tokens are not trained
+                    if response_loss_mask(mb) is not None:
                         kept = int(trained.sum())  # (a CPU tensor: no device sync)
                     trained = trained.to(ent.device, non_blocking=True)
                     # entropy over the tokens the loss trains on (a select, not a boolean index: no sync)

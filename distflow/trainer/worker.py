@@ -9,8 +9,10 @@ the step's metrics. Samples older than ``max_staleness`` versions are refused.
 
 Every step's metrics say where its time went: waiting for samples, the pre-update logprob
 pass, the update, the weight gather + publish (measured here), generation and weight
-loading at the rollout nodes (read from their mesh metadata, ``ROLLOUT_TIME_KEYS``), and
-the update's tokens/s and MFU. Rank 0 also puts the stage times in its own metadata for
+loading at the rollout nodes (read from their mesh metadata, ``ROLLOUT_META_KEYS``), and
+the update's tokens/s and MFU; and what the step's samples were (lengths, rewards, advantages,
+staleness, the engine's logprob mismatch: :mod:`distflow.trainer.step_stats`), the peak memory
+and the weight bytes published. Rank 0 also puts the stage times in its own metadata for
 ``distflow status``.
 """
 
@@ -41,6 +43,7 @@ from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
 from distflow.trainer.stages import build_context, save_checkpoint
+from distflow.trainer.step_stats import peak_memory, step_statistics
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
 from distflow.trainer.evaluation import EvalBook
@@ -51,8 +54,9 @@ from distflow.weights import WeightPublisher
 log = logging.getLogger(__name__)
 
 # Keys the rollout nodes put in their mesh metadata (rt.node.set_meta): seconds of their last
-# generation batch and of their last weight load.
+# generation batch and of their last weight load, and the bytes received for that load.
 ROLLOUT_TIME_KEYS = ("time_generate_s", "time_load_weights_s")
+ROLLOUT_META_KEYS = (*ROLLOUT_TIME_KEYS, "weight_load_bytes")
 # Beyond step_timeout_s, how long a collective may wait: while rank 0 alone writes the Hugging
 # Face checkpoint (4 bytes a parameter: 28 GB for 7B, and as much again for a critic) the other
 # ranks wait in the next collective, and the NCCL watchdog would kill the run at the timeout. At
@@ -98,23 +102,12 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
                             world_size=world, timeout=collective, **extra)
 
 
-def step_summary(actor: Actor, batch: SampleBatch, step: int) -> list[float]:
-    """Global sums over the step (a collective): samples, reward, staleness, truncated
-    samples, response tokens."""
-    n = float(len(batch))
-    t = batch.tensors
-    reward = float(t["reward"].sum()) if n else 0.0
-    stale = float((step - t["policy_version"]).sum()) if n else 0.0
-    truncated = float((t["truncated"] == 1).sum()) if n and t.get("truncated") is not None else 0.0
-    return actor._all_reduce([n, reward, stale, truncated, float(t["response_lens"].sum()) if n else 0.0])
-
-
 def rollout_times(member: Callable[[str], Any], rollout_ids: list[str]) -> dict[str, float]:
-    """Mean of the rollout nodes' last reported ``time_generate_s`` / ``time_load_weights_s``
-    (their mesh metadata; ``member`` is ``rt.node.member``); keys absent when no node
-    reported one."""
+    """Mean of the rollout nodes' last reported ``time_generate_s`` / ``time_load_weights_s`` /
+    ``weight_load_bytes`` (their mesh metadata; ``member`` is ``rt.node.member``); keys absent when
+    no node reported one."""
     out: dict[str, float] = {}
-    for key in ROLLOUT_TIME_KEYS:
+    for key in ROLLOUT_META_KEYS:
         vals = [float(m.meta[key]) for i in rollout_ids
                 if (m := member(i)) is not None and isinstance(m.meta.get(key), (int, float))]
         if vals:
@@ -366,10 +359,12 @@ async def run_trainer(rt: Runtime) -> None:
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
         stats = await on_gpu(train_half, pipeline, ctx, batch)
-        n, reward, stale, truncated, resp_tokens = await on_gpu(step_summary, actor, batch, step)
         t_weights = time.perf_counter()
-        await publish(actor.version)
+        published = await publish(actor.version)
         times["time_weights_s"] = time.perf_counter() - t_weights
+        peaks = {**peak_memory(actor.device), "weight_sync_bytes": float(published)}  # a serving rank's: the max
+        summary = await on_gpu(step_statistics, batch, cfg, step, None, peaks)
+        n = summary["samples"]
         times.update(rollout_times(rt.node.member, rollout_ids))
         times.update(throughput(stats, actor.num_params, world, peak))
         now = time.perf_counter()
@@ -380,10 +375,10 @@ async def run_trainer(rt: Runtime) -> None:
         if writer is not None:
             if startup is None and (startup := first_startup(rt, rollout_ids) or None):
                 times.update(startup)
+            tokens = (summary.get("prompt_len_mean", 0.0) + summary["response_len_mean"]) * n  # prompt + response
             writer.write({"step": step, "total_steps": inbox.total, "policy_version": actor.version,
-                          "reward_mean": reward / max(n, 1), "samples": int(n),
-                          "samples_per_s": n / (now - t_last), "staleness_mean": stale / max(n, 1),
-                          "truncated_frac": truncated / max(n, 1), "response_len_mean": resp_tokens / max(n, 1),
+                          **summary, "samples": int(n), "samples_per_s": n / (now - t_last),
+                          "step_time_s": now - t_last, "throughput": tokens / (now - t_last) / world,
                           "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
                           **rollout_stats, **stats, **times})
             trackers.samples(step, batch)
@@ -465,9 +460,9 @@ def publishing(rt: Runtime, actor: Actor, publisher: WeightPublisher, keep: bool
     # The engines run in the compute dtype: publish in it (half the bytes of the fp32 masters).
     dtype = actor.compute_dtype if actor.compute_dtype != torch.float32 else None
 
-    async def publish(version: int) -> None:
+    async def publish(version: int) -> int:  # the bytes this rank holds of the version (0: it serves no peer)
         alloc = publisher.gather_alloc() if actor.device.type == "cpu" and keep else None
         it = iter_weight_buckets(actor.model, bucket, keep=keep, device=actor.device, alloc=alloc, dtype=dtype)
-        await publisher.publish_iter(version, it)
+        return await publisher.publish_iter(version, it)
 
     return publish

@@ -57,6 +57,7 @@ class _Partial:
     def __init__(self, base: int | None, attempt: tuple[str, Any]):
         self.base, self.attempt = base, attempt
         self.buckets: dict[int, dict[str, torch.Tensor]] = {}
+        self.nbytes = 0  # of the buckets received, streamed ones included
 
     def older_than(self, attempt: tuple[str, Any]) -> bool:
         """``attempt`` is an earlier attempt of this one's sender (a late message of an abandoned send)."""
@@ -86,6 +87,9 @@ class WeightInbox:
         self._apply: Callable[[int, dict[str, torch.Tensor]], Any] | None = None
         self._streaming_apply: Callable[[int, dict[str, torch.Tensor]], Any] | None = None
         self.received_bytes = 0
+        # Bytes received for the pending update (its deltas merged in, buckets streamed into the engine
+        # included), and for the update take_update last handed out: the bytes of one weight sync.
+        self.pending_bytes = self.taken_bytes = 0
         self.received = Counter()  # "full" / "delta" versions completed
         self._partial: dict[int, _Partial] = {}
         self.stale_dropped = 0  # bucket messages of an abandoned send that arrived after its successor began
@@ -117,7 +121,8 @@ class WeightInbox:
             self.stale_dropped += 1
             return
         tensors = import_ipc(meta["ipc"], self.device) if "ipc" in meta else dict(env.tensors)
-        self.received_bytes += sum(_nbytes(t) for t in tensors.values())
+        nbytes = sum(_nbytes(t) for t in tensors.values())
+        self.received_bytes += nbytes
         # a new attempt at v (a resend after a timeout or a flap; another sender), or an index seen twice
         # (a sender that does not number its attempts) replaces the partial version: its stale buckets
         # could never match the commit
@@ -130,7 +135,8 @@ class WeightInbox:
                                                              and not self.dirty)):
                 self.streaming, self._streaming_apply = v, self._apply  # a started version streams to its end
                 if base is None:
-                    self.pending = None  # superseded by the version being streamed in
+                    self.pending, self.pending_bytes = None, 0  # superseded by the version being streamed in
+        part.nbytes += nbytes
         if self.streaming == v:
             apply = self._streaming_apply
             assert apply is not None
@@ -170,9 +176,11 @@ class WeightInbox:
         if base is None:
             self.dirty = False
         update = WeightUpdate(v, got, base is not None or streamed)
+        nbytes = part.nbytes
         if update.is_delta and self.pending is not None:  # not applied yet: the delta goes on top of it
             update = WeightUpdate(v, _merge(self.pending.buckets, got), self.pending.is_delta)
-        self.pending = update
+            nbytes += self.pending_bytes
+        self.pending, self.pending_bytes = update, nbytes
         self.received["delta" if base is not None else "full"] += 1
         for old in [k for k in self._partial if k < v]:
             del self._partial[old]
@@ -196,6 +204,7 @@ class WeightInbox:
     def take_update(self) -> WeightUpdate | None:
         """The newest complete weights not yet applied, as buckets (apply each in order), if any."""
         update, self.pending = self.pending, None
+        self.taken_bytes, self.pending_bytes = self.pending_bytes, 0
         return update
 
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
