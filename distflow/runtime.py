@@ -18,6 +18,7 @@ from distflow.buffer.shard import BufferShard
 from distflow.core.aio import woken
 from distflow.transport import Endpoint, Envelope, Transport, make_transport
 from distflow.core.config import Config
+from distflow.core.launch_env import recovering_trainers
 from distflow.core.node import MeshConfig, Member, Node
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,9 @@ class Runtime:
         died (PeerLostError naming it). A trainer this node merely cannot reach (this node is
         cut off: it sees no other member alive) may come back, so that is waited for; so is a
         death younger than the refute window. The nodes that feed the trainers (rollout, worker
-        groups, the controller) all decide with this one rule."""
+        groups, the controller) all decide with this one rule. Under a ``distflow run`` that recovers
+        dead trainers (``recover_retries``) a dead trainer is waited for too: the launcher restarts
+        every rank from a checkpoint (the waits stay bounded by ``step_timeout_s``)."""
         assert self.groups is not None, "trainers_gone needs the groups (form_groups first)"
         node, now = self.node, time.time()
         trainers = [m for t in self.groups.trainer if (m := node.member(t.node_id)) is not None]
@@ -207,7 +210,7 @@ class Runtime:
         if len(states) == len(self.groups.trainer) and all(s == "left" for s in states.values()):
             raise ClusterStopped("every trainer left the mesh")
         dead = {m.node_id: m.since for m in trainers if m.state == "dead"}
-        if not dead:
+        if not dead or recovering_trainers():  # `distflow run` restarts them from a checkpoint: wait for them
             return
         if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
             raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")

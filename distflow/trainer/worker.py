@@ -160,6 +160,8 @@ class SampleInbox:
     wins, repeats are acknowledged and dropped (counted). The rollout stages' counters
     (skipped / resampled / dropped prompts) ride on each shard's part 0 and are summed per step.
     ``num_rows``: the prompt set's row count, as the rollout nodes read it (a resume compares it).
+    A part made for another life of this rank (its ``trainer_lives``: the rollout node had not yet
+    seen this rank restarted from a checkpoint) is dropped: the rollout node generates it again.
     Parts come as messages (:meth:`receive`) or, from rollout nodes on this host, as posts the
     shard reads when it takes a step (:meth:`accept`; ``buffer.redistribute.open_ingress``)."""
 
@@ -168,7 +170,9 @@ class SampleInbox:
         self.total: int | None = None
         self.num_rows: int | None = None
         self.consumed = 0  # steps already taken out of the buffer
-        self.dropped = {"late": 0, "duplicate": 0}
+        self.dropped = {"late": 0, "duplicate": 0, "other_life": 0}
+        me = rt.node.member(rt.node.node_id)
+        self.life = me.meta.get("boot") if me is not None else None  # this process's life (mesh meta "boot")
         self.stage_stats: dict[int, dict[str, float]] = {}
         rt.on_data("samples", self.receive)
         open_ingress(rt.channel, rt.shard, self.accept)
@@ -187,6 +191,10 @@ class SampleInbox:
             self.num_rows = env.meta["num_rows"]
         if step < self.consumed:
             self.dropped["late"] += 1
+            return None
+        lives = env.meta.get("trainer_lives")
+        if isinstance(lives, dict) and lives.get(self.rt.node.node_id, self.life) != self.life:
+            self.dropped["other_life"] += 1  # made for this rank's previous life (before a recovery): regenerated
             return None
         return step, f"shard-{shard}", batch
 
@@ -295,7 +303,10 @@ async def run_trainer(rt: Runtime) -> None:
     if evals is not None and rank == 0:
         evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None,
                                                 name="eval.jsonl"), "log_eval"))
-    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
+    # A trainer restarted from a checkpoint in the same run (recover_retries) keeps the trace of the steps
+    # before it only: the later ones are trained again (like metrics.jsonl's rows).
+    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples,
+                  resume_step=actor.version if cfg.resume_from else None)
     log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
              mine)
 
@@ -306,7 +317,7 @@ async def run_trainer(rt: Runtime) -> None:
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
     rt.node.set_meta(policy_version=step, start_step=step)
-    if step:
+    if step or cfg.resume_from:  # (a recovery from a step-0 checkpoint: the rollout nodes forgot v0)
         inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         await publish(step)
     alive = rollout_liveness(rt, rollout_ids)
@@ -448,7 +459,8 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
 
     publisher = WeightPublisher(rt.channel, peers, rt.endpoint, rt.node.is_alive,
                                 timeout=min(cfg.step_timeout_s, 60.0), sync=cfg.weight_sync,
-                                transport_of=transport_of, bucket_bytes=cfg.weight_bucket_mb << 20)
+                                transport_of=transport_of, bucket_bytes=cfg.weight_bucket_mb << 20,
+                                life=(me.meta.get("boot") if (me := rt.node.member(rt.node.node_id)) else None))
 
     for p in peers:  # the lives they have now: a new one later is a restart
         if (m := rt.node.member(p)) is not None:

@@ -1,0 +1,79 @@
+"""``distflow run``'s recovery of dead trainer ranks: every rank restarted from the newest checkpoint.
+
+Why it exists: the ranks of a torch.distributed group cannot be replaced one by one, so a dead
+trainer rank used to stop the whole run and wait for a person to ``resume_from`` its newest
+checkpoint. The launcher now does that itself, up to ``recover_retries`` times, reusing the one
+resume path (``resume_from``, :mod:`distflow.launch.checkpoint`): it kills the surviving ranks,
+drops the metrics rows of the steps after the checkpoint (they are trained again), and starts
+every trainer rank again with ``resume_from`` set. The rollout nodes keep running: they wait
+for the trainers (:func:`distflow.core.launch_env.recovering_trainers`), see them back in new
+lives, go back to the checkpoint's step, take its weights and generate the later steps again
+with the same seeds (:mod:`distflow.rollout.worker`), so every prompt is trained exactly once.
+
+:func:`distflow.launch.launcher.supervise` decides *when* (a trainer died); this module is *what*.
+docs/recovery.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from distflow.core.config import Config
+from distflow.launch.checkpoint import STATE_FILE, checkpoint_version, newest_checkpoint
+from distflow.launch.children import Child, error_line, exit_text, kill_children
+from distflow.launch.roles import trainers_recoverable
+
+__all__ = ["TrainerRecovery"]
+
+
+class TrainerRecovery:
+    """The recoveries of one run: how many were made, and how to make the next one."""
+
+    def __init__(self, cfg: Config, since: float):
+        self.cfg, self.since = cfg, since  # since: the run's start (never another run's checkpoint)
+        self.attempts = 0
+
+    def possible(self, dead: list[Child]) -> bool:
+        """Whether the death of ``dead`` (non-empty) is recovered: trainer ranks only, a config that
+        allows it (:func:`trainers_recoverable`) and retries left."""
+        return (trainers_recoverable(self.cfg) and all(c.role == "trainer" for c in dead)
+                and self.attempts < self.cfg.recover_retries)
+
+    def checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of this run, else the ``resume_from`` it started from."""
+        ckpt = newest_checkpoint(self.cfg.output_dir, self.since)
+        if ckpt is None and self.cfg.resume_from and (Path(self.cfg.resume_from) / STATE_FILE).is_file():
+            ckpt = Path(self.cfg.resume_from)
+        return ckpt
+
+    def recover(self, children: list[Child], dead: list[Child], tell: Callable[[str], None],
+                rows_dropped: Callable[[int], None]) -> bool:
+        """Restart every trainer rank from the newest checkpoint; False (nothing done but the kill)
+        when there is none. ``rows_dropped(step)``: the metrics rows from ``step`` on were removed."""
+        from distflow.trainer.metrics import MetricsWriter
+
+        trainers = [c for c in children if c.role == "trainer"]
+        kill_children(trainers)  # the survivors first: a checkpoint they were writing counts only if complete
+        ckpt = self.checkpoint()
+        first = dead[0]
+        why = f"{first.node_id} died ({exit_text(first.proc.returncode)}): {error_line(first.log_path)}"
+        if ckpt is None:
+            tell(f"distflow: {why}; no checkpoint to restart the trainers from")
+            return False
+        self.attempts += 1
+        step = checkpoint_version(ckpt)
+        out = Path(self.cfg.output_dir)
+        for name in ("metrics.jsonl", "eval.jsonl"):  # as the restarted rank 0 will: the later steps come again
+            if (out / name).is_file():
+                MetricsWriter(out, resume_step=step, name=name)
+        rows_dropped(step)
+        tell(f"distflow: {why}; restarting the trainers from checkpoint step {step} ({ckpt}) (attempt "
+             f"{self.attempts}/{self.cfg.recover_retries}); the rollout nodes keep running")
+        # The mesh's seed was trainer-0 (dead too): the restarted ranks join through the live nodes.
+        seeds = ",".join(f"{self.cfg.bind_host}:{c.port}" for c in children
+                         if c.role != "trainer" and c.proc.poll() is None)
+        for t in trainers:
+            t.start_again(f"recovery {self.attempts} of {self.cfg.recover_retries}: {t.node_id} from {ckpt}",
+                          (*(("--seeds", seeds) if seeds else ()), f"resume_from={ckpt}"))
+        return True

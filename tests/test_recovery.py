@@ -1,0 +1,92 @@
+"""`distflow run` recovers a dead trainer rank by itself: real processes, a real kill -9.
+
+Every trainer rank is restarted from the newest complete checkpoint while the rollout nodes
+keep running; they go back to the checkpoint's step, take its weights and generate the later
+steps again. Counted by sample id in the trainers' traces (which, like metrics.jsonl, keep only
+what the final weights were trained on), every prompt of the epoch is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections import Counter
+
+from distflow.launch.checkpoint import checkpoint_version
+from distflow.trace import read_trace
+from distflow.trainer.metrics import read_metrics
+from tests.procs import run_pids
+from tests.test_supervise import make_data, node_pid, start_run, wait_rows
+
+
+def test_killed_trainer_rank_is_recovered_from_the_checkpoint_and_every_prompt_trained_once(toy_model, tmp_path):
+    rows, per_step = 40, 4
+    out = tmp_path / "run"
+    proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "rollout_nodes=2",
+                     "save_every=2", "save_interval_s=0", "eval_dataset=null", "eval_every=0", "max_staleness=1")
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "checkpoint-2" / "distflow_state.json").is_file():
+            assert time.monotonic() < deadline, "no checkpoint-2"
+            time.sleep(0.05)
+        subprocess.run(["kill", "-9", str(node_pid(out, "trainer-1"))], check=True)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert "trainer-1 died (killed by SIGKILL)" in err, err[-3000:]
+    line = next(ln for ln in err.splitlines() if "restarting the trainers from checkpoint step" in ln)
+    assert "(attempt 1/3)" in line and "the rollout nodes keep running" in line
+    step = int(line.split("checkpoint step ")[1].split()[0])
+    assert step >= 2
+    steps = rows // per_step
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    trace = read_trace(out)
+    trained = Counter(s for node in ("trainer-0", "trainer-1") for rec in trace[node] for s in rec["sample_ids"])
+    assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
+    assert set(trained.values()) == {1}  # every sample trained exactly once, none lost, none twice
+    # the versions went back with the weights: each step trained on samples of the checkpoint's lineage,
+    # never of the lost steps' weights (those would be newer than the step), within max_staleness
+    for node in ("trainer-0", "trainer-1"):
+        for rec in trace[node]:
+            assert all(rec["step"] - 1 <= v <= rec["step"] for v in rec["policy_versions"]), rec
+    # the rollout nodes were not restarted: one life each, and they generated the steps after the checkpoint again
+    for r in ("rollout-0", "rollout-1"):
+        assert "distflow run: restart" not in (out / "logs" / f"{r}.log").read_text()
+    log0 = (out / "logs" / "rollout-0.log").read_text()
+    assert f"the trainers restarted from the checkpoint of step {step}" in log0, log0[-3000:]
+    assert "distflow run: recovery 1 of 3: trainer-0 from" in (out / "logs" / "trainer-0.log").read_text()
+    assert checkpoint_version(out / "checkpoint") == steps
+    assert not run_pids(out)
+
+
+def test_the_weight_inbox_takes_a_restarted_trainers_older_version_and_drops_its_dead_lifes_messages():
+    """A trainer restarted from a checkpoint publishes the checkpoint's version, older than what
+    the rollout node holds: the inbox takes it (its sender's life is newer), and a late message
+    of the dead life (an older life) is dropped, not taken for the newest weights."""
+    import asyncio
+
+    import torch
+
+    from distflow.transport import Envelope
+    from distflow.weights import WeightInbox
+
+    async def version(inbox: WeightInbox, v: int, life: int) -> None:
+        meta = {"version": v, "base": None, "send": 1, "life": life}
+        await inbox.receive(Envelope("trainer-0", "weights", {**meta, "bucket": 0}, {"w": torch.full((2,), float(v))}))
+        await inbox.receive(Envelope("trainer-0", "weights", {**meta, "commit": True, "num_buckets": 1}))
+
+    async def main() -> None:
+        inbox = WeightInbox()
+        await version(inbox, 5, life=100)
+        assert inbox.version == 5 and inbox.take_update().version == 5
+        await version(inbox, 2, life=200)  # the checkpoint of step 2, from the restarted trainer
+        assert inbox.version == 2
+        update = inbox.take_update()
+        assert update.version == 2 and not update.is_delta and float(update.buckets[0]["w"][0]) == 2.0
+        await version(inbox, 6, life=100)  # late, from the dead process
+        assert inbox.version == 2 and inbox.pending is None and inbox.stale_dropped == 2  # bucket, commit
+        assert inbox.follow("trainer-0", 300) and inbox.version == -1  # the mesh shows a newer life first
+
+    asyncio.run(main())
