@@ -36,10 +36,12 @@ from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.transport.select import weight_tier
 from distflow.weights.tiers import serving_plan
+from distflow.core.launch_env import run_start
 from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_order
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
+from distflow.trainer.async_save import CheckpointWriter
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.gather import iter_weight_buckets
 from distflow.rl.eval_report import EVAL_KIND, eval_points, eval_progress
@@ -277,8 +279,10 @@ async def run_trainer(rt: Runtime) -> None:
     def on_gpu(fn: Any, *args: Any) -> Any:
         return asyncio.to_thread(call_on, dev, fn, *args)
 
-    async def checkpoint(name: str) -> None:  # a collective gather; rank 0 writes
-        await on_gpu(save_checkpoint, ctx, out_dir / name, None, run_state())
+    async def checkpoint(name: str) -> None:
+        """A collective gather to host memory; the files are written in the background (rank 0
+        the weights and the marker, every rank its optimizer shard: trainer.async_save)."""
+        await on_gpu(save_checkpoint, ctx, out_dir / name, None, run_state(), saving)
 
     actor = await on_gpu(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
     ctx = await on_gpu(build_context, cfg, pipeline, actor)
@@ -292,7 +296,11 @@ async def run_trainer(rt: Runtime) -> None:
     publisher = make_publisher(rt, mine)
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
-    saves = PeriodicSaves(cfg)
+    saves = PeriodicSaves(cfg, since=run_start())
+    critic = any(n.role.value == "CRITIC" for n in cfg.workflow)
+    # One checkpoint written at a time in the background (trainer.async_save), each within as long as a
+    # collective may wait for it.
+    saving = await on_gpu(CheckpointWriter, cfg.step_timeout_s + checkpoint_write_allowance(cfg.model_path, critic))
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
     trackers = None
     if rank == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
@@ -407,10 +415,11 @@ async def run_trainer(rt: Runtime) -> None:
             due = (await on_gpu(all_reduce, [float(due)], dist.ReduceOp.MAX))[0] > 0
         if due:  # save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
             await checkpoint(saves.name(step))
-            saves.saved(out_dir, step, remove=rank == 0)
+            saving.after(saves.saved(out_dir, step, remove=rank == 0))  # removals once it is complete
 
     await checkpoint("checkpoint")
-    saves.superseded(remove=rank == 0)
+    saving.after(saves.superseded(remove=rank == 0))
+    await on_gpu(saving.close)  # the final checkpoint complete before the process group goes
     if writer is not None:
         if evals is None:  # else once the final evaluation is in (below)
             await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
