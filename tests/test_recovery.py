@@ -90,3 +90,26 @@ def test_the_weight_inbox_takes_a_restarted_trainers_older_version_and_drops_its
         assert inbox.follow("trainer-0", 300) and inbox.version == -1  # the mesh shows a newer life first
 
     asyncio.run(main())
+
+
+def test_a_rank_whose_step_counter_stays_behind_is_named_stuck_after_hang_timeout_s():
+    """The ranks' step counters (mesh meta ``beat``): equal counts are a shared wait (a collective,
+    samples), never a hang; a count behind mine for hang_s, counted from when it was first seen
+    behind, is a stuck rank, named with its count and mine."""
+    import pytest
+
+    from distflow.runtime import BeatWatch, GroupMemberLost, RankStuck
+
+    watch = BeatWatch(hang_s=30.0)
+    assert watch.stuck({"t0": 4, "t1": 4}, "t0", now=0.0) == []  # together: a shared wait
+    assert watch.stuck({"t0": 4, "t1": 4}, "t0", now=500.0) == []  # however long
+    assert watch.stuck({"t0": 5, "t1": 4}, "t0", now=501.0) == []  # behind from now on, not from t=0
+    assert watch.stuck({"t0": 6, "t1": 4}, "t0", now=530.0) == []
+    assert watch.stuck({"t0": 6, "t1": 4}, "t0", now=531.0) == [("t1", 4, 6, 30.0)]
+    assert watch.stuck({"t0": 6, "t1": 5}, "t0", now=532.0) == []  # it moved: the clock starts again
+    assert watch.stuck({"t0": 6, "t1": 7}, "t0", now=600.0) == []  # ahead of me: its wait, not its hang
+    assert watch.stuck({"t0": 8, "t1": 7}, "t0", now=601.0) == []
+    with pytest.raises(RankStuck, match=r"trainer rank t1 is stuck: its step counter stayed at 7 for 30s while t0 "
+                                        r"reached 8 \(hang_timeout_s\)") as e:
+        watch.check({"t0": 8, "t1": 7}, 631.0, "t0", "trainer")
+    assert isinstance(e.value, GroupMemberLost) and e.value.node_ids == ["t1"]  # treated as dead

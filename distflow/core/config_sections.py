@@ -215,6 +215,12 @@ class TrainerSection(Section):
         "out). Every rank agrees (they save when any of them is due); the previous time-based checkpoint is "
         "removed once the next is written (those of `save_every` are kept). 0: only `save_every` and the "
         "final `checkpoint/`"))
+    hang_timeout_s: float = Field(30.0, ge=0, description=(
+        "a trainer rank whose step counter (its `beat` in the mesh: two a step, at the step's start and end) "
+        "stays behind another rank's this long is named as stuck, and the ranks that see it stop (so `distflow "
+        "run` recovers the trainers). Raise it where one rank's own part of a step (its weight publish to the "
+        "rollout nodes it serves) may take longer. 0: off (a hang in a collective is bounded by "
+        "`collective_timeout_s`)"))
     keep_checkpoints: int = Field(0, ge=0, description=(
         "keep only the N newest `checkpoint-N/` directories of this run (older ones are removed once a newer one "
         "is complete); 0: keep every `save_every` checkpoint. The final `checkpoint/` is always kept"))
@@ -337,7 +343,12 @@ class TransportSection(Section):
         "weight-sync bucket size in MiB: the trainer gathers, sends and the rollout applies one bucket at a time"))
     step_timeout_s: float = Field(600.0, gt=0, description=(
         "longest wait for one step's samples or weights; the trainer ranks' collectives may wait 30 min more, or "
-        "as long as the fp32 checkpoint takes to write at 50 MB/s if that is longer"))
+        "as long as the fp32 checkpoint takes to write at 50 MB/s if that is longer (`collective_timeout_s`)"))
+    collective_timeout_s: float | None = Field(None, gt=0, description=(
+        "the trainer ranks' process-group timeout (gloo / NCCL), for every collective and the background "
+        "checkpoint writes: a rank that waits longer fails, and `distflow run` recovers the trainers "
+        "(`recover_retries`). null: `step_timeout_s` plus 30 min, or plus the time the fp32 checkpoint takes to "
+        "write at 50 MB/s if that is longer (not torch's own default)"))
 
 
 class MeshSection(Section):

@@ -75,12 +75,20 @@ def checkpoint_write_allowance(model_path: str, critic: bool) -> float:
     return max(CHECKPOINT_WRITE_ALLOWANCE_S, written / CHECKPOINT_WRITE_BPS)
 
 
+def collective_timeout_s(cfg: Any) -> float:
+    """How long a collective (and a background checkpoint write) may wait: ``collective_timeout_s``,
+    else ``step_timeout_s`` plus :func:`checkpoint_write_allowance`, never torch's own default."""
+    if cfg.collective_timeout_s is not None:
+        return cfg.collective_timeout_s
+    critic = any(n.role.value == "CRITIC" for n in cfg.workflow)
+    return cfg.step_timeout_s + checkpoint_write_allowance(cfg.model_path, critic)
+
+
 async def init_process_group(rt: Runtime, groups: Groups) -> None:
     """The trainer group's torch.distributed group. Rank 0 opens the rendezvous store on
     any free port and gossips it; the others read it from rank 0's metadata. On CUDA the
     group is bound to this node's GPU (``device_id``), so device-less collectives such as
-    ``barrier`` use it from any thread. Collectives may wait ``step_timeout_s`` plus
-    :func:`checkpoint_write_allowance`."""
+    ``barrier`` use it from any thread. Collectives may wait :func:`collective_timeout_s`."""
     head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
     if groups.rank == 0:
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, rt.cfg.rendezvous_port, world, is_master=True,
@@ -94,8 +102,7 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
                                                                 timeout=timeout))
     cuda = rt.cfg.device == "cuda"
     extra = {"device_id": node_device("cuda")} if cuda else {}
-    critic = any(n.role.value == "CRITIC" for n in rt.cfg.workflow)
-    collective = timeout + timedelta(seconds=checkpoint_write_allowance(rt.cfg.model_path, critic))
+    collective = timedelta(seconds=collective_timeout_s(rt.cfg))
     await asyncio.to_thread(dist.init_process_group, "nccl" if cuda else "gloo", store=store, rank=groups.rank,
                             world_size=world, timeout=collective, **extra)
 
@@ -297,10 +304,9 @@ async def run_trainer(rt: Runtime) -> None:
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
     saves = PeriodicSaves(cfg, since=run_start())
-    critic = any(n.role.value == "CRITIC" for n in cfg.workflow)
     # One checkpoint written at a time in the background (trainer.async_save), each within as long as a
     # collective may wait for it.
-    saving = await on_gpu(CheckpointWriter, cfg.step_timeout_s + checkpoint_write_allowance(cfg.model_path, critic))
+    saving = await on_gpu(CheckpointWriter, collective_timeout_s(cfg))
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
     trackers = None
     if rank == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
@@ -324,7 +330,7 @@ async def run_trainer(rt: Runtime) -> None:
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
-    rt.node.set_meta(policy_version=step, start_step=step)
+    rt.node.set_meta(policy_version=step, start_step=step, beat=2 * step)  # beat: Runtime.watch_group
     if step or cfg.resume_from:  # (a recovery from a step-0 checkpoint: the rollout nodes forgot v0)
         inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         await publish(step)
@@ -347,6 +353,9 @@ async def run_trainer(rt: Runtime) -> None:
                 "data_order": data_order(cfg, rows)}
 
     while inbox.total is None or step < inbox.total:
+        # The step counter the other ranks watch (two a step: its start, its end): a rank whose count stays
+        # behind another's for hang_timeout_s is named stuck (Runtime.watch_group).
+        rt.node.set_meta(beat=2 * step)
         t_wait = time.perf_counter()
         batch: SampleBatch | None = None
         error: Exception | None = None
@@ -393,7 +402,7 @@ async def run_trainer(rt: Runtime) -> None:
         times.update(throughput(stats, actor.num_params, world, peak))
         now = time.perf_counter()
         stages = {k: round(v, 4) for k, v in {**stats, **times}.items() if k in STAGE_KEYS}
-        rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1),
+        rt.node.set_meta(policy_version=actor.version, step=step, beat=2 * step + 1, samples_per_s=round(n / (now - t_last), 1),
                          **stages)
         rollout_stats = with_generated_mean(inbox.stage_stats.pop(step, {}))  # the counters ride on part 0 (rank 0)
         if writer is not None:
