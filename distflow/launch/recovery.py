@@ -34,10 +34,13 @@ class TrainerRecovery:
         self.cfg, self.since = cfg, since  # since: the run's start (never another run's checkpoint)
         self.attempts = 0
 
-    def possible(self, dead: list[Child]) -> bool:
+    def possible(self, children: list[Child], dead: list[Child]) -> bool:
         """Whether the death of ``dead`` (non-empty) is recovered: trainer ranks only, a config that
-        allows it (:func:`trainers_recoverable`) and retries left."""
-        return (trainers_recoverable(self.cfg) and all(c.role == "trainer" for c in dead)
+        allows it (:func:`trainers_recoverable`), retries left, and rollout nodes still to generate
+        (one that finished had the final weights: trainers restarted from an older step would wait
+        for samples nobody makes any more, and stop short of the run's steps)."""
+        finished = [c for c in children if c.role != "trainer" and c.proc.poll() == 0]
+        return (trainers_recoverable(self.cfg) and all(c.role == "trainer" for c in dead) and not finished
                 and self.attempts < self.cfg.recover_retries)
 
     def checkpoint(self) -> Path | None:
@@ -53,14 +56,15 @@ class TrainerRecovery:
         when there is none. ``rows_dropped(step)``: the metrics rows from ``step`` on were removed."""
         from distflow.trainer.metrics import MetricsWriter
 
+        first = dead[0]
+        why = f"{first.node_id} died ({exit_text(first.proc.returncode)}): {error_line(first.log_path)}"
+        if self.checkpoint() is None:  # (the survivors are left to the usual stop, and to report what they saw)
+            tell(f"distflow: {why}; no checkpoint of this run to restart the trainers from")
+            return False
         trainers = [c for c in children if c.role == "trainer"]
         kill_children(trainers)  # the survivors first: a checkpoint they were writing counts only if complete
         ckpt = self.checkpoint()
-        first = dead[0]
-        why = f"{first.node_id} died ({exit_text(first.proc.returncode)}): {error_line(first.log_path)}"
-        if ckpt is None:
-            tell(f"distflow: {why}; no checkpoint to restart the trainers from")
-            return False
+        assert ckpt is not None  # (one was complete before the kill; none is removed by it)
         self.attempts += 1
         step = checkpoint_version(ckpt)
         out = Path(self.cfg.output_dir)

@@ -352,6 +352,8 @@ class RolloutLoop:
             if t in self.inbox.lives:  # the trainer that serves this node: its checkpoint's weights come next
                 self.inbox.follow(t, b)
         self.lives = lives
+        if self.evaluator is not None:  # its points are fixed again, from the checkpoint's step (evaluated anew)
+            self.evaluator.todo = None
         log.warning("rollout rank %d: the trainers restarted from the checkpoint of step %d; generating from step "
                     "%d again with its weights", groups.rank, steps[0], steps[0])
         return steps[0]
