@@ -277,7 +277,8 @@ class RolloutLoop:
             resuming = bool(cfg.resume_from) and start is None and done == 0
             if self.evaluator is not None and not resuming and await self.evaluator.if_due(start, done):
                 stalled_since = time.monotonic()
-            if not todo or resuming or inbox.version < min(todo)[0] - cfg.max_staleness:
+            # (version -1: the trainers restarted and their checkpoint's weights are not in yet)
+            if not todo or resuming or inbox.version < max(0, min(todo)[0] - cfg.max_staleness):
                 # Nothing to do, (staleness bound) weights too old, or a resumed run's step unknown: wait.
                 if time.monotonic() - stalled_since > cfg.step_timeout_s:
                     raise TimeoutError(f"no progress for {cfg.step_timeout_s:.0f}s (weights v{inbox.version}, "
