@@ -113,3 +113,44 @@ def test_a_rank_whose_step_counter_stays_behind_is_named_stuck_after_hang_timeou
                                         r"reached 8 \(hang_timeout_s\)") as e:
         watch.check({"t0": 8, "t1": 7}, 631.0, "t0", "trainer")
     assert isinstance(e.value, GroupMemberLost) and e.value.node_ids == ["t1"]  # treated as dead
+
+
+def test_recovery_is_refused_when_it_cannot_reproduce_the_run(toy_model, toy_data, tmp_path):
+    """Which deaths are recovered: trainer ranks only, while retries are left, not once a rollout node
+    finished (nobody would generate the steps after the checkpoint), not with a controller or worker
+    groups between; and from which checkpoint: this run's newest complete one, else its resume_from."""
+    from types import SimpleNamespace
+
+    from distflow.core.config import load_config
+    from distflow.launch.checkpoint import mark_checkpoint
+    from distflow.launch.recovery import TrainerRecovery
+    from tests.conftest import ROOT
+
+    def child(node_id: str, role: str, code):
+        return SimpleNamespace(node_id=node_id, role=role, proc=SimpleNamespace(poll=lambda: code, returncode=code))
+
+    def cfg(*more: str):
+        return load_config(ROOT / "examples" / "grpo_quickstart.yaml", [
+            f"model_path={toy_model}", f"dataset={toy_data}", "toy_model=false", f"output_dir={tmp_path}", *more])
+
+    dead = [child("trainer-1", "trainer", -9)]
+    running = [child("trainer-0", "trainer", None), dead[0], child("rollout-0", "rollout", None)]
+    recovery = TrainerRecovery(cfg("recover_retries=2"), since=0.0)
+    assert recovery.possible(running, dead)
+    recovery.attempts = 2
+    assert not recovery.possible(running, dead)  # retries used up: the run stops as before
+    fresh = TrainerRecovery(cfg(), since=0.0)
+    assert fresh.possible(running, dead)  # recover_retries: 3 by default
+    assert not fresh.possible(running, [child("controller-0", "controller", 1)])
+    assert not fresh.possible(running[:2] + [child("rollout-0", "rollout", 0)], dead)  # it had the final weights
+    assert not TrainerRecovery(cfg("recover_retries=0"), since=0.0).possible(running, dead)
+    assert not TrainerRecovery(cfg("controller=single"), since=0.0).possible(running, dead)
+    assert fresh.checkpoint() is None
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        mark_checkpoint(tmp_path / f"checkpoint-{step}", {"policy_version": step})
+    (tmp_path / "checkpoint-6").mkdir()  # being written when the rank died: never the one
+    assert fresh.checkpoint() == tmp_path / "checkpoint-4"
+    assert TrainerRecovery(cfg(), since=1e12).checkpoint() is None  # another run's checkpoints are not this run's
+    assert TrainerRecovery(cfg(f"resume_from={tmp_path / 'checkpoint-2'}"), since=1e12).checkpoint() == \
+        tmp_path / "checkpoint-2"  # the one it resumed from
