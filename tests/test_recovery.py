@@ -154,3 +154,42 @@ def test_recovery_is_refused_when_it_cannot_reproduce_the_run(toy_model, toy_dat
     assert TrainerRecovery(cfg(), since=1e12).checkpoint() is None  # another run's checkpoints are not this run's
     assert TrainerRecovery(cfg(f"resume_from={tmp_path / 'checkpoint-2'}"), since=1e12).checkpoint() == \
         tmp_path / "checkpoint-2"  # the one it resumed from
+
+
+def test_the_trainer_group_names_a_rank_whose_gossiped_step_counter_stays_behind():
+    """The same on real mesh nodes (in this process): each trainer rank gossips its ``beat``; the
+    group watch of trainer-0 sees trainer-1's count stay behind its own for hang_s and fails
+    naming it (RankStuck, treated as a dead rank), while equal counts never trip it."""
+    import asyncio
+
+    import pytest
+
+    from distflow.runtime import RankStuck, Runtime
+    from tests.test_nodes_inprocess import SECRET, _cfg, _until
+
+    async def main() -> None:
+        cfg = _cfg("trainer_nodes=2")
+        nodes: list[Runtime] = []
+        try:
+            for i, role in enumerate(("trainer", "trainer", "rollout")):
+                rt = Runtime.create(cfg, role, f"{role}-{i % 2 if role == 'trainer' else 0}", SECRET,
+                                    host="127.0.0.1", port=0, data_port=0,
+                                    seeds=[nodes[0].node.address] if nodes else [])
+                await rt.start()
+                nodes.append(rt)
+            t0, t1, _ = nodes
+            await asyncio.gather(*(rt.form_groups() for rt in nodes))
+            t0.node.set_meta(beat=4)
+            t1.node.set_meta(beat=4)
+            watch = asyncio.create_task(t0.watch_group(poll_s=0.05, hang_s=1.0), name="group-watch")
+            await asyncio.sleep(1.5)
+            assert not watch.done()  # together at one count: a shared wait, however long
+            t0.node.set_meta(beat=5)  # trainer-0 ends its step; trainer-1 never does
+            await _until(lambda: watch.done(), "the stuck rank named", timeout=10)
+            with pytest.raises(RankStuck, match="trainer rank trainer-1 is stuck: its step counter stayed at 4 "):
+                watch.result()
+        finally:
+            for rt in nodes:
+                await rt.stop(graceful=False)
+
+    asyncio.run(main())
