@@ -52,8 +52,9 @@ class TrainerRecovery:
 
     def recover(self, children: list[Child], dead: list[Child], tell: Callable[[str], None],
                 rows_dropped: Callable[[int], None]) -> bool:
-        """Restart every trainer rank from the newest checkpoint; False (nothing done but the kill)
-        when there is none. ``rows_dropped(step)``: the metrics rows from ``step`` on were removed."""
+        """Kill every trainer rank and start them again from the newest checkpoint; False (nothing
+        done: the run stops as before) when this run has none. ``rows_dropped(step)``: the metrics
+        rows from ``step`` on were removed."""
         from distflow.trainer.metrics import MetricsWriter
 
         first = dead[0]
