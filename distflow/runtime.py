@@ -18,6 +18,7 @@ from distflow.buffer.shard import BufferShard
 from distflow.core.aio import woken
 from distflow.transport import Endpoint, Envelope, Transport, make_transport
 from distflow.core.config import Config
+from distflow.core.launch_env import recovering_trainers
 from distflow.core.node import MeshConfig, Member, Node
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,9 @@ class Runtime:
         died (PeerLostError naming it). A trainer this node merely cannot reach (this node is
         cut off: it sees no other member alive) may come back, so that is waited for; so is a
         death younger than the refute window. The nodes that feed the trainers (rollout, worker
-        groups, the controller) all decide with this one rule."""
+        groups, the controller) all decide with this one rule. Under a ``distflow run`` that recovers
+        dead trainers (``recover_retries``) a dead trainer is waited for too: the launcher restarts
+        every rank from a checkpoint (the waits stay bounded by ``step_timeout_s``)."""
         assert self.groups is not None, "trainers_gone needs the groups (form_groups first)"
         node, now = self.node, time.time()
         trainers = [m for t in self.groups.trainer if (m := node.member(t.node_id)) is not None]
@@ -207,7 +210,7 @@ class Runtime:
         if len(states) == len(self.groups.trainer) and all(s == "left" for s in states.values()):
             raise ClusterStopped("every trainer left the mesh")
         dead = {m.node_id: m.since for m in trainers if m.state == "dead"}
-        if not dead:
+        if not dead or recovering_trainers():  # `distflow run` restarts them from a checkpoint: wait for them
             return
         if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
             raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
@@ -236,12 +239,16 @@ class Runtime:
                 return dead
             await asyncio.sleep(0.1)
 
-    async def watch_group(self, poll_s: float = 0.25) -> None:
+    async def watch_group(self, poll_s: float = 0.25, hang_s: float | None = None) -> None:
         """Raise GroupMemberLost once a peer of my own group has been dead for the mesh's
         refute window (a node declared dead by mistake refutes in that time). For the trainer group: the
         ranks of a torch.distributed group cannot be replaced, so a dead rank ends the group,
         and the surviving ranks must say which one instead of a transport error, promptly,
-        whatever they are waiting for."""
+        whatever they are waiting for. A peer alive but stuck is treated the same way (RankStuck):
+        its step counter (mesh meta ``beat``) stays behind mine for ``hang_s`` (default
+        ``hang_timeout_s``; 0: not watched): see :class:`BeatWatch`."""
+        hang_s = self.cfg.hang_timeout_s if hang_s is None else hang_s
+        beats = BeatWatch(hang_s)
         while True:
             if self.groups is not None:
                 now, window = time.time(), self.refute_window_s()  # Member.since is time.time()
@@ -249,7 +256,16 @@ class Runtime:
                               if (m := self.node.member(i)) is not None and now - m.since >= window)
                 if gone:
                     raise GroupMemberLost(self.role, gone)
+                if hang_s > 0:
+                    beats.check(self._beats(), time.monotonic(), self.node.node_id, self.role)
             await asyncio.sleep(poll_s)
+
+    def _beats(self) -> dict[str, int]:
+        """The step counter (meta ``beat``) of every alive member of my group, mine included."""
+        group = self.groups.members(self.role) if self.groups is not None else []
+        return {g.node_id: m.meta["beat"] for g in group
+                if (m := self.node.member(g.node_id)) is not None and self.node.is_alive(g.node_id)
+                and type(m.meta.get("beat")) is int}
 
     async def stop(self, graceful: bool = True) -> None:
         """Leave the mesh and close. ``graceful=False`` (this node failed): no leave announcement,
@@ -259,6 +275,42 @@ class Runtime:
             await asyncio.wait_for(self.node.stop(graceful=graceful), timeout=10)
         finally:
             await asyncio.wait_for(self.channel.close(), timeout=10)
+
+
+class BeatWatch:
+    """Which ranks of a group are stuck, from their step counters (``beat``, gossiped in the mesh).
+
+    Ranks of one torch.distributed group move through a step together (its collectives pair
+    them), so a rank whose count stays behind another's for ``hang_s`` is not slow in a shared
+    collective (there the counts stay equal, and ``collective_timeout_s`` bounds the wait) but
+    stuck in its own part of a step (its weight publish, rank 0's metrics and trackers), while
+    its event loop still answers the mesh (else the mesh declares it dead). The time counts
+    from when this node first saw it behind, at that count."""
+
+    def __init__(self, hang_s: float):
+        self.hang_s = hang_s
+        self.behind: dict[str, tuple[int, int, float]] = {}  # peer -> (its beat, mine, since when)
+
+    def stuck(self, beats: dict[str, int], me: str, now: float) -> list[tuple[str, int, int, float]]:
+        """(peer, its beat, my beat, seconds behind) of every peer behind me for ``hang_s`` or more."""
+        mine = beats.get(me)
+        out = []
+        for peer, beat in beats.items():
+            if peer == me or mine is None or beat >= mine:
+                self.behind.pop(peer, None)
+                continue
+            seen = self.behind.get(peer)
+            if seen is None or seen[0] != beat:
+                seen = self.behind[peer] = (beat, mine, now)
+            if now - seen[2] >= self.hang_s:
+                out.append((peer, beat, mine, now - seen[2]))
+        return out
+
+    def check(self, beats: dict[str, int], now: float, me: str, role: str) -> None:
+        """Raise RankStuck naming the stuck peers, if any."""
+        stuck = self.stuck(beats, me, now)
+        if stuck:
+            raise RankStuck(role, stuck, me)
 
 
 def shard_cover(rollout_ids: list[str], alive: Callable[[str], bool], shard: int) -> str | None:
@@ -301,3 +353,15 @@ class GroupMemberLost(PeerLostError):
         self.role, self.node_ids = role, node_ids
         super().__init__(f"{role} rank {', '.join(node_ids)} died (the mesh declared it dead): the {role} group "
                          f"cannot go on without it")
+
+
+class RankStuck(GroupMemberLost):
+    """A member of this node's own worker group is alive but stuck (:class:`BeatWatch`): treated
+    as dead, so the group stops and a supervising launcher restarts it from a checkpoint."""
+
+    def __init__(self, role: str, stuck: list[tuple[str, int, int, float]], me: str):
+        PeerLostError.__init__(self, "; ".join(
+            f"{role} rank {peer} is stuck: its step counter stayed at {beat} for {secs:.0f}s while {me} reached "
+            f"{mine} (hang_timeout_s)" for peer, beat, mine, secs in stuck) + f": the {role} group cannot go on "
+            f"with it; treated as dead")
+        self.role, self.node_ids = role, [peer for peer, *_ in stuck]

@@ -16,14 +16,20 @@ from typing import Any
 class Trace:
     """A node's trace file. A new run starts it empty; a node that ``distflow run`` restarted
     (same id, same run: the file was written after the launcher started, ``DISTFLOW_T0``) appends,
-    so the records of its first life stay."""
+    so the records of its first life stay; a trainer restarted from the checkpoint of step
+    ``resume_step`` keeps only the records before it (the later steps are trained again), so the
+    trainers' traces hold exactly what their weights were trained on."""
 
-    def __init__(self, output_dir: str, node_id: str, enabled: bool):
+    def __init__(self, output_dir: str, node_id: str, enabled: bool, resume_step: int | None = None):
         self.path = Path(output_dir) / "trace" / f"{node_id}.jsonl" if enabled else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not _written_this_run(self.path):
                 self.path.write_text("")
+            elif resume_step is not None:  # a trainer restarted from a checkpoint: its later steps are trained again
+                lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+                kept = [ln for ln in lines if json.loads(ln).get("step", -1) < resume_step]
+                self.path.write_text("".join(ln + "\n" for ln in kept))
 
     def write(self, **record: Any) -> None:
         if self.path is not None:

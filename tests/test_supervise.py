@@ -3,7 +3,8 @@
 - a rollout child killed mid-run: its shard is adopted by the other rollout node, the
   launcher restarts it with the same id and ports, the run completes (exit 0) and every
   sample of the epoch is trained exactly once;
-- a trainer child killed mid-run: every node stops promptly (not after step_timeout_s),
+- a trainer child killed mid-run without ``recover_retries`` (its recovery: tests/test_recovery.py):
+  every node stops promptly (not after step_timeout_s),
   exit 1, and the message names the dead node and the newest checkpoint to resume from;
   the surviving trainer names the dead rank too, not the transport error.
 """
@@ -99,7 +100,7 @@ def test_killed_rollout_child_is_restarted_and_the_run_completes(toy_model, tmp_
 def test_killed_trainer_stops_every_node_naming_it_and_the_checkpoint(toy_model, tmp_path):
     out = tmp_path / "run"
     proc = start_run(out, toy_model, make_data(tmp_path, 800), "trainer_nodes=2", "rollout_nodes=2",
-                     "save_every=2")
+                     "save_every=2", "recover_retries=0")  # (recovery: tests/test_recovery.py)
     try:
         wait_rows(proc, out / "metrics.jsonl", 3)
         deadline = time.monotonic() + 60  # a checkpoint to name (saved at step 2 by both ranks)

@@ -312,11 +312,11 @@ def test_periodic_saves_by_time_by_default_keeping_only_the_newest(tmp_path):
     assert saves.due(2, 10) and not saves.due(10, 10)  # never after the last step: the final checkpoint follows
     for step in (2, 3, 4, 5):
         (tmp_path / saves.name(step)).mkdir()
-        saves.saved(tmp_path, step, remove=True)
+        saves.saved(tmp_path, step, remove=True)()  # (run once the checkpoint is complete)
     # 2 and 3 were time-based (each removed by the next); 4 is save_every's (kept); 5 time-based (newest)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-5"]
     assert not saves.due(6, 10)  # the clock restarted at the last save
-    saves.superseded(remove=True)
+    saves.superseded(remove=True)()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
     assert not PeriodicSaves(cfg.model_copy(update={"save_interval_s": 0.0}), clock=lambda: 1e9).due(3, 10)
     # a save that took 10 s spaces the next to 200 s at least: saving stays under 5% of the run

@@ -215,6 +215,15 @@ class TrainerSection(Section):
         "out). Every rank agrees (they save when any of them is due); the previous time-based checkpoint is "
         "removed once the next is written (those of `save_every` are kept). 0: only `save_every` and the "
         "final `checkpoint/`"))
+    hang_timeout_s: float = Field(30.0, ge=0, description=(
+        "a trainer rank whose step counter (its `beat` in the mesh: two a step, at the step's start and end) "
+        "stays behind another rank's this long is named as stuck, and the ranks that see it stop (so `distflow "
+        "run` recovers the trainers). Raise it where one rank's own part of a step (its weight publish to the "
+        "rollout nodes it serves) may take longer. 0: off (a hang in a collective is bounded by "
+        "`collective_timeout_s`)"))
+    keep_checkpoints: int = Field(0, ge=0, description=(
+        "keep only the N newest `checkpoint-N/` directories of this run (older ones are removed once a newer one "
+        "is complete); 0: keep every `save_every` checkpoint. The final `checkpoint/` is always kept"))
     resume_from: str | None = Field(None, description=(
         "continue from a DistFlow checkpoint directory: weights, sharded optimizer state, and the data position "
         "(the global step; rollout nodes skip to it). Refused, naming the keys, when `seed`, `shuffle`, "
@@ -334,7 +343,12 @@ class TransportSection(Section):
         "weight-sync bucket size in MiB: the trainer gathers, sends and the rollout applies one bucket at a time"))
     step_timeout_s: float = Field(600.0, gt=0, description=(
         "longest wait for one step's samples or weights; the trainer ranks' collectives may wait 30 min more, or "
-        "as long as the fp32 checkpoint takes to write at 50 MB/s if that is longer"))
+        "as long as the fp32 checkpoint takes to write at 50 MB/s if that is longer (`collective_timeout_s`)"))
+    collective_timeout_s: float | None = Field(None, gt=0, description=(
+        "the trainer ranks' process-group timeout (gloo / NCCL), for every collective and the background "
+        "checkpoint writes: a rank that waits longer fails, and `distflow run` recovers the trainers "
+        "(`recover_retries`). null: `step_timeout_s` plus 30 min, or plus the time the fp32 checkpoint takes to "
+        "write at 50 MB/s if that is longer (not torch's own default)"))
 
 
 class MeshSection(Section):
@@ -389,8 +403,15 @@ class LaunchSection(Section):
     torch_threads: int = Field(1, ge=1, description="intra-op threads per node process")
     restarts: int = Field(3, ge=0, description=(
         "`distflow run` restarts a dead rollout node (same id and ports) up to this many times while the others "
-        "cover its shard; a dead trainer rank or controller stops the run, and so does a node that exits 2 (a "
+        "cover its shard; a dead trainer rank is recovered from a checkpoint (`recover_retries`), a dead "
+        "controller stops the run, and so does a node that exits 2 (a "
         "configuration or data error), which is never restarted"))
+    recover_retries: int = Field(3, ge=0, description=(
+        "`distflow run`: when a trainer rank dies, restart every trainer rank from the newest complete "
+        "checkpoint of this run (else `resume_from`) up to this many times, while the rollout nodes keep running, "
+        "take the checkpoint's weights and regenerate the steps after it (docs/recovery.md). 0, after the last "
+        "retry, with no checkpoint to go back to, or with `controller: single` / `worker_groups`: the run stops, "
+        "naming the checkpoint to `resume_from`"))
     trace_samples: bool = Field(False, description="each node writes which sample ids it handled to `output_dir/trace/`")
     # trackers (distflow/trackers; docs/trackers.md): where the run's metrics go besides metrics.jsonl
     trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(["jsonl"], description=(

@@ -21,14 +21,15 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from distflow.core.config import Config
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DATA_ORDER_KEYS", "STATE_FILE", "PeriodicSaves", "check_data_order", "checkpoint_version", "data_order",
-           "mark_checkpoint", "newest_checkpoint", "read_run_state", "resume_hint", "unmark_checkpoint"]
+           "mark_checkpoint", "newest_checkpoint", "prune_checkpoints", "read_run_state", "resume_hint",
+           "unmark_checkpoint"]
 
 STATE_FILE = "distflow_state.json"  # written last by trainer rank 0: its presence makes a directory a checkpoint
 # What decides which prompt rows step k reads (distflow.buffer.dataloader: the permutation seeded by (seed,
@@ -57,16 +58,20 @@ class PeriodicSaves:
     """When a trainer saves between steps: every ``save_every`` steps (kept), and, by default, every
     ``save_interval_s`` seconds (only the newest of those kept), so that the default run loses little
     training to one dead trainer. Never so often that saving costs more than 1/:data:`COST_SHARE` of the
-    run: the interval is at least that many times the last save's duration (a big model's save of
-    minutes spaces them to hours; a toy's, every ``save_interval_s``). Each rank asks :meth:`due` with
-    its own clock; the trainers agree by reducing the answer with MAX (one scalar, next to a step's
-    own collectives: not noticed), so every rank saves at the same step. :meth:`saved` (after the
-    save; rank 0 removes) drops the previous time-based checkpoint of this run."""
+    run: the interval is at least that many times the last save's duration (the time the trainer was
+    blocked: with background writes, the copy to host memory; a big model's save spaces them out; a
+    toy's, every ``save_interval_s``). Each rank asks :meth:`due` with its own clock; the trainers agree
+    by reducing the answer with MAX (one scalar, next to a step's own collectives: not noticed), so
+    every rank saves at the same step. :meth:`saved` (after the save returned) answers what to remove
+    once that checkpoint is complete (rank 0 runs it then): the previous time-based checkpoint of this
+    run, and with ``keep_checkpoints: N`` every ``checkpoint-K`` of this run but the N newest."""
 
     COST_SHARE = 20  # a save takes at most 5% of the run's time
 
-    def __init__(self, cfg: Config, clock=time.monotonic):
+    def __init__(self, cfg: Config, clock=time.monotonic, since: float | None = None):
         self.every, self.interval, self.clock = cfg.save_every, cfg.save_interval_s, clock
+        self.keep = cfg.keep_checkpoints
+        self.since = since  # the run's start (wall clock): an earlier run's checkpoints are never removed
         self.last = self.asked = clock()
         self.cost = 0.0  # the last save's duration (seconds)
         self.previous: Path | None = None  # the last time-based checkpoint this run wrote
@@ -82,21 +87,49 @@ class PeriodicSaves:
     def name(self, step: int) -> str:
         return f"checkpoint-{step}"
 
-    def saved(self, out_dir: Path, step: int, remove: bool) -> None:
-        """After the save at ``step``; ``remove`` (rank 0): the previous time-based one goes, unless
-        ``save_every`` keeps this one or that."""
+    def saved(self, out_dir: Path, step: int, remove: bool) -> Callable[[], None]:
+        """After the save at ``step`` returned; ``remove`` (rank 0): the answer removes the previous
+        time-based one (unless ``save_every`` keeps this one or that) and what ``keep_checkpoints``
+        does not keep. Run it once this checkpoint is complete, never before."""
         self.last = self.clock()
         self.cost = self.last - self.asked
         kept = bool(self.every and step % self.every == 0)
-        if remove and self.previous is not None and self.previous != out_dir / self.name(step):
-            shutil.rmtree(self.previous, ignore_errors=True)
+        previous = self.previous if self.previous != out_dir / self.name(step) else None
         self.previous = None if kept else out_dir / self.name(step)
+        if not remove:
+            return lambda: None
 
-    def superseded(self, remove: bool) -> None:
-        """After the final checkpoint (``remove``: rank 0): the last time-based one is no longer needed."""
-        if remove and self.previous is not None:
-            shutil.rmtree(self.previous, ignore_errors=True)
-        self.previous = None
+        def prune() -> None:
+            if previous is not None:
+                shutil.rmtree(previous, ignore_errors=True)
+            if self.keep:
+                prune_checkpoints(out_dir, self.keep, self.since)
+
+        return prune
+
+    def superseded(self, remove: bool) -> Callable[[], None]:
+        """After the final checkpoint (``remove``: rank 0): what removes the last time-based one, no
+        longer needed once the final one is complete."""
+        previous, self.previous = self.previous, None
+        return (lambda: shutil.rmtree(previous, ignore_errors=True)) if remove and previous is not None else \
+            (lambda: None)
+
+
+def prune_checkpoints(out_dir: Path, keep: int, since: float | None = None) -> list[Path]:
+    """Remove every complete ``checkpoint-K`` of ``out_dir`` (marked since ``since``: this run's)
+    but the ``keep`` newest (by policy version); returns the removed ones. The final ``checkpoint/``,
+    another run's checkpoints and one being written (no marker yet) are never touched."""
+    found = []
+    for d in out_dir.glob("checkpoint-*"):
+        try:
+            found.append((checkpoint_version(d), (d / STATE_FILE).stat().st_mtime, d))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    mine = sorted((f for f in found if since is None or f[1] >= since), reverse=True)
+    removed = [d for _, _, d in mine[keep:]]
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
 
 
 # ---------------------------------------------------------------------- reading and validation

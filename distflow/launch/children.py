@@ -26,8 +26,8 @@ from pathlib import Path
 
 from distflow.core.auth import SECRET_ENV
 from distflow.core.config import Config, ConfigError
-from distflow.core.launch_env import LAUNCHER_PID_ENV, T0_ENV, process_start_time
-from distflow.launch.roles import cluster_nodes
+from distflow.core.launch_env import LAUNCHER_PID_ENV, RECOVER_ENV, T0_ENV, process_start_time
+from distflow.launch.roles import cluster_nodes, trainers_recoverable
 
 STOP_GRACE_S = 15.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -85,10 +85,16 @@ class Child:
     def respawn(self) -> None:
         """Start the node again: same id, same ports, same environment; its log is appended to."""
         self.restarts += 1
+        self.start_again(f"restart {self.restarts} of {self.node_id}")
+
+    def start_again(self, banner: str, overrides: tuple[str, ...] = ()) -> None:
+        """Start the node again under a ``banner`` line in its log (appended to), with config
+        ``overrides`` (``key=value``, e.g. a trainer recovered from a checkpoint's ``resume_from``)
+        after the command's own arguments; same id, same ports, same environment."""
         with self.log_path.open("a") as f:
-            f.write(f"\n----- distflow run: restart {self.restarts} of {self.node_id} -----\n")
+            f.write(f"\n----- distflow run: {banner} -----\n")
             f.flush()
-            self.proc = spawn(self.cmd, f, self.env)
+            self.proc = spawn(self.cmd + list(overrides), f, self.env)
 
 
 def free_ports(host: str, n: int) -> list[int]:
@@ -133,6 +139,8 @@ def start_children(cfg: Config, config_path: Path, secret: str, placement: list)
     env = dict(os.environ, **{SECRET_ENV: secret, "PYTHONUNBUFFERED": "1",
                               "OMP_NUM_THREADS": str(cfg.torch_threads)})
     env.setdefault(T0_ENV, repr(process_start_time()))
+    if trainers_recoverable(cfg):  # a dead trainer is then a pause for the other nodes (launch.recovery)
+        env[RECOVER_ENV] = "1"
     children = []
     for k, node in enumerate(nodes):
         node_id, role = node.node_id, node.kind
@@ -178,6 +186,21 @@ def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
                 pass
             except subprocess.TimeoutExpired:  # e.g. stuck in the GPU driver: go on with the others
                 print(f"distflow: {c.node_id} (pid {c.proc.pid}) did not exit 5 s after SIGKILL", file=sys.stderr)
+
+
+def kill_children(children: list[Child], wait_s: float = 10.0) -> None:
+    """SIGKILL every live child's process group at once and wait (bounded) for them: trainer ranks
+    about to be restarted from a checkpoint have nothing to save, and a SIGTERM would let them
+    leave the mesh gracefully, which the rollout nodes would take for the end of the run."""
+    for c in children:
+        if c.proc.poll() is None:
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if not wait_all(children, wait_s):
+        print(f"distflow: {[c.node_id for c in children if c.proc.poll() is None]} did not exit {wait_s:.0f} s "
+              f"after SIGKILL", file=sys.stderr)
 
 
 def stop_for_checkpoint(children: list[Child], grace_s: float) -> None:

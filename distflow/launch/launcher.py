@@ -10,8 +10,10 @@ by tailing the ``metrics.jsonl`` that trainer rank 0 writes, and supervises like
   ``restarts`` times;
 - a dead node of a worker group (``worker_groups``) is restarted the same way; meanwhile
   the rollout nodes retry their sends to it;
-- a dead trainer rank (or controller) stops every node at once, and the message names
-  it and the newest checkpoint to ``resume_from``;
+- a dead trainer rank: every trainer rank is restarted from the newest complete checkpoint
+  while the rollout nodes keep running (:mod:`distflow.launch.recovery`, up to ``recover_retries``
+  times); after that, or without a checkpoint, or a dead controller, every node stops at once,
+  and the message names it and the newest checkpoint to ``resume_from``;
 - Ctrl-C (or SIGTERM, SIGHUP) stops the rollout nodes first, so the trainers save a final
   checkpoint at their last completed step and exit by themselves (bounded: then SIGTERM, then
   SIGKILL); before the first step has completed there is nothing to save: every node stops at once;
@@ -49,6 +51,7 @@ from distflow.launch.children import (Child, error_line, exit_text, start_childr
 from distflow.launch.placement import plan_placement
 from distflow.launch.preflight import check_functions, check_inputs
 from distflow.launch.progress import Progress, eval_summary
+from distflow.launch.recovery import TrainerRecovery
 from distflow.launch.roles import RESTARTABLE
 from distflow.launch.signals import catch_stop_signals, restore_signals, signum_of, stop_name
 
@@ -280,9 +283,11 @@ def _tell(bar: Progress | None, text: str) -> None:
 
 def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, poll_s: float = 0.2) -> int:
     """Watch the children until the run ends; restart dead rollout nodes (not one that exited
-    ``CONFIG_EXIT``: that stops the run, exit 2). Returns the exit code."""
+    ``CONFIG_EXIT``: that stops the run, exit 2), and every trainer rank from the newest checkpoint
+    when one dies (:class:`TrainerRecovery`, up to ``recover_retries`` times). Returns the exit code."""
     trainers = [c for c in children if c.role == "trainer"]
     handled: set[int] = set()  # pids of dead rollout processes already dealt with
+    recovery = TrainerRecovery(cfg, run_start())
     while True:
         if bar is not None:
             bar.poll()
@@ -296,10 +301,16 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
             stop_children(children)
             return CONFIG_EXIT
         fatal = [c for c in children if c.role not in RESTARTABLE and codes[c.node_id] not in (None, 0)]
+        if fatal and recovery.possible(children, fatal):  # every trainer rank again, from the newest checkpoint
+            if recovery.recover(children, fatal, lambda text: _tell(bar, text),
+                                lambda step: bar.rows_dropped() if bar is not None else None):
+                continue
         if fatal:
             time.sleep(1.0)  # let the nodes that saw the failure report what they saw
             failed = fatal + [c for c in children if c not in fatal and c.proc.poll() not in (None, 0)]
-            _report(failed, cfg, f"{fatal[0].role} {fatal[0].node_id} died, the run cannot go on without it", bar)
+            used = f" (after {recovery.attempts} recoveries, recover_retries)" if recovery.attempts else ""
+            _report(failed, cfg, f"{fatal[0].role} {fatal[0].node_id} died, the run cannot go on without it{used}",
+                    bar)
             stop_children(children)
             return 1
         trainers_running = all(codes[t.node_id] is None for t in trainers)

@@ -91,12 +91,13 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" else []
         if dead:  # name the dead rank, not the transport error it caused here
             failed_here = False
-            from distflow.core.launch_env import run_start
+            from distflow.core.launch_env import recovering_trainers, run_start
             from distflow.launch.checkpoint import resume_hint
             from distflow.runtime import GroupMemberLost
 
-            log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead),
-                      resume_hint(cfg.output_dir, cfg.resume_from, run_start()), type(e).__name__,
+            hint = ("`distflow run` restarts the trainers from the newest checkpoint" if recovering_trainers() else
+                    resume_hint(cfg.output_dir, cfg.resume_from, run_start()))
+            log.error("%s: %s; %s (here: %s: %s)", node_id, GroupMemberLost(role, dead), hint, type(e).__name__,
                       str(e).splitlines()[0][:200] if str(e) else "")
         else:  # a configuration or data error (exit 2), a mesh it could not join: one line, no traceback to read
             from distflow.core.swim_driver import JoinTimeout

@@ -95,6 +95,13 @@ class Progress:
                               else f" (partial: {e.get('eval_shards')} of {e.get('eval_num_shards')} shards)"))
         self.evals_seen = len(evals)
 
+    def rows_dropped(self) -> None:
+        """metrics.jsonl lost its rows after a checkpoint's step (trainers recovered from it): the
+        rows written from now on are new, whatever their count."""
+        from distflow.trainer.metrics import read_metrics
+
+        self.seen = min(self.seen, len(read_metrics(self.path)))
+
     def write(self, text: str) -> None:
         """``text`` on stderr on its own lines: a drawn bar is cleared first and redrawn below it."""
         try:

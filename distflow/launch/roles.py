@@ -17,12 +17,13 @@ from distflow.core.config import Config
 if TYPE_CHECKING:
     from distflow.runtime import Runtime
 
-__all__ = ["KINDS", "NodeSpec", "RESTARTABLE", "cluster_nodes", "node_roles", "role_loop"]
+__all__ = ["KINDS", "NodeSpec", "RESTARTABLE", "cluster_nodes", "node_roles", "role_loop", "trainers_recoverable"]
 
 # ``distflow-node --role``: controller only with `controller: single`; worker: a node of the group of
 # worker_groups named by --group (its mesh role is the group's name).
 KINDS = ("rollout", "trainer", "controller", "worker")
-RESTARTABLE = ("rollout", "worker")  # kinds a dead node of which `distflow run` restarts (a dead trainer ends the run)
+RESTARTABLE = ("rollout", "worker")  # kinds a dead node of which `distflow run` restarts alone (trainers: all ranks
+# at once from a checkpoint, distflow.launch.recovery)
 
 Loop = Callable[["Runtime"], Coroutine[Any, Any, None]]
 
@@ -48,6 +49,14 @@ def cluster_nodes(cfg: Config) -> list[NodeSpec]:
     counts = (("trainer", cfg.trainer_nodes), ("rollout", cfg.rollout_nodes), ("controller", cfg.controller_nodes))
     nodes = [NodeSpec(f"{kind}-{i}", kind) for kind, n in counts for i in range(n)]
     return nodes + [NodeSpec(f"{g}-{i}", "worker", g) for g, n in cfg.worker_groups.items() for i in range(n)]
+
+
+def trainers_recoverable(cfg: Config) -> bool:
+    """Whether `distflow run` restarts dead trainer ranks from a checkpoint (``recover_retries``):
+    only where the rollout nodes feed the trainers directly. A controller (``controller: single``)
+    or a worker group between them holds parts of the dead trainers' steps and does not go back
+    to the checkpoint's step: there the run stops, as before."""
+    return cfg.recover_retries > 0 and cfg.controller_nodes == 0 and not cfg.worker_groups
 
 
 def node_roles(cfg: Config) -> list[tuple[str, str]]:

@@ -18,6 +18,13 @@ when the mesh has declared a trainer dead for a suspicion timeout while this nod
 sees other members alive (so it is not this node that is cut off), or when the other
 trainers left, the node stops at once instead of waiting ``step_timeout_s``.
 
+Under a ``distflow run`` that recovers dead trainers (``recover_retries``) the node waits instead,
+and when every trainer is back in a new life (its mesh ``boot``) it goes back to the step they
+restarted at (their ``start_step``: the checkpoint's), takes the checkpoint's weights (an older
+version: :meth:`WeightInbox.follow`) and generates every later step again with the same seeds;
+the parts it sends name the trainer lives they were made for, and a trainer drops parts made
+for an earlier life of it (:class:`distflow.trainer.worker.SampleInbox`).
+
 With ``eval_dataset`` a node also evaluates held-out prompts when its newest weights reach an
 evaluation point, whether it is about to generate or waiting for weights, and after the final
 weights (:mod:`distflow.rollout.evaluation`).
@@ -85,6 +92,19 @@ def trainers_start_step(rt: Runtime, groups: Groups) -> int | None:
     steps = [m.meta["start_step"] for t in groups.trainer
              if (m := rt.node.member(t.node_id)) is not None and type(m.meta.get("start_step")) is int]
     return max(steps) if steps else None
+
+
+def trainer_lives(rt: Runtime, groups: Groups) -> dict[str, int]:
+    """The life (mesh meta ``boot``) of each trainer alive now: a trainer restarted from a
+    checkpoint (``recover_retries``) has a new one."""
+    return {t.node_id: m.meta["boot"] for t in groups.trainer
+            if rt.node.is_alive(t.node_id) and (m := rt.node.member(t.node_id)) is not None
+            and isinstance(m.meta.get("boot"), int)}
+
+
+class TrainersRestarted(RuntimeError):
+    """The trainers this node works for were restarted from a checkpoint: what it generated since
+    that checkpoint was made with weights that no longer exist, and is generated again."""
 
 
 async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict,
@@ -204,6 +224,7 @@ class RolloutLoop:
                                            groups.trainer[0].node_id, lambda: covered_shards(rt, groups),
                                            self.load_fresh_weights, rank)
         self.trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
+        self.lives = trainer_lives(rt, groups)  # the trainer processes this node generates for
         log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank,
                  self.loaders[rank].num_rows, self.total, [n.id for n in self.pipeline])
         stopped = False
@@ -228,6 +249,15 @@ class RolloutLoop:
         progress: tuple = ()  # (weights version, trainers' step, evaluations) last seen: any moving is progress
         while inbox.version < total:  # until the trainers have published the final version
             rt.trainers_gone()  # raises when they are gone for good
+            restarted = self.trainers_restarted()
+            if restarted is not None:  # every trainer is back from a checkpoint: generate from its step again
+                next_step, stalled_since = dict.fromkeys(next_step, restarted), time.monotonic()
+            if self.trainer_lives_changed():  # some are back, not all say their step yet: wait for them
+                if time.monotonic() - stalled_since > cfg.step_timeout_s:
+                    raise TimeoutError(f"the restarted trainers did not say their start step within "
+                                       f"{cfg.step_timeout_s:.0f}s (step_timeout_s)")
+                await asyncio.sleep(0.2)
+                continue
             # Weights of version v are what v trained steps made: steps below it need no samples (the
             # gossiped step may lag behind them, e.g. right after a resume or on a node that was cut off).
             start = trainers_start_step(rt, groups)
@@ -247,7 +277,8 @@ class RolloutLoop:
             resuming = bool(cfg.resume_from) and start is None and done == 0
             if self.evaluator is not None and not resuming and await self.evaluator.if_due(start, done):
                 stalled_since = time.monotonic()
-            if not todo or resuming or inbox.version < min(todo)[0] - cfg.max_staleness:
+            # (version -1: the trainers restarted and their checkpoint's weights are not in yet)
+            if not todo or resuming or inbox.version < max(0, min(todo)[0] - cfg.max_staleness):
                 # Nothing to do, (staleness bound) weights too old, or a resumed run's step unknown: wait.
                 if time.monotonic() - stalled_since > cfg.step_timeout_s:
                     raise TimeoutError(f"no progress for {cfg.step_timeout_s:.0f}s (weights v{inbox.version}, "
@@ -280,8 +311,13 @@ class RolloutLoop:
                 self._first_batch = True
                 self.report_startup()
             extra = {"total_steps": total, "epoch": epoch, "num_rows": loaders[shard].num_rows,
-                     "stage_stats": stage_stats}
-            await send_parts(rt, groups, batch, step=step, shard=shard, extra=extra, check=rt.trainers_gone)
+                     "stage_stats": stage_stats, "trainer_lives": self.lives}
+            try:
+                self.check_trainers()
+                await send_parts(rt, groups, batch, step=step, shard=shard, extra=extra, check=self.check_trainers)
+            except TrainersRestarted:  # made with weights that are gone: the step is generated again
+                log.warning("rollout rank %d: the trainers restarted; step %d shard %d not sent", rank, step, shard)
+                continue
             if self.trace.path is not None:
                 self.trace.write(step=step, rank=rank, shard=shard, epoch=epoch,
                                  prompt_ids=[r.prompt_id for r in rows], policy_version=engine.version,
@@ -290,6 +326,38 @@ class RolloutLoop:
                              time_generate_s=round(t_gen, 4))
             next_step[shard] = step + 1
             stalled_since = time.monotonic()
+
+    def trainer_lives_changed(self) -> bool:
+        """Whether a trainer alive now is in another life than the one this node generates for."""
+        return any(self.lives.get(t) != b for t, b in trainer_lives(self.rt, self.groups).items())
+
+    def check_trainers(self) -> None:
+        """For ``send_parts``: raise when the trainers are gone for good (``trainers_gone``) or were
+        restarted (:class:`TrainersRestarted`: what is being sent was made for their previous life)."""
+        self.rt.trainers_gone()
+        if self.trainer_lives_changed():
+            raise TrainersRestarted("the trainers were restarted from a checkpoint")
+
+    def trainers_restarted(self) -> int | None:
+        """The step to generate from again once EVERY trainer is alive in a new life and says its
+        start step (the checkpoint's), else None. The weight inbox forgets the dead lives'
+        versions (:meth:`WeightInbox.follow`), so this node waits for the checkpoint's weights."""
+        groups, rt = self.groups, self.rt
+        lives = trainer_lives(rt, groups)
+        if len(lives) < len(groups.trainer) or any(self.lives.get(t) == b for t, b in lives.items()):
+            return None
+        steps = [m.meta.get("start_step") for t in groups.trainer if (m := rt.node.member(t.node_id)) is not None]
+        if not all(type(k) is int for k in steps) or len(set(steps)) != 1:
+            return None
+        for t, b in lives.items():
+            if t in self.inbox.lives:  # the trainer that serves this node: its checkpoint's weights come next
+                self.inbox.follow(t, b)
+        self.lives = lives
+        if self.evaluator is not None:  # its points are fixed again, from the checkpoint's step (evaluated anew)
+            self.evaluator.todo = None
+        log.warning("rollout rank %d: the trainers restarted from the checkpoint of step %d; generating from step "
+                    "%d again with its weights", groups.rank, steps[0], steps[0])
+        return steps[0]
 
     async def load_fresh_weights(self) -> None:
         """Apply the newest complete weights, if any arrived, bucket by bucket in place; the

@@ -411,7 +411,7 @@ class Actor:
         Publishing to rollout nodes streams buckets instead (``gather.iter_weight_buckets``)."""
         return gather_full_state(self.model, keep=self.rank == 0, device=self.device)
 
-    def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor], group: Any = None) -> Callable[[], None]:
         """A Hugging Face directory (model + tokenizer, loadable with from_pretrained, written by
         rank 0; the weights are the fp32 master weights whatever the compute ``dtype``, so a
         resumed run continues exactly; ``from_pretrained(dtype=...)`` casts on load) plus the
@@ -421,11 +421,24 @@ class Actor:
         (after every part).
 
         Rank 0 writes ``state`` through a model built on the meta device, not a second full
-        fp32 copy loaded from ``model_path`` (that doubled host memory at every checkpoint)."""
+        fp32 copy loaded from ``model_path`` (that doubled host memory at every checkpoint).
+
+        Returns what is left to write once the state is in host memory (``state`` is already:
+        ``full_state_dict`` copies): call it, or hand it to a background thread
+        (:class:`distflow.trainer.async_save.CheckpointWriter`); with ``group`` (that writer's gloo
+        group) the optimizer shards are staged to host memory now and written by it too."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_optimizer(self.model, self.optim, out_dir / OPTIM_DIR, self.rank)
-        if self.rank != 0:
-            return
+        optimizer_written = save_optimizer(self.model, self.optim, out_dir / OPTIM_DIR, self.rank, group)
+
+        def finish() -> None:
+            optimizer_written()
+            if self.rank == 0:
+                self._write_model(out_dir, state)
+
+        return finish
+
+    def _write_model(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
+        """Rank 0: the Hugging Face directory of ``state`` (fp32 master weights) and the tokenizer."""
         model = meta_causal_lm(self.cfg.model_path, torch.float32)
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()  # assign replaced the tied parameters with two separate ones
@@ -466,13 +479,20 @@ def checkpoint_writer(path: Path) -> Any:
 NEVER_STEPPED = "never_stepped"  # in an optimizer directory: saved before any optimizer step, no state
 
 
-def save_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path, rank: int) -> None:
+def save_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path, rank: int,
+                   group: Any = None) -> Callable[[], None]:
     """The sharded optimizer state into ``path`` (torch.distributed.checkpoint, every rank its
     shard). A collective. An optimizer that never stepped (a stop before the first update, or
     every step skipped as non-finite) has no state, and ``get_optimizer_state_dict`` would make
     some with a fake step at lr 0, in the live optimizer too: the first real update would then
     take step 2's bias correction (0.74x the step with betas 0.9/0.999). So nothing is saved
-    and a marker says so (the same on every rank: skipped steps are skipped everywhere)."""
+    and a marker says so (the same on every rank: skipped steps are skipped everywhere).
+
+    Returns a wait for the write: with ``group`` (a gloo group of the checkpoint writer's) the
+    state is staged to host memory now and written in torch.distributed.checkpoint's background
+    thread (``dcp.async_save``; its collectives on ``group``, never on the trainer group), and the
+    wait returns once every rank's shard is on disk (on the coordinator, rank 0: it gathers their
+    results before writing the metadata). Without, it is written now."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -480,10 +500,17 @@ def save_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: P
     if not all_reduce([0.0 if optim.state else 1.0], dist.ReduceOp.MAX)[0]:
         if rank == 0:
             marker.unlink(missing_ok=True)  # a directory rewritten in place (checkpoint/)
-        dcp.save({"optim": get_optimizer_state_dict(model, optim)}, storage_writer=checkpoint_writer(path))
+        state = {"optim": get_optimizer_state_dict(model, optim)}
+        if group is None:
+            dcp.save(state, storage_writer=checkpoint_writer(path))
+        else:
+            saving = dcp.async_save(state, storage_writer=checkpoint_writer(path), process_group=group)
+            saving = getattr(saving, "upload_completion", saving)  # (a torch that answers with staging + upload)
+            return lambda: saving.result()
     elif rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         marker.touch()
+    return lambda: None
 
 
 def load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path) -> bool:

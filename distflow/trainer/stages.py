@@ -252,22 +252,46 @@ def build_context(cfg: Config, pipeline: list[WorkflowNode], actor: Any) -> Trai
     return TrainerContext(cfg, actor=actor, critic=critic, rank=rank)
 
 
-def save_checkpoint(ctx: TrainerContext, out_dir: Any, state: dict[str, torch.Tensor] | None, run_state: dict) -> None:
+def save_checkpoint(ctx: TrainerContext, out_dir: Any, state: dict[str, torch.Tensor] | None, run_state: dict,
+                    writer: Any = None) -> None:
     """Actor checkpoint plus, with a critic, ``<out_dir>/critic/`` (a collective). Rank 0 takes
     the completion marker away before anything is written and puts it back only after the last
     part: a checkpoint killed mid-write is never taken for a whole one (``newest_checkpoint``).
     ``state``: the actor's full state dict, or None to gather it here, which lets rank 0 drop its
-    full fp32 copy of the policy before the critic gathers its own (two at once: ~57 GB at 7B)."""
+    full fp32 copy of the policy before the critic gathers its own (two at once: ~57 GB at 7B).
+
+    ``writer`` (a :class:`distflow.trainer.async_save.CheckpointWriter`): this returns once the
+    actor's state is in host memory, and the writer's thread writes the files (with a critic,
+    every part is written here, to hold one full copy at a time; only the marker waits for the
+    writer), then the marker (:meth:`CheckpointWriter.after` runs what waits for it
+    to be complete). Without, everything is written before it returns."""
     from pathlib import Path
 
     from distflow.launch.checkpoint import mark_checkpoint, unmark_checkpoint
 
     out = Path(out_dir)
+    if writer is not None:
+        writer.wait()  # one write at a time (the same directory may be next: checkpoint/ at the end)
     out.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:  # before the first collective of the save: no rank has written anything yet
         unmark_checkpoint(out)
-    ctx.actor.save_checkpoint(out, ctx.actor.full_state_dict() if state is None else state)  # no name holds it after
+    background = writer is not None and ctx.critic is None  # (a critic: the policy's copy goes before its own)
+    group = writer.group if background else None
+    write_actor = ctx.actor.save_checkpoint(out, ctx.actor.full_state_dict() if state is None else state, group)
+    if not background:
+        write_actor()
+        write_actor = None  # no name holds rank 0's full copy of the policy now
     if ctx.critic is not None:
         ctx.critic.save_checkpoint(out)
-    if ctx.rank == 0:
-        mark_checkpoint(out, {"policy_version": ctx.actor.version, **run_state})
+    marker = {"policy_version": ctx.actor.version, **run_state}  # (the version now: training goes on meanwhile)
+
+    def finish() -> None:
+        if write_actor is not None:
+            write_actor()
+        if ctx.rank == 0:
+            mark_checkpoint(out, marker)
+
+    if writer is None:
+        finish()
+    else:
+        writer.submit(out.name, finish)

@@ -38,10 +38,12 @@ from distflow.device import call_on, node_device
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.transport.select import weight_tier
 from distflow.weights.tiers import serving_plan
+from distflow.core.launch_env import run_start
 from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_order
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
+from distflow.trainer.async_save import CheckpointWriter
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.step_stats import peak_memory, step_statistics
 from distflow.trainer.gather import iter_weight_buckets
@@ -77,12 +79,20 @@ def checkpoint_write_allowance(model_path: str, critic: bool) -> float:
     return max(CHECKPOINT_WRITE_ALLOWANCE_S, written / CHECKPOINT_WRITE_BPS)
 
 
+def collective_timeout_s(cfg: Any) -> float:
+    """How long a collective (and a background checkpoint write) may wait: ``collective_timeout_s``,
+    else ``step_timeout_s`` plus :func:`checkpoint_write_allowance`, never torch's own default."""
+    if cfg.collective_timeout_s is not None:
+        return cfg.collective_timeout_s
+    critic = any(n.role.value == "CRITIC" for n in cfg.workflow)
+    return cfg.step_timeout_s + checkpoint_write_allowance(cfg.model_path, critic)
+
+
 async def init_process_group(rt: Runtime, groups: Groups) -> None:
     """The trainer group's torch.distributed group. Rank 0 opens the rendezvous store on
     any free port and gossips it; the others read it from rank 0's metadata. On CUDA the
     group is bound to this node's GPU (``device_id``), so device-less collectives such as
-    ``barrier`` use it from any thread. Collectives may wait ``step_timeout_s`` plus
-    :func:`checkpoint_write_allowance`."""
+    ``barrier`` use it from any thread. Collectives may wait :func:`collective_timeout_s`."""
     head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
     if groups.rank == 0:
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, rt.cfg.rendezvous_port, world, is_master=True,
@@ -96,8 +106,7 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
                                                                 timeout=timeout))
     cuda = rt.cfg.device == "cuda"
     extra = {"device_id": node_device("cuda")} if cuda else {}
-    critic = any(n.role.value == "CRITIC" for n in rt.cfg.workflow)
-    collective = timeout + timedelta(seconds=checkpoint_write_allowance(rt.cfg.model_path, critic))
+    collective = timedelta(seconds=collective_timeout_s(rt.cfg))
     await asyncio.to_thread(dist.init_process_group, "nccl" if cuda else "gloo", store=store, rank=groups.rank,
                             world_size=world, timeout=collective, **extra)
 
@@ -153,6 +162,8 @@ class SampleInbox:
     wins, repeats are acknowledged and dropped (counted). The rollout stages' counters
     (skipped / resampled / dropped prompts) ride on each shard's part 0 and are summed per step.
     ``num_rows``: the prompt set's row count, as the rollout nodes read it (a resume compares it).
+    A part made for another life of this rank (its ``trainer_lives``: the rollout node had not yet
+    seen this rank restarted from a checkpoint) is dropped: the rollout node generates it again.
     Parts come as messages (:meth:`receive`) or, from rollout nodes on this host, as posts the
     shard reads when it takes a step (:meth:`accept`; ``buffer.redistribute.open_ingress``)."""
 
@@ -161,7 +172,9 @@ class SampleInbox:
         self.total: int | None = None
         self.num_rows: int | None = None
         self.consumed = 0  # steps already taken out of the buffer
-        self.dropped = {"late": 0, "duplicate": 0}
+        self.dropped = {"late": 0, "duplicate": 0, "other_life": 0}
+        me = rt.node.member(rt.node.node_id)
+        self.life = me.meta.get("boot") if me is not None else None  # this process's life (mesh meta "boot")
         self.stage_stats: dict[int, dict[str, float]] = {}
         rt.on_data("samples", self.receive)
         open_ingress(rt.channel, rt.shard, self.accept)
@@ -180,6 +193,10 @@ class SampleInbox:
             self.num_rows = env.meta["num_rows"]
         if step < self.consumed:
             self.dropped["late"] += 1
+            return None
+        lives = env.meta.get("trainer_lives")
+        if isinstance(lives, dict) and lives.get(self.rt.node.node_id, self.life) != self.life:
+            self.dropped["other_life"] += 1  # made for this rank's previous life (before a recovery): regenerated
             return None
         return step, f"shard-{shard}", batch
 
@@ -262,8 +279,10 @@ async def run_trainer(rt: Runtime) -> None:
     def on_gpu(fn: Any, *args: Any) -> Any:
         return asyncio.to_thread(call_on, dev, fn, *args)
 
-    async def checkpoint(name: str) -> None:  # a collective gather; rank 0 writes
-        await on_gpu(save_checkpoint, ctx, out_dir / name, None, run_state())
+    async def checkpoint(name: str) -> None:
+        """A collective gather to host memory; the files are written in the background (rank 0
+        the weights and the marker, every rank its optimizer shard: trainer.async_save)."""
+        await on_gpu(save_checkpoint, ctx, out_dir / name, None, run_state(), saving)
 
     actor = await on_gpu(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
     ctx = await on_gpu(build_context, cfg, pipeline, actor)
@@ -277,7 +296,10 @@ async def run_trainer(rt: Runtime) -> None:
     publisher = make_publisher(rt, mine)
     publish = publishing(rt, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
-    saves = PeriodicSaves(cfg)
+    saves = PeriodicSaves(cfg, since=run_start())
+    # One checkpoint written at a time in the background (trainer.async_save), each within as long as a
+    # collective may wait for it.
+    saving = await on_gpu(CheckpointWriter, collective_timeout_s(cfg))
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
     trackers = None
     if rank == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
@@ -288,7 +310,10 @@ async def run_trainer(rt: Runtime) -> None:
     if evals is not None and rank == 0:
         evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None,
                                                 name="eval.jsonl"), "log_eval"))
-    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
+    # A trainer restarted from a checkpoint in the same run (recover_retries) keeps the trace of the steps
+    # before it only: the later ones are trained again (like metrics.jsonl's rows).
+    trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples,
+                  resume_step=actor.version if cfg.resume_from else None)
     log.info("trainer rank %d/%d: pipeline %s, serves weights to %s", rank, world, [n.id for n in pipeline],
              mine)
 
@@ -298,8 +323,8 @@ async def run_trainer(rt: Runtime) -> None:
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
-    rt.node.set_meta(policy_version=step, start_step=step)
-    if step:
+    rt.node.set_meta(policy_version=step, start_step=step, beat=2 * step)  # beat: Runtime.watch_group
+    if step or cfg.resume_from:  # (a recovery from a step-0 checkpoint: the rollout nodes forgot v0)
         inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         await publish(step)
     alive = rollout_liveness(rt, rollout_ids)
@@ -321,6 +346,9 @@ async def run_trainer(rt: Runtime) -> None:
                 "data_order": data_order(cfg, rows)}
 
     while inbox.total is None or step < inbox.total:
+        # The step counter the other ranks watch (two a step: its start, its end): a rank whose count stays
+        # behind another's for hang_timeout_s is named stuck (Runtime.watch_group).
+        rt.node.set_meta(beat=2 * step)
         t_wait = time.perf_counter()
         batch: SampleBatch | None = None
         error: Exception | None = None
@@ -369,7 +397,7 @@ async def run_trainer(rt: Runtime) -> None:
         times.update(throughput(stats, actor.num_params, world, peak))
         now = time.perf_counter()
         stages = {k: round(v, 4) for k, v in {**stats, **times}.items() if k in STAGE_KEYS}
-        rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1),
+        rt.node.set_meta(policy_version=actor.version, step=step, beat=2 * step + 1, samples_per_s=round(n / (now - t_last), 1),
                          **stages)
         rollout_stats = with_generated_mean(inbox.stage_stats.pop(step, {}))  # the counters ride on part 0 (rank 0)
         if writer is not None:
@@ -391,10 +419,11 @@ async def run_trainer(rt: Runtime) -> None:
             due = (await on_gpu(all_reduce, [float(due)], dist.ReduceOp.MAX))[0] > 0
         if due:  # save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
             await checkpoint(saves.name(step))
-            saves.saved(out_dir, step, remove=rank == 0)
+            saving.after(saves.saved(out_dir, step, remove=rank == 0))  # removals once it is complete
 
     await checkpoint("checkpoint")
-    saves.superseded(remove=rank == 0)
+    saving.after(saves.superseded(remove=rank == 0))
+    await on_gpu(saving.close)  # the final checkpoint complete before the process group goes
     if writer is not None:
         if evals is None:  # else once the final evaluation is in (below)
             await asyncio.to_thread(plot_reward_curve, writer.path, out_dir / "reward_curve.png")
@@ -443,7 +472,8 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
 
     publisher = WeightPublisher(rt.channel, peers, rt.endpoint, rt.node.is_alive,
                                 timeout=min(cfg.step_timeout_s, 60.0), sync=cfg.weight_sync,
-                                transport_of=transport_of, bucket_bytes=cfg.weight_bucket_mb << 20)
+                                transport_of=transport_of, bucket_bytes=cfg.weight_bucket_mb << 20,
+                                life=(me.meta.get("boot") if (me := rt.node.member(rt.node.node_id)) else None))
 
     for p in peers:  # the lives they have now: a new one later is a restart
         if (m := rt.node.member(p)) is not None:

@@ -93,6 +93,7 @@ class WeightInbox:
         self.received = Counter()  # "full" / "delta" versions completed
         self._partial: dict[int, _Partial] = {}
         self.stale_dropped = 0  # bucket messages of an abandoned send that arrived after its successor began
+        self.lives: dict[str, int] = {}  # sender -> its newest life seen (a restarted trainer has a newer one)
         self._changed = asyncio.Condition()
 
     async def receive(self, env: Envelope) -> None:
@@ -104,6 +105,11 @@ class WeightInbox:
         except (KeyError, TypeError, ValueError) as e:
             release_ipc(meta.get("ipc") if isinstance(meta, dict) else None)
             raise ValueError(f"weights message from {env.sender} has bad meta {meta!r}: {e}") from None
+        life = meta.get("life")
+        if isinstance(life, int) and not self.follow(env.sender, life):  # a late message of a dead trainer
+            release_ipc(meta.get("ipc"))
+            self.stale_dropped += 1
+            return
         if v <= self.version:  # an old version (e.g. resent after an ack timeout): newer weights are here
             release_ipc(meta.get("ipc"))  # never opened, so the exporter's IPC counts go back now
             return
@@ -187,6 +193,22 @@ class WeightInbox:
         async with self._changed:
             self.version = v
             self._changed.notify_all()
+
+    def follow(self, sender: str, life: int) -> bool:
+        """Whether messages of ``sender``'s life ``life`` (its mesh meta "boot") count: False for an
+        older life than one already seen (a late message of a process that died). A newer life of a
+        known sender is a trainer restarted from a checkpoint (``recover_retries``): what this inbox
+        holds is forgotten (version -1, nothing pending or half received), so the checkpoint's
+        version is taken although it is older, and the node regenerates from there. Called on every
+        message, and by the rollout loop as soon as the mesh shows the new life (before its weights)."""
+        known = self.lives.get(sender)
+        if known is not None and life < known:
+            return False
+        self.lives[sender] = life
+        if known is not None and life > known:
+            self.version, self.pending, self.streaming, self._partial = -1, None, None, {}
+            self.dirty = True  # the engine holds weights of the dead life: only a full version applies
+        return True
 
     def stream_to(self, apply: Callable[[int, dict[str, torch.Tensor]], Any] | None) -> None:
         """Apply the next versions' buckets as they arrive: ``apply(version, bucket)`` (sync or async;

@@ -28,7 +28,8 @@ behind.
 
 Wire (data-plane messages of kind ``weights``): bucket messages ``{"version", "bucket": k,
 "base", "send"}`` with the tensors (or ``"ipc"`` descriptors), then one commit ``{"version",
-"commit": True, "num_buckets", "base", "send"}``; ``send`` numbers the publisher's attempts at
+"commit": True, "num_buckets", "base", "send"}``, each with the sender's ``life`` when it has
+one; ``send`` numbers the publisher's attempts at
 sending a version (a resend after a failure is a new attempt). Buckets may reach the handler
 in any order: several are in flight, each handler runs in its own task, and a big bucket (an
 embedding) is copied or streamed longer than the small one sent after it. Rollout side
@@ -115,13 +116,16 @@ class WeightPublisher:
     def __init__(self, channel: Transport, peers: list[str], endpoint_of: Callable[[str], Endpoint],
                  is_alive: Callable[[str], bool], timeout: float, *, sync: str = "full",
                  transport_of: Callable[[str], str] | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 max_delta_lag: int = MAX_DELTA_LAG):
+                 max_delta_lag: int = MAX_DELTA_LAG, life: int | None = None):
         if sync not in SYNC_MODES:
             raise ValueError(f"weight_sync must be one of {SYNC_MODES}, got {sync!r}")
         self.channel, self.endpoint_of, self.is_alive, self.timeout = channel, endpoint_of, is_alive, timeout
         self.sync, self.bucket_bytes, self.max_delta_lag = sync, bucket_bytes, max_delta_lag
         self.transport_of = transport_of or (lambda _peer: "channel")
         self.peers = list(peers)
+        # This trainer process's life (its mesh meta "boot"), on every message: a rollout node tells the
+        # weights of trainers restarted from a checkpoint (an older version, accepted) from late ones.
+        self.life = {} if life is None else {"life": life}
         self._plan_staging({self.transport_of(p) for p in self.peers})  # an impossible tier fails here, at start
         self._pool = PinnedPool()
         self._streams: dict[str, tuple[Any, Any]] = {}  # device -> (export stream, owner)
@@ -404,7 +408,7 @@ class WeightPublisher:
                 if not names:
                     continue
                 part = src if len(names) == len(src) else {n: src[n] for n in names}
-                meta: dict[str, Any] = {"version": v, "bucket": sent, "base": base, "send": send_id}
+                meta: dict[str, Any] = {"version": v, "bucket": sent, "base": base, "send": send_id, **self.life}
                 if len(window) >= SEND_WINDOW:
                     done, window = await asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED)
                     for t in done:  # every one looked at (no "exception never retrieved"), the first raised
@@ -420,7 +424,8 @@ class WeightPublisher:
                 await t
             window = set()
             await self.channel.send(endpoint, "weights", {"version": v, "commit": True, "num_buckets": sent,
-                                                          "base": base, "send": send_id}, {}, timeout=self.timeout)
+                                                          "base": base, "send": send_id, **self.life}, {},
+                                    timeout=self.timeout)
             self.stats["messages"] += sent + 1
             self.stats["delta_versions" if base is not None else "full_versions"] += 1
         finally:

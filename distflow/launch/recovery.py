@@ -1,0 +1,84 @@
+"""``distflow run``'s recovery of dead trainer ranks: every rank restarted from the newest checkpoint.
+
+Why it exists: the ranks of a torch.distributed group cannot be replaced one by one, so a dead
+trainer rank used to stop the whole run and wait for a person to ``resume_from`` its newest
+checkpoint. The launcher now does that itself, up to ``recover_retries`` times, reusing the one
+resume path (``resume_from``, :mod:`distflow.launch.checkpoint`): it kills the surviving ranks,
+drops the metrics rows of the steps after the checkpoint (they are trained again), and starts
+every trainer rank again with ``resume_from`` set. The rollout nodes keep running: they wait
+for the trainers (:func:`distflow.core.launch_env.recovering_trainers`), see them back in new
+lives, go back to the checkpoint's step, take its weights and generate the later steps again
+with the same seeds (:mod:`distflow.rollout.worker`), so every prompt is trained exactly once.
+
+:func:`distflow.launch.launcher.supervise` decides *when* (a trainer died); this module is *what*.
+docs/recovery.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from distflow.core.config import Config
+from distflow.launch.checkpoint import STATE_FILE, checkpoint_version, newest_checkpoint
+from distflow.launch.children import Child, error_line, exit_text, kill_children
+from distflow.launch.roles import trainers_recoverable
+
+__all__ = ["TrainerRecovery"]
+
+
+class TrainerRecovery:
+    """The recoveries of one run: how many were made, and how to make the next one."""
+
+    def __init__(self, cfg: Config, since: float):
+        self.cfg, self.since = cfg, since  # since: the run's start (never another run's checkpoint)
+        self.attempts = 0
+
+    def possible(self, children: list[Child], dead: list[Child]) -> bool:
+        """Whether the death of ``dead`` (non-empty) is recovered: trainer ranks only, a config that
+        allows it (:func:`trainers_recoverable`), retries left, and rollout nodes still to generate
+        (one that finished had the final weights: trainers restarted from an older step would wait
+        for samples nobody makes any more, and stop short of the run's steps)."""
+        finished = [c for c in children if c.role != "trainer" and c.proc.poll() == 0]
+        return (trainers_recoverable(self.cfg) and all(c.role == "trainer" for c in dead) and not finished
+                and self.attempts < self.cfg.recover_retries)
+
+    def checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of this run, else the ``resume_from`` it started from."""
+        ckpt = newest_checkpoint(self.cfg.output_dir, self.since)
+        if ckpt is None and self.cfg.resume_from and (Path(self.cfg.resume_from) / STATE_FILE).is_file():
+            ckpt = Path(self.cfg.resume_from)
+        return ckpt
+
+    def recover(self, children: list[Child], dead: list[Child], tell: Callable[[str], None],
+                rows_dropped: Callable[[int], None]) -> bool:
+        """Kill every trainer rank and start them again from the newest checkpoint; False (nothing
+        done: the run stops as before) when this run has none. ``rows_dropped(step)``: the metrics
+        rows from ``step`` on were removed."""
+        from distflow.trainer.metrics import MetricsWriter
+
+        first = dead[0]
+        why = f"{first.node_id} died ({exit_text(first.proc.returncode)}): {error_line(first.log_path)}"
+        if self.checkpoint() is None:  # (the survivors are left to the usual stop, and to report what they saw)
+            tell(f"distflow: {why}; no checkpoint of this run to restart the trainers from")
+            return False
+        trainers = [c for c in children if c.role == "trainer"]
+        kill_children(trainers)  # the survivors first: a checkpoint they were writing counts only if complete
+        ckpt = self.checkpoint()
+        assert ckpt is not None  # (one was complete before the kill; none is removed by it)
+        self.attempts += 1
+        step = checkpoint_version(ckpt)
+        out = Path(self.cfg.output_dir)
+        for name in ("metrics.jsonl", "eval.jsonl"):  # as the restarted rank 0 will: the later steps come again
+            if (out / name).is_file():
+                MetricsWriter(out, resume_step=step, name=name)
+        rows_dropped(step)
+        tell(f"distflow: {why}; restarting the trainers from checkpoint step {step} ({ckpt}) (attempt "
+             f"{self.attempts}/{self.cfg.recover_retries}); the rollout nodes keep running")
+        # The mesh's seed was trainer-0 (dead too): the restarted ranks join through the live nodes.
+        seeds = ",".join(f"{self.cfg.bind_host}:{c.port}" for c in children
+                         if c.role != "trainer" and c.proc.poll() is None)
+        for t in trainers:
+            t.start_again(f"recovery {self.attempts} of {self.cfg.recover_retries}: {t.node_id} from {ckpt}",
+                          (*(("--seeds", seeds) if seeds else ()), f"resume_from={ckpt}"))
+        return True
