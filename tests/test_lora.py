@@ -185,6 +185,23 @@ def test_a_sync_the_engine_did_not_apply_exactly_is_an_error_naming_the_version(
     engine.close()
 
 
+def test_a_trainer_rank_checks_what_its_rollout_nodes_report_applying():
+    from distflow.core.mesh import Member
+    from distflow.trainer.worker import check_reported_adapters
+
+    def member(node_id: str, meta: dict) -> Member:
+        return Member(node_id, "rollout", "127.0.0.1", 7000, "alive", 1, meta, 100.0, 0.0)
+
+    published = {3: "a" * 32, 4: "b" * 32}  # what this rank published, by version
+    members = {"r0": member("r0", {"weights_version": 4, "weights_checksum": "b" * 32}),
+               "r1": member("r1", {"weights_version": 2, "weights_checksum": "c" * 32}),  # not this rank's version
+               "r2": member("r2", {}),  # nothing applied yet
+               "r3": member("r3", {"weights_version": 3, "weights_checksum": "b" * 32})}
+    check_reported_adapters(members.get, ["r0", "r1", "r2", "gone"], published)
+    with pytest.raises(RuntimeError, match=r"weights v3: rollout node r3 applied an adapter with checksum 'b+'"):
+        check_reported_adapters(members.get, ["r0", "r3"], published)
+
+
 def test_checkpoint_is_a_peft_adapter_directory(trained, toy_model, tmp_path):
     from peft import PeftModel
 

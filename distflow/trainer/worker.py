@@ -365,7 +365,7 @@ async def run_trainer(rt: Runtime) -> None:
         published = await publish(actor.version)
         times["time_weights_s"] = time.perf_counter() - t_weights
         if cfg.lora is not None:
-            check_reported_adapters(rt, mine, publish.checksums)
+            check_reported_adapters(rt.node.member, mine, publish.checksums)
         peaks = {**peak_memory(actor.device), "weight_sync_bytes": float(published)}  # a serving rank's: the max
         summary = await on_gpu(step_statistics, batch, cfg, step, None, peaks)
         n = summary["samples"]
@@ -495,13 +495,14 @@ def digested(it: Any, digest: AdapterDigest) -> Any:
         yield b
 
 
-def check_reported_adapters(rt: Runtime, peers: list[str], published: dict[int, str]) -> None:
+def check_reported_adapters(member: Callable[[str], Any], peers: list[str], published: dict[int, str]) -> None:
     """LoRA: each rollout node this rank serves gossips the version its engine holds and the checksum
     of the adapter it applied (``weights_version`` / ``weights_checksum``); one that differs from
     what this rank published for that version is an error naming the node and the version: the
-    node would otherwise sample from another policy than the one trained (its base, as a rule)."""
+    node would otherwise sample from another policy than the one trained (its base, as a rule).
+    ``member``: ``rt.node.member``."""
     for p in peers:
-        m = rt.node.member(p)
+        m = member(p)
         v = m.meta.get("weights_version") if m is not None else None
         if not isinstance(v, int) or v not in published:
             continue
