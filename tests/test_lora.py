@@ -252,6 +252,12 @@ def test_lora_config_is_validated_naming_the_key(toy_model):
     cfg = load_config(EXAMPLE, [f"model_path={toy_model}", "lora.target_modules=[qproj]"])
     with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['qproj'\] matches no nn.Linear module.*'q_proj'"):
         inject_lora(load_causal_lm(str(toy_model), torch.float32), cfg.lora)
+    from distflow.core.config_explain import explain
+
+    assert explain("lora.rank").splitlines()[:4] == [
+        "model.lora.rank  (flat: lora.rank)",
+        "  section: model: The policy model (and the critic's starting point), and the dtype everything computes in.",
+        "  type:    int (> 0)", "  default: 8"]
     assert load_config(EXAMPLE).lora.model_dump() == {
         "rank": 16, "alpha": 24.0, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]}

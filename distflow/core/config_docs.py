@@ -233,15 +233,22 @@ def default_text(field: FieldInfo) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
+def nested_section(field: FieldInfo) -> type[Section] | None:
+    """The section a field holds (``model.lora``: ``LoraSection``, or null), if it holds one."""
+    for t in (field.annotation, *typing.get_args(field.annotation)):
+        if isinstance(t, type) and issubclass(t, Section):
+            return t
+    return None
+
+
 def _rows(model: Any) -> list[tuple[str, FieldInfo]]:
     """A section's fields, each followed by the fields of a nested section it holds (``lora`` ->
     ``lora.rank``, ...), so every key a user can write has its row."""
     out = []
     for key, field in model.model_fields.items():
         out.append((key, field))
-        for t in (field.annotation, *typing.get_args(field.annotation)):
-            if isinstance(t, type) and issubclass(t, Section):
-                out.extend((f"{key}.{sub}", f) for sub, f in t.model_fields.items())
+        if (inner := nested_section(field)) is not None:
+            out.extend((f"{key}.{sub}", f) for sub, f in inner.model_fields.items())
     return out
 
 
