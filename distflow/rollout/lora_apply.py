@@ -58,6 +58,7 @@ class AdapterTarget:
             self.expected[a] = (n, (self.rank, m.in_features))
             self.expected[b] = (n, (m.out_features, self.rank))
         self.held: dict[str, torch.Tensor] = {}  # the adapter applied now (fp32, on the engine's device)
+        self._checksum: str | None = None  # of ``held``, computed once per applied version (the node asks often)
 
     def validate(self, version: int, weights: Weights, partial: bool = False) -> list[Mapping[str, torch.Tensor]]:
         """Check every bucket's names (adapter tensors of the target modules only), shapes and values;
@@ -87,6 +88,7 @@ class AdapterTarget:
         """Hold the new A/B tensors (fp32 copies) and re-merge every module they touch:
         ``W = W_base + scale * B @ A`` in fp32, cast to the live weight's dtype, copied in place."""
         touched = set()
+        self._checksum = None
         for b in buckets:
             for k, v in b.items():
                 module = self.expected[k][0]
@@ -101,7 +103,9 @@ class AdapterTarget:
 
     def checksum(self) -> str | None:
         """The checksum of the adapter this engine applied (None: none yet), as the trainer computes it."""
-        return adapter_checksum(self.held) if self.held else None
+        if self._checksum is None and self.held:
+            self._checksum = adapter_checksum(self.held)
+        return self._checksum
 
 
 def verify_applied(engine: Any, checksums: Mapping[int, str | None]) -> tuple[int, str | None]:
