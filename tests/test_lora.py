@@ -31,6 +31,27 @@ def _cfg(toy_model, *overrides):
                                  "grad_clip=1000", "lr=0.01", *overrides])
 
 
+def test_two_sharded_ranks_train_the_adapters_as_one_rank(tmp_path, toy_model):
+    """The injected meta model of rank 1 receives rank 0's base and adapter initialisation, and two
+    uneven FSDP2 ranks take the same step as one rank (tests/test_actor.py's harness, with LoRA)."""
+    import torch.distributed as dist
+
+    from tests.test_actor import _forked, _two_ranks
+
+    assert not dist.is_initialized()  # first in this file: the forked ranks join groups of their own
+    lora = ["lora.rank=4", "lora.target_modules=[q_proj,v_proj,down_proj,lm_head]"]
+    two = _two_ranks(tmp_path, toy_model, "two", lora)
+    out = str(tmp_path / "one.pt")
+    _forked(1, (1, str(tmp_path / "one.store"), str(toy_model), ["kl_coef=0.01", "lr=0.01", *lora], out))
+    one = torch.load(out)
+    assert set(one["state"]) == set(two["state"]) and all(is_adapter(n) for n in one["state"])
+    assert len(one["state"]) == 2 * (3 * 2 + 1)
+    for key in ("loss", "pg_loss", "kl", "grad_norm"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
+    for name, t in one["state"].items():  # (a lora_A did not move: B was 0; every lora_B did)
+        assert torch.allclose(t, two["state"][name], atol=1e-5), name
+
+
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
     """This pytest process as a one-rank gloo group (FileStore: no port to race for)."""
