@@ -123,7 +123,8 @@ def synchronous_run(cfg: Config, steps: int | None = None) -> Iterator[dict[str,
         plan = cfg.plan()
         rollout, trainer = plan.pipeline(ROLLOUT), plan.pipeline(TRAINER)
         loader = PromptShard(cfg.dataset, 0, 1, seed=cfg.seed, shuffle=cfg.shuffle)
-        engine = make_engine("torch", cfg.model_path, dtype=cfg.dtype)  # a CPU or one-GPU reference: no vLLM
+        engine = make_engine("torch", cfg.model_path, dtype=cfg.dtype,  # a CPU or one-GPU reference: no vLLM
+                             **({"lora": cfg.lora.model_dump()} if cfg.lora is not None else {}))
         actor = Actor(cfg, with_reference=any(n.role.value == "REFERENCE" for n in trainer))
         ctx = build_context(cfg, trainer, actor)
         limit = steps if steps is not None else (cfg.max_steps or None)  # as the nodes: max_steps ends the run

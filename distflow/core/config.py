@@ -157,6 +157,9 @@ class Config(BaseModel):
             raise ValueError(f"gpus: {self.gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
         if self.device == "cpu" and self.engine == "vllm":
             raise ValueError("engine: vllm runs on GPUs only, but device is cpu; use engine: torch (or device: cuda)")
+        if self.lora is not None and self.engine != "torch":
+            raise ValueError(f"lora: the {self.engine} engine cannot apply LoRA adapters a weight sync sends; use "
+                             "engine: torch (or lora: null)")
         if self.device == "cpu" and self.weight_transport in ("cuda_ipc", "nccl"):
             raise ValueError(f"weight_transport: {self.weight_transport} moves weights between GPUs, but device is "
                              "cpu; use weight_transport: auto or channel (or device: cuda)")

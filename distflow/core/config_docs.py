@@ -18,7 +18,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from distflow.core.config_sections import FLAT_KEYS, SECTIONS
+from distflow.core.config_sections import FLAT_KEYS, SECTIONS, Section
 
 GENERATOR = "python3 -m distflow.core.config_docs > docs/configuration.md"
 
@@ -202,6 +202,8 @@ def type_text(annotation: Any) -> str:
         return "[" + ", ".join(type_text(a) for a in args) + "]"
     if typing.get_origin(annotation) is typing.Annotated:
         return type_text(args[0])
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return "mapping (its keys below)"
     name = getattr(annotation, "__name__", str(annotation))
     return {"str": "string", "bool": "bool", "int": "int", "float": "float", "WorkflowNode": "workflow node"}.get(name, name)
 
@@ -231,6 +233,25 @@ def default_text(field: FieldInfo) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
+def nested_section(field: FieldInfo) -> type[Section] | None:
+    """The section a field holds (``model.lora``: ``LoraSection``, or null), if it holds one."""
+    for t in (field.annotation, *typing.get_args(field.annotation)):
+        if isinstance(t, type) and issubclass(t, Section):
+            return t
+    return None
+
+
+def _rows(model: Any) -> list[tuple[str, FieldInfo]]:
+    """A section's fields, each followed by the fields of a nested section it holds (``lora`` ->
+    ``lora.rank``, ...), so every key a user can write has its row."""
+    out = []
+    for key, field in model.model_fields.items():
+        out.append((key, field))
+        if (inner := nested_section(field)) is not None:
+            out.extend((f"{key}.{sub}", f) for sub, f in inner.model_fields.items())
+    return out
+
+
 def generate() -> str:
     """The whole of docs/configuration.md."""
     names = ", ".join(f"`{s}`" for s in SECTIONS)
@@ -242,7 +263,7 @@ def generate() -> str:
         out.append(f"## `{name}`: {doc[0][0].lower() + doc[0][1:].rstrip('.')}\n")
         out.extend(f"{p.strip()}\n" for p in doc[1:])
         out.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
-        for key, field in model.model_fields.items():
+        for key, field in _rows(model):
             kind = type_text(field.annotation) + (f" ({bounds_text(field)})" if bounds_text(field) else "")
             default = default_text(field)
             out.append(f"| `{key}` | {_escape(kind)} | {default if default == 'required' else f'`{_escape(default)}`'} | "

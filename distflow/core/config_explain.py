@@ -15,7 +15,7 @@ from typing import Sequence
 
 import yaml
 
-from distflow.core.config_docs import bounds_text, default_text, type_text
+from distflow.core.config_docs import bounds_text, default_text, nested_section, type_text
 from distflow.core.config_keys import ConfigError, field_of, suggest
 from distflow.core.config_sections import SECTIONS
 
@@ -30,6 +30,11 @@ def explain(name: str) -> str:
         lines += [f"  {name}.{key}" for key in model.model_fields]
         return "\n".join(lines)
     found = field_of(name)
+    parent, _, sub = name.rpartition(".")
+    outer = field_of(parent) if found is None and parent else None  # a key of a nested section: lora.rank
+    inner = nested_section(outer[2]) if outer is not None else None
+    if inner is not None and sub in inner.model_fields:
+        found = (outer[0], f"{outer[1]}.{sub}", inner.model_fields[sub])
     if found is None:
         section, _, key = name.rpartition(".")
         raise ConfigError(f"{name}: unknown key{suggest(key, section if section in SECTIONS else None)}")

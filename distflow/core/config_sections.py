@@ -32,6 +32,29 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
+class LoraSection(Section):
+    """LoRA (``model.lora``): train low-rank adapters over a frozen base (PEFT, docs/lora.md)."""
+
+    rank: int = Field(8, gt=0, description="rank r of every adapter (`A: r x in`, `B: out x r`)")
+    alpha: float = Field(16.0, gt=0, description=(
+        "scaling numerator: the adapter adds `alpha / rank * B @ A` to each target weight (PEFT's `lora_alpha`)"))
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      min_length=1, description=(
+        "names of the `nn.Linear` modules that get an adapter: a module matches when its name is the entry or ends "
+        "with `.` + the entry (PEFT's rule), e.g. `q_proj`, `mlp.down_proj`. Non-empty; the trainer refuses a list "
+        "that matches no linear module of the model, naming `model.lora.target_modules` and the modules it has"))
+    dropout: float = Field(0.0, ge=0, lt=1, description=(
+        "dropout on the adapter's input while training (PEFT's `lora_dropout`); the engine samples without it, so "
+        "a nonzero value makes the trainer's logprobs of a sample differ from the sampler's"))
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if any(not t.strip() for t in v):
+            raise ValueError(f"every target module must be a non-empty module name, got {v}")
+        return v
+
+
 class ModelSection(Section):
     """The policy model (and the critic's starting point), and the dtype everything computes in."""
 
@@ -55,6 +78,12 @@ class ModelSection(Section):
     critic_path: str | None = Field(None, description=(
         "PPO critic initialisation: a saved critic directory or any Hugging Face causal LM (null: `model_path`, "
         "with a zero-initialised scalar value head)"))
+    lora: LoraSection | None = Field(None, description=(
+        "train LoRA adapters instead of the whole policy: `{rank, alpha, target_modules, dropout}` (docs/lora.md). "
+        "Only the adapters train (the base is frozen, sharded by FSDP2 like the rest), only adapter tensors go to "
+        "the rollout nodes at a weight sync, whose engine merges them into its base weights and reports a checksum "
+        "of what it applied (a mismatch stops the run, naming the version); the checkpoint is a PEFT adapter "
+        "directory. `engine: torch` only. null: full fine-tuning"))
 
 
 class DataSection(Section):

@@ -34,6 +34,7 @@ from distflow.rollout.llama_forward import KV_CACHE_FRACTION, LlamaRunner, empty
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_finite_logprobs,
                                        check_model_dir, parse_dtype, validate_prompts)
 from distflow.rollout.sampling import counter_uniform, sample_rows, seed_key
+from distflow.rollout.lora_apply import AdapterTarget
 from distflow.rollout.weight_loading import WeightTarget
 
 __all__ = ["TorchEngine"]
@@ -53,7 +54,8 @@ class TorchEngine:
     ``max_slots``: sequences decoded at once; ``compile``: capture the decode step as CUDA
     graphs on CUDA (ignored on CPU); ``max_batch_size``: batch size of the HF fallback loop;
     ``kv_cache_memory_fraction``: on CUDA, the share of the free GPU memory the KV cache may
-    take (the slots are capped to what fits, logged).
+    take (the slots are capped to what fits, logged). ``lora``: ``{rank, alpha, target_modules}``
+    when weight syncs carry LoRA adapters (merged into the base, :mod:`distflow.rollout.lora_apply`).
     ``stats`` reports ``capture_s`` (graph capture time, paid once per process and cache
     size), ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
     (mid-generate), cumulative.
@@ -62,7 +64,7 @@ class TorchEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
                  max_batch_size: int = 256, max_slots: int = 256, compile: bool = True,
                  max_prefill_tokens: int = 8192, kv_cache_memory_fraction: float = KV_CACHE_FRACTION,
-                 max_length: int | None = None):
+                 max_length: int | None = None, lora: dict[str, Any] | None = None):
         path = check_model_dir(model_path)
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
         # positions every KV-cache slot holds from the first call (the run's longest prompt plus
@@ -105,7 +107,10 @@ class TorchEngine:
         if isinstance(pad, (list, tuple)):
             pad = pad[0] if pad else None
         self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_id or 0)
-        self._target: WeightTarget | None = WeightTarget(self.model)
+        # LoRA ({rank, alpha, target_modules}): weight syncs carry adapters, merged into an unmerged base copy
+        self._target: WeightTarget | AdapterTarget | None = (
+            AdapterTarget(self.model, lora["rank"], lora["alpha"], lora["target_modules"]) if lora
+            else WeightTarget(self.model))
         self.stats: dict[str, float] = {"capture_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0,
                                         "weight_swaps": 0, "slots_in_use": 0}
         from distflow.core.prometheus import register  # read only when a node serves /metrics
@@ -260,6 +265,12 @@ class TorchEngine:
                     raise RuntimeError("TorchEngine closed while load_weights was validating")
                 target.copy_in(buckets)
                 self.version = version
+
+    def weights_checksum(self) -> str | None:
+        """With LoRA, the checksum of the adapter this engine applied (``lora_apply.AdapterTarget``),
+        as the trainer computes the one it published; None without LoRA or before the first sync."""
+        target = self._target
+        return target.checksum() if isinstance(target, AdapterTarget) else None
 
     def close(self) -> None:
         """Release the model, the KV cache and the graphs (and cached GPU memory). Every

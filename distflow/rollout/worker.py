@@ -51,6 +51,7 @@ from distflow.step import rollout_half, step_seed
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime, shard_cover
 from distflow.trace import Trace
 from distflow.weights import WeightInbox
+from distflow.rollout.lora_apply import verify_applied
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits for the event loop
@@ -205,6 +206,7 @@ class RolloutLoop:
                                                           device=cfg.device, dtype=cfg.dtype,
                                                           compile=cfg.engine_compile, max_slots=cfg.engine_max_slots,
                                                           max_length=engine_max_length(cfg),
+                                                          **({"lora": cfg.lora.model_dump()} if cfg.lora else {}),
                                                           kv_cache_memory_fraction=kv_cache_fraction(
                                                               cfg.engine_kv_cache_memory_fraction, gpu_sharers())))
         try:
@@ -302,6 +304,7 @@ class RolloutLoop:
             ctx = RolloutContext(engine, cfg, rows, seed, self.pipeline, stage_stats, self.weights_update, refill)
             batch = await asyncio.to_thread(call_on, chosen_device(), rollout_half, self.pipeline, ctx)
             t_gen = time.perf_counter() - t0
+            self.verify_weights()  # the engine may have swapped weights in mid-generation
             if loaders[shard].bad_rows_skipped > bad_before:  # bad_rows: skip (refill rows included)
                 stage_stats["bad_rows"] = loaders[shard].bad_rows_skipped - bad_before
             rate = len(batch) / max(t_gen, 1e-9)
@@ -370,6 +373,14 @@ class RolloutLoop:
         await asyncio.to_thread(self.engine.load_weights, update.version, update.buckets, update.is_delta)
         self.rt.node.set_meta(time_load_weights_s=round(time.perf_counter() - t0, 4),
                               weight_load_bytes=self.inbox.taken_bytes)
+        self.verify_weights()
+
+    def verify_weights(self) -> None:
+        """LoRA: check the adapter the engine applied against the checksum the trainer published for
+        its version (a WeightSyncError naming the version stops the node), and gossip both."""
+        if self.cfg.lora is not None:
+            version, checksum = verify_applied(self.engine, self.inbox.checksums)
+            self.rt.node.set_meta(weights_version=version, weights_checksum=checksum)
 
     def make_weights_update(self) -> Callable[[], object] | None:
         """Partial rollout: the engine polls this (from its worker thread) at decode-step

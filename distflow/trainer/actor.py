@@ -44,7 +44,9 @@ from distflow.device import collective_device, node_device
 from distflow.hf import load_tokenizer, meta_causal_lm
 from distflow.launch.checkpoint import read_run_state
 from distflow.rl.registry import POLICY_LOSSES, resolve
+from distflow.weights.adapter import is_adapter
 from distflow.rl.shaping import response_loss_mask, trained_samples, trained_token_counts, trained_token_mask
+from distflow.trainer.lora import save_adapter
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
@@ -199,12 +201,16 @@ class Actor:
         self.resumed = read_run_state(Path(cfg.resume_from), cfg) if cfg.resume_from else None
         torch.manual_seed(cfg.seed)
         # A resumed run continues from its checkpoint; the reference stays the original model.
-        self.model = load_for_training(cfg.resume_from or cfg.model_path, mesh, self.device, self.compute_dtype,
-                                       activation_checkpointing=cfg.activation_checkpointing)
+        # With LoRA the base is always model_path and a checkpoint holds the adapter only (trainer/lora.py).
+        self.lora = cfg.lora
+        self.model = load_for_training(cfg.model_path if self.lora else cfg.resume_from or cfg.model_path, mesh,
+                                       self.device, self.compute_dtype,
+                                       activation_checkpointing=cfg.activation_checkpointing, lora=self.lora,
+                                       adapter_from=cfg.resume_from if self.lora else None)
         self.ref = None
         if with_reference and cfg.kl_coef > 0:
             self.ref = load_for_training(cfg.model_path, mesh, self.device, self.compute_dtype, trainable=False)
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
+        self.optim = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.weight_decay)
         self.num_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel = full size
         self.grad_sync, extra = grad_sync_mode(cfg.grad_sync, self.world, self.num_params, self.compute_dtype.itemsize)
@@ -408,8 +414,10 @@ class Actor:
         """Unsharded fp32 master weights for the checkpoint: on rank 0 (which writes it), on
         the CPU, never sharing memory with the live parameters; ``{}`` on the other ranks. A
         collective: every rank calls it (:func:`~distflow.trainer.model.gather_full_state`).
-        Publishing to rollout nodes streams buckets instead (``gather.iter_weight_buckets``)."""
-        return gather_full_state(self.model, keep=self.rank == 0, device=self.device)
+        Publishing to rollout nodes streams buckets instead (``gather.iter_weight_buckets``).
+        With ``model.lora``: the adapter tensors only (the base never changes)."""
+        return gather_full_state(self.model, keep=self.rank == 0, device=self.device,
+                                 only=is_adapter if self.lora else None)
 
     def save_checkpoint(self, out_dir: Path, state: dict[str, torch.Tensor], group: Any = None) -> Callable[[], None]:
         """A Hugging Face directory (model + tokenizer, loadable with from_pretrained, written by
@@ -422,6 +430,8 @@ class Actor:
 
         Rank 0 writes ``state`` through a model built on the meta device, not a second full
         fp32 copy loaded from ``model_path`` (that doubled host memory at every checkpoint).
+        With ``model.lora`` the directory holds the adapter only, in PEFT's format (``state`` is
+        the adapter's: :meth:`full_state_dict`), beside the tokenizer and the optimizer state.
 
         Returns what is left to write once the state is in host memory (``state`` is already:
         ``full_state_dict`` copies): call it, or hand it to a background thread
@@ -438,7 +448,12 @@ class Actor:
         return finish
 
     def _write_model(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
-        """Rank 0: the Hugging Face directory of ``state`` (fp32 master weights) and the tokenizer."""
+        """Rank 0: the Hugging Face directory of ``state`` (fp32 master weights) and the tokenizer;
+        with ``model.lora`` a PEFT adapter directory (``PeftModel.from_pretrained(base, out_dir)``)."""
+        if self.lora:
+            save_adapter(out_dir, state, self.lora, str(Path(self.cfg.model_path).resolve()))
+            load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))
+            return
         model = meta_causal_lm(self.cfg.model_path, torch.float32)
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()  # assign replaced the tied parameters with two separate ones

@@ -233,7 +233,7 @@ def _plan(state: dict, bucket_bytes: int, dtype: torch.dtype | None) -> list[lis
 def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, device: torch.device | str,
                         place: str | None = None, dtype: torch.dtype | None = None,
                         alloc: Callable[[int], torch.Tensor | None] | None = None,
-                        ) -> Iterator[dict[str, torch.Tensor]]:
+                        only: Callable[[str], bool] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Yield the model's unsharded weights in buckets of at most ``bucket_bytes`` (a collective).
 
     model: an FSDP2 (``fully_shard``) module, or a plain one (then no collective runs).
@@ -245,16 +245,18 @@ def iter_weight_buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, d
     dtype: cast floating-point tensors to this dtype (e.g. the rollout engine's bfloat16).
     alloc: ``alloc(nbytes) -> uint8 [nbytes] tensor or None``: where a "cpu" bucket's bytes go (e.g.
       a shared-memory slot lent by the channel, so sending it copies nothing); None = a new buffer.
+    only: the state-dict names to gather (e.g. LoRA adapters only: ``weights.adapter.is_adapter``);
+      None = all. The same on every rank (it decides which collectives run).
     Each bucket's tensors are 64-byte aligned views of one flat uint8 buffer. Every rank must
     consume the generator to the end (the collectives must line up). Each ``next()`` runs with
     ``device`` as the current CUDA device, from whatever thread asks.
     """
-    yield from iterate_on(device, _buckets(model, bucket_bytes, keep, device, place, dtype, alloc))
+    yield from iterate_on(device, _buckets(model, bucket_bytes, keep, device, place, dtype, alloc, only))
 
 
 def _buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, device: torch.device | str,
              place: str | None, dtype: torch.dtype | None, alloc: Callable[[int], torch.Tensor | None] | None,
-             ) -> Iterator[dict[str, torch.Tensor]]:
+             only: Callable[[str], bool] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     device = torch.device(device)
@@ -267,6 +269,8 @@ def _buckets(model: torch.nn.Module, bucket_bytes: int, keep: bool, device: torc
     state = model.state_dict()
     for name in tied_duplicates(model):  # a tied embedding once, not twice (the engines take any alias)
         state.pop(name, None)
+    if only is not None:
+        state = {name: t for name, t in state.items() if only(name)}
     gatherer = _Gatherer(keep)
     # No grad-mode context may span a yield: it would leak into whatever thread runs next().
     # Two buckets in flight: bucket k+1's transfers are started before bucket k is handed out.

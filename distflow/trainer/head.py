@@ -214,5 +214,20 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
                          use_cache=False, **attention).last_hidden_state  # [R, L, H]
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]
-    return chunked_logprobs(picked, head.weight, inputs.targets, temperature, chunk_tokens, with_entropy,
+    return chunked_logprobs(picked, head_weight(head), inputs.targets, temperature, chunk_tokens, with_entropy,
                             logit_transform(model.config))
+
+
+def head_weight(head: Any) -> Tensor:
+    """The LM head's weight as its forward applies it: with a PEFT LoRA adapter on the head
+    (``model.lora.target_modules`` naming ``lm_head``) its ``base_layer.weight`` plus ``scale * B @ A``
+    of each active adapter, differentiable in A and B (the chunked head multiplies by one weight, so
+    the adapter is folded into it: the adapter's input dropout is not applied to the head)."""
+    base = getattr(head, "base_layer", None)
+    if base is None or not hasattr(head, "lora_A"):
+        return head.weight
+    w = base.weight
+    for name in head.active_adapters:
+        if name in head.lora_A:
+            w = w + head.scaling[name] * (head.lora_B[name].weight @ head.lora_A[name].weight)
+    return w

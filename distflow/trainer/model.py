@@ -99,26 +99,46 @@ def enable_activation_checkpointing(model: Any) -> None:
 
 
 def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype: torch.dtype, *,
-                      activation_checkpointing: bool = False, trainable: bool = True) -> Any:
+                      activation_checkpointing: bool = False, trainable: bool = True, lora: Any = None,
+                      adapter_from: str | None = None) -> Any:
     """Load ``path`` in fp32 on ``device``, shard it with FSDP2 on ``mesh`` with mixed
     precision ``compute_dtype`` and return it (train mode, dropout off; ``trainable=False``
     freezes it: a reference model, whose shards are kept in ``compute_dtype`` since a model that
     never steps needs no fp32 master copy: the same values reach its forward, in half the memory).
-    ``model.response_forward(inputs, temperature, chunk)`` is its FSDP-aware logprob forward."""
+    ``model.response_forward(inputs, temperature, chunk)`` is its FSDP-aware logprob forward.
+    ``lora`` (the config's ``model.lora``): PEFT adapters are injected before sharding, on the
+    loaded model and on the meta one alike (so rank 0's adapter initialisation, or the adapter of
+    the PEFT directory ``adapter_from``, reaches every rank), and only they stay trainable."""
     from torch.distributed.fsdp import register_fsdp_forward_method
+
+    def with_lora(model: Any, loaded: bool) -> Any:
+        if lora is None:
+            return model
+        from distflow.trainer.lora import inject_lora, load_adapter
+
+        model = inject_lora(model, lora, path)
+        if loaded and adapter_from is not None:
+            from pathlib import Path
+
+            load_adapter(model, Path(adapter_from))
+        return model
 
     def prepare(model: Any) -> None:
         model.config.use_cache = False
         use_varlen_attention(model, path)
         disable_dropout(model)
+        if lora is not None and lora.dropout > 0:  # the adapters' own dropout is a training choice: kept
+            for name, m in model.named_modules():
+                if isinstance(m, torch.nn.Dropout) and ".lora_dropout." in name + ".":
+                    m.p = lora.dropout
         if activation_checkpointing and trainable:
             enable_activation_checkpointing(model)
         if not trainable:
             model.requires_grad_(False)
 
     dtype = torch.float32 if trainable else compute_dtype
-    model = shard_fp32(lambda: load_causal_lm(path, dtype, "cpu"), lambda: meta_causal_lm(path, dtype),
-                       mesh, device, compute_dtype, prepare)
+    model = shard_fp32(lambda: with_lora(load_causal_lm(path, dtype, "cpu"), True),
+                       lambda: with_lora(meta_causal_lm(path, dtype), False), mesh, device, compute_dtype, prepare)
     model.response_forward = types.MethodType(response_forward, model)
     register_fsdp_forward_method(model, "response_forward")
     return model.train()
@@ -170,7 +190,8 @@ def load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, mesh: 
         dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
 
 
-def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device | str) -> dict[str, torch.Tensor]:
+def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device | str,
+                      only: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """``model``'s unsharded state dict on the CPU where ``keep`` (e.g. rank 0, which writes the
     checkpoint), never sharing memory with the live parameters; ``{}`` elsewhere. ``device``:
     the model's (:func:`distflow.device.node_device`).
@@ -181,18 +202,20 @@ def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device |
     ``full_tensor()`` on every rank had sent the whole model to every rank, one tensor at a time.
     The tensors are views of their bucket's buffer (``save_pretrained`` and safetensors take
     them as they are). A tied parameter (an LM head that is the embedding) is gathered once:
-    its other names get the same host tensor (``tied_names``)."""
+    its other names get the same host tensor (``tied_names``). ``only``: the names to gather (the
+    LoRA adapters), None = all."""
     from distflow.weights import BUCKET_BYTES, tied_names
     from distflow.trainer.gather import iter_weight_buckets
 
     out: dict[str, torch.Tensor] = {}
-    for bucket in iter_weight_buckets(model, BUCKET_BYTES, keep, device, place="cpu"):
+    for bucket in iter_weight_buckets(model, BUCKET_BYTES, keep, device, place="cpu", only=only):
         out.update(bucket)
     if not keep:
         return out
     for names in tied_names(model):
         for alias in names[1:]:
-            out[alias] = out[names[0]]
+            if names[0] in out:
+                out[alias] = out[names[0]]
     return {name: out[name] for name in model.state_dict() if name in out}  # the model's order
 
 

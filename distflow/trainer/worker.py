@@ -52,6 +52,8 @@ from distflow.trainer.evaluation import EvalBook
 from distflow.trainer.metrics import MetricsWriter, STAGE_KEYS, plot_reward_curve, plot_timings, with_generated_mean
 from distflow.trace import Trace
 from distflow.weights import WeightPublisher
+from distflow.weights.adapter import AdapterDigest, is_adapter
+from distflow.weights.inbox import CHECKSUMS_KEPT
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +296,7 @@ async def run_trainer(rt: Runtime) -> None:
     mine = serving_plan([(m.node_id, m.host, m.meta.get("gpu")) for m in groups.trainer],
                         [(m.node_id, m.host, m.meta.get("gpu")) for m in groups.rollout])[groups.trainer[rank].node_id]
     publisher = make_publisher(rt, mine)
-    publish = publishing(rt, actor, publisher, keep=bool(mine))
+    publish = publishing(cfg, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
     saves = PeriodicSaves(cfg, since=run_start())
     # One checkpoint written at a time in the background (trainer.async_save), each within as long as a
@@ -390,6 +392,8 @@ async def run_trainer(rt: Runtime) -> None:
         t_weights = time.perf_counter()
         published = await publish(actor.version)
         times["time_weights_s"] = time.perf_counter() - t_weights
+        if cfg.lora is not None:
+            check_reported_adapters(rt.node.member, mine, publish.checksums)
         peaks = {**peak_memory(actor.device), "weight_sync_bytes": float(published)}  # a serving rank's: the max
         summary = await on_gpu(step_statistics, batch, cfg, step, None, peaks)
         n = summary["samples"]
@@ -482,17 +486,57 @@ def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
     return publisher
 
 
-def publishing(rt: Runtime, actor: Actor, publisher: WeightPublisher, keep: bool):
+def publishing(cfg: Any, actor: Actor, publisher: WeightPublisher, keep: bool):
     """``await publish(version)``: gather the weights bucket by bucket (a collective: EVERY
     rank calls it) and stream them to this rank's peers; ranks serving no peer (``keep``
-    False) only send their shards to the serving ranks (see ``iter_weight_buckets``)."""
-    bucket = rt.cfg.weight_bucket_mb << 20
-    # The engines run in the compute dtype: publish in it (half the bytes of the fp32 masters).
-    dtype = actor.compute_dtype if actor.compute_dtype != torch.float32 else None
+    False) only send their shards to the serving ranks (see ``iter_weight_buckets``). With LoRA
+    only the adapters travel, and every commit carries their checksum (``publish.checksums``:
+    version -> checksum, this rank's newest, what its peers must report applying)."""
+    bucket = cfg.weight_bucket_mb << 20
+    # The engines run in the compute dtype: publish in it (half the bytes of the fp32 masters). LoRA
+    # publishes the adapters only, in fp32 (a few MB): the engine merges them into its base in fp32.
+    lora = cfg.lora is not None
+    dtype = actor.compute_dtype if actor.compute_dtype != torch.float32 and not lora else None
 
     async def publish(version: int) -> int:  # the bytes this rank holds of the version (0: it serves no peer)
         alloc = publisher.gather_alloc() if actor.device.type == "cpu" and keep else None
-        it = iter_weight_buckets(actor.model, bucket, keep=keep, device=actor.device, alloc=alloc, dtype=dtype)
-        return await publisher.publish_iter(version, it)
+        it = iter_weight_buckets(actor.model, bucket, keep=keep, device=actor.device, alloc=alloc, dtype=dtype,
+                                 only=is_adapter if lora else None)
+        if not lora:
+            return await publisher.publish_iter(version, it)
+        digest = AdapterDigest()  # the checksum every commit carries; the rollout node checks what it applied
+        nbytes = await publisher.publish_iter(version, digested(it, digest),
+                                              lambda: {"checksum": digest.hexdigest()})
+        if keep:
+            published[version] = digest.hexdigest()
+            for old in sorted(published)[:-CHECKSUMS_KEPT]:
+                del published[old]
+        return nbytes
 
+    published: dict[int, str] = {}  # version -> adapter checksum, what this rank's peers must report
+    publish.checksums = published  # type: ignore[attr-defined]
     return publish
+
+
+def digested(it: Any, digest: AdapterDigest) -> Any:
+    """``it``'s buckets, each fed to ``digest`` on the way (in the gather's thread)."""
+    for b in it:
+        digest.update(b)
+        yield b
+
+
+def check_reported_adapters(member: Callable[[str], Any], peers: list[str], published: dict[int, str]) -> None:
+    """LoRA: each rollout node this rank serves gossips the version its engine holds and the checksum
+    of the adapter it applied (``weights_version`` / ``weights_checksum``); one that differs from
+    what this rank published for that version is an error naming the node and the version: the
+    node would otherwise sample from another policy than the one trained (its base, as a rule).
+    ``member``: ``rt.node.member``."""
+    for p in peers:
+        m = member(p)
+        v = m.meta.get("weights_version") if m is not None else None
+        if not isinstance(v, int) or v not in published:
+            continue
+        if m.meta.get("weights_checksum") != published[v]:
+            raise RuntimeError(f"weights v{v}: rollout node {p} applied an adapter with checksum "
+                               f"{m.meta.get('weights_checksum')!r}, but this trainer published {published[v]!r} "
+                               "for that version (model.lora): its rollouts would not come from the trained policy")

@@ -19,6 +19,7 @@ from distflow.weights.tiers import GPU_HOLD_RESERVE, spill_needed, to_host
 BUCKET_BYTES = 64 << 20
 MAX_DELTA_LAG = 8
 SEND_WINDOW = 2  # bucket messages in flight per peer (their handlers may finish in any order)
+CHECKSUMS_KEPT = 16  # versions whose commit checksum the inbox remembers (an engine lags a few at most)
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +95,9 @@ class WeightInbox:
         self._partial: dict[int, _Partial] = {}
         self.stale_dropped = 0  # bucket messages of an abandoned send that arrived after its successor began
         self.lives: dict[str, int] = {}  # sender -> its newest life seen (a restarted trainer has a newer one)
+        # version -> the checksum its commit carried (LoRA: the whole adapter's), the newest CHECKSUMS_KEPT
+        # versions; the rollout node compares what its engine applied with it (rollout.lora_apply)
+        self.checksums: dict[int, str | None] = {}
         self._changed = asyncio.Condition()
 
     async def receive(self, env: Envelope) -> None:
@@ -115,7 +119,15 @@ class WeightInbox:
             return
         attempt = (env.sender, meta.get("send"))
         if meta.get("commit"):
-            await self._commit(env.sender, v, base, meta.get("num_buckets"), attempt)
+            checksum = meta.get("checksum")  # known before the version is: a waiter may take it at once
+            self.checksums[v] = checksum if isinstance(checksum, str) else None
+            for old in sorted(self.checksums)[:-CHECKSUMS_KEPT]:
+                del self.checksums[old]
+            try:
+                await self._commit(env.sender, v, base, meta.get("num_buckets"), attempt)
+            except BaseException:
+                self.checksums.pop(v, None)
+                raise
             return
         k = meta.get("bucket")
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:

@@ -28,8 +28,8 @@ behind.
 
 Wire (data-plane messages of kind ``weights``): bucket messages ``{"version", "bucket": k,
 "base", "send"}`` with the tensors (or ``"ipc"`` descriptors), then one commit ``{"version",
-"commit": True, "num_buckets", "base", "send"}``, each with the sender's ``life`` when it has
-one; ``send`` numbers the publisher's attempts at
+"commit": True, "num_buckets", "base", "send"}`` (plus ``"checksum"``, the whole adapter's, with
+LoRA), each with the sender's ``life`` when it has one; ``send`` numbers the publisher's attempts at
 sending a version (a resend after a failure is a new attempt). Buckets may reach the handler
 in any order: several are in flight, each handler runs in its own task, and a big bucket (an
 embedding) is copied or streamed longer than the small one sent after it. Rollout side
@@ -82,6 +82,7 @@ class _Version:
         self.index: dict[str, torch.Tensor] = {}
         self.bufs: list[torch.Tensor] = []  # pinned staging buffers to give back
         self.ready: list[Any] = []  # per bucket: a CUDA event recorded once it was gathered (None: host bucket)
+        self.commit_meta: dict[str, Any] = {}  # extra keys of the commit message (a LoRA adapter's checksum)
         self.nbytes = 0
         self.done = False
         self.aborted = False
@@ -250,13 +251,17 @@ class WeightPublisher:
                 self._append(ver, self._prepare(ver, b))
         self._finish(ver)
 
-    async def publish_iter(self, version: int, bucket_iter: Iterator[dict[str, torch.Tensor]]) -> int:
+    async def publish_iter(self, version: int, bucket_iter: Iterator[dict[str, torch.Tensor]],
+                           commit_meta: Callable[[], dict[str, Any]] | None = None) -> int:
         """Publish ``version`` from a (blocking) bucket iterator, e.g. ``iter_weight_buckets``.
 
         Each ``next()`` (a collective gather on the trainer) and the bucket's staging run in a
         worker thread; the peers' senders start on bucket 0 while bucket 1 is gathered. Returns
         when the iterator is exhausted (every rank must exhaust it: the gathers are collectives;
-        a rank serving no peer passes ``keep=False`` and simply drains it). Returns the bytes held."""
+        a rank serving no peer passes ``keep=False`` and simply drains it). Returns the bytes held.
+        ``commit_meta()``, called once the iterator is exhausted: keys every commit message of the
+        version carries (a LoRA adapter's checksum, which only the whole version gives); a commit
+        is sent only after that, since each sender waits for the version to be complete."""
         ver = self.begin(version)
         it = iter(bucket_iter)
 
@@ -274,6 +279,8 @@ class WeightPublisher:
             ver._notify()
             self._release(ver)
             raise
+        if commit_meta is not None:
+            ver.commit_meta = dict(commit_meta())
         self._finish(ver)
         return ver.nbytes
 
@@ -423,8 +430,9 @@ class WeightPublisher:
             for t in asyncio.as_completed(window):
                 await t
             window = set()
-            await self.channel.send(endpoint, "weights", {"version": v, "commit": True, "num_buckets": sent,
-                                                          "base": base, "send": send_id, **self.life}, {},
+            await self.channel.send(endpoint, "weights", {**ver.commit_meta, "version": v, "commit": True,
+                                                          "num_buckets": sent, "base": base, "send": send_id,
+                                                          **self.life}, {},
                                     timeout=self.timeout)
             self.stats["messages"] += sent + 1
             self.stats["delta_versions" if base is not None else "full_versions"] += 1
