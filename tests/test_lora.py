@@ -233,7 +233,7 @@ def test_checkpoint_is_a_peft_adapter_directory(trained, toy_model, tmp_path):
 
     cfg, actor = trained["cfg"], trained["actor"]
     out = tmp_path / "ckpt"
-    actor.save_checkpoint(out, actor.full_state_dict())
+    actor.save_checkpoint(out, actor.full_state_dict())()  # the write itself (a background thread in a run)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     assert not (out / "model.safetensors").exists()
     peft_model = PeftModel.from_pretrained(load_causal_lm(str(toy_model), torch.float32), str(out)).eval()
