@@ -244,7 +244,7 @@ class Runtime:
         refute window (a node declared dead by mistake refutes in that time). For the trainer group: the
         ranks of a torch.distributed group cannot be replaced, so a dead rank ends the group,
         and the surviving ranks must say which one instead of a transport error, promptly,
-        whatever they are waiting for. A peer alive but stuck is treated the same way (RankStuck):
+        whatever they are waiting for. A peer alive but stuck is treated the same way (:func:`rank_stuck`):
         its step counter (mesh meta ``beat``) stays behind mine for ``hang_s`` (default
         ``hang_timeout_s``; 0: not watched): see :class:`BeatWatch`."""
         hang_s = self.cfg.hang_timeout_s if hang_s is None else hang_s
@@ -307,10 +307,10 @@ class BeatWatch:
         return out
 
     def check(self, beats: dict[str, int], now: float, me: str, role: str) -> None:
-        """Raise RankStuck naming the stuck peers, if any."""
+        """Raise :func:`rank_stuck` naming the stuck peers, if any."""
         stuck = self.stuck(beats, me, now)
         if stuck:
-            raise RankStuck(role, stuck, me)
+            raise rank_stuck(role, stuck, me)
 
 
 def shard_cover(rollout_ids: list[str], alive: Callable[[str], bool], shard: int) -> str | None:
@@ -347,21 +347,19 @@ class ClusterStopped(PeerLostError):
 
 
 class GroupMemberLost(PeerLostError):
-    """A member of this node's own worker group died; the group cannot go on without it."""
+    """A member of this node's own worker group died, or is alive but stuck (:func:`rank_stuck`);
+    the group cannot go on without it."""
 
-    def __init__(self, role: str, node_ids: list[str]):
+    def __init__(self, role: str, node_ids: list[str], message: str | None = None):
         self.role, self.node_ids = role, node_ids
-        super().__init__(f"{role} rank {', '.join(node_ids)} died (the mesh declared it dead): the {role} group "
-                         f"cannot go on without it")
+        super().__init__(message or f"{role} rank {', '.join(node_ids)} died (the mesh declared it dead): the {role} "
+                                    f"group cannot go on without it")
 
 
-class RankStuck(GroupMemberLost):
-    """A member of this node's own worker group is alive but stuck (:class:`BeatWatch`): treated
-    as dead, so the group stops and a supervising launcher restarts it from a checkpoint."""
-
-    def __init__(self, role: str, stuck: list[tuple[str, int, int, float]], me: str):
-        PeerLostError.__init__(self, "; ".join(
-            f"{role} rank {peer} is stuck: its step counter stayed at {beat} for {secs:.0f}s while {me} reached "
-            f"{mine} (hang_timeout_s)" for peer, beat, mine, secs in stuck) + f": the {role} group cannot go on "
-            f"with it; treated as dead")
-        self.role, self.node_ids = role, [peer for peer, *_ in stuck]
+def rank_stuck(role: str, stuck: list[tuple[str, int, int, float]], me: str) -> GroupMemberLost:
+    """Members alive but stuck (:class:`BeatWatch`), as lost ones: treated as dead, so the group
+    stops and a supervising launcher restarts it from a checkpoint."""
+    return GroupMemberLost(role, [peer for peer, *_ in stuck], "; ".join(
+        f"{role} rank {peer} is stuck: its step counter stayed at {beat} for {secs:.0f}s while {me} reached "
+        f"{mine} (hang_timeout_s)" for peer, beat, mine, secs in stuck) + f": the {role} group cannot go on "
+        f"with it; treated as dead")

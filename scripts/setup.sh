@@ -28,6 +28,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   if [ "$CUDA_MAJOR" = "13" ]; then EXTRAS="dev,trackers,gpu-cu13"; else EXTRAS="dev,trackers,gpu"; fi
 fi
 "$PY" -m pip install -e ".[$EXTRAS]"
+# Bytecode for the package, written even under PYTHONDONTWRITEBYTECODE: every node process would
+# otherwise compile DistFlow's modules again at its start.
+"$PY" -m compileall -q distflow >/dev/null || true
 "$PY" -c "import torch, distflow; print(f'setup: distflow {distflow.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   # optional for DistFlow itself: if apt-get cannot install them, the tests that need them skip naming them

@@ -22,13 +22,14 @@ def run_pids(out: Path, node_id: str | None = None, *, skip_zombies: bool = Fals
     """PIDs of the processes whose command line names the config of the run in ``out`` (only the
     node ``node_id``'s, when given; zombies left out with ``skip_zombies``)."""
     needle = str(out / "config.yaml").encode()
-    ident = None if node_id is None else b"\0--node-id\0" + node_id.encode() + b"\0"
+    ident = None if node_id is None else b" --node-id " + node_id.encode() + b" "
     pids = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
-            cmd = (p / "cmdline").read_bytes()
+            # NUL-separated for a program; one title with spaces for a node forked by distflow run
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
         if needle in cmd and (ident is None or ident in cmd) and (not skip_zombies or alive(int(p.name))):

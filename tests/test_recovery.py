@@ -16,7 +16,7 @@ from distflow.launch.checkpoint import checkpoint_version
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
 from tests.procs import run_pids
-from tests.test_supervise import make_data, node_pid, start_run, wait_rows
+from tests.test_supervise import make_data, node_pid, start_run
 
 
 def test_killed_trainer_rank_is_recovered_from_the_checkpoint_and_every_prompt_trained_once(toy_model, tmp_path):
@@ -98,7 +98,7 @@ def test_a_rank_whose_step_counter_stays_behind_is_named_stuck_after_hang_timeou
     behind, is a stuck rank, named with its count and mine."""
     import pytest
 
-    from distflow.runtime import BeatWatch, GroupMemberLost, RankStuck
+    from distflow.runtime import BeatWatch, GroupMemberLost
 
     watch = BeatWatch(hang_s=30.0)
     assert watch.stuck({"t0": 4, "t1": 4}, "t0", now=0.0) == []  # together: a shared wait
@@ -109,7 +109,7 @@ def test_a_rank_whose_step_counter_stays_behind_is_named_stuck_after_hang_timeou
     assert watch.stuck({"t0": 6, "t1": 5}, "t0", now=532.0) == []  # it moved: the clock starts again
     assert watch.stuck({"t0": 6, "t1": 7}, "t0", now=600.0) == []  # ahead of me: its wait, not its hang
     assert watch.stuck({"t0": 8, "t1": 7}, "t0", now=601.0) == []
-    with pytest.raises(RankStuck, match=r"trainer rank t1 is stuck: its step counter stayed at 7 for 30s while t0 "
+    with pytest.raises(GroupMemberLost, match=r"trainer rank t1 is stuck: its step counter stayed at 7 for 30s while t0 "
                                         r"reached 8 \(hang_timeout_s\)") as e:
         watch.check({"t0": 8, "t1": 7}, 631.0, "t0", "trainer")
     assert isinstance(e.value, GroupMemberLost) and e.value.node_ids == ["t1"]  # treated as dead
@@ -159,12 +159,12 @@ def test_recovery_is_refused_when_it_cannot_reproduce_the_run(toy_model, toy_dat
 def test_the_trainer_group_names_a_rank_whose_gossiped_step_counter_stays_behind():
     """The same on real mesh nodes (in this process): each trainer rank gossips its ``beat``; the
     group watch of trainer-0 sees trainer-1's count stay behind its own for hang_s and fails
-    naming it (RankStuck, treated as a dead rank), while equal counts never trip it."""
+    naming it (rank_stuck, treated as a dead rank), while equal counts never trip it."""
     import asyncio
 
     import pytest
 
-    from distflow.runtime import RankStuck, Runtime
+    from distflow.runtime import GroupMemberLost, Runtime
     from tests.test_nodes_inprocess import SECRET, _cfg, _until
 
     async def main() -> None:
@@ -186,7 +186,7 @@ def test_the_trainer_group_names_a_rank_whose_gossiped_step_counter_stays_behind
             assert not watch.done()  # together at one count: a shared wait, however long
             t0.node.set_meta(beat=5)  # trainer-0 ends its step; trainer-1 never does
             await _until(lambda: watch.done(), "the stuck rank named", timeout=10)
-            with pytest.raises(RankStuck, match="trainer rank trainer-1 is stuck: its step counter stayed at 4 "):
+            with pytest.raises(GroupMemberLost, match="trainer rank trainer-1 is stuck: its step counter stayed at 4 "):
                 watch.result()
         finally:
             for rt in nodes:

@@ -430,6 +430,10 @@ class LaunchSection(Section):
         "with `device: cuda`: rollout nodes share the trainers' GPUs (round-robin) instead of taking GPUs of "
         "their own"))
     torch_threads: int = Field(1, ge=1, description="intra-op threads per node process")
+    fork_nodes: bool = Field(True, description=(
+        "`distflow run` starts its nodes by forking one process that has imported torch and transformers once "
+        "(saves each node ~2 s of CPU at start; `distflow.launch.zygote`); false, or where that process cannot "
+        "be used (said once), each node is its own `distflow-node` program"))
     restarts: int = Field(3, ge=0, description=(
         "`distflow run` restarts a dead rollout node (same id and ports) up to this many times while the others "
         "cover its shard; a dead trainer rank is recovered from a checkpoint (`recover_retries`), a dead "

@@ -23,25 +23,34 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from distflow.core.auth import SECRET_ENV
 from distflow.core.config import Config, ConfigError
 from distflow.core.launch_env import LAUNCHER_PID_ENV, RECOVER_ENV, T0_ENV, process_start_time
 from distflow.launch.roles import cluster_nodes, trainers_recoverable
+from distflow.launch.zygote import Zygote
 
 STOP_GRACE_S = 15.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def spawn(cmd: list[str], log_file, env: dict[str, str]) -> subprocess.Popen:
+def spawn(cmd: list[str], log_file, env: dict[str, str], zygote: Zygote | None = None) -> Any:
     """Start a node: its own session (a Ctrl-C in the terminal reaches only the launcher, which
     stops the nodes in order), output to ``log_file``; the node has the kernel send it SIGTERM
     when the launcher dies (:func:`die_with_launcher`, told the launcher's pid in ``LAUNCHER_PID_ENV``).
     No ``preexec_fn``: Python documents it as unsafe in a process with threads (tqdm's monitor
     thread, when a node is restarted), where the child can deadlock before its exec. The signal
     follows the *thread* that forked: the pid is passed only from the main thread (which lives as
-    long as the launcher)."""
+    long as the launcher). With a live ``zygote``, the node is forked from it instead (the same
+    command line, environment and log; :mod:`distflow.launch.zygote`)."""
     env = {k: v for k, v in env.items() if k != LAUNCHER_PID_ENV}
+    prefix = node_command()
+    if zygote is not None and zygote.alive() and cmd[:len(prefix)] == prefix:
+        try:
+            return zygote.spawn(cmd[len(prefix):], log_file.name, env)
+        except (OSError, RuntimeError) as e:
+            print(f"distflow: forking a node failed ({e}); starting it as its own program", file=sys.stderr)
     if threading.current_thread() is threading.main_thread():
         env[LAUNCHER_PID_ENV] = str(os.getpid())
     return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -81,6 +90,7 @@ class Child:
     cmd: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
+    zygote: Zygote | None = None  # what forks this node (and its restarts); None: exec
 
     def respawn(self) -> None:
         """Start the node again: same id, same ports, same environment; its log is appended to."""
@@ -94,7 +104,7 @@ class Child:
         with self.log_path.open("a") as f:
             f.write(f"\n----- distflow run: {banner} -----\n")
             f.flush()
-            self.proc = spawn(self.cmd + list(overrides), f, self.env)
+            self.proc = spawn(self.cmd + list(overrides), f, self.env, self.zygote)
 
 
 def free_ports(host: str, n: int) -> list[int]:
@@ -141,6 +151,7 @@ def start_children(cfg: Config, config_path: Path, secret: str, placement: list)
     env.setdefault(T0_ENV, repr(process_start_time()))
     if trainers_recoverable(cfg):  # a dead trainer is then a pause for the other nodes (launch.recovery)
         env[RECOVER_ENV] = "1"
+    zygote = start_zygote(env) if cfg.fork_nodes else None
     children = []
     for k, node in enumerate(nodes):
         node_id, role = node.node_id, node.kind
@@ -153,12 +164,31 @@ def start_children(cfg: Config, config_path: Path, secret: str, placement: list)
         child_env = {**env, **slots[node_id].env}
         try:
             with log_path.open("w") as f:
-                proc = spawn(cmd, f, child_env)
+                proc = spawn(cmd, f, child_env, zygote)
         except BaseException:  # a signal, EMFILE, ...: the nodes already started do not stay behind
             stop_children(children, grace_s=5.0)
+            close_zygote(children)
             raise
-        children.append(Child(node_id, role, ports[2 * k], proc, log_path, cmd, child_env))
+        children.append(Child(node_id, role, ports[2 * k], proc, log_path, cmd, child_env, zygote=zygote))
     return children
+
+
+def start_zygote(env: dict[str, str]) -> Zygote | None:
+    """The process the nodes are forked from (:mod:`distflow.launch.zygote`), or None, said once, where
+    it cannot be used: nodes are then started as programs, as with ``fork_nodes: false``."""
+    if not hasattr(os, "fork"):
+        return None
+    try:
+        return Zygote({k: v for k, v in env.items() if k != SECRET_ENV})
+    except (OSError, RuntimeError) as e:
+        print(f"distflow: not forking the nodes ({e}); each starts as its own program", file=sys.stderr)
+        return None
+
+
+def close_zygote(children: list[Child]) -> None:
+    """End the zygote once its nodes are stopped (they die with it)."""
+    for z in {id(c.zygote): c.zygote for c in children if c.zygote is not None}.values():
+        z.close()
 
 
 def wait_all(children: list[Child], timeout: float) -> bool:

@@ -46,8 +46,8 @@ from distflow.core.auth import SECRET_ENV, new_secret
 from distflow.core.config import Config, ConfigError
 from distflow.core.launch_env import run_start
 from distflow.launch.checkpoint import checkpoint_version, resume_hint
-from distflow.launch.children import (Child, error_line, exit_text, start_children, stop_children, stop_for_checkpoint,
-                                      tail, wait_all)
+from distflow.launch.children import (Child, close_zygote, error_line, exit_text, start_children, stop_children,
+                                      stop_for_checkpoint, tail, wait_all)
 from distflow.launch.placement import plan_placement
 from distflow.launch.preflight import check_functions, check_inputs
 from distflow.launch.progress import Progress, eval_summary
@@ -174,6 +174,7 @@ def launch(cfg: Config, in_process: bool = False, progress: bool = True) -> int:
     finally:
         bar.close()
         restore_signals(previous)
+        close_zygote(children)
     if code:
         plot_trained(cfg)
         return code

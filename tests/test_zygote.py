@@ -1,0 +1,46 @@
+"""The zygote ``distflow run`` forks its nodes from (distflow/launch/zygote.py): a forked node is a
+``distflow-node`` process in all that the launcher sees of it (its command line in /proc, its
+output in its log, its exit status, signals to it), and the zygote is fit to fork from."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from distflow.launch.zygote import Zygote
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote({"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    yield z
+    z.close()
+
+
+@pytest.mark.cluster
+def test_a_forked_node_has_its_command_line_log_and_exit_status(zygote, tmp_path):
+    log = tmp_path / "node.log"
+    node = zygote.spawn(["--role", "nope", "--config", str(tmp_path / "c.yaml")], str(log), {"X_ZYGOTE_TEST": "1"})
+    assert node.wait(timeout=30) == 2  # argparse's exit status for a bad --role, as an exec'd node
+    assert "invalid choice: 'nope'" in log.read_text()
+    ok = zygote.spawn(["--help"], str(log), {})
+    assert ok.wait(timeout=30) == 0 and "--role" in log.read_text()
+
+
+@pytest.mark.cluster
+def test_a_signal_reaches_the_forked_node_and_its_status_says_so(zygote, tmp_path):
+    cfg = ROOT / "examples" / "grpo_quickstart.yaml"
+    log = tmp_path / "node.log"
+    # A node waiting to join seeds that never answer: alive until signalled.
+    node = zygote.spawn(["--role", "rollout", "--config", str(cfg), "--seeds", "127.0.0.1:9", "--node-id", "z-0"],
+                        str(log), {"DISTFLOW_SECRET": "s" * 32})
+    with pytest.raises(subprocess.TimeoutExpired):
+        node.wait(timeout=1.0)
+    title = open(f"/proc/{node.pid}/cmdline", "rb").read().replace(b"\0", b" ")
+    assert b"distflow-node --role rollout --config " in title and b"--node-id z-0" in title
+    node.send_signal(signal.SIGKILL)
+    assert node.wait(timeout=30) == -signal.SIGKILL and node.poll() == -signal.SIGKILL
