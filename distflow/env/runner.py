@@ -20,7 +20,10 @@ a stop reason (:data:`distflow.env.episode.STOP_REASONS`):
   :func:`distflow.env.api.check_step_result`), or hangs ends its episode with ``env_error``:
   counted, its tokens not trained, the other episodes unaffected;
 * a first prompt that already leaves no room in ``max_total_tokens`` is a counted skip
-  (``prompt_too_long``), before any generation.
+  (``prompt_too_long``), before any generation;
+* an environment with an optional ``finish(reply, stop_reason) -> reward | None`` hears of a
+  budget ending its episode (``reply``: the last turn's, when the budget cut it before ``step``
+  saw it): an agent on the chat endpoint answers its waiting request there and still scores.
 
 An engine failure (``generate`` raising) is not an episode's problem: it propagates and the
 other episodes of the run are cancelled.
@@ -144,6 +147,15 @@ class EpisodeRunner:
         except TemplateError as e:  # the environment's messages do not fit the template: its error
             raise EnvError(f"environment {self.env_name!r}: {e}") from None
 
+    def _tools(self, env: Any) -> list[dict] | None:
+        """The environment's tool schemas for the template, read at every render (an agent's
+        requests may name other tools turn by turn)."""
+        tools = getattr(env, "tools", None)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise EnvError(f"environment {self.env_name!r}: tools is {type(tools).__name__}, "
+                           f"expected a list of JSON schemas (dicts)")
+        return tools
+
     async def run_episode(self, row: dict) -> Episode:
         """One episode on ``row`` to its stop reason. Never raises for the environment's faults."""
         ep = Episode(row=row)
@@ -154,16 +166,13 @@ class EpisodeRunner:
             env = await self._env(self.make_env, what="constructor", ep=ep)
             messages = check_messages(await self._env(env.reset, row, what="reset()", ep=ep),
                                       f"environment {self.env_name!r} reset()", allow_empty=False)
-            tools = getattr(env, "tools", None)
-            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-                raise EnvError(f"environment {self.env_name!r}: tools is {type(tools).__name__}, "
-                               f"expected a list of JSON schemas (dicts)")
-            prompt = self._render(messages, tools)
+            prompt = self._render(messages, self._tools(env))
             if len(prompt) >= self.max_total_tokens:
                 ep.stop_reason, ep.messages = "prompt_too_long", messages
                 ep.error = f"the first prompt has {len(prompt)} tokens, max_total_tokens is {self.max_total_tokens}"
                 return ep
             asm = TokenAssembly(prompt)
+            unstepped: str | None = None  # the reply of a turn cut by a budget (never given to step)
             while True:
                 max_new = min(self.max_new_tokens, self.max_total_tokens - len(prompt))
                 comp = await self._generate(prompt, max_new, ep)
@@ -176,6 +185,7 @@ class EpisodeRunner:
                 if comp.finish_reason == "length":
                     ep.truncated = True
                     ep.stop_reason = "length" if max_new == self.max_new_tokens else "max_total_tokens"
+                    unstepped = reply
                     break
                 result = check_step_result(await self._env(env.step, reply, what="step()", ep=ep),
                                            f"environment {self.env_name!r} step()")
@@ -184,7 +194,7 @@ class EpisodeRunner:
                 ep.tool_errors += _count(result.info.get("tool_errors"), "tool_errors", what)
                 ep.rewards.append(result.reward)
                 ep.info = result.info
-                messages += result.messages
+                messages = list(result.messages) if result.replace else messages + result.messages
                 if result.done:
                     ep.stop_reason = "done"
                     break
@@ -195,11 +205,15 @@ class EpisodeRunner:
                     ep.stop_reason = "max_turns"
                     break
                 before = len(asm.context)
-                prompt = self._render(messages, tools)
+                prompt = self._render(messages, self._tools(env))
                 ep.observation_lengths.append(len(prompt) - before if asm.extend(prompt) else len(prompt))
                 if len(prompt) >= self.max_total_tokens:
                     ep.stop_reason = "max_total_tokens"
                     break
+            if ep.stop_reason != "done" and callable(getattr(env, "finish", None)):
+                reward = await self._env(env.finish, unstepped, ep.stop_reason, what="finish()", ep=ep)
+                ep.rewards.append(check_step_result({"done": True, "reward": reward},
+                                                    f"environment {self.env_name!r} finish()").reward)
         except EnvError as e:
             ep.stop_reason, ep.error = "env_error", str(e)
         finally:
