@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,21 +66,49 @@ def run_episodes(ctx: Any, rows: list[Any], params: SamplingParams) -> list[Any]
     """``group_size`` episodes per row (row-major), on a fresh event loop in this thread. ``ctx``:
     the stage's :class:`~distflow.rollout.stages.RolloutContext`; ``params``: every turn's sampling."""
     cfg, engine = ctx.cfg, ctx.engine
-    try:
-        make_env = environment_factory(cfg.environment, cfg.environment_args, cfg.tools)
-    except ValueError as e:
-        raise StageError(f"environment: {e}") from None
     limit = cfg.max_total_tokens
     positions = getattr(engine, "max_positions", None)
     if isinstance(positions, int) and not isinstance(positions, bool):
         limit = min(limit, positions)
-    # a short window: the episodes' first turns (their environments start in threads) share one engine batch
-    runner = EpisodeRunner(engine.tokenizer, BatchedGenerate(engine.generate, seed=ctx.seed, window=0.01), make_env,
-                           params=params, max_turns=cfg.max_turns,
-                           max_total_tokens=limit, max_new_tokens=cfg.max_new_tokens,
-                           max_tool_errors=cfg.max_tool_errors, env_timeout=cfg.env_timeout_s,
-                           max_concurrent=cfg.max_concurrent_episodes)
-    return asyncio.run(runner.run([r.data for r in rows for _ in range(cfg.group_size)]))
+
+    def runner(make_env: Any) -> EpisodeRunner:
+        # a short window: the episodes' first turns (their environments start in threads) share one engine batch
+        return EpisodeRunner(engine.tokenizer, BatchedGenerate(engine.generate, seed=ctx.seed, window=0.01), make_env,
+                             params=params, max_turns=cfg.max_turns,
+                             max_total_tokens=limit, max_new_tokens=cfg.max_new_tokens,
+                             max_tool_errors=cfg.max_tool_errors, env_timeout=cfg.env_timeout_s,
+                             max_concurrent=cfg.max_concurrent_episodes)
+
+    data = [r.data for r in rows for _ in range(cfg.group_size)]
+    if getattr(cfg, "agent", None):
+        return asyncio.run(_agent_episodes(cfg, runner, data))
+    try:
+        make_env = environment_factory(cfg.environment, cfg.environment_args, cfg.tools)
+    except ValueError as e:
+        raise StageError(f"environment: {e}") from None
+    return asyncio.run(runner(make_env).run(data))
+
+
+async def _agent_episodes(cfg: Any, runner: Any, data: list[dict]) -> list[Any]:
+    """``agent: module:function`` episodes: the chat endpoint (docs/agents.md) serves the step's
+    episodes on this loop, one bearer token each, and closes with the step."""
+    from distflow.env.agent import agent_factory
+    from distflow.env.endpoint import ChatEndpoint
+
+    try:
+        endpoint = await ChatEndpoint(cfg.agent_host, cfg.agent_port,
+                                      model=os.path.basename(str(cfg.model_path).rstrip("/")) or "policy").start()
+    except OSError as e:
+        raise StageError(f"agent_host/agent_port: the agent endpoint cannot listen on "
+                         f"{cfg.agent_host}:{cfg.agent_port}: {e}") from None
+    try:
+        try:
+            make_env = agent_factory(cfg.agent, endpoint)
+        except ValueError as e:
+            raise StageError(f"agent: {e}") from None
+        return await runner(make_env).run(data)
+    finally:
+        await endpoint.close()
 
 
 def episodes(ctx: Any, rows: list[Any], params: SamplingParams) -> SampleBatch:
