@@ -50,11 +50,13 @@ def _run(tok, gen, agent, rows, **kw):
     return asyncio.run(go())
 
 
-def _http(client: AgentClient, method: str, path: str, body: bytes | None, token: str | None) -> tuple[int, dict]:
+def _http(client: AgentClient, method: str, path: str, body: bytes | None, token: str | None,
+          **extra: str) -> tuple[int, dict]:
     host, port = client.base_url.split("//")[1].split("/")[0].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {}),
+                   **extra}
         conn.request(method, path, body=body, headers=headers)
         r = conn.getresponse()
         return r.status, json.loads(r.read())
@@ -84,6 +86,8 @@ async def two_turn_agent(row, client):
                        ("get_chat", ("GET", "/v1/chat/completions", None, client.api_key)),
                        ("nowhere", ("POST", "/v2/anything", good, client.api_key))):
         row["probes"][name] = await in_thread(_http, client, *args)
+    row["probes"]["expect"] = await in_thread(_http, client, "POST", "/v1/chat/completions", b"[1, 2]",
+                                              client.api_key, Expect="100-continue")  # as curl sends
     return 1.0
 
 
@@ -125,6 +129,7 @@ def test_two_turns_over_http_record_exactly_the_sampled_tokens_and_mask(tok):
     assert probes["models"] == (200, {"object": "list", "data": [{"id": "toy", "object": "model", "created": 0,
                                                                   "owned_by": "distflow"}]})
     assert probes["get_chat"][0] == 405 and probes["nowhere"][0] == 404
+    assert probes["expect"][0] == 400 and "JSON list" in probes["expect"][1]["error"]["message"]
     assert len(gen.calls) == 2  # no probe reached the engine
     assert endpoint.sessions == {}  # the episode's token is dead once it ended
 
@@ -283,3 +288,28 @@ def test_the_gsm8k_python_tool_example_validates():
     assert [n.fn for n in cfg.workflow] == ["episodes", "gsm8k", "grpo", "grpo"]
     assert cfg.environment_args["prompt_key"] == "question" and cfg.device == "cuda"
     assert cfg.model_path.endswith("Qwen2.5-1.5B-Instruct")
+
+
+def test_a_client_stalling_mid_request_is_cut_at_the_read_deadline():
+    """Half a body, then silence: the endpoint closes the connection at read_timeout, and the
+    next client is served (a 401 JSON answer)."""
+    import socket
+    import time
+
+    async def go():
+        endpoint = await ChatEndpoint(read_timeout=0.3).start()
+        try:
+            def stall() -> tuple[bytes, float]:
+                with socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) as s:
+                    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+                    t0 = time.monotonic()
+                    return s.recv(100), time.monotonic() - t0
+            data, waited = await in_thread(stall)
+            status = await in_thread(_http, AgentClient(endpoint.base_url, "x"), "GET", "/v1/models", None, "x")
+            return data, waited, status
+        finally:
+            await endpoint.close()
+
+    data, waited, status = asyncio.run(go())
+    assert data == b"" and 0.25 < waited < 3  # closed, no answer, at the deadline
+    assert status[0] == 401 and status[1]["error"]["type"] == "authentication_error"

@@ -270,7 +270,7 @@ class ChatEndpoint:
                 except asyncio.LimitOverrunError:
                     await self._write(writer, 431, HTTPError(431, "request headers too large").body(), False)
                     return
-                status, body, keep = await self._request(head, reader)
+                status, body, keep = await self._request(head, reader, writer)
                 await self._write(writer, status, body, keep)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass
@@ -281,7 +281,8 @@ class ChatEndpoint:
                 self.connections.discard(task)
             writer.close()
 
-    async def _request(self, head: bytes, reader: asyncio.StreamReader) -> tuple[int, dict, bool]:
+    async def _request(self, head: bytes, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> tuple[int, dict, bool]:
         """One request -> (status, JSON body, keep the connection)."""
         self.requests += 1
         try:
@@ -306,6 +307,8 @@ class ChatEndpoint:
                 raise HTTPError(400, "Content-Length is not a number") from None
             if length < 0 or length > self.max_body:
                 raise HTTPError(413, f"the body has {length} bytes, at most {self.max_body} are taken")
+            if length and headers.get("expect", "").lower() == "100-continue":  # curl, for bodies over 1 KiB
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = await asyncio.wait_for(reader.readexactly(length), self.read_timeout) if length else b""
         except HTTPError as e:
             self.errors += 1
