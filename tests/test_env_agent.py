@@ -313,3 +313,35 @@ def test_a_client_stalling_mid_request_is_cut_at_the_read_deadline():
     data, waited, status = asyncio.run(go())
     assert data == b"" and 0.25 < waited < 3  # closed, no answer, at the deadline
     assert status[0] == 401 and status[1]["error"]["type"] == "authentication_error"
+
+
+async def impatient_agent(row, client):
+    """Two requests at once: one is the turn, the other is refused (409), the episode goes on."""
+    from distflow.env.agent import EndpointError
+
+    messages = [{"role": "user", "content": row["prompt"]}]
+    out = await asyncio.gather(client.chat(messages), client.chat(messages), return_exceptions=True)
+    row["outcomes"] = sorted("409 " + e.code if isinstance(e, EndpointError) else e["choices"][0]["message"]["content"]
+                             for e in out)
+    row["client"] = client
+    return 1.0
+
+
+def test_one_turn_at_a_time_and_a_dead_token_after_the_episode(tok):
+    gen = ScriptedGenerate(tok, {"both": ["one", "two"]})
+    row = {"prompt": "both"}
+
+    async def go():
+        endpoint = await ChatEndpoint().start()
+        try:
+            runner = EpisodeRunner(tok, gen, agent_factory(impatient_agent, endpoint), env_timeout=5.0)
+            (ep,) = await runner.run([row])
+            late = await in_thread(_http, row["client"], "GET", "/v1/models", None, row["client"].api_key)
+            return ep, late
+        finally:
+            await endpoint.close()
+
+    ep, late = asyncio.run(go())
+    assert row["outcomes"] == ["409 turn_in_flight", "one"] and len(gen.calls) == 1
+    assert ep.stop_reason == "done" and ep.reward == 1.0 and ep.samples[0].response_tokens == gen.reply_ids("both", 0)
+    assert late[0] == 401  # the episode's api_key died with it
