@@ -328,7 +328,7 @@ async def impatient_agent(row, client):
 
 
 def test_one_turn_at_a_time_and_a_dead_token_after_the_episode(tok):
-    gen = ScriptedGenerate(tok, {"both": ["one", "two"]})
+    gen = ScriptedGenerate(tok, {"both": ["one", "two"]}, delay=0.5)  # the turn is in flight when the other comes
     row = {"prompt": "both"}
 
     async def go():
