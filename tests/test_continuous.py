@@ -1,0 +1,169 @@
+"""Request-level continuous batching (distflow/rollout/continuous.py) on the real TorchEngine and
+the toy model: a short request joins while a long one decodes and returns first; the sampled
+logprobs equal a teacher-forced forward of the same tokens; a second turn extending the first
+reuses its KV (counted) with the logprobs of a cold prefill; a request's tokens do not depend on
+the requests sharing its batch; a weight load waits for the in-flight requests; a tool episode
+through the runner trains exactly the sampled tokens with their logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from distflow.rollout.protocol import SamplingParams
+from distflow.rollout.torch_engine import TorchEngine
+
+
+@pytest.fixture(scope="module")
+def engine(toy_model):
+    torch.set_num_threads(2)
+    eng = TorchEngine(str(toy_model), max_slots=8)
+    yield eng
+    eng.close()
+
+
+def teacher_forced(eng: TorchEngine, prompt: list[int], tokens: list[int]) -> list[float]:
+    """log_softmax of the HF model's own forward over prompt + tokens, at each sampled token."""
+    with torch.inference_mode():
+        logits = eng.model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(tokens)]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def test_a_short_request_joins_while_a_long_one_decodes_and_returns_first(engine):
+    long_p, short_p = [2, 5, 6, 7], [2, 9, 10]
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0)
+
+    async def main():
+        async with engine.continuous(seed=1, max_length=64) as cont:
+            done_at: dict[str, tuple[float, int]] = {}
+
+            async def one(name, prompt, params):
+                c = await cont.submit(prompt, params, key=name)
+                done_at[name] = (time.perf_counter(), engine.stats["decode_steps"])
+                return c
+
+            steps0 = engine.stats["decode_steps"]
+            long_task = asyncio.create_task(one("long", long_p, greedy), name="long")
+            while engine.stats["decode_steps"] - steps0 < 5:  # the long one is decoding
+                await asyncio.sleep(0.001)
+            joined = engine.stats["decode_steps"] - steps0
+            short = await one("short", short_p, SamplingParams(max_new_tokens=3, temperature=0.0))
+            assert not long_task.done()  # returned while the long one still decodes
+            long = await long_task
+            return joined, short, long, done_at, steps0
+
+    joined, short, long, done_at, steps0 = run(main())
+    assert long.finish_reason == "length" and len(long.tokens) == 40, long  # the greedy toy path has no EOS
+    assert len(short.tokens) == 3
+    assert done_at["short"][0] < done_at["long"][0]
+    # the short one took its 3 tokens within a few steps of joining: it did not wait for the long one's 40
+    assert done_at["short"][1] - steps0 <= joined + 4, (done_at, joined)
+    assert done_at["long"][1] - steps0 >= 39
+
+
+def test_logprobs_equal_a_teacher_forced_forward(engine):
+    prompt = [2, 4, 8, 3, 11, 5]
+    params = SamplingParams(max_new_tokens=20, temperature=1.0)
+
+    async def main():
+        async with engine.continuous(seed=3, max_length=64) as cont:
+            return await asyncio.gather(*(cont.submit(prompt, params, key=i) for i in range(4)))
+
+    outs = run(main())
+    assert len({tuple(c.tokens) for c in outs}) > 1  # four keys, four streams
+    for c in outs:
+        ref = teacher_forced(engine, prompt, c.tokens)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
+
+
+def test_a_second_turn_reuses_the_first_turns_kv_with_cold_prefill_logprobs(engine):
+    prompt = [2, 4, 8, 3, 11, 5, 6]
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    observation = [12, 13, 14, 3, 9]
+
+    async def main():
+        async with engine.continuous(seed=5, max_length=64) as cont:
+            hits0, reused0 = engine.stats["kv_hits"], engine.stats["kv_reused_tokens"]
+            first = await cont(prompt, params, key=(0, 7, 0))
+            second_prompt = prompt + first.tokens + observation
+            second = await cont(second_prompt, params, key=(0, 7, 1))
+            hits, reused = engine.stats["kv_hits"] - hits0, engine.stats["kv_reused_tokens"] - reused0
+        async with engine.continuous(seed=5, max_length=64) as cold:  # no stored KV: a whole prefill
+            misses0 = engine.stats["kv_misses"]
+            again = await cold(second_prompt, params, key=(0, 7, 1))
+            misses = engine.stats["kv_misses"] - misses0
+        return first, second_prompt, second, again, hits, reused, misses
+
+    first, second_prompt, second, again, hits, reused, misses = run(main())
+    assert hits == 1 and reused == len(prompt) + len(first.tokens) - 1  # all but the last sampled token
+    assert misses == 1  # the cold engine had nothing for turn 1
+    assert second.tokens == again.tokens  # the same key: the same stream, the same logits
+    assert max(abs(a - b) for a, b in zip(second.logprobs, again.logprobs)) < 1e-4
+    ref = teacher_forced(engine, second_prompt, second.tokens)
+    assert max(abs(a - b) for a, b in zip(second.logprobs, ref)) < 1e-4
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch(engine):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    prompts = {i: [2] + [3 + (i * 5 + j) % 13 for j in range(3 + i)] for i in range(6)}
+
+    async def alone(i):
+        async with engine.continuous(seed=9, max_length=64) as cont:
+            return await cont.submit(prompts[i], params, key=("ep", i))
+
+    async def together():
+        async with engine.continuous(seed=9, max_length=64, max_slots=3) as cont:
+            return await asyncio.gather(*(cont.submit(prompts[i], params, key=("ep", i)) for i in reversed(range(6))))
+
+    solo = [run(alone(i)) for i in (0, 4)]
+    mixed = run(together())[::-1]
+    for got, i in zip(solo, (0, 4)):
+        assert got.tokens == mixed[i].tokens
+        assert max(abs(a - b) for a, b in zip(got.logprobs, mixed[i].logprobs)) < 1e-5
+
+
+def test_a_weight_load_waits_for_the_requests_in_flight(engine):
+    weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0)
+    v0 = engine.version
+
+    async def main():
+        async with engine.continuous(seed=1, max_length=64) as cont:
+            task = asyncio.create_task(cont.submit([2, 5, 6, 7], greedy, key="a"), name="in-flight")
+            steps0 = engine.stats["decode_steps"]
+            while engine.stats["decode_steps"] - steps0 < 3:
+                await asyncio.sleep(0.001)
+            loaded = threading.Event()
+            t = threading.Thread(target=lambda: (engine.load_weights(v0 + 1, weights), loaded.set()), name="load")
+            t.start()
+            first = await task
+            assert first.last_version == v0  # finished under the weights it started with
+            t.join(30)
+            assert loaded.is_set()
+            after = await cont.submit([2, 5, 6, 7], greedy, key="b")
+            return first, after
+
+    first, after = run(main())
+    assert first.first_version == first.last_version == v0
+    assert after.first_version == v0 + 1 and after.tokens == first.tokens  # the same weights, reloaded
+
+
+def test_an_engine_failure_reaches_every_waiting_request(engine):
+    async def main():
+        cont = engine.continuous(seed=0, max_length=64)
+        async with cont:
+            with pytest.raises(ValueError, match="max_length"):
+                await cont.submit([2] * 60, SamplingParams(max_new_tokens=10))
+        with pytest.raises(RuntimeError, match="outside start"):
+            await cont.submit([2, 3], SamplingParams(max_new_tokens=2))
+
+    run(main())
