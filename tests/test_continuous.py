@@ -167,3 +167,62 @@ def test_an_engine_failure_reaches_every_waiting_request(engine):
             await cont.submit([2, 3], SamplingParams(max_new_tokens=2))
 
     run(main())
+
+
+class MoreDigits:
+    """Three model turns: every reply is answered with a user turn of digits (the tool toy model's
+    tokenizer has digits and newline), the last with done and reward 1."""
+
+    def __init__(self):
+        self.turn = 0
+
+    async def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    async def step(self, reply):
+        from distflow.env import StepResult
+
+        self.turn += 1
+        await asyncio.sleep(0.001 * self.turn)  # the environments answer at different times
+        return StepResult(messages=[{"role": "user", "content": str(40 + self.turn)}], reward=1.0 if self.turn == 3
+                          else None, done=self.turn == 3)
+
+
+def test_multi_turn_episodes_on_the_continuous_path_train_the_sampled_tokens_and_reuse_kv(tmp_path):
+    """The runner over the continuous engine (what fn: episodes uses on a TorchEngine): every
+    sample's loss-masked tokens carry the logprobs of a teacher-forced forward of the whole
+    sample, observations masked; every later turn of an episode reused its KV."""
+    from distflow.env import EpisodeRunner
+    from distflow.toy import ensure_toy_model
+
+    torch.set_num_threads(2)
+    eng = TorchEngine(ensure_toy_model(tmp_path / "m", kind="tool"), max_slots=8)
+    try:
+        # newline and "0" stop a turn too: most turns of the random toy policy end before the length cut
+        params = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=(21, 11))
+        rows = [{"prompt": f"{i:04d}"} for i in range(6)]
+
+        async def main():
+            async with eng.continuous(seed=11, max_length=128) as cont:
+                runner = EpisodeRunner(eng.tokenizer, cont, MoreDigits, params=params, max_turns=3,
+                                       max_total_tokens=128, max_new_tokens=16)
+                assert runner.keyed
+                return await runner.run(rows)
+
+        h0, m0 = eng.stats.get("kv_hits", 0), eng.stats.get("kv_misses", 0)
+        eps = run(main())
+        later_turns = sum(ep.turns - 1 for ep in eps)
+        assert later_turns > 0 and eng.stats["kv_hits"] - h0 == later_turns and eng.stats["kv_misses"] == m0
+        for ep in eps:
+            assert ep.stop_reason in ("done", "length") and ep.samples
+            for s in ep.samples:
+                with torch.inference_mode():
+                    lp = torch.log_softmax(eng.model(input_ids=torch.tensor([s.tokens])).logits[0].float(), -1)
+                for t in range(s.prompt_len, len(s.tokens)):
+                    if s.loss_mask[t]:
+                        assert abs(s.logprobs[t] - float(lp[t - 1, s.tokens[t]])) < 1e-4
+                    else:
+                        assert s.logprobs[t] == 0.0
+        assert sum(ep.stop_reason == "done" for ep in eps) >= 1
+    finally:
+        eng.close()

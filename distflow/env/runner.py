@@ -44,8 +44,17 @@ from distflow.env.tools import ToolEnvironment
 __all__ = ["EpisodeRunner", "GenerateFn", "environment_factory", "summarize", "episode_means"]
 
 # generate(prompt_ids, params) -> Completion (tokens, logprobs, finish_reason, first/last_version),
-# or an awaitable of one
+# or an awaitable of one; a generate with a ``key`` keyword also gets key=(run, episode, turn)
 GenerateFn = Callable[[list[int], Any], Any]
+
+
+def _takes_key(generate: Any) -> bool:
+    """Whether ``generate`` takes ``key=``: a request-level engine (distflow.rollout.continuous) seeds
+    each turn from it and keeps an episode's KV between its turns."""
+    try:
+        return "key" in inspect.signature(generate).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def environment_factory(environment: str | type | None = None, environment_args: dict | None = None,
@@ -77,7 +86,10 @@ class EpisodeRunner:
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
-        generate: ``generate(prompt_ids, params) -> Completion`` (or an awaitable of one).
+        generate: ``generate(prompt_ids, params) -> Completion`` (or an awaitable of one); one
+            that takes a ``key`` keyword gets ``key=(run, episode, turn)``: the run's serial
+            number, the episode's index in it and the turn's, the same whatever the timing
+            (a request-level engine seeds the turn from it and reuses the episode's KV).
         make_env: a factory of one environment per episode (:func:`environment_factory`).
         params: the SamplingParams of every turn (its ``max_new_tokens`` is set per turn); None:
             ``SamplingParams()`` with the template's defaults.
@@ -112,6 +124,8 @@ class EpisodeRunner:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = set(params.stop_token_ids) | ({eos} if isinstance(eos, int) else set())
         self.stats: dict[str, float] = {}
+        self.keyed = _takes_key(generate)
+        self.runs = 0  # run() calls so far: the first element of a turn's key
         self.env_name = getattr(make_env, "spec", getattr(make_env, "__qualname__", "environment"))
 
     # ------------------------------------------------------------------ one episode
@@ -122,10 +136,11 @@ class EpisodeRunner:
             tokens = tokens[:-1]
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
-    async def _generate(self, prompt: list[int], max_new: int, ep: Episode) -> Any:
+    async def _generate(self, prompt: list[int], max_new: int, ep: Episode, key: tuple | None) -> Any:
         params = dataclasses.replace(self.params, max_new_tokens=max_new)
         t0 = time.perf_counter()
-        out = self.generate(prompt, params)
+        out = self.generate(prompt, params, key=key) if self.keyed and key is not None else \
+            self.generate(prompt, params)
         comp = await out if inspect.isawaitable(out) else out
         ep.generate_time_s += time.perf_counter() - t0
         tokens, logprobs = list(comp.tokens), list(comp.logprobs)
@@ -156,8 +171,9 @@ class EpisodeRunner:
                            f"expected a list of JSON schemas (dicts)")
         return tools
 
-    async def run_episode(self, row: dict) -> Episode:
-        """One episode on ``row`` to its stop reason. Never raises for the environment's faults."""
+    async def run_episode(self, row: dict, key: tuple | None = None) -> Episode:
+        """One episode on ``row`` to its stop reason. Never raises for the environment's faults.
+        ``key``: the episode's (run, index), extended by the turn for a keyed ``generate``."""
         ep = Episode(row=row)
         env = None
         asm: TokenAssembly | None = None
@@ -175,7 +191,7 @@ class EpisodeRunner:
             unstepped: str | None = None  # the reply of a turn cut by a budget (never given to step)
             while True:
                 max_new = min(self.max_new_tokens, self.max_total_tokens - len(prompt))
-                comp = await self._generate(prompt, max_new, ep)
+                comp = await self._generate(prompt, max_new, ep, None if key is None else (*key, ep.turns))
                 asm.add_completion(list(comp.tokens), list(comp.logprobs), int(getattr(comp, "first_version", 0)),
                                    int(getattr(comp, "last_version", 0)))
                 ep.turns += 1
@@ -234,15 +250,17 @@ class EpisodeRunner:
         """One episode per row, concurrently (at most ``max_concurrent`` at once), in row order.
         Updates :attr:`stats` with :func:`summarize` of them."""
         gate = asyncio.Semaphore(self.max_concurrent) if self.max_concurrent else None
+        run = self.runs
+        self.runs += 1
 
-        async def one(row: dict) -> Episode:
+        async def one(i: int, row: dict) -> Episode:
             if gate is None:
-                return await self.run_episode(row)
+                return await self.run_episode(row, (run, i))
             async with gate:
-                return await self.run_episode(row)
+                return await self.run_episode(row, (run, i))
 
         async with asyncio.TaskGroup() as tg:  # generate raising cancels the others (an engine failure)
-            tasks = [tg.create_task(one(r)) for r in rows]
+            tasks = [tg.create_task(one(i, r), name=f"episode-{run}-{i}") for i, r in enumerate(rows)]
         episodes = [t.result() for t in tasks]
         for k, v in summarize(episodes).items():
             self.stats[k] = self.stats.get(k, 0) + v

@@ -65,28 +65,72 @@ def episode_counters(eps: list[Any]) -> dict[str, float]:
 def run_episodes(ctx: Any, rows: list[Any], params: SamplingParams) -> list[Any]:
     """``group_size`` episodes per row (row-major), on a fresh event loop in this thread. ``ctx``:
     the stage's :class:`~distflow.rollout.stages.RolloutContext`; ``params``: every turn's sampling."""
+    cfg = ctx.cfg
+    data = [r.data for r in rows for _ in range(cfg.group_size)]
+    make_env = None
+    if not getattr(cfg, "agent", None):
+        try:
+            make_env = environment_factory(cfg.environment, cfg.environment_args, cfg.tools)
+        except ValueError as e:
+            raise StageError(f"environment: {e}") from None
+    return asyncio.run(_run(ctx, params, data, make_env))
+
+
+async def _run(ctx: Any, params: SamplingParams, data: list[dict], make_env: Any) -> list[Any]:
+    """The step's episodes on this loop, over the engine's request-level continuous batching when it
+    has one (``TorchEngine.continuous``), else over :class:`BatchedGenerate` (which one: logged once)."""
     cfg, engine = ctx.cfg, ctx.engine
     limit = cfg.max_total_tokens
     positions = getattr(engine, "max_positions", None)
     if isinstance(positions, int) and not isinstance(positions, bool):
         limit = min(limit, positions)
+    continuous = getattr(engine, "continuous", None)
+    cont = continuous(seed=ctx.seed, max_slots=max(1, len(data)), max_length=limit) if callable(continuous) else None
+    _log_path_once(engine, cont)
 
-    def runner(make_env: Any) -> EpisodeRunner:
-        # a short window: the episodes' first turns (their environments start in threads) share one engine batch
-        return EpisodeRunner(engine.tokenizer, BatchedGenerate(engine.generate, seed=ctx.seed, window=0.01), make_env,
-                             params=params, max_turns=cfg.max_turns,
+    def runner(generate: Any, make: Any) -> EpisodeRunner:
+        return EpisodeRunner(engine.tokenizer, generate, make, params=params, max_turns=cfg.max_turns,
                              max_total_tokens=limit, max_new_tokens=cfg.max_new_tokens,
                              max_tool_errors=cfg.max_tool_errors, env_timeout=cfg.env_timeout_s,
                              max_concurrent=cfg.max_concurrent_episodes)
 
-    data = [r.data for r in rows for _ in range(cfg.group_size)]
-    if getattr(cfg, "agent", None):
-        return asyncio.run(_agent_episodes(cfg, runner, data))
-    try:
-        make_env = environment_factory(cfg.environment, cfg.environment_args, cfg.tools)
-    except ValueError as e:
-        raise StageError(f"environment: {e}") from None
-    return asyncio.run(runner(make_env).run(data))
+    if cont is None:
+        # a short window: the episodes' first turns (their environments start in threads) share one engine batch
+        batched = BatchedGenerate(engine.generate, seed=ctx.seed, window=0.01)
+        return await _episodes_of(cfg, lambda make: runner(batched, make), data, make_env)
+    before = {k: cont.stats.get(k, 0) for k in _KV_COUNTERS}
+    async with cont:
+        eps = await _episodes_of(cfg, lambda make: runner(cont, make), data, make_env)
+    for k, name in _KV_COUNTERS.items():
+        ctx.count(name, cont.stats.get(k, 0) - before[k])
+    return eps
+
+
+# the continuous engine's KV-reuse counters -> the step's metric names (docs/metrics.md)
+_KV_COUNTERS = {"kv_hits": "episode_kv_hits", "kv_misses": "episode_kv_misses",
+                "kv_reused_tokens": "episode_kv_reused_tokens"}
+_LOGGED: set[str] = set()
+
+
+def _log_path_once(engine: Any, cont: Any) -> None:
+    """Which path the episodes' turns take, once per process and path."""
+    which = "continuous" if cont is not None else "batched"
+    if which in _LOGGED:
+        return
+    _LOGGED.add(which)
+    if cont is not None:
+        log.info("episodes: each turn joins the engine's continuous batch when it is ready (TorchEngine.continuous; "
+                 "an episode's KV is kept between its turns)")
+    else:
+        log.info("episodes: turns batched per engine call (BatchedGenerate over %s.generate: the engine has no "
+                 "request-level continuous batching)", type(engine).__name__)
+
+
+async def _episodes_of(cfg: Any, runner: Any, data: list[dict], make_env: Any) -> list[Any]:
+    """The environment's episodes, or (``make_env`` None) the agent's on the chat endpoint."""
+    if make_env is not None:
+        return await runner(make_env).run(data)
+    return await _agent_episodes(cfg, runner, data)
 
 
 async def _agent_episodes(cfg: Any, runner: Any, data: list[dict]) -> list[Any]:
