@@ -362,8 +362,11 @@ class ContinuousEngine:
                 self.stats["slots_in_use"] = b.n_active
                 if b.n_active:
                     b.decode()
-                elif not b.waiting:
-                    b = None  # idle (or draining for weights): let load_weights and generate() have the lock
+                else:  # idle, or drained for a weight load: let load_weights and generate() have the lock
+                    back = [b.requests.pop(q) for q in b.waiting]  # (only when a load waits)
+                    pending[:0] = back
+                    b = None
+                    self._live = {}
                     lock.release()
         finally:
             if b is not None:
