@@ -157,7 +157,34 @@ def test_a_weight_load_waits_for_the_requests_in_flight(engine):
     assert after.first_version == v0 + 1 and after.tokens == first.tokens  # the same weights, reloaded
 
 
-def test_an_engine_failure_reaches_every_waiting_request(engine):
+def test_a_weight_load_lets_a_request_waiting_for_a_slot_start_under_the_new_weights(engine):
+    """One slot: B waits while A decodes; a load arrives; A finishes under the old weights, B is not
+    admitted before the load (the thread lets go of the lock with B still waiting) and starts
+    under the new ones."""
+    weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    greedy = SamplingParams(max_new_tokens=56, temperature=0.0)
+    v0 = engine.version
+
+    async def main():
+        async with engine.continuous(seed=1, max_length=64, max_slots=1) as cont:
+            a = asyncio.create_task(cont.submit([2, 5, 6, 7], greedy, key="a"), name="a")
+            b = asyncio.create_task(cont.submit([2, 9, 10], SamplingParams(max_new_tokens=4, temperature=0.0),
+                                                key="b"), name="b")
+            steps0 = engine.stats["decode_steps"]
+            while engine.stats["decode_steps"] - steps0 < 3:
+                await asyncio.sleep(0.001)
+            t = threading.Thread(target=engine.load_weights, args=(v0 + 1, weights), name="load")
+            t.start()
+            ra, rb = await a, await b
+            t.join(30)
+            return ra, rb
+
+    ra, rb = run(main())
+    assert ra.first_version == ra.last_version == v0 and len(ra.tokens) == 56
+    assert rb.first_version == rb.last_version == v0 + 1
+
+
+def test_requests_past_max_length_or_after_close_are_refused(engine):
     async def main():
         cont = engine.continuous(seed=0, max_length=64)
         async with cont:
@@ -165,6 +192,22 @@ def test_an_engine_failure_reaches_every_waiting_request(engine):
                 await cont.submit([2] * 60, SamplingParams(max_new_tokens=10))
         with pytest.raises(RuntimeError, match="outside start"):
             await cont.submit([2, 3], SamplingParams(max_new_tokens=2))
+
+    run(main())
+
+
+def test_an_engine_failure_reaches_the_waiting_request_and_the_next(toy_model):
+    """The engine closed under the continuous one: the thread fails, the request waiting gets the
+    error, and so does the next submission (at once); close() still returns."""
+    eng = TorchEngine(str(toy_model), max_slots=2)
+
+    async def main():
+        async with eng.continuous(seed=0, max_length=64) as cont:
+            eng.close()
+            with pytest.raises(RuntimeError, match="closed under"):
+                await cont.submit([2, 3], SamplingParams(max_new_tokens=2))
+            with pytest.raises(RuntimeError, match="engine thread failed"):
+                await cont.submit([2, 3], SamplingParams(max_new_tokens=2))
 
     run(main())
 
