@@ -4,7 +4,9 @@ Why it exists: the episode machinery (:mod:`distflow.env`) builds token-in/token
 from an environment and a per-turn ``generate``; the step needs a :class:`SampleBatch`. This
 stage is the seam: it runs ``group_size`` episodes per row of the step (a GRPO group is the
 episodes of one row) through :class:`~distflow.env.runner.EpisodeRunner` over the node's engine
-(:class:`~distflow.env.batching.BatchedGenerate`), and turns each episode's samples into batch
+(its request-level continuous batching, ``TorchEngine.continuous``, where it has one: each turn
+joins the running batch when ready and reuses its episode's KV; else
+:class:`~distflow.env.batching.BatchedGenerate`), and turns each episode's samples into batch
 rows:
 
 * the prompt is the sample's tokens before its first sampled token, the response the rest (the
