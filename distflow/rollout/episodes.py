@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["episodes", "episode_counters", "run_episodes"]
+__all__ = ["episodes", "episode_counters", "is_episode_counter", "run_episodes"]
 
 # EpisodeRunner's counters -> the step's metric names (docs/metrics.md); "samples" would collide with the loop's
 _RENAME = {"episodes": "episodes", "trained_episodes": "trained_episodes", "splits": "episode_splits",
@@ -52,6 +52,12 @@ _RENAME = {"episodes": "episodes", "trained_episodes": "trained_episodes", "spli
            "tool_calls": "episode_tool_calls", "tool_errors": "episode_tool_errors",
            "sampled_tokens": "episode_sampled_tokens", "episode_tokens": "episode_tokens",
            "env_time_s": "env_time_s", "generate_time_s": "episode_generate_time_s"}
+
+
+def is_episode_counter(key: str) -> bool:
+    """Whether ``key`` is one of the step's episode counters (:func:`episode_counters`, the KV ones):
+    what a re-run of the pipeline prefix (DAPO's replacements) adds to the step's own."""
+    return key in _COUNTER_NAMES or key.startswith("stop_")
 
 
 def episode_counters(eps: list[Any]) -> dict[str, float]:
@@ -112,6 +118,7 @@ async def _run(ctx: Any, params: SamplingParams, data: list[dict], make_env: Any
 _KV_COUNTERS = {"kv_hits": "episode_kv_hits", "kv_misses": "episode_kv_misses",
                 "kv_reused_tokens": "episode_kv_reused_tokens"}
 _LOGGED: set[str] = set()
+_COUNTER_NAMES = frozenset(_RENAME.values()) | {"episodes_with_tool_call"} | frozenset(_KV_COUNTERS.values())
 
 
 def _log_path_once(engine: Any, cont: Any) -> None:
