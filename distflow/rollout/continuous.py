@@ -53,7 +53,6 @@ import torch
 
 from distflow.device import on_device
 from distflow.rollout.protocol import Completion, SamplingParams, validate_prompts
-from distflow.rollout.sampling import seed_key
 from distflow.rollout.slots import SlotBatcher
 
 __all__ = ["ContinuousEngine", "KVStore", "request_key"]
@@ -63,9 +62,8 @@ log = logging.getLogger(__name__)
 
 def request_key(seed: int, key: Any) -> int:
     """The 32-bit sampling key of a request: a stable hash of ``(seed, key)`` (not Python's
-    ``hash``, which is salted per process for strings)."""
-    digest = hashlib.blake2b(repr((int(seed), key)).encode(), digest_size=8).digest()
-    return seed_key(int.from_bytes(digest, "little") % (1 << 63))
+    ``hash``, which is salted per process for strings; no torch call on the event loop)."""
+    return int.from_bytes(hashlib.blake2b(repr((int(seed), key)).encode(), digest_size=4).digest(), "little")
 
 
 @dataclasses.dataclass
@@ -113,6 +111,7 @@ class KVStore:
 class _Request:
     prompt: list[int]
     params: SamplingParams
+    mode: SamplingParams  # what it must share with the requests it is batched with (_mode)
     key: int
     session: Any
     turn: int
@@ -267,7 +266,7 @@ class ContinuousEngine:
         if key is None:
             key, self._serial = ("serial", self._serial), self._serial + 1
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, request_key(self.seed, key), session, turn, loop,
+        req = _Request(list(prompt_ids), params, _mode(params), request_key(self.seed, key), session, turn, loop,
                        loop.create_future())
         self.stats["requests"] += 1
         self._inbox.put(req)
@@ -339,7 +338,7 @@ class ContinuousEngine:
                     if not lock.acquire(timeout=0.05):
                         continue
                     try:
-                        b = self._batcher(_mode(pending[0].params))
+                        b = self._batcher(pending[0].mode)
                     except BaseException:
                         lock.release()
                         raise
@@ -350,7 +349,7 @@ class ContinuousEngine:
                 if not eng._loads_waiting:  # a weight load waits: finish what is in flight, admit nothing
                     rest = []
                     for req in pending:
-                        if _mode(req.params) != b.params:
+                        if req.mode != b.params:
                             rest.append(req)
                             continue
                         self._q += 1
