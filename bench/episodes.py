@@ -13,9 +13,9 @@ a turn samples up to a per-turn cap drawn from ``--turn-new`` (lo,hi; the random
 ms with 4..24 observation tokens, appended to the context for the next turn. Temperature 1.
 
 Reported per path: wall time, process CPU time (the engine thread is in this process; on a
-busy shared machine the CPU ratio is the steadier figure), sampled tokens per second, prefilled tokens (the engine's count;
-KV reuse prefills only each later turn's new tokens), KV hits; and the ratio of the batched
-wall time to the continuous one. One torch thread on CPU unless ``--threads``. Ends with
+busy shared machine the CPU ratio is the steadier figure), sampled tokens per second, prefilled
+tokens (the engine's count; KV reuse prefills only each later turn's new tokens), KV hits; and
+the ratios of the batched path's wall and CPU time to the continuous one's. One torch thread on CPU unless ``--threads``. Ends with
 exactly one JSON line. Run: ``python bench/episodes.py [--episodes 64] [--repeats 2]``.
 """
 
@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"bench": "episodes", "episodes": args.episodes, "slots": args.slots, "turn_new": [lo, hi],
                "env_ms": args.env_ms, "shape": args.shape, "threads": args.threads,
                "speedup_continuous_vs_batched": round(ratio, 3), "cpu_ratio_batched_vs_continuous": round(cpu_ratio, 3),
-               **{f"{p}_{k}": (round(v, 3) if isinstance(v, float) else v) for p, r in best.items() for k, v in r.items()}}
+               **{f"{p}_{k}": (round(v, 3) if isinstance(v, float) else v)
+                  for p, r in best.items() for k, v in r.items()}}
     print(json.dumps(summary, sort_keys=True))
     return summary
 
