@@ -134,6 +134,15 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_result(result)
 
 
+def _hand(req: _Request, result: Any, error: BaseException | None = None) -> None:
+    """Give ``req`` its result (or error) on its event loop; a loop that has closed meanwhile has
+    nobody waiting: nothing to do (the engine thread must not die of it)."""
+    try:
+        req.loop.call_soon_threadsafe(_resolve, req.future, result, error)
+    except RuntimeError:  # the loop is closed
+        pass
+
+
 class _Slots(SlotBatcher):
     """The engine thread's batcher: hands completions to their futures and parks their KV."""
 
@@ -148,7 +157,7 @@ class _Slots(SlotBatcher):
             held = self.prompts[q] + completion.tokens[:-1]  # the last sampled token was never fed
             k, v = self.r.save_prefix(slot, len(held))
             self.owner.store.put(req.session, _Entry(held, k, v, self.eng.version))
-        req.loop.call_soon_threadsafe(_resolve, req.future, completion, None)
+        _hand(req, completion)
 
     def discarded(self, q: int) -> None:
         self.requests.pop(q, None)
@@ -293,7 +302,8 @@ class ContinuousEngine:
             await asyncio.sleep(0.01)
         if self._thread is not None and not self._stopped.is_set():
             log.warning("the engine thread did not stop within %.0f s (left behind, a daemon)", timeout)
-        self.store.clear()
+            return
+        self.store.clear()  # (not under a thread still running: it owns the store)
 
     # ------------------------------------------------------------------ the engine thread
     def _main(self) -> None:
@@ -312,7 +322,7 @@ class ContinuousEngine:
                     break
             err = self._error or RuntimeError("the continuous engine closed")
             for req in pending + list(self._live.values()):
-                req.loop.call_soon_threadsafe(_resolve, req.future, None, err)
+                _hand(req, None, err)
             self._live = {}
             self._stopped.set()
 
