@@ -14,7 +14,10 @@ cache takes at most ``kv_cache_memory_fraction`` of the free GPU memory (fewer s
 ``max_slots`` do not fit), and ``generate``/``load_weights`` run with the engine's GPU as
 the calling thread's current device (they run in worker threads; ``set_device`` is per thread).
 
-Models outside the Llama family fall back to an HF ``model(...)`` loop (logged once).
+The slots themselves are :mod:`distflow.rollout.slots` (shared with the request-level engine
+of :meth:`TorchEngine.continuous`, :mod:`distflow.rollout.continuous`, which multi-turn
+episodes use). Models outside the Llama family fall back to an HF ``model(...)`` loop
+(logged once).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class TorchEngine:
     take (the slots are capped to what fits, logged).
     ``stats`` reports ``capture_s`` (graph capture time, paid once per process and cache
     size), ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
-    (mid-generate), cumulative.
+    (mid-generate), cumulative; a request-level engine (:meth:`continuous`) adds ``requests``,
+    ``kv_hits``, ``kv_misses``, ``kv_reused_tokens``.
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
