@@ -269,3 +269,15 @@ def test_multi_turn_episodes_on_the_continuous_path_train_the_sampled_tokens_and
         assert sum(ep.stop_reason == "done" for ep in eps) >= 1
     finally:
         eng.close()
+
+
+def test_no_request_level_path_off_the_static_cache(toy_model):
+    """A model on the HF fallback loop has no continuous engine: fn: episodes then batches turns
+    per generate call (BatchedGenerate)."""
+    eng = TorchEngine(str(toy_model), max_slots=2)
+    try:
+        assert eng.continuous(max_length=64) is not None
+        eng.runner = None  # as for an architecture the static-cache runner does not drive
+        assert eng.continuous(max_length=64) is None
+    finally:
+        eng.close()
