@@ -18,7 +18,9 @@ extends the previous context) copies the prefix back and prefills only the new t
 (:meth:`~distflow.rollout.llama_forward.LlamaRunner.extend`). Counted in :attr:`stats`:
 ``kv_hits``, ``kv_misses`` (a later turn that prefilled its whole context: evicted, stale or not
 an extension), ``kv_reused_tokens``, ``kv_evictions``. The store is on the engine's device: on
-CUDA it is memory beyond the static cache (at most half the free memory at start).
+CUDA it is memory beyond the static cache (by default at most half of what the cache left free).
+On CUDA the host looks at the batch every ``sync_every`` (8) decode steps, so a request joins
+within 8 steps there (1 on CPU).
 
 **Sampling** is the engine's (:func:`distflow.rollout.sampling.sample_rows`): the tokens and
 logprobs returned are the ones sampled, what the trainer trains. Each request draws from its
@@ -210,7 +212,7 @@ class ContinuousEngine:
         max_slots: sequences decoded at once.
         max_length: positions of a slot: every request's prompt + ``max_new_tokens`` must fit.
         kv_store_tokens: positions of finished contexts kept for reuse (None: ``max_slots *
-            max_length``, on CUDA at most half the free memory).
+            max_length``, on CUDA at most half the memory free once the static cache is reserved).
         request_timeout: seconds a request may take from submission to completion.
     """
 
@@ -224,13 +226,9 @@ class ContinuousEngine:
             max_length = min(max_length, engine.max_positions)
         self.max_length = int(max_length)
         self.request_timeout = request_timeout
-        if kv_store_tokens is None:
-            kv_store_tokens = self.max_slots * self.max_length
-            r = engine.runner
-            if r.device.type == "cuda":
-                per_token = 2 * len(r.layers) * r.n_kv * r.head_dim * r.dtype.itemsize
-                kv_store_tokens = min(kv_store_tokens, torch.cuda.mem_get_info(r.device)[0] // 2 // per_token)
-        self.store = KVStore(int(kv_store_tokens))
+        # on CUDA the default is also capped by the memory left once the static cache is reserved (_batcher)
+        self._cap_store = kv_store_tokens is None and engine.runner.device.type == "cuda"
+        self.store = KVStore(int(kv_store_tokens if kv_store_tokens is not None else self.max_slots * self.max_length))
         self.stats = engine.stats
         for k in ("kv_hits", "kv_misses", "kv_reused_tokens", "kv_evictions", "requests"):
             self.stats.setdefault(k, 0)
@@ -391,5 +389,11 @@ class ContinuousEngine:
             self.store.clear()
             self._version = eng.version
         stop = sorted(set(eng.eos_token_ids) | set(mode.stop_token_ids))
-        return _Slots(self, eng, eng.runner, mode, stop, slots=self.max_slots, length=self.max_length,
-                      width=self.max_length)
+        b = _Slots(self, eng, eng.runner, mode, stop, slots=self.max_slots, length=self.max_length,
+                   width=self.max_length)
+        if self._cap_store:  # half of what the static cache left free (once: the store's own use is not free)
+            self._cap_store = False
+            r = eng.runner
+            per_token = 2 * len(r.layers) * r.n_kv * r.head_dim * r.dtype.itemsize
+            self.store.max_tokens = min(self.store.max_tokens, torch.cuda.mem_get_info(r.device)[0] // 2 // per_token)
+        return b
