@@ -15,8 +15,8 @@ ms with 4..24 observation tokens, appended to the context for the next turn. Tem
 Reported per path: wall time, process CPU time (the engine thread is in this process; on a
 busy shared machine the CPU ratio is the steadier figure), sampled tokens per second, prefilled
 tokens (the engine's count; KV reuse prefills only each later turn's new tokens), KV hits; and
-the ratios of the batched path's wall and CPU time to the continuous one's. One torch thread on CPU unless ``--threads``. Ends with
-exactly one JSON line. Run: ``python bench/episodes.py [--episodes 64] [--repeats 2]``.
+the ratios of the batched path's wall and CPU time to the continuous one's. One torch thread on
+CPU unless ``--threads``. Ends with exactly one JSON line. Run: ``python bench/episodes.py [--episodes 64] [--repeats 2]``.
 """
 
 from __future__ import annotations
