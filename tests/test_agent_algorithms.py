@@ -66,3 +66,51 @@ def test_every_shipped_algorithm_trains_on_episodes(algo, tool_model, tmp_path):
         row = next(synchronous_run(cfg, 1))
     assert row["episodes"] >= 8 and row["samples"] > 0
     assert math.isfinite(row["loss"]) and 0 < row["tokens"] <= row["episode_sampled_tokens"], row
+
+
+def test_a_trainer_side_outcome_estimator_counts_a_split_episode_once(toy_model):
+    """GRPO as an ACTOR COMPUTE node on the trainer group, over two ranks: episode A (reward 1) was
+    split into two samples that landed on different ranks; B and C (reward 0) are whole. A counts
+    once in its group ([1, 0, 0], not [1, 1, 0, 0]) and both its samples get its advantage: the
+    rollout-side estimator's values, sample for sample."""
+    import threading
+    from types import SimpleNamespace
+
+    from distflow.rollout.stages import _estimate
+    from distflow.trainer.stages import TrainerContext, global_outcome_advantage
+
+    cfg = load_config(ROOT / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false"])
+    node = next(n for n in cfg.workflow if n.fn == "grpo" and n.type.value == "COMPUTE")
+
+    def batch_of(ids: list[str], episodes: list[str], rewards: list[float]) -> SampleBatch:
+        b = SampleBatch.from_lists(ids, ["p"] * len(ids), [[5, 6]] * len(ids), [[3, 4, 5]] * len(ids),
+                                   [[-1.0] * 3] * len(ids), extras=[{"episode": e} for e in episodes])
+        b.set_ragged("loss_mask", torch.tensor([1, 0, 1] * len(ids)))
+        b.set_scalar("reward", torch.tensor(rewards))
+        b.set_scalar("truncated", torch.zeros(len(ids), dtype=torch.int64))
+        return b
+
+    ranks = [batch_of(["p:s0", "p:s1"], ["p:s0", "p:s1"], [1.0, 0.0]),  # A's first sample, B
+             batch_of(["p:s0.1", "p:s2"], ["p:s0", "p:s2"], [1.0, 0.0])]  # A's second sample, C
+    parts: list = [None, None]
+    barrier = threading.Barrier(2)
+
+    def all_gather(rank: int, obj):
+        parts[rank] = obj
+        barrier.wait(10)
+        return list(parts)
+
+    threads = [threading.Thread(target=global_outcome_advantage, name=f"rank{r}", args=(
+        node, TrainerContext(cfg, all_gather=lambda obj, r=r: all_gather(r, obj), rank=r), ranks[r]))
+        for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    got = [float(x) for b in ranks for x in b.tensors["advantage"]]  # A0, B, A1, C
+    whole = batch_of(["p:s0", "p:s1", "p:s0.1", "p:s2"], ["p:s0", "p:s1", "p:s0", "p:s2"], [1.0, 0.0, 1.0, 0.0])
+    ref = [float(x) for x in _estimate(node, SimpleNamespace(cfg=cfg), whole).tensors["advantage"]]
+    assert got == pytest.approx(ref, abs=1e-6)
+    assert got[0] == got[2] > 0 and got[1] == got[3] < 0
+    # counted once: the group is [1, 0, 0]: A is 2/3 above the mean, B and C 1/3 below (GRPO scales both alike)
+    assert got[0] / -got[1] == pytest.approx(2.0, rel=1e-5)

@@ -438,16 +438,16 @@ def test_draws_are_hashed_once_per_sync_block(model_dir: str, prompts: list[list
     """On CUDA the host looks every ``sync_every`` (8) decode steps; the sampling draws of those
     steps are hashed in one call (the hash is ~170 kernel launches), and give the same tokens as
     hashing each step (``sync_every`` 1, CPU's setting), rows that stopped mid-block included."""
-    from distflow.rollout import torch_engine
+    from distflow.rollout import slots
 
     calls: list[tuple[int, ...]] = []
-    real = torch_engine.counter_uniform
+    real = slots.counter_uniform
 
-    def counted(key: int, seq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    def counted(key: torch.Tensor, seq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         calls.append(tuple(seq.shape))
         return real(key, seq, step)
 
-    monkeypatch.setattr(torch_engine, "counter_uniform", counted)
+    monkeypatch.setattr(slots, "counter_uniform", counted)
     many = [prompts[i % len(prompts)] for i in range(9)]
     params = SamplingParams(max_new_tokens=17, temperature=0.9, top_p=0.95)
     eng = TorchEngine(model_dir, max_slots=4)

@@ -119,11 +119,17 @@ class Config(BaseModel):
                              "recompute_old_logprobs: true, or remove tis_cap")
         episodes = [n.id for n in self.workflow if (n.role.value, n.type.value, n.fn) ==
                     ("ACTOR", "MODEL_INFERENCE", "episodes")]
-        if episodes and not (self.environment or self.tools):
+        if self.agent and (self.environment or self.tools):
+            raise ValueError(f"agent: {self.agent!r} drives its episodes itself through the chat endpoint; remove "
+                             f"{'environment' if self.environment else 'tools'} (an agent calls its tools itself), "
+                             "or remove agent")
+        if episodes and not (self.environment or self.tools or self.agent):
             raise ValueError(f"workflow node {episodes[0]!r}: fn: episodes runs multi-turn episodes, which need "
-                             "environment: module:Class or tools: [module:function, ...] (docs/agents.md)")
-        if (self.environment or self.tools) and not episodes:
-            raise ValueError(f"{'environment' if self.environment else 'tools'}: set, but no generate node runs "
+                             "environment: module:Class, tools: [module:function, ...] or agent: module:function "
+                             "(docs/agents.md)")
+        if (self.environment or self.tools or self.agent) and not episodes:
+            key = "environment" if self.environment else "tools" if self.tools else "agent"
+            raise ValueError(f"{key}: set, but no generate node runs "
                              "episodes: give the ACTOR MODEL_INFERENCE node fn: episodes (fn: generate is single-turn)")
         if episodes and self.eval_dataset:
             raise ValueError("eval_dataset: evaluation generates single-turn responses, not episodes; a run with "

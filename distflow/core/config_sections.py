@@ -188,6 +188,17 @@ class EnvSection(Section):
         "ends as `env_error` (counted, not trained), the others go on"))
     max_concurrent_episodes: int | None = Field(None, ge=1, description=(
         "episodes of a rollout node in flight at once (null: all of its step's)"))
+    agent: str | None = Field(None, min_length=3, description=(
+        "`module:function` of an agent, `async def agent(row, client) -> reward`, run once per episode against "
+        "the rollout node's OpenAI-compatible endpoint (`client.base_url`, `client.api_key`, `client.chat`); "
+        "each request is one turn, the returned float the episode's reward (docs/agents.md). Needs `fn: "
+        "episodes`; not with `environment` or `tools`"))
+    agent_host: str = Field("127.0.0.1", min_length=1, description=(
+        "address the agent endpoint listens on (loopback: only this host's agents reach it; every request needs "
+        "its episode's bearer token)"))
+    agent_port: int = Field(0, ge=0, le=65535, description=(
+        "port of the agent endpoint; 0 = a free one (each rollout node its own; a fixed port fits one rollout "
+        "node per host)"))
 
 
 class TrainerSection(Section):

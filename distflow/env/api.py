@@ -43,12 +43,16 @@ class StepResult:
     """What one ``step`` returns: the messages the environment adds to the conversation (may be
     empty when ``done``), the reward of this step (None: no reward here; the episode's reward is
     the sum of the non-None ones), whether the episode is over, and free-form ``info`` (the
-    runner reads ``tool_calls`` and ``tool_errors`` counts from it for the metrics)."""
+    runner reads ``tool_calls`` and ``tool_errors`` counts from it for the metrics).
+    ``replace``: ``messages`` is the whole conversation so far, not an addition to it (an agent
+    on the chat endpoint sends the whole conversation with every request; the next prompt is
+    rendered from it and must still extend the previous context, else the episode splits)."""
 
     messages: list[dict] = field(default_factory=list)
     reward: float | None = None
     done: bool = False
     info: dict = field(default_factory=dict)
+    replace: bool = False
 
 
 @runtime_checkable
@@ -224,13 +228,14 @@ def check_step_result(value: Any, what: str) -> StepResult:
     """``value`` (a StepResult, or a dict with ``messages``, ``done`` and optionally ``reward`` and
     ``info``) checked field by field, or EnvError naming the malformed field."""
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {"messages", "reward", "done", "info"})
+        unknown = sorted(set(value) - {"messages", "reward", "done", "info", "replace"})
         if unknown:
             raise EnvError(f"{what} returned a dict with unknown keys {unknown} "
-                           f"(expected messages, reward, done, info)")
+                           f"(expected messages, reward, done, info, replace)")
         if "done" not in value:
             raise EnvError(f"{what} returned a dict without 'done'")
-        value = StepResult(value.get("messages", []), value.get("reward"), value["done"], value.get("info") or {})
+        value = StepResult(value.get("messages", []), value.get("reward"), value["done"], value.get("info") or {},
+                           bool(value.get("replace", False)))
     if not isinstance(value, StepResult):
         raise EnvError(f"{what} returned {type(value).__name__}, expected a StepResult or a dict with "
                        f"messages, reward, done, info")
@@ -246,5 +251,5 @@ def check_step_result(value: Any, what: str) -> StepResult:
     messages = check_messages(value.messages, what, allow_empty=True)
     if not messages and not value.done:
         raise EnvError(f"{what}: no messages and not done (the model would be prompted with nothing new)")
-    return StepResult(messages, reward, value.done, dict(value.info))
+    return StepResult(messages, reward, value.done, dict(value.info), bool(value.replace))
 

@@ -8,8 +8,9 @@ distinct :class:`SamplingParams` (turns differ in ``max_new_tokens`` near the to
 and runs the engine in a worker thread so the loop keeps serving environments meanwhile.
 
 This is batch-at-a-time, not continuous batching: a batch's short turns wait for its longest.
-An engine that schedules requests continuously can be given to the runner directly as an
-async ``generate``. Seeds: batch ``k`` is sampled with ``seed + k``; which turns share a batch
+An engine that schedules requests continuously is given to the runner directly as an
+async ``generate`` (the built-in engine's :mod:`distflow.rollout.continuous`, which
+``fn: episodes`` prefers); this adapter serves the engines without one. Seeds: batch ``k`` is sampled with ``seed + k``; which turns share a batch
 depends on environment timing, so a multi-turn run is not bit-reproducible (a single-turn
 run with every prompt in one batch is).
 """

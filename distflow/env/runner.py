@@ -20,7 +20,10 @@ a stop reason (:data:`distflow.env.episode.STOP_REASONS`):
   :func:`distflow.env.api.check_step_result`), or hangs ends its episode with ``env_error``:
   counted, its tokens not trained, the other episodes unaffected;
 * a first prompt that already leaves no room in ``max_total_tokens`` is a counted skip
-  (``prompt_too_long``), before any generation.
+  (``prompt_too_long``), before any generation;
+* an environment with an optional ``finish(reply, stop_reason) -> reward | None`` hears of a
+  budget ending its episode (``reply``: the last turn's, when the budget cut it before ``step``
+  saw it): an agent on the chat endpoint answers its waiting request there and still scores.
 
 An engine failure (``generate`` raising) is not an episode's problem: it propagates and the
 other episodes of the run are cancelled.
@@ -41,8 +44,17 @@ from distflow.env.tools import ToolEnvironment
 __all__ = ["EpisodeRunner", "GenerateFn", "environment_factory", "summarize", "episode_means"]
 
 # generate(prompt_ids, params) -> Completion (tokens, logprobs, finish_reason, first/last_version),
-# or an awaitable of one
+# or an awaitable of one; a generate with a ``key`` keyword also gets key=(run, episode, turn)
 GenerateFn = Callable[[list[int], Any], Any]
+
+
+def _takes_key(generate: Any) -> bool:
+    """Whether ``generate`` takes ``key=``: a request-level engine (distflow.rollout.continuous) seeds
+    each turn from it and keeps an episode's KV between its turns."""
+    try:
+        return "key" in inspect.signature(generate).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def environment_factory(environment: str | type | None = None, environment_args: dict | None = None,
@@ -74,7 +86,10 @@ class EpisodeRunner:
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
-        generate: ``generate(prompt_ids, params) -> Completion`` (or an awaitable of one).
+        generate: ``generate(prompt_ids, params) -> Completion`` (or an awaitable of one); one
+            that takes a ``key`` keyword gets ``key=(run, episode, turn)``: the run's serial
+            number, the episode's index in it and the turn's, the same whatever the timing
+            (a request-level engine seeds the turn from it and reuses the episode's KV).
         make_env: a factory of one environment per episode (:func:`environment_factory`).
         params: the SamplingParams of every turn (its ``max_new_tokens`` is set per turn); None:
             ``SamplingParams()`` with the template's defaults.
@@ -109,6 +124,8 @@ class EpisodeRunner:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = set(params.stop_token_ids) | ({eos} if isinstance(eos, int) else set())
         self.stats: dict[str, float] = {}
+        self.keyed = _takes_key(generate)
+        self.runs = 0  # run() calls so far: the first element of a turn's key
         self.env_name = getattr(make_env, "spec", getattr(make_env, "__qualname__", "environment"))
 
     # ------------------------------------------------------------------ one episode
@@ -119,10 +136,11 @@ class EpisodeRunner:
             tokens = tokens[:-1]
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
-    async def _generate(self, prompt: list[int], max_new: int, ep: Episode) -> Any:
+    async def _generate(self, prompt: list[int], max_new: int, ep: Episode, key: tuple | None) -> Any:
         params = dataclasses.replace(self.params, max_new_tokens=max_new)
         t0 = time.perf_counter()
-        out = self.generate(prompt, params)
+        out = self.generate(prompt, params, key=key) if self.keyed and key is not None else \
+            self.generate(prompt, params)
         comp = await out if inspect.isawaitable(out) else out
         ep.generate_time_s += time.perf_counter() - t0
         tokens, logprobs = list(comp.tokens), list(comp.logprobs)
@@ -144,8 +162,18 @@ class EpisodeRunner:
         except TemplateError as e:  # the environment's messages do not fit the template: its error
             raise EnvError(f"environment {self.env_name!r}: {e}") from None
 
-    async def run_episode(self, row: dict) -> Episode:
-        """One episode on ``row`` to its stop reason. Never raises for the environment's faults."""
+    def _tools(self, env: Any) -> list[dict] | None:
+        """The environment's tool schemas for the template, read at every render (an agent's
+        requests may name other tools turn by turn)."""
+        tools = getattr(env, "tools", None)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise EnvError(f"environment {self.env_name!r}: tools is {type(tools).__name__}, "
+                           f"expected a list of JSON schemas (dicts)")
+        return tools
+
+    async def run_episode(self, row: dict, key: tuple | None = None) -> Episode:
+        """One episode on ``row`` to its stop reason. Never raises for the environment's faults.
+        ``key``: the episode's (run, index), extended by the turn for a keyed ``generate``."""
         ep = Episode(row=row)
         env = None
         asm: TokenAssembly | None = None
@@ -154,19 +182,16 @@ class EpisodeRunner:
             env = await self._env(self.make_env, what="constructor", ep=ep)
             messages = check_messages(await self._env(env.reset, row, what="reset()", ep=ep),
                                       f"environment {self.env_name!r} reset()", allow_empty=False)
-            tools = getattr(env, "tools", None)
-            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-                raise EnvError(f"environment {self.env_name!r}: tools is {type(tools).__name__}, "
-                               f"expected a list of JSON schemas (dicts)")
-            prompt = self._render(messages, tools)
+            prompt = self._render(messages, self._tools(env))
             if len(prompt) >= self.max_total_tokens:
                 ep.stop_reason, ep.messages = "prompt_too_long", messages
                 ep.error = f"the first prompt has {len(prompt)} tokens, max_total_tokens is {self.max_total_tokens}"
                 return ep
             asm = TokenAssembly(prompt)
+            unstepped: str | None = None  # the reply of a turn cut by a budget (never given to step)
             while True:
                 max_new = min(self.max_new_tokens, self.max_total_tokens - len(prompt))
-                comp = await self._generate(prompt, max_new, ep)
+                comp = await self._generate(prompt, max_new, ep, None if key is None else (*key, ep.turns))
                 asm.add_completion(list(comp.tokens), list(comp.logprobs), int(getattr(comp, "first_version", 0)),
                                    int(getattr(comp, "last_version", 0)))
                 ep.turns += 1
@@ -176,6 +201,7 @@ class EpisodeRunner:
                 if comp.finish_reason == "length":
                     ep.truncated = True
                     ep.stop_reason = "length" if max_new == self.max_new_tokens else "max_total_tokens"
+                    unstepped = reply
                     break
                 result = check_step_result(await self._env(env.step, reply, what="step()", ep=ep),
                                            f"environment {self.env_name!r} step()")
@@ -184,7 +210,7 @@ class EpisodeRunner:
                 ep.tool_errors += _count(result.info.get("tool_errors"), "tool_errors", what)
                 ep.rewards.append(result.reward)
                 ep.info = result.info
-                messages += result.messages
+                messages = list(result.messages) if result.replace else messages + result.messages
                 if result.done:
                     ep.stop_reason = "done"
                     break
@@ -195,11 +221,15 @@ class EpisodeRunner:
                     ep.stop_reason = "max_turns"
                     break
                 before = len(asm.context)
-                prompt = self._render(messages, tools)
+                prompt = self._render(messages, self._tools(env))
                 ep.observation_lengths.append(len(prompt) - before if asm.extend(prompt) else len(prompt))
                 if len(prompt) >= self.max_total_tokens:
                     ep.stop_reason = "max_total_tokens"
                     break
+            if ep.stop_reason != "done" and callable(getattr(env, "finish", None)):
+                reward = await self._env(env.finish, unstepped, ep.stop_reason, what="finish()", ep=ep)
+                ep.rewards.append(check_step_result({"done": True, "reward": reward},
+                                                    f"environment {self.env_name!r} finish()").reward)
         except EnvError as e:
             ep.stop_reason, ep.error = "env_error", str(e)
         finally:
@@ -220,15 +250,17 @@ class EpisodeRunner:
         """One episode per row, concurrently (at most ``max_concurrent`` at once), in row order.
         Updates :attr:`stats` with :func:`summarize` of them."""
         gate = asyncio.Semaphore(self.max_concurrent) if self.max_concurrent else None
+        run = self.runs
+        self.runs += 1
 
-        async def one(row: dict) -> Episode:
+        async def one(i: int, row: dict) -> Episode:
             if gate is None:
-                return await self.run_episode(row)
+                return await self.run_episode(row, (run, i))
             async with gate:
-                return await self.run_episode(row)
+                return await self.run_episode(row, (run, i))
 
         async with asyncio.TaskGroup() as tg:  # generate raising cancels the others (an engine failure)
-            tasks = [tg.create_task(one(r)) for r in rows]
+            tasks = [tg.create_task(one(i, r), name=f"episode-{run}-{i}") for i, r in enumerate(rows)]
         episodes = [t.result() for t in tasks]
         for k, v in summarize(episodes).items():
             self.stats[k] = self.stats.get(k, 0) + v

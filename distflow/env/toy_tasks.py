@@ -22,10 +22,11 @@ a random policy calls the tool in a few percent of its episodes, enough for GRPO
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from distflow.env.api import StepResult
 
-__all__ = ["LookupEnv", "build_tool_model", "make_tool_dataset", "TOOL_CHARS"]
+__all__ = ["LookupEnv", "lookup_agent", "build_tool_model", "make_tool_dataset", "TOOL_CHARS"]
 
 TOOL_CHARS = "0123456789\n"
 
@@ -51,6 +52,27 @@ class LookupEnv:
         right = reply.strip().startswith(self.secret)
         return StepResult(messages=[], reward=self.answer_reward if right else 0.0, done=True,
                           info={"tool_calls": 0, "tool_errors": 0})
+
+
+async def lookup_agent(row: dict, client: Any) -> float:
+    """The lookup task as an ``agent:`` on the chat endpoint (docs/agents.md), scored as
+    :class:`LookupEnv` scores it: a first reply holding ``<tool_call>`` (or parsed ``tool_calls``)
+    earns 0.5 and gets the secret back as a tool message; the reply after it (or a first reply
+    without a call) earns 0.5 when it starts with the secret. A budget that ends the episode
+    (:class:`~distflow.env.agent.EpisodeOver`) leaves the reward earned so far."""
+    from distflow.env.agent import EpisodeOver
+
+    secret, reward = str(row["secret"]), 0.0
+    messages: list[dict] = [{"role": "user", "content": str(row["prompt"])}]
+    try:
+        reply = (await client.chat(messages))["choices"][0]["message"]
+        if reply.get("tool_calls") or "<tool_call>" in (reply.get("content") or ""):
+            reward += 0.5
+            messages += [reply, {"role": "tool", "name": "lookup", "content": secret}]
+            reply = (await client.chat(messages))["choices"][0]["message"]
+    except EpisodeOver:
+        return reward
+    return reward + (0.5 if (reply.get("content") or "").strip().startswith(secret) else 0.0)
 
 
 def build_tool_model(out_dir: str | os.PathLike[str], *, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,

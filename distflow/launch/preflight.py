@@ -62,6 +62,13 @@ def check_functions(cfg: Config, nodes: Sequence[WorkflowNode] | None = None) ->
                 check(POLICY_LOSS_NAMES, node.fn, "policy loss")
         except Exception as e:
             raise ConfigError(f"workflow node {node.id!r}: {e}") from None
+    if cfg.agent and any(n.fn == "episodes" for n in (cfg.workflow if nodes is None else nodes)):
+        from distflow.env.agent import load_agent  # torch-free: imports the function and checks its signature
+
+        try:
+            load_agent(cfg.agent)
+        except Exception as e:
+            raise ConfigError(f"agent: {e}") from None
     if (cfg.environment or cfg.tools) and any(n.fn == "episodes" for n in (cfg.workflow if nodes is None else nodes)):
         from distflow.env.runner import environment_factory  # torch-free: imports the class and binds its args
 

@@ -11,7 +11,7 @@ import this module; neither imports the other.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from distflow.core.config import Config
 from distflow.rl.advantages import overlong_penalty
 
 __all__ = ["group_index", "outcome_rewards", "mask_truncated", "trained_samples", "trained_token_counts",
-           "response_loss_mask", "trained_token_mask", "sampled_token_counts", "split_episodes"]
+           "response_loss_mask", "trained_token_mask", "sampled_token_counts", "split_episodes", "split_names"]
 
 
 def group_index(prompt_ids: Sequence[str]) -> Tensor:
@@ -106,7 +106,13 @@ def split_episodes(batch: SampleBatch) -> tuple[list[int], Tensor] | None:
     docs/agents.md): (the first sample of each episode, [n] int64 episode index of each sample),
     so an outcome estimator sees each episode once and its samples share its advantage. None
     when every sample is its own episode (single-turn samples, unsplit episodes)."""
-    names = [e.get("episode") for e in batch.extras]
+    return split_names([e.get("episode") for e in batch.extras])
+
+
+def split_names(names: list[Any]) -> tuple[list[int], Tensor] | None:
+    """:func:`split_episodes` over the samples' episode names (None for a sample of no episode):
+    also what a trainer-side estimator gathers from every rank, where one episode's samples are
+    counted once over the whole step."""
     if not names or None in names or len(set(names)) == len(names):
         return None
     index: dict[str, int] = {}

@@ -291,6 +291,54 @@ class LlamaRunner:
         back[torch.tensor(order)] = torch.arange(len(order))
         return logits[back.to(logits.device)]
 
+    @torch.inference_mode()
+    def extend(self, slots: list[int], starts: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        """Prefill only what a slot does not hold yet: slot ``slots[i]`` already caches the KV of
+        positions ``[0, starts[i])``; write ``seqs[i]`` at ``[starts[i], starts[i] + len)``, its
+        queries attending to the cached prefix and causally to themselves. Returns [len(seqs), V]
+        fp32 logits of each sequence's last position (what a full prefill of the whole context
+        gives, up to rounding). Padding columns write nothing (their rows are filtered out of
+        the cache write), so a row ending at the cache's last position is safe."""
+        dev, b = self.device, len(seqs)
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((b, width), dtype=torch.int64)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.tensor(s, dtype=torch.int64)
+        ids = ids.to(dev)
+        lens = torch.tensor([len(s) for s in seqs], device=dev)
+        start = torch.tensor(starts, dtype=torch.int64, device=dev)
+        cols = torch.arange(width, device=dev)
+        pos = start[:, None] + cols[None, :]  # [b, width]
+        valid = cols[None, :] < lens[:, None]
+        pos_c = pos.clamp(max=self.length - 1)
+        total = int(max(s + len(q) for s, q in zip(starts, seqs)))
+        keys = torch.arange(total, device=dev)
+        mask = (keys[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [b, 1, width, total]: prefix + causal
+        cos, sin = self.cos[pos_c], self.sin[pos_c]  # [b, width, head_dim]
+        slot_t = torch.tensor(slots, device=dev)
+        idx = self._flat_index(slot_t, pos_c)
+        keep = valid[:, None, :].expand(b, self.n_kv, width).reshape(-1)
+        idx = idx[keep]
+        x = self.embed(ids)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            d = self.head_dim
+            self.k_cache[li].view(-1, d).index_copy_(0, idx, k.reshape(-1, d)[keep])
+            self.v_cache[li].view(-1, d).index_copy_(0, idx, v.reshape(-1, d)[keep])
+            kc, vc = self.k_cache[li, slot_t, :, :total], self.v_cache[li, slot_t, :, :total]  # [b, Hkv, total, D]
+            x = self._finish_layer(layer, x, self._attend(q, kc, vc, mask))
+        last = x[torch.arange(b, device=dev), lens - 1]
+        return self.lm_head(self.norm(last)).float()
+
+    def save_prefix(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of slot ``slot``'s K and V at positions [0, n): [layers, kv_heads, n, head_dim] each."""
+        return self.k_cache[:, slot, :, :n].clone(), self.v_cache[:, slot, :, :n].clone()
+
+    def load_prefix(self, slot: int, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+        """Write the first ``n`` positions of a :meth:`save_prefix` pair into slot ``slot``."""
+        self.k_cache[:, slot, :, :n].copy_(k[:, :, :n])
+        self.v_cache[:, slot, :, :n].copy_(v[:, :, :n])
+
     def _prefill_chunk(self, slots: list[int], seqs: list[list[int]], width: int) -> torch.Tensor:
         dev, b = self.device, len(seqs)
         ids = torch.zeros((b, width), dtype=torch.int64)

@@ -340,9 +340,11 @@ def dynamic_sampling(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch
                                  rerun=ctx.rerun)
         assert ctx.rerun is not None, "dynamic_sampling runs inside distflow.step.rollout_half"
         sub = ctx.rerun(prefix, sub_ctx)
-        for key in ("skipped_prompts", "bad_prompts", "bad_rows"):  # unusable replacements: counted as well
-            if sub_stats.get(key):
-                ctx.count(key, sub_stats[key])
+        from distflow.rollout.episodes import is_episode_counter
+
+        for key, value in sub_stats.items():  # unusable replacements are counted as well, and episodes run
+            if value and (key in ("skipped_prompts", "bad_prompts", "bad_rows") or is_episode_counter(key)):
+                ctx.count(key, value)
         # constant groups no replacement took the place of (counted as dropped unless the step falls back)
         lost_total += max(0, len(bad) - len(dict.fromkeys(sub.prompt_ids)))
         batch = SampleBatch.concat([batch.select([i for i, k in enumerate(keep) if k]), sub])

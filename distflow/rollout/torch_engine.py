@@ -14,7 +14,10 @@ cache takes at most ``kv_cache_memory_fraction`` of the free GPU memory (fewer s
 ``max_slots`` do not fit), and ``generate``/``load_weights`` run with the engine's GPU as
 the calling thread's current device (they run in worker threads; ``set_device`` is per thread).
 
-Models outside the Llama family fall back to an HF ``model(...)`` loop (logged once).
+The slots themselves are :mod:`distflow.rollout.slots` (shared with the request-level engine
+of :meth:`TorchEngine.continuous`, :mod:`distflow.rollout.continuous`, which multi-turn
+episodes use). Models outside the Llama family fall back to an HF ``model(...)`` loop
+(logged once).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from distflow.rollout.protocol import (Completion, SamplingParams, Weights, Weig
                                        check_model_dir, parse_dtype, validate_prompts)
 from distflow.rollout.sampling import counter_uniform, sample_rows, seed_key
 from distflow.rollout.lora_apply import AdapterTarget
+from distflow.rollout.slots import SlotBatcher
 from distflow.rollout.weight_loading import WeightTarget
 
 __all__ = ["TorchEngine"]
@@ -58,7 +62,8 @@ class TorchEngine:
     when weight syncs carry LoRA adapters (merged into the base, :mod:`distflow.rollout.lora_apply`).
     ``stats`` reports ``capture_s`` (graph capture time, paid once per process and cache
     size), ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
-    (mid-generate), cumulative.
+    (mid-generate), cumulative; a request-level engine (:meth:`continuous`) adds ``requests``,
+    ``kv_hits``, ``kv_misses``, ``kv_reused_tokens``.
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
@@ -94,6 +99,8 @@ class TorchEngine:
         self.model_path = str(path)
         self.version = 0
         self._lock = threading.Lock()  # generate and load_weights may be called from different threads
+        self._count_lock = threading.Lock()
+        self._loads_waiting = 0  # load_weights calls waiting for _lock (a continuous engine drains for them)
         cfg = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
@@ -170,9 +177,31 @@ class TorchEngine:
             if runner is None:
                 return self._generate_hf(prompts, params, stop, seed, weights_update)
             try:
-                return _Batcher(self, runner, prompts, params, stop, seed, weights_update).run()
+                key = seed_key(seed)
+                length = longest + params.max_new_tokens
+                if self.max_length is not None:
+                    length = max(length, self.max_length)
+                batcher = SlotBatcher(self, runner, params, stop, slots=min(self.max_slots, len(prompts)),
+                                      length=length, width=params.max_new_tokens, weights_update=weights_update)
+                for q, p in enumerate(prompts):
+                    batcher.add(q, list(p), params.max_new_tokens, key, q)
+                results = batcher.run()
+                return [results[q] for q in range(len(prompts))]
             finally:
                 self.stats["capture_s"] = runner.capture_s
+
+    def continuous(self, *, seed: int = 0, max_slots: int | None = None, max_length: int,
+                   kv_store_tokens: int | None = None) -> Any:
+        """A request-level continuous engine over this one
+        (:class:`~distflow.rollout.continuous.ContinuousEngine`: ``async with``, ``await
+        submit(prompt, params)``), or None where the model is not on the static-cache path (the
+        HF fallback: use ``generate``). ``max_length``: positions of a request, prompt + new tokens."""
+        if self.runner is None or self.model is None or (self.runner.window and max_length > self.runner.window):
+            return None
+        from distflow.rollout.continuous import ContinuousEngine
+
+        return ContinuousEngine(self, seed=seed, max_slots=max_slots, max_length=max_length,
+                                kv_store_tokens=kv_store_tokens)
 
     def _poll(self, weights_update: WeightsUpdate | None) -> bool:
         """Ask for new weights; load them (lock held by generate). True when loaded."""
@@ -260,11 +289,17 @@ class TorchEngine:
             raise RuntimeError("TorchEngine.load_weights called after close()")
         with on_device(self.device):
             buckets = target.validate(version, weights, partial)
-            with self._lock:
-                if self._target is None:
-                    raise RuntimeError("TorchEngine closed while load_weights was validating")
-                target.copy_in(buckets)
-                self.version = version
+            with self._count_lock:
+                self._loads_waiting += 1  # a continuous engine stops admitting and lets go of the lock
+            try:
+                with self._lock:
+                    if self._target is None:
+                        raise RuntimeError("TorchEngine closed while load_weights was validating")
+                    target.copy_in(buckets)
+                    self.version = version
+            finally:
+                with self._count_lock:
+                    self._loads_waiting -= 1
 
     def weights_checksum(self) -> str | None:
         """With LoRA, the checksum of the adapter this engine applied (``lora_apply.AdapterTarget``),
@@ -286,197 +321,6 @@ class TorchEngine:
         if self.device.type == "cuda":
             gc.collect()  # parameters caught in reference cycles
             empty_cache()
-
-
-class _Batcher:
-    """One generate() call on the static-cache path: slots, admission, checks, results.
-
-    Slot state lives on the device (decode inputs in the runner; per-slot outputs here)
-    and is mirrored on the host only where the host can know it without a sync (sequence
-    index, prompt length, tokens generated so far)."""
-
-    def __init__(self, engine: TorchEngine, runner: LlamaRunner, prompts: list[list[int]], params: SamplingParams,
-                 stop: list[int], seed: int, weights_update: WeightsUpdate | None):
-        self.eng, self.r, self.prompts, self.params = engine, runner, prompts, params
-        self.weights_update = weights_update
-        self.key = seed_key(seed)
-        dev, n_max = runner.device, params.max_new_tokens
-        slots = min(engine.max_slots, len(prompts))
-        length = max(len(p) for p in prompts) + n_max
-        if engine.max_length is not None:
-            length = max(length, engine.max_length)
-        runner.reserve(slots if not runner.use_graphs else engine.max_slots, length)
-        s = runner.slots
-        slots = min(slots, s)  # on CUDA the cache may hold fewer (all that fit in memory)
-        self.stop = torch.tensor(stop, dtype=torch.int64, device=dev)
-        self.seq = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.gen = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.done = torch.zeros(s, dtype=torch.bool, device=dev)
-        self.end = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.out_tok = torch.zeros((s, n_max), dtype=torch.int64, device=dev)
-        self.out_lp = torch.zeros((s, n_max), dtype=torch.float32, device=dev)
-        self.limit = slots
-        self.slot_seq: list[int] = [-1] * slots  # host: sequence in each slot (-1 = free)
-        self.slot_gen: list[int] = [0] * slots  # host: tokens generated so far
-        self.first_version: dict[int, int] = {}
-        self.results: list[Completion | None] = [None] * len(prompts)
-        self.next_seq = 0
-        self.kept_logits: dict[tuple[int, ...], torch.Tensor] = {}  # prompt -> [V] first-token logits
-
-    # ---------------------------------------------------------------- main loop
-    def run(self) -> list[Completion]:
-        while True:
-            while self.admit():
-                self.check()  # a first token may already be a stop (or the length limit)
-            self.compact()
-            self.eng.stats["slots_in_use"] = self.n_active  # (Prometheus /metrics)
-            if not self.n_active:
-                return [c for c in self.results if c is not None]
-            remaining = min(self.params.max_new_tokens - g for g in self.slot_gen[:self.n_active])
-            k = min(self.eng.sync_every, remaining)
-            draws = self._draws(k)
-            for j in range(k):
-                self.step(None if draws is None else draws[:, j])
-            self.check()
-            if self.eng._poll(self.weights_update):
-                self.eng.stats["weight_swaps"] += 1
-                self.reprefill()
-
-    @property
-    def n_active(self) -> int:
-        n = len(self.slot_seq)
-        while n and self.slot_seq[n - 1] < 0:
-            n -= 1
-        return n
-
-    def _draws(self, k: int) -> torch.Tensor | None:
-        """[n_active, k] float64: the draws of the next ``k`` decode steps of slots [0, n_active)
-        (every one of them samples once a step, so step j's token index is gen + j). One hash of
-        ~170 elementwise ops per ``sync_every`` steps instead of per step: on a GPU each is a
-        kernel launch outside the captured graph. None when greedy."""
-        if self.params.temperature == 0:
-            return None
-        n = self.n_active
-        steps = self.gen[:n, None] + torch.arange(k, dtype=torch.int64, device=self.gen.device)
-        return counter_uniform(self.key, self.seq[:n, None].expand(n, k), steps)
-
-    def _sample_into(self, slots: torch.Tensor, logits: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-        """Sample for ``slots`` [n] from ``logits`` [n, V]; record token/logprob/stop per slot.
-        ``u``: the rows' draws when computed ahead (:meth:`_draws`), else computed here."""
-        if u is None and self.params.temperature != 0:
-            u = counter_uniform(self.key, self.seq[slots], self.gen[slots])
-        tok, lp = sample_rows(logits, self.params, u)
-        g = self.gen[slots]
-        self.out_tok[slots, g] = tok
-        self.out_lp[slots, g] = lp
-        hit = (tok[:, None] == self.stop[None, :]).any(-1) & ~self.done[slots]
-        self.end[slots] = torch.where(hit, g + 1, self.end[slots])
-        self.done[slots] |= hit
-        self.gen[slots] = g + 1
-        self.r.tok_in[slots] = tok
-        return tok
-
-    def step(self, u: torch.Tensor | None = None) -> None:
-        n = self.n_active
-        max_pos = max(len(self.prompts[q]) + self.slot_gen[i] - 1 for i, q in enumerate(self.slot_seq[:n]) if q >= 0)
-        logits = self.r.decode(n, max_pos)
-        self._sample_into(torch.arange(n, device=self.r.device), logits, u)
-        self.r.pos[:n] += 1
-        for i in range(n):
-            self.slot_gen[i] += 1
-        self.eng.stats["decode_steps"] += 1
-        self.eng.stats["decode_rows"] += n
-
-    def check(self) -> None:
-        """Finish every slot whose sequence stopped or hit the length limit."""
-        n, n_max, version = self.n_active, self.params.max_new_tokens, self.eng.version
-        done = self.done[:n].tolist()
-        fin = [i for i in range(n) if self.slot_seq[i] >= 0 and (done[i] or self.slot_gen[i] >= n_max)]
-        if not fin:
-            return
-        idx = torch.tensor(fin, device=self.r.device)
-        toks, lps, ends = self.out_tok[idx].tolist(), self.out_lp[idx].tolist(), self.end[idx].tolist()
-        for j, i in enumerate(fin):
-            q, length = self.slot_seq[i], (ends[j] if done[i] else n_max)
-            check_finite_logprobs(lps[j][:length], version)
-            self.results[q] = Completion(tokens=toks[j][:length], logprobs=lps[j][:length],
-                                         finish_reason="stop" if done[i] else "length",
-                                         first_version=self.first_version.pop(q), last_version=version)
-            self.slot_seq[i] = -1
-
-    # ---------------------------------------------------------------- slots
-    def admit(self) -> bool:
-        """Prefill waiting prompts into free slots; identical prompts are prefilled once.
-        False when nothing was admitted."""
-        free = [i for i in range(self.limit) if self.slot_seq[i] < 0]
-        take = min(len(free), len(self.prompts) - self.next_seq)
-        if take <= 0:
-            return False
-        seqs = list(range(self.next_seq, self.next_seq + take))
-        self.next_seq += take
-        slots = free[:take]
-        # A live slot's prompt KV (positions [0, len)) is never overwritten while it decodes,
-        # so a prompt still held by a live slot (a GRPO group split across two admissions)
-        # is copied from there, with its first-token logits kept from its own prefill.
-        live = {tuple(self.prompts[q]): i for i, q in enumerate(self.slot_seq) if q >= 0}
-        first: dict[tuple[int, ...], int] = {}  # prompt -> index (into seqs) of its first holder
-        owner = []
-        for j, q in enumerate(seqs):
-            owner.append(first.setdefault(tuple(self.prompts[q]), j))
-        uniq = sorted(set(owner))
-        keys = {u: tuple(self.prompts[seqs[u]]) for u in uniq}
-        fresh = [u for u in uniq if not (keys[u] in live and keys[u] in self.kept_logits)]
-        if fresh:
-            new = self.r.prefill([slots[u] for u in fresh], [list(keys[u]) for u in fresh])
-            self.eng.stats["prefill_tokens"] += sum(len(keys[u]) for u in fresh)
-            self.kept_logits.update({keys[u]: new[i] for i, u in enumerate(fresh)})
-        for u in uniq:
-            src = live.get(keys[u], slots[u]) if u not in fresh else slots[u]
-            sharers = [slots[j] for j, o in enumerate(owner) if o == u and slots[j] != src]
-            if sharers:
-                self.r.copy_prefix(src, sharers, len(keys[u]))
-        logits = torch.stack([self.kept_logits[tuple(self.prompts[q])] for q in seqs])
-        # Keep only what the next admission can reuse: the prompt of the next waiting sequence.
-        nxt = tuple(self.prompts[self.next_seq]) if self.next_seq < len(self.prompts) else None
-        self.kept_logits = {k: v for k, v in self.kept_logits.items() if k == nxt}
-        dev = self.r.device
-        slot_t = torch.tensor(slots, device=dev)
-        self.seq[slot_t] = torch.tensor(seqs, device=dev)
-        self.gen[slot_t] = 0
-        self.done[slot_t] = False
-        self.end[slot_t] = 0
-        self.r.pos[slot_t] = torch.tensor([len(self.prompts[q]) for q in seqs], device=dev)
-        self._sample_into(slot_t, logits)
-        for s, q in zip(slots, seqs):
-            self.slot_seq[s], self.slot_gen[s] = q, 1
-            self.first_version[q] = self.eng.version
-        return True
-
-    def compact(self) -> None:
-        """Move the highest live slots into free ones below them, so live slots are [0, n)."""
-        while True:
-            n = self.n_active
-            free = [i for i in range(n) if self.slot_seq[i] < 0]
-            if not free:
-                return
-            src, dst = n - 1, free[0]
-            # cached: the prompt and every fed token (the last sampled one is fed next, at its position)
-            self.r.move_slot(src, dst, len(self.prompts[self.slot_seq[src]]) + self.slot_gen[src] - 1)
-            for t in (self.seq, self.gen, self.done, self.end, self.out_tok, self.out_lp):
-                t[dst] = t[src]
-            self.slot_seq[dst], self.slot_gen[dst] = self.slot_seq[src], self.slot_gen[src]
-            self.slot_seq[src] = -1
-
-    def reprefill(self) -> None:
-        """After a weight swap: recompute every live sequence's KV under the new weights."""
-        self.kept_logits.clear()  # first-token logits of the old weights
-        live = [i for i in range(self.n_active) if self.slot_seq[i] >= 0]
-        if not live:
-            return
-        toks = self.out_tok[torch.tensor(live, device=self.r.device)].tolist()
-        seqs = [list(self.prompts[self.slot_seq[i]]) + toks[j][:self.slot_gen[i] - 1] for j, i in enumerate(live)]
-        self.r.prefill(live, seqs)
-        self.eng.stats["prefill_tokens"] += sum(len(s) for s in seqs)
 
 
 def cache_keyword(model: Any) -> str:

@@ -39,7 +39,8 @@ from distflow.rl.kl import kl_estimate
 from distflow.rl.catalog import RETURNS, VALUES, function
 from distflow.rl.registry import ADVANTAGE_ESTIMATORS, outcome_advantages, resolve
 from distflow.rl.reward_model import score_batch
-from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, trained_samples, trained_token_counts
+from distflow.rl.shaping import (group_index, mask_truncated, outcome_rewards, split_names, trained_samples,
+                                  trained_token_counts)
 
 __all__ = ["TrainerContext", "build_context", "save_checkpoint", "padded", "flat", "reference", "critic_values",
            "reward_model", "advantage", "token_advantage", "actor_update", "critic_update"]
@@ -201,18 +202,30 @@ def token_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch)
 
 
 def global_outcome_advantage(node: WorkflowNode, ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
-    """An outcome estimator over the whole step: every rank gathers (prompt ids, rewards) of
-    all ranks in rank order, computes the estimator and keeps its own slice."""
+    """An outcome estimator over the whole step: every rank gathers (prompt ids, rewards, trained
+    tokens, episode names) of all ranks in rank order, computes the estimator and keeps its own
+    slice. A multi-turn episode split into several samples (one ``extras["episode"]``) counts once
+    in its group, with its samples' trained tokens summed, and its samples share its advantage:
+    as the rollout-side estimators count it (:func:`distflow.rl.shaping.split_episodes`)."""
     resolve(ADVANTAGE_ESTIMATORS, node.fn, f"workflow node {node.id!r} advantage estimator")  # before the gather
     mine = (list(batch.prompt_ids), (outcome_rewards(batch, ctx.cfg) if len(batch) else torch.zeros(0)).tolist(),
-            trained_token_counts(batch, ctx.cfg).tolist())
+            trained_token_counts(batch, ctx.cfg).tolist(), [e.get("episode") for e in batch.extras])
     parts = ctx.gather(mine)
     offset = sum(len(p[0]) for p in parts[:ctx.rank])
     pids = [x for p in parts for x in p[0]]
     rewards = torch.tensor([x for p in parts for x in p[1]], dtype=torch.float32)
     lens = torch.tensor([x for p in parts for x in p[2]], dtype=torch.int64)
-    adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", rewards, group_index(pids),
-                             lens, node.args)[offset:offset + len(batch)]
+    split = split_names([x for p in parts for x in p[3]])
+    groups = group_index(pids)
+    if split is not None:
+        firsts, inverse = split
+        rewards, groups = rewards[firsts], group_index([pids[i] for i in firsts])
+        lens = torch.zeros(len(firsts), dtype=lens.dtype).index_add_(0, inverse, lens)
+    adv = outcome_advantages(node.fn, f"workflow node {node.id!r} advantage estimator", rewards, groups, lens,
+                             node.args)
+    if split is not None:
+        adv = adv[inverse]
+    adv = adv[offset:offset + len(batch)]
     batch.set_scalar("advantage", mask_truncated(adv, batch, ctx.cfg))
     return {}
 
