@@ -373,7 +373,7 @@ def test_trainer_outcome_estimator_sees_the_whole_step() -> None:
     b = SampleBatch.from_lists(["a:s0", "b:s0"], ["a", "b"], [[1], [1]], [[2], [3]])
     b.set_scalar("reward", torch.tensor([1.0, 1.0]))
     # rank 1 holds the rest of both groups: a -> [1, 0], b -> [1, 1] (constant)
-    other = (["a", "b"], [0.0, 1.0], [1, 1])  # (prompt ids, rewards, response lengths)
+    other = (["a", "b"], [0.0, 1.0], [1, 1], [None, None])  # (prompt ids, rewards, response lengths, episodes)
     ctx = TrainerContext(cfg, all_gather=lambda mine: [mine, other], rank=0)
     run_trainer_pipeline([node], ctx, b)
     # group a: mean 0.5, unbiased std 0.707107 -> +0.707106; group b constant -> 0
@@ -389,7 +389,7 @@ def test_reinforce_pp_stage_whitens_over_response_tokens(group) -> None:
     if group == "trainer":  # rank 1 holds the other sample, a 3-token response with reward 0
         b = SampleBatch.from_lists(["a:s0"], ["a"], [[1]], [[2]])
         b.set_scalar("reward", torch.tensor([1.0]))
-        ctx = TrainerContext(cfg, all_gather=lambda mine: [mine, (["b"], [0.0], [3])], rank=0)
+        ctx = TrainerContext(cfg, all_gather=lambda mine: [mine, (["b"], [0.0], [3], [None])], rank=0)
         run_trainer_pipeline([node], ctx, b)
         assert torch.allclose(b.tensors["advantage"], torch.tensor([1.5]), atol=1e-5)
         return

@@ -335,7 +335,8 @@ def test_periodic_saves_by_time_by_default_keeping_only_the_newest(tmp_path):
 @pytest.mark.cluster
 def test_a_dead_trainer_leaves_a_checkpoint_and_the_plots_by_default(toy_model, tmp_path):
     """Two trainer ranks, no save_every: the time-based saves (here every 0.5 s; both ranks agree) leave a
-    checkpoint to resume from when trainer-1 is killed, and the failed run writes its plots."""
+    checkpoint to resume from when trainer-1 is killed (no automatic recovery here: recover_retries=0),
+    and the failed run writes its plots."""
     from distflow.toy import make_toy_dataset
     from distflow.trainer.metrics import read_metrics
     from tests.procs import run_pids
@@ -346,7 +347,8 @@ def test_a_dead_trainer_leaves_a_checkpoint_and_the_plots_by_default(toy_model, 
     proc = subprocess.Popen([sys.executable, "-m", "distflow.launch.cli", "run", QUICKSTART, "--no-progress",
                              f"output_dir={out}", f"model_path={toy_model}", f"dataset={data}", "toy_model=false",
                              "eval_dataset=null", "eval_every=0", "prompts_per_step=4", "group_size=2",
-                             "max_new_tokens=2", "trainer_nodes=2", "rollout_nodes=1", "save_interval_s=0.5"],
+                             "max_new_tokens=2", "trainer_nodes=2", "rollout_nodes=1", "save_interval_s=0.5",
+                             "recover_retries=0"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
