@@ -2,7 +2,9 @@
 
     python bench/startup.py [--runs 3] [--config examples/grpo_quickstart.yaml] [key=value ...]
 
-Runs the config for one step, several times, and reads where the time went from the node
+Runs the config for one step, several times, once with its nodes forked from the zygote
+(``fork_nodes: true``, the default: distflow/launch/zygote.py) and once with each node its own
+program (the baseline, ``fork_nodes: false``), and reads where the time went from the node
 logs (every node logs with wall-clock timestamps; `distflow run` hands the nodes its own
 start time in DISTFLOW_T0 and each rollout node logs, and gossips as ``startup_s``, the
 seconds from it to its first generated batch). Phases, per run (slowest node of each):
@@ -12,11 +14,17 @@ seconds from it to its first generated batch). Phases, per run (slowest node of 
   groups   -> every node has formed its groups (rank derived from membership)
   ready    -> the engines and trainers are built (model loading, torch.distributed init)
   first    -> the first batch is generated (startup_s)
+  total    -> `distflow run` exited (the one-step run's whole wall time)
+
+Besides the medians per variant it prints the baseline / fork ratios of ``startup_s`` and of
+``total`` and the CPU time of each run (the launcher and all its nodes), and ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import statistics
 import subprocess
@@ -55,28 +63,51 @@ def phases(out: Path, t0: float) -> dict[str, float]:
     return reached
 
 
+def run_once(config: str, out: Path, model: Path, overrides: list[str]) -> dict[str, float] | None:
+    """One one-step run: its phases, whole wall time and CPU time (it and its children)."""
+    before = os.times()
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "distflow.launch.cli", "run", config, "--no-progress",
+                        f"output_dir={out}", f"model_path={model}", "max_steps=1", *overrides],
+                       cwd=ROOT, capture_output=True, text=True)
+    total = time.time() - t0
+    after = os.times()
+    if r.returncode:
+        print(r.stderr[-3000:], file=sys.stderr)
+        return None
+    row = phases(out, t0)
+    row["total"] = total
+    row["cpu_s"] = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--config", default="examples/grpo_quickstart.yaml")
     args, overrides = p.parse_known_args()
-    rows = []
+    medians: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "toy-model"
-        for k in range(args.runs + 1):  # run 0 builds the toy model: not counted
-            out = Path(tmp) / f"run{k}"
-            t0 = time.time()
-            r = subprocess.run([sys.executable, "-m", "distflow.launch.cli", "run", args.config, "--no-progress",
-                                f"output_dir={out}", f"model_path={model}", "max_steps=1", *overrides],
-                               cwd=ROOT, capture_output=True, text=True)
-            if r.returncode:
-                print(r.stderr[-3000:], file=sys.stderr)
-                return 1
-            if k:
-                rows.append(phases(out, t0))
-                print(f"run {k}: " + "  ".join(f"{n} {v:5.2f}s" for n, v in rows[-1].items()), flush=True)
-    keys = [k for k in ("up", "groups", "ready", "first", "startup_s") if all(k in r for r in rows)]
-    print("median: " + "  ".join(f"{n} {statistics.median(r[n] for r in rows):5.2f}s" for n in keys))
+        if run_once(args.config, Path(tmp) / "warm", model, overrides) is None:  # builds the toy model: not counted
+            return 1
+        for variant, fork in (("exec", "false"), ("fork", "true")):
+            rows = []
+            for k in range(args.runs):
+                row = run_once(args.config, Path(tmp) / f"{variant}{k}", model, [*overrides, f"fork_nodes={fork}"])
+                if row is None:
+                    return 1
+                rows.append(row)
+                print(f"{variant} run {k + 1}: " + "  ".join(f"{n} {v:5.2f}s" for n, v in row.items()), flush=True)
+            keys = [k for k in ("up", "groups", "ready", "first", "startup_s", "total", "cpu_s")
+                    if all(k in r for r in rows)]
+            medians[variant] = {n: round(statistics.median(r[n] for r in rows), 2) for n in keys}
+            print(f"{variant} median: " + "  ".join(f"{n} {v:5.2f}s" for n, v in medians[variant].items()))
+    ratios = {f"{k}_ratio": round(medians["exec"][k] / medians["fork"][k], 2)
+              for k in ("startup_s", "total", "cpu_s") if k in medians["exec"] and k in medians["fork"]}
+    print("exec / fork: " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print(json.dumps({"bench": "startup", "runs": args.runs, "exec": medians["exec"], "fork": medians["fork"],
+                      **ratios}))
     return 0
 
 

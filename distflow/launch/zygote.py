@@ -1,10 +1,10 @@
 """Start node processes by forking one that has already imported torch and transformers.
 
 Why it exists: a node spends its first ~2.5 CPU-seconds importing torch, transformers and
-DistFlow (measured in bench/startup.py), before it does anything. ``distflow run`` starts
-every node of a host at once, so a host of N nodes paid N times for the same imports, all
-competing for the CPU at the moment the run starts; a test suite of cluster runs paid it for
-every node of every run. The zygote pays once: ``distflow run`` starts it, it imports those
+DistFlow before it does anything (`python bench/startup.py` compares forked and exec'd nodes).
+``distflow run`` starts every node of a host at once, so a host of N nodes paid N times for the
+same imports, all competing for the CPU at the moment the run starts; a test suite of cluster
+runs paid it for every node of every run. The zygote pays once: ``distflow run`` starts it, it imports those
 modules and then forks one child per node (the technique of Android's zygote and of
 multiprocessing's forkserver with ``preload``). A forked node then runs ``node_main`` on its
 own command line, environment and log file, exactly as a ``distflow-node`` process would.
