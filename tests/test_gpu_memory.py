@@ -1,0 +1,104 @@
+"""The GPU memory budget on CPU: the engine's KV-cache plan with hand-computed numbers, the
+cache sized once, and every attention fallback logged once (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from distflow.rollout.memory_plan import (cache_length, engine_share, kv_token_bytes, plan_kv_cache,
+                                          prefill_reserve_bytes)
+
+GIB = 1 << 30
+
+
+def test_kv_token_bytes_of_a_3b_model():
+    # Qwen2.5-3B in bf16: 36 layers, 2 KV heads of 128 -> K and V of every layer per position
+    assert kv_token_bytes(36, 2, 128, 2) == 2 * 36 * 2 * 128 * 2 == 36_864
+
+
+def test_the_plan_starts_from_total_memory_after_the_trainers_budget():
+    """80 GiB GPU, utilization 0.9 -> 72 GiB; the colocated trainer's 0.5 (40 GiB) first -> 32 GiB;
+    one engine: less 6 GiB of weights and 1 GiB of prefill reserve -> 25 GiB for the cache.
+    A slot of 4096 positions of the 3B model: 4096 * 36,864 = 150,994,944 bytes, plus the graphs'
+    fp32 logits row of a 151,936-token vocabulary (607,744 bytes) = 151,602,688 bytes.
+    25 GiB = 26,843,545,600 bytes // 151,602,688 = 177 slots (177.06)."""
+    total = 80 * GIB
+    plan = plan_kv_cache(total, 6 * GIB, int(total * 0.5), 0.9, 36_864, want_slots=256, length=4096,
+                         slot_extra_bytes=151_936 * 4, reserve_bytes=GIB)
+    assert plan.budget_bytes == 26_843_545_600
+    assert plan.slots == 177 and plan.capped and plan.length == 4096
+    assert plan.cache_bytes == 177 * 150_994_944
+    # the same GPU alone (no trainer): 72 - 7 = 65 GiB = 69,793,218,560 // 151,602,688 = 460 -> all 256
+    alone = plan_kv_cache(total, 6 * GIB, 0, 0.9, 36_864, want_slots=256, length=4096,
+                          slot_extra_bytes=151_936 * 4, reserve_bytes=GIB)
+    assert alone.slots == 256 and not alone.capped
+    # two engines beside the trainer: (72 - 40) / 2 = 16 GiB each, less 7 -> 9 GiB = 9,663,676,416 // 151,602,688 = 63
+    two = plan_kv_cache(total, 6 * GIB, int(total * 0.5), 0.9, 36_864, want_slots=256, length=4096, engines=2,
+                        slot_extra_bytes=151_936 * 4, reserve_bytes=GIB)
+    assert two.slots == 63
+
+
+def test_a_plan_without_one_slot_names_the_keys():
+    with pytest.raises(RuntimeError, match=r"one slot of 4096 positions.*engine_gpu_memory_utilization.*"
+                                           r"engine_trainer_memory_fraction.*max_new_tokens"):
+        plan_kv_cache(16 * GIB, 7 * GIB, 8 * GIB, 0.9, 36_864, want_slots=8, length=4096)  # 14.4 - 8 - 7 < 0
+
+
+def test_engine_share_and_the_cache_length_rule():
+    assert engine_share(None, 0.5, 1, False) == (0.9, 0.0, 1)  # the engine has its GPU alone
+    assert engine_share(None, 0.5, 2, True) == (0.9, 0.5, 1)  # the trainer rank and one engine
+    assert engine_share(0.8, 0.3, 4, True) == (0.8, 0.3, 3)
+    with pytest.raises(ValueError, match="must be below"):
+        engine_share(0.5, 0.5, 2, True)
+    # sized once: the run's bound, else the model's positions, else the call's need (never below it)
+    assert cache_length(640, 32_768, 100) == 640
+    assert cache_length(None, 32_768, 100) == 32_768
+    assert cache_length(None, None, 100) == 100
+    assert cache_length(64, 512, 100) == 100
+
+
+def test_prefill_reserve_by_hand():
+    # 8192 tokens x (5 x 2048 + 3 x 11008) x 2 bytes + 4 rows of fp32 logits of 151,936
+    assert prefill_reserve_bytes(8192, 2048, 11_008, 151_936, 2, slots=4) == \
+        8192 * (5 * 2048 + 3 * 11_008) * 2 + 4 * 151_936 * 4
+
+
+def test_engine_attention_fallback_is_logged_once(caplog):
+    """An fp32 GQA prefill repeats the KV heads (no fused kernel takes grouped fp32 keys): said
+    once per process, whatever the number of layers and calls."""
+    from distflow.core import once
+    from distflow.rollout.llama_forward import LlamaRunner
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    once._SEEN.pop("engine-gqa-repeat", None)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    runner = LlamaRunner(LlamaForCausalLM(cfg).eval(), use_graphs=False)
+    runner.reserve(2, 32)
+    with caplog.at_level(logging.INFO, logger="distflow.rollout.llama_forward"):
+        for _ in range(2):
+            runner.prefill([0, 1], [[1, 2, 3], [4, 5]])
+    said = [r for r in caplog.records if "repeated" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO  # INFO on CPU, WARNING on CUDA
+    assert once.fallbacks()["engine-gqa-repeat"] == 2 * 3  # every layer of both calls counted
+
+
+def test_trainer_per_sample_attention_is_logged_once(caplog):
+    from distflow.core import once
+    from distflow.trainer.attention import varlen_attention
+
+    for key in [k for k in once._SEEN if k.startswith("trainer-per-sample-sdpa")]:
+        once._SEEN.pop(key)
+    q, k = torch.randn(1, 4, 7, 8), torch.randn(1, 2, 7, 8)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with caplog.at_level(logging.INFO, logger="distflow.trainer.attention"):
+        for _ in range(3):
+            out, _ = varlen_attention(None, q, k, k, None, cu_seq_lens_q=cu, distflow_seq_lens=[3, 4])
+    assert out.shape == (1, 7, 4, 8)
+    said = [r.getMessage() for r in caplog.records if "one SDPA call per sample" in r.getMessage()]
+    assert said == ["trainer attention: packed rows attend one SDPA call per sample (not on CUDA), slower than one "
+                    "varlen FlashAttention call"]
