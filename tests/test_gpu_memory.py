@@ -136,3 +136,57 @@ def test_spilled_buckets_live_in_reused_pool_buffers(monkeypatch):
 
     p1, p2, p3 = asyncio.run(main())
     assert p1 != p2 and p3 == p1  # v1's buffer went back when v2 was taken (v1 loaded): v3 reuses it
+
+
+def test_a_serving_rank_drops_its_published_copy_once_every_peer_has_it():
+    """Through the real publisher and inbox over real zmq channels: with a device tier (here
+    ``nccl``, whose buckets the publisher keeps as they were gathered) the published copy is held
+    until the one peer acked the version, then dropped (the gathered tensors are freed: weak
+    references die) for a host copy in the pool, and a peer that comes back is still served the
+    whole version, equal values, from that copy."""
+    import asyncio
+    import gc
+    import weakref
+
+    from distflow.transport import Endpoint, make_transport
+    from distflow.weights import WeightInbox, WeightPublisher
+
+    async def main() -> None:
+        a, b = make_transport("zmq", "trainer", b"s" * 32), make_transport("zmq", "rollout", b"s" * 32)
+        await a.start()
+        await b.start()
+        inbox = WeightInbox()
+        b.set_handler(lambda env: inbox.receive(env))
+        pub = WeightPublisher(a, ["rollout"], lambda _: Endpoint("rollout", "127.0.0.1", b.port), lambda _: True,
+                              timeout=10, transport_of=lambda _: "nccl", bucket_bytes=1024)
+        try:
+            state = {f"w{i}": torch.full((100,), float(i)) for i in range(4)}  # 400 bytes each: 4 buckets of 2
+            refs = [weakref.ref(t) for t in state.values()]
+            want = {k: t.clone() for k, t in state.items()}
+            pub.offer(1, state)
+            del state
+            await pub.flush(10)
+            for _ in range(100):  # the drop runs in its own task once the commit was acked
+                if pub.stats["dropped_versions"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert pub.stats["dropped_versions"] == 1 and pub.stats["dropped_bytes"] == 4 * 400
+            gc.collect()
+            assert all(r() is None for r in refs)  # the gathered copy is gone
+            got = dict(inbox.take()[1])
+            assert all(torch.equal(got[k], want[k]) for k in want)
+            inbox = WeightInbox()  # the peer restarted (a new inbox holds nothing) ...
+            pub.peer_up("rollout")  # ... and is served again, in full, from the host copy
+            for _ in range(250):
+                if inbox.pending is not None:
+                    break
+                await asyncio.sleep(0.02)
+            again = dict(inbox.take()[1])
+            assert sorted(again) == sorted(want) and all(torch.equal(again[k], want[k]) for k in want)
+            assert pub.stats["full_versions"] == 2
+        finally:
+            await pub.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
