@@ -190,3 +190,27 @@ def test_a_serving_rank_drops_its_published_copy_once_every_peer_has_it():
             await b.close()
 
     asyncio.run(main())
+
+
+def test_bench_engine_refuses_figures_of_eager_decoding_when_graphs_were_asked_for(tmp_path):
+    """bench/engine.py's check, on a real engine whose captures fail (graphs forced on a CPU
+    runner: ``torch.cuda.device(cpu)`` raises inside the real capture): the decode steps ran
+    eagerly, so the benchmark must not pass them off as the graph engine's figures."""
+    import importlib.util
+    from pathlib import Path
+
+    from distflow.rollout.engine import SamplingParams, TorchEngine
+    from distflow.toy import build_toy_model
+
+    spec = importlib.util.spec_from_file_location("bench_engine", Path(__file__).parent.parent / "bench" / "engine.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    eng = TorchEngine(build_toy_model(tmp_path / "m", seed=0, init_std=0.2), max_slots=2)
+    assert bench.graphs_problem(eng, requested=False) is None
+    assert bench.graphs_problem(eng, requested=True) == "CUDA graphs were requested but none was captured"
+    eng.runner.use_graphs = True
+    eng.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3), seed=0)
+    problem = bench.graphs_problem(eng, requested=True)
+    assert problem.startswith("CUDA graphs were requested but 2 decode steps ran eagerly (2 failed captures")
+    eng.runner = None
+    assert "HF fallback loop" in bench.graphs_problem(eng, requested=True)
