@@ -192,7 +192,7 @@ class LlamaRunner:
         cfg = self.model.config
         reserve = prefill_reserve_bytes(self.max_prefill_tokens, int(cfg.hidden_size),
                                         int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)),
-                                        self.vocab_size, self.dtype.itemsize, slots)
+                                        self.vocab_size, self.dtype.itemsize, min(slots, self.max_prefill_tokens))
         plan = self.plan = plan_kv_cache(total, self.model_bytes, int(total * self.trainer_memory_fraction),
                                          self.gpu_memory_utilization, token, want_slots=slots, length=length,
                                          engines=self.engines, slot_extra_bytes=logits_row, reserve_bytes=reserve)
