@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from distflow.core.once import log_once
 from distflow.device import node_device, on_device
 from distflow.hf import load_causal_lm, load_tokenizer
 from distflow.rollout.llama_forward import LlamaRunner, empty_cache, unsupported_reason
@@ -191,6 +192,10 @@ class TorchEngine:
             runner = self.runner
             if runner is not None and runner.window and longest + params.max_new_tokens > runner.window:
                 runner = None  # the sliding window would matter: HF's attention handles it
+                log_once(log, "engine-window-hf", logging.WARNING, "TorchEngine: prompt + max_new_tokens (%d) passes "
+                         "the model's sliding window (%d): such calls run the HF generate loop (no static cache, "
+                         "no CUDA graphs), several times slower", longest + params.max_new_tokens,
+                         self.runner.window)
             if runner is None:
                 return self._generate_hf(prompts, params, stop, seed, weights_update)
             try:
