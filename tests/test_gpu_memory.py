@@ -53,11 +53,26 @@ def test_engine_share_and_the_cache_length_rule():
     assert engine_share(0.8, 0.3, 4, True) == (0.8, 0.3, 3)
     with pytest.raises(ValueError, match="must be below"):
         engine_share(0.5, 0.5, 2, True)
-    # sized once: the run's bound, else the model's positions, else the call's need (never below it)
-    assert cache_length(640, 32_768, 100) == 640
-    assert cache_length(None, 32_768, 100) == 32_768
-    assert cache_length(None, None, 100) == 100
-    assert cache_length(64, 512, 100) == 100
+    # the run's bound (fixed from the first call), else the call's need (never below it)
+    assert cache_length(640, 100) == 640
+    assert cache_length(None, 100) == 100
+    assert cache_length(64, 100) == 100
+
+
+def test_without_a_prompt_bound_the_plan_sizes_the_length_once_from_the_budget():
+    """max_prompt_length unset: the first call needs 1000 positions, but the slots are given the
+    length the budget holds for them (multiples of 128, at most the model's positions), so later,
+    longer calls never regrow the cache. 8 slots of a 36,864-byte position in 10 GiB:
+    10,737,418,240 // 8 = 1,342,177,280 bytes a slot // 36,864 = 36,408 positions -> 36,352
+    (a multiple of 128), above the model's 32,768: 32,768."""
+    gib10 = 10 * GIB
+    plan = plan_kv_cache(gib10, 0, 0, 1.0, 36_864, want_slots=8, length=1000, grow_to=32_768)
+    assert (plan.slots, plan.length) == (8, 32_768) and plan.cache_bytes == 8 * 32_768 * 36_864
+    # 64 slots: 167,772,160 bytes a slot // 36,864 = 4551 positions -> 4480
+    plan = plan_kv_cache(gib10, 0, 0, 1.0, 36_864, want_slots=64, length=1000, grow_to=32_768)
+    assert (plan.slots, plan.length) == (64, 4480) and plan.cache_bytes <= plan.budget_bytes
+    # a run bound (no grow_to): the asked length, whatever room is left
+    assert plan_kv_cache(gib10, 0, 0, 1.0, 36_864, want_slots=64, length=1000).length == 1000
 
 
 def test_prefill_reserve_by_hand():

@@ -150,13 +150,15 @@ class LlamaRunner:
     def length(self) -> int:
         return 0 if self.k_cache is None else self.k_cache.shape[3]
 
-    def reserve(self, slots: int, length: int) -> None:
+    def reserve(self, slots: int, length: int, grow_to: int | None = None) -> None:
         """Make the cache hold ``slots`` x ``length`` tokens (reallocates, dropping graphs,
         only when it grows; sizes are rounded up so it rarely does). On CUDA the slots are
         capped to what this engine's share of the GPU's TOTAL memory holds after its weights and
         prefill reserve (:func:`~distflow.rollout.memory_plan.plan_kv_cache`; logged, the caller
         reads :attr:`slots`) and to what is free now, and a cache capped so is not regrown for
-        more slots at the same length (which would drop and recapture the graphs on every call)."""
+        more slots at the same length (which would drop and recapture the graphs on every call).
+        ``grow_to`` (CUDA; the model's positions when the run has no prompt bound): the length is
+        stretched to what the plan's budget holds for those slots, so later, longer calls fit."""
         if length <= self.length and (slots <= self.slots or self._mem_capped):
             return
         if self.k_cache is not None and length > self.length:
@@ -168,7 +170,7 @@ class LlamaRunner:
         self.k_cache = self.v_cache = self.logits_out = None
         self.graphs.clear()
         if self.device.type == "cuda":
-            slots = self._planned_slots(slots, length)
+            slots, length = self._planned_slots(slots, length, grow_to)
         shape = (len(self.layers), slots, self.n_kv, length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -182,9 +184,10 @@ class LlamaRunner:
             cos, sin = self.model.model.rotary_emb(probe, pos)  # [1, length, head_dim]
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
-    def _planned_slots(self, slots: int, length: int) -> int:
-        """CUDA: the slots of ``length`` positions the memory plan gives (at most ``slots``), then
-        capped to what is free now (a process over its share: logged, naming the numbers)."""
+    def _planned_slots(self, slots: int, length: int, grow_to: int | None) -> tuple[int, int]:
+        """CUDA: (slots, length) of the memory plan (at most ``slots``; ``length`` stretched
+        towards ``grow_to``), the slots capped to what is free now (a process over its share:
+        logged, naming the numbers)."""
         empty_cache()  # the old cache's memory counts as free below
         free, total = torch.cuda.mem_get_info(self.device)
         logits_row = self.vocab_size * 4 if self.use_graphs else 0  # the graphs' fp32 logits buffer, per slot
@@ -195,8 +198,9 @@ class LlamaRunner:
                                         self.vocab_size, self.dtype.itemsize, min(slots, self.max_prefill_tokens))
         plan = self.plan = plan_kv_cache(total, self.model_bytes, int(total * self.trainer_memory_fraction),
                                          self.gpu_memory_utilization, token, want_slots=slots, length=length,
-                                         engines=self.engines, slot_extra_bytes=logits_row, reserve_bytes=reserve)
-        fit = plan.slots
+                                         engines=self.engines, slot_extra_bytes=logits_row, reserve_bytes=reserve,
+                                         grow_to=grow_to)
+        fit, length = plan.slots, plan.length
         per_slot = length * token + logits_row
         now = max(0, free - reserve) // per_slot
         if now < fit:
@@ -214,7 +218,7 @@ class LlamaRunner:
                  "prefill reserve", fit, slots, length, fit * length * token / (1 << 30), per_slot / (1 << 30),
                  self.gpu_memory_utilization, total / (1 << 30), self.trainer_memory_fraction, self.engines,
                  self.model_bytes / (1 << 30), reserve / (1 << 30))
-        return fit
+        return fit, length
 
     def move_slot(self, src: int, dst: int, length: int | None = None) -> None:
         """Copy slot ``src``'s KV and decode inputs to slot ``dst`` (compaction). ``length``: the

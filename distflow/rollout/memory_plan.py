@@ -70,29 +70,29 @@ def engine_share(utilization: float | None, trainer_fraction: float, sharers: in
     return util, trainer, engines
 
 
-def cache_length(max_length: int | None, max_positions: int | None, need: int) -> int:
-    """Positions every slot holds, fixed at the first call so the cache never regrows mid-run
-    (a regrow frees the cache and drops every CUDA graph in the middle of a step): the run's
-    bound (``max_prompt_length + max_new_tokens``) when there is one, else the model's
-    ``max_position_embeddings`` (no call can need more: generate refuses it), else this call's
-    ``need``. Never below ``need``."""
-    for bound in (max_length, max_positions):
-        if bound is not None:
-            return max(int(bound), need)
-    return need
+def cache_length(max_length: int | None, need: int) -> int:
+    """Positions a call asks every slot to hold: the run's bound (``max_prompt_length +
+    max_new_tokens``) when there is one, fixed from the first call so the cache never regrows
+    mid-run (a regrow frees the cache and drops every CUDA graph in the middle of a step), else
+    this call's ``need``, which the plan then stretches as far as the budget allows
+    (:func:`plan_kv_cache`'s ``grow_to``). Never below ``need``."""
+    return max(int(max_length), need) if max_length is not None else need
 
 
 def plan_kv_cache(total_bytes: int, model_bytes: int, trainer_bytes: int, utilization: float, token_bytes: int, *,
                   want_slots: int, length: int, engines: int = 1, slot_extra_bytes: int = 0,
-                  reserve_bytes: int = 0) -> KVPlan:
+                  reserve_bytes: int = 0, grow_to: int | None = None, align: int = 128) -> KVPlan:
     """The slots of ``length`` positions one engine allocates.
 
     ``floor(total_bytes * utilization) - trainer_bytes`` is what the engines on the GPU may use
     together, ``engines`` equal shares; from this engine's, its ``model_bytes`` (weights) and
     ``reserve_bytes`` (prefill activations) come off, and the rest holds as many slots as fit
     (at most ``want_slots``), each ``length * token_bytes`` of K and V plus ``slot_extra_bytes``
-    (the CUDA graphs' fp32 logits row). Raises a RuntimeError naming the keys to change when not
-    even one slot fits."""
+    (the CUDA graphs' fp32 logits row). ``grow_to`` (the model's positions, when the run has no
+    prompt bound): the slots' length is then stretched to what the budget holds for those slots,
+    in multiples of ``align``, at most ``grow_to`` rounded up to ``align``: sized once from the
+    budget, so a later, longer call finds room instead of regrowing the cache. Raises a
+    RuntimeError naming the keys to change when not even one slot fits."""
     share = (int(total_bytes * utilization) - int(trainer_bytes)) // max(1, engines)
     budget = share - int(model_bytes) - int(reserve_bytes)
     per_slot = length * token_bytes + slot_extra_bytes
@@ -105,5 +105,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, trainer_bytes: int, utiliz
             f"{engines} engine(s)) less its weights ({model_bytes / GIB:.2f} GiB) and prefill reserve "
             f"({reserve_bytes / GIB:.2f} GiB) leaves {budget / GIB:.2f} GiB: lower max_new_tokens or "
             f"max_prompt_length (unset, every slot holds the model's max_position_embeddings), or raise the share")
+    if grow_to is not None and grow_to > length:
+        room = (budget // slots - slot_extra_bytes) // token_bytes // align * align
+        length = max(length, min(-(-grow_to // align) * align, room))
     return KVPlan(slots=slots, length=length, budget_bytes=budget, cache_bytes=slots * length * token_bytes,
                   capped=slots < want_slots)

@@ -200,11 +200,12 @@ class TorchEngine:
                 return self._generate_hf(prompts, params, stop, seed, weights_update)
             try:
                 key = seed_key(seed)
-                # sized once: the run's bound, else the model's positions (never regrown mid-run)
-                length = cache_length(self.max_length, self.max_positions, longest + params.max_new_tokens)
+                # sized once: the run's bound, else (CUDA) as long as the budget allows, up to the model's positions
+                length = cache_length(self.max_length, longest + params.max_new_tokens)
                 runner.retry_captures()
                 batcher = SlotBatcher(self, runner, params, stop, slots=min(self.max_slots, len(prompts)),
-                                      length=length, width=params.max_new_tokens, weights_update=weights_update)
+                                      length=length, width=params.max_new_tokens, weights_update=weights_update,
+                                      grow_to=self.max_positions if self.max_length is None else None)
                 for q, p in enumerate(prompts):
                     batcher.add(q, list(p), params.max_new_tokens, key, q)
                 results = batcher.run()
