@@ -229,3 +229,36 @@ def test_bench_engine_refuses_figures_of_eager_decoding_when_graphs_were_asked_f
     assert problem.startswith("CUDA graphs were requested but 2 decode steps ran eagerly (2 failed captures")
     eng.runner = None
     assert "HF fallback loop" in bench.graphs_problem(eng, requested=True)
+
+
+def test_the_runner_plans_its_cuda_cache_from_total_memory(monkeypatch, caplog):
+    """LlamaRunner._planned_slots (the CUDA branch of reserve) on a CPU runner, with the device's
+    (free, total) given: the plan's inputs are the runner's own (its weights' bytes, the trainer's
+    share of the total, the prefill reserve), and what is free now only caps it, logged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distflow.rollout import llama_forward
+    from distflow.rollout.llama_forward import LlamaRunner, module_bytes
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg).eval()
+    runner = LlamaRunner(model, use_graphs=False, max_prefill_tokens=256, gpu_memory_utilization=0.9,
+                         trainer_memory_fraction=0.5)
+    runner.use_graphs = True  # a logits row per slot, as on CUDA
+    assert runner.model_bytes == module_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for b in model.buffers())
+    total = 1 << 30
+    monkeypatch.setattr(llama_forward, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    token = 2 * 2 * 2 * 8 * 4  # K and V x 2 layers x 2 KV heads x head_dim 8 x fp32
+    reserve = prefill_reserve_bytes(256, 32, 64, 64, 4, 256)
+    want = plan_kv_cache(total, runner.model_bytes, int(total * 0.5), 0.9, token, want_slots=10_000, length=1024,
+                         slot_extra_bytes=64 * 4, reserve_bytes=reserve)
+    assert runner._planned_slots(10_000, 1024, None) == (want.slots, 1024) and want.capped
+    assert runner.plan == want
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reserve + 3 * (1024 * token + 256), total))
+    with caplog.at_level(logging.WARNING, logger="distflow.rollout.llama_forward"):
+        assert runner._planned_slots(10_000, 1024, None) == (3, 1024)  # only 3 fit in what is free now
+    assert any("uses more than its share" in r.getMessage() for r in caplog.records)
