@@ -262,3 +262,46 @@ def test_the_runner_plans_its_cuda_cache_from_total_memory(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="distflow.rollout.llama_forward"):
         assert runner._planned_slots(10_000, 1024, None) == (3, 1024)  # only 3 fit in what is free now
     assert any("uses more than its share" in r.getMessage() for r in caplog.records)
+
+
+def test_a_capture_that_fails_once_is_retried_after_freeing_the_graphs(tmp_path, monkeypatch, caplog):
+    """The first capture runs out of memory; the runner drops the graphs it holds (and their pool),
+    retries, and the retry's graph serves every step: one failure counted, no eager step. The
+    recorded "graph" replays the eager step into the logits buffer (no GPU here)."""
+    import types
+
+    from distflow.rollout.engine import SamplingParams, TorchEngine
+    from distflow.rollout.llama_forward import LlamaRunner
+    from distflow.toy import build_toy_model
+
+    class Replay:
+        def __init__(self, runner, b, length):
+            self.runner, self.b, self.length = runner, b, length
+
+        def replay(self):
+            self.runner.logits_out[:self.b].copy_(self.runner._decode(self.b, self.length))
+
+    calls: list[tuple[int, int]] = []
+
+    def record(self, b, length):
+        calls.append((b, length))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (graph pool)")
+        self.graphs[(b, length)] = Replay(self, b, length)
+
+    monkeypatch.setattr(LlamaRunner, "_record", record)
+    model = build_toy_model(tmp_path / "m", seed=0, init_std=0.2)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    ref = TorchEngine(model, max_slots=2).generate([[3, 4, 5], [6, 7]], params, seed=4)
+    eng = TorchEngine(model, max_slots=2)
+    eng.runner.use_graphs = True
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
+    freed = []
+    real_free = LlamaRunner.free_graphs
+    monkeypatch.setattr(LlamaRunner, "free_graphs", lambda self: (freed.append(dict(self.graphs)), real_free(self)))
+    with caplog.at_level(logging.WARNING, logger="distflow.rollout.llama_forward"):
+        out = eng.generate([[3, 4, 5], [6, 7]], params, seed=4)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    assert eng.stats["graph_capture_failures"] == 1 and eng.stats["graph_eager_steps"] == 0
+    assert calls[0] == calls[1] and len(freed) == 1 and eng.runner._pool is None
+    assert [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()][0].endswith("retrying")
