@@ -295,7 +295,8 @@ def test_a_capture_that_fails_once_is_retried_after_freeing_the_graphs(tmp_path,
     ref = TorchEngine(model, max_slots=2).generate([[3, 4, 5], [6, 7]], params, seed=4)
     eng = TorchEngine(model, max_slots=2)
     eng.runner.use_graphs = True
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     freed = []
     real_free = LlamaRunner.free_graphs
     monkeypatch.setattr(LlamaRunner, "free_graphs", lambda self: (freed.append(dict(self.graphs)), real_free(self)))

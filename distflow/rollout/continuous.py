@@ -398,6 +398,7 @@ class ContinuousEngine:
             self._cap_store = False
             per_token = 2 * len(r.layers) * r.n_kv * r.head_dim * r.dtype.itemsize
             plan = r.plan  # memory_plan.KVPlan: the budget the cache (and its logits rows) came out of
-            left = plan.budget_bytes - plan.slots * (plan.length * per_token + (r.vocab_size * 4 if r.use_graphs else 0))
+            row = r.vocab_size * 4 if r.use_graphs else 0  # the graphs' logits row of each slot
+            left = plan.budget_bytes - plan.slots * (plan.length * per_token + row)
             self.store.max_tokens = min(self.store.max_tokens, max(0, left) // per_token)
         return b

@@ -33,9 +33,10 @@ class SlotBatcher:
     ``engine``: the TorchEngine (its ``stats``, ``version``, ``sync_every``, ``max_slots``,
     ``_poll``); ``params``: the sampling mode of every sequence (its ``max_new_tokens`` is not
     used: each sequence has its own limit, at most ``width``); ``slots``, ``length``, ``grow_to``:
-    the cache to reserve (``LlamaRunner.reserve``). Slot state lives on the device (decode inputs in the runner; per-slot outputs
-    here) and is mirrored on the host only where the host can know it without a sync (sequence,
-    tokens generated so far). Sequences are added with :meth:`add` and wait in :attr:`waiting`.
+    the cache to reserve (``LlamaRunner.reserve``). Slot state lives on the device (decode inputs in
+    the runner; per-slot outputs here) and is mirrored on the host only where the host can know it
+    without a sync (sequence, tokens generated so far). Sequences are added with :meth:`add` and
+    wait in :attr:`waiting`.
     """
 
     def __init__(self, engine: Any, runner: Any, params: SamplingParams, stop: list[int], *, slots: int, length: int,

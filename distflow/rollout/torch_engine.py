@@ -12,8 +12,9 @@ the seed only, not on slots. ``generate`` can swap weights mid-call (partial rol
 in-flight sequences are re-prefilled under the new weights and continue. On CUDA the KV
 cache is planned from the engine's share of the GPU's TOTAL memory (``gpu_memory_utilization``
 less a colocated trainer's ``trainer_memory_fraction``, :mod:`distflow.rollout.memory_plan`;
-fewer slots when ``max_slots`` do not fit), sized once for the run's longest sequence, and ``generate``/``load_weights`` run with the engine's GPU as
-the calling thread's current device (they run in worker threads; ``set_device`` is per thread).
+fewer slots when ``max_slots`` do not fit), sized once for the run's longest sequence, and
+``generate``/``load_weights`` run with the engine's GPU as the calling thread's current device
+(they run in worker threads; ``set_device`` is per thread).
 
 The slots themselves are :mod:`distflow.rollout.slots` (shared with the request-level engine
 of :meth:`TorchEngine.continuous`, :mod:`distflow.rollout.continuous`, which multi-turn
@@ -63,11 +64,12 @@ class TorchEngine:
     ``gpu_memory_utilization``: on CUDA, the share of the GPU's TOTAL memory its processes may
     use together (vLLM's name); ``trainer_memory_fraction`` of it is a colocated trainer's, and
     ``engines`` engines split the rest; the KV cache gets this engine's part less its weights and
-    prefill reserve (the slots are capped to what fits, logged). ``lora``: ``{rank, alpha, target_modules}``
-    when weight syncs carry LoRA adapters (merged into the base, :mod:`distflow.rollout.lora_apply`).
+    prefill reserve (the slots are capped to what fits, logged). ``lora``: ``{rank, alpha,
+    target_modules}`` when weight syncs carry LoRA adapters (merged into the base, :mod:`distflow.rollout.lora_apply`).
     ``stats`` reports ``capture_s`` (graph capture time, paid once per process and cache
     size), ``graph_capture_failures`` (each retried once after freeing memory),
-    ``graph_eager_steps`` (decode steps run eagerly although graphs were asked for), ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
+    ``graph_eager_steps`` (decode steps run eagerly although graphs were asked for),
+    ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
     (mid-generate), cumulative; a request-level engine (:meth:`continuous`) adds ``requests``,
     ``kv_hits``, ``kv_misses``, ``kv_reused_tokens``.
     """
