@@ -27,7 +27,9 @@ per CPU second of this process (``*_cpu_tok_s``, ``cpu_vs_*``: comparable on a b
 machine where wall time is not); with
 ``--repeats N`` the engines alternate N times and each keeps its best time. CPU runs use
 one torch thread unless ``--threads`` (a rollout node's ``torch_threads`` default is 1). Prints a
-table and ratios, and ends with exactly one JSON line.
+table and ratios, and ends with exactly one JSON line. On CUDA without ``--no-compile`` it exits
+non-zero (after the JSON line) when the engine did not decode with CUDA graphs
+(:func:`graphs_problem`): its figures would be eager decoding's.
 Run: ``python bench/engine.py [--repeats 2]``; on a GPU, the issue's workload:
 ``python bench/engine.py --device cuda --shape qwen0.5b --fixed-prompts 256 --fixed-new 256
 --slots 256`` (bf16 by default on CUDA).
@@ -121,6 +123,24 @@ def run_hf(model, prompts, max_new, stop_ids, pad_id, batch, device, static: boo
             total += n
     sync()
     return time.perf_counter() - t0, time.process_time() - c0, total
+
+
+def graphs_problem(eng, requested: bool) -> str | None:
+    """Why the engine did not decode with CUDA graphs although they were ``requested`` (CUDA, no
+    ``--no-compile``), or None. A benchmark that silently measured eager decoding would report
+    the wrong engine: the HF fallback loop (a model off the static-cache path), captures that
+    failed (``graph_eager_steps``: decode steps run eagerly), or no graph captured at all."""
+    if not requested:
+        return None
+    runner = eng.runner
+    if runner is None:
+        return "CUDA graphs were requested but the model runs on the HF fallback loop (no static cache)"
+    if eng.stats["graph_eager_steps"]:
+        return (f"CUDA graphs were requested but {eng.stats['graph_eager_steps']} decode steps ran eagerly "
+                f"({eng.stats['graph_capture_failures']} failed captures; last error: {runner.graph_error})")
+    if not runner.graphs:
+        return "CUDA graphs were requested but none was captured"
+    return None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -224,10 +244,15 @@ def main(argv: list[str] | None = None) -> dict:
                    "dtype": str(dtype).removeprefix("torch."), "slots": args.slots, "repeats": args.repeats,
                    "warmup_s": round(warm_s, 3),
                    "capture_s": round(eng.stats["capture_s"], 3), "hf_static_compile": hf_compile,
+                   "graph_capture_failures": eng.stats["graph_capture_failures"],
+                   "graph_eager_steps": eng.stats["graph_eager_steps"],
                    **{f"{w}_{k}": (round(v, 3) if isinstance(v, float) else v) for w, r in results.items()
                       for k, v in r.items()}}
+        problem = graphs_problem(eng, device.type == "cuda" and not args.no_compile)
         eng.close()
     print(json.dumps(summary, sort_keys=True))
+    if problem is not None:  # after the figures, which are printed, but not as the engine's
+        raise SystemExit(f"bench/engine.py: {problem}")
     return summary
 
 

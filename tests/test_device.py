@@ -107,12 +107,22 @@ def test_gpu_sharers_reads_the_placement(monkeypatch, raw, sharers):
     assert device.gpu_sharers() == sharers
 
 
-def test_kv_cache_fraction_splits_the_default_among_the_gpus_nodes():
-    from distflow.rollout.worker import kv_cache_fraction
+def test_engine_memory_splits_the_gpu_between_the_trainer_and_the_engines():
+    from types import SimpleNamespace
 
-    assert kv_cache_fraction(None, 1) == pytest.approx(0.9)
-    assert kv_cache_fraction(None, 3) == pytest.approx(0.3)  # colocated: trainer + two engines
-    assert kv_cache_fraction(0.5, 3) == 0.5  # an explicit setting wins
+    from distflow.rollout.worker import engine_memory
+
+    def cfg(util=None, trainer=0.5, colocate=False):
+        return SimpleNamespace(engine_gpu_memory_utilization=util, engine_trainer_memory_fraction=trainer,
+                               colocate=colocate)
+
+    assert engine_memory(cfg(), 1) == {"gpu_memory_utilization": 0.9, "trainer_memory_fraction": 0.0, "engines": 1}
+    # colocated: the trainer rank's share comes off, the two engines beside it split the rest
+    assert engine_memory(cfg(colocate=True), 3) == {"gpu_memory_utilization": 0.9, "trainer_memory_fraction": 0.5,
+                                                    "engines": 2}
+    assert engine_memory(cfg(0.8, colocate=False), 2)["engines"] == 2  # two rollout nodes on one GPU
+    with pytest.raises(ValueError, match="must be below engine_gpu_memory_utilization"):
+        engine_memory(cfg(0.4, 0.5, colocate=True), 2)
 
 
 @pytest.mark.parametrize("visible, local, identity", [

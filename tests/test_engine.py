@@ -262,9 +262,10 @@ def test_vllm_gets_the_nodes_gpu_share_and_not_the_torch_only_keywords(model_dir
     seen: list[dict] = []
     monkeypatch.setattr(engine_mod, "VLLMEngine", lambda path, **kw: seen.append(kw))
     make_engine("vllm", model_dir, device="cuda", dtype="bfloat16", compile=True, max_slots=64, max_length=640,
-                kv_cache_memory_fraction=0.45)
-    make_engine("vllm", model_dir, device="cuda", kv_cache_memory_fraction=None)
-    assert seen == [{"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.45}, {"device": "cuda"}]
+                gpu_memory_utilization=0.9, trainer_memory_fraction=0.5, engines=2)
+    make_engine("vllm", model_dir, device="cuda")
+    assert seen == [{"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": pytest.approx(0.2)},
+                    {"device": "cuda"}]
 
 
 def test_vllm_on_a_bare_cuda_device_is_the_nodes_gpu(model_dir: str, monkeypatch) -> None:

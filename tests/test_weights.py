@@ -1071,11 +1071,11 @@ def test_a_spilled_bucket_is_copied_off_the_event_loop(monkeypatch) -> None:
 
     copied_on: list[int] = []
 
-    def to_host(bucket):
+    def to_host(bucket, pool):
         copied_on.append(threading.get_ident())
         if "bad" in bucket:
             raise RuntimeError("copy failed")
-        return {k: t.clone() for k, t in bucket.items()}
+        return pool.stage(bucket)
 
     monkeypatch.setattr(weights_mod, "spill_needed", lambda bucket, reserve: True)
     monkeypatch.setattr(weights_mod, "to_host", to_host)
@@ -1114,5 +1114,5 @@ def test_held_gpu_buckets_leave_a_gpu_short_of_memory() -> None:
 
     kept = asyncio.run(one(0))
     moved = asyncio.run(one(1 << 60))
-    assert kept.is_cuda and moved.device.type == "cpu"
+    assert kept.is_cuda and moved.device.type == "cpu" and moved.is_pinned()  # page-locked, never pageable
     assert torch.equal(moved, torch.arange(8.0)) and torch.equal(kept.cpu(), moved)

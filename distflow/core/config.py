@@ -161,6 +161,10 @@ class Config(BaseModel):
                              "cannot be combined with worker groups (use controller: distributed)")
         if self.device == "cpu" and self.gpus is not None:  # here, not only in placement: --check sees it too
             raise ValueError(f"gpus: {self.gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
+        if self.colocate and self.engine_trainer_memory_fraction >= (self.engine_gpu_memory_utilization or 0.9):
+            raise ValueError(f"engine_trainer_memory_fraction {self.engine_trainer_memory_fraction:g} (the colocated "
+                             "trainer's share of the GPU) must be below engine_gpu_memory_utilization "
+                             f"{self.engine_gpu_memory_utilization or 0.9:g}, which the engine's share comes out of")
         if self.device == "cpu" and self.engine == "vllm":
             raise ValueError("engine: vllm runs on GPUs only, but device is cpu; use engine: torch (or device: cuda)")
         if self.lora is not None and self.engine != "torch":

@@ -136,11 +136,17 @@ class RolloutSection(Section):
     engine_max_slots: int = Field(256, ge=1, le=65536, description=(
         "`torch` engine: sequences decoded at once (continuous-batching slots of its KV cache; a finished one's "
         "slot is refilled at once)"))
-    engine_kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1, description=(
-        "`torch` engine on CUDA: share of the GPU's free memory (at cache allocation) the KV cache may take; fewer "
-        "than `engine_max_slots` slots when they do not fit (logged), an error naming `max_new_tokens` when not "
-        "even one does. null: 0.9 divided among the nodes placed on that GPU (`colocate`, rollout nodes sharing a "
-        "GPU, `--in-process`). With `engine: vllm` the same share is vLLM's `gpu_memory_utilization`"))
+    engine_gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description=(
+        "share of each GPU's TOTAL memory the processes on it may use together (vLLM's `gpu_memory_utilization`; the "
+        "rest is CUDA contexts and fragmentation). A colocated trainer's `engine_trainer_memory_fraction` comes off "
+        "first, the engines placed on the GPU split the rest; the `torch` engine's KV cache gets its part less its "
+        "weights and prefill reserve, planned once (fewer than `engine_max_slots` slots when they do not fit, "
+        "logged; an error naming `max_new_tokens` when not even one does). `vllm` gets its part as its own "
+        "`gpu_memory_utilization`. null: 0.9"))
+    engine_trainer_memory_fraction: float = Field(0.5, ge=0, lt=1, description=(
+        "with `colocate`: share of the GPU's TOTAL memory kept for the trainer rank on it (its weight shards, "
+        "gradients, optimizer state and activations), taken off `engine_gpu_memory_utilization` before the engine "
+        "plans its KV cache, so the trainer's first step still fits; must be below it. Ignored without `colocate`"))
     group_size: int = Field(8, ge=1, description="samples per prompt (the GRPO group)")
     max_new_tokens: int = Field(16, ge=1, description=(
         "response length limit; refused before the run when it leaves no room for a prompt in the model's "

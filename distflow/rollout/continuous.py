@@ -212,7 +212,8 @@ class ContinuousEngine:
         max_slots: sequences decoded at once.
         max_length: positions of a slot: every request's prompt + ``max_new_tokens`` must fit.
         kv_store_tokens: positions of finished contexts kept for reuse (None: ``max_slots *
-            max_length``, on CUDA at most half the memory free once the static cache is reserved).
+            max_length``, on CUDA at most what the engine's memory plan left beside the static cache:
+            docs/gpu.md).
         request_timeout: seconds a request may take from submission to completion.
     """
 
@@ -226,7 +227,7 @@ class ContinuousEngine:
             max_length = min(max_length, engine.max_positions)
         self.max_length = int(max_length)
         self.request_timeout = request_timeout
-        # on CUDA the default is also capped by the memory left once the static cache is reserved (_batcher)
+        # on CUDA the default is also capped by what the memory plan left beside the static cache (_batcher)
         self._cap_store = kv_store_tokens is None and engine.runner.device.type == "cuda"
         self.store = KVStore(int(kv_store_tokens if kv_store_tokens is not None else self.max_slots * self.max_length))
         self.stats = engine.stats
@@ -389,11 +390,15 @@ class ContinuousEngine:
             self.store.clear()
             self._version = eng.version
         stop = sorted(set(eng.eos_token_ids) | set(mode.stop_token_ids))
-        b = _Slots(self, eng, eng.runner, mode, stop, slots=self.max_slots, length=self.max_length,
-                   width=self.max_length)
-        if self._cap_store:  # half of what the static cache left free (once: the store's own use is not free)
+        r = eng.runner
+        r.retry_captures()  # shapes whose capture failed during the last batch try again
+        eng.stats.update(graph_capture_failures=r.graph_capture_failures, graph_eager_steps=r.graph_eager_steps)
+        b = _Slots(self, eng, r, mode, stop, slots=self.max_slots, length=self.max_length, width=self.max_length)
+        if self._cap_store:  # once: what the engine's memory plan left beside the static cache
             self._cap_store = False
-            r = eng.runner
             per_token = 2 * len(r.layers) * r.n_kv * r.head_dim * r.dtype.itemsize
-            self.store.max_tokens = min(self.store.max_tokens, torch.cuda.mem_get_info(r.device)[0] // 2 // per_token)
+            plan = r.plan  # memory_plan.KVPlan: the budget the cache (and its logits rows) came out of
+            row = r.vocab_size * 4 if r.use_graphs else 0  # the graphs' logits row of each slot
+            left = plan.budget_bytes - plan.slots * (plan.length * per_token + row)
+            self.store.max_tokens = min(self.store.max_tokens, max(0, left) // per_token)
         return b

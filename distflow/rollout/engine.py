@@ -44,17 +44,20 @@ def make_engine(name: str, model_path: str, **kw: Any) -> RolloutEngine:
     Keywords go to the engine (``device``, ``dtype``, ``max_batch_size``; ``compile``,
     ``max_slots`` and ``max_length`` for the torch engine, which vLLM ignores as it batches,
     sizes its cache and compiles itself).
-    ``kv_cache_memory_fraction`` (the node's share of its GPU, smaller when nodes share it) sizes
-    the torch engine's KV cache and becomes vLLM's ``gpu_memory_utilization``: without it vLLM
-    takes 0.9 of the GPU, and a colocated trainer or a second engine would not fit.
+    ``gpu_memory_utilization``, ``trainer_memory_fraction`` and ``engines`` (the node's share of
+    its GPU: :func:`distflow.rollout.memory_plan.engine_share`) plan the torch engine's KV cache;
+    vLLM gets its own part, ``(utilization - trainer) / engines``, as its ``gpu_memory_utilization``
+    (vLLM's share of the total memory too): without it vLLM takes 0.9 of the GPU, and a colocated
+    trainer or a second engine would not fit.
     """
     if name == "torch":
         return TorchEngine(model_path, **kw)
     if name == "vllm":
         for torch_only in ("compile", "max_slots", "max_length"):
             kw.pop(torch_only, None)
-        share = kw.pop("kv_cache_memory_fraction", None)
-        if share is not None:
-            kw.setdefault("gpu_memory_utilization", float(share))
+        util = kw.pop("gpu_memory_utilization", None)
+        trainer, engines = kw.pop("trainer_memory_fraction", 0.0), kw.pop("engines", 1)
+        if util is not None:
+            kw["gpu_memory_utilization"] = (float(util) - float(trainer)) / max(1, int(engines))
         return VLLMEngine(model_path, **kw)
     raise ValueError(f"unknown rollout engine {name!r}: expected one of {list(ENGINES)}")

@@ -10,7 +10,9 @@ CUDA can use the flash kernel, the only fused one with GQA; decode: a length mas
 Loading weights into the HF model therefore updates this path for free. On CUDA the
 decode step for a few bucketed (slot count, attended length) shapes is captured once as CUDA
 graphs, and the cache
-is sized to the GPU's free memory (:func:`plan_kv_slots`) rather than assumed to fit.
+is sized from the engine's share of the GPU's total memory (:mod:`distflow.rollout.memory_plan`),
+planned once, rather than assumed to fit. A capture that fails is retried once after freeing the
+graphs' memory and counted (``graph_capture_failures``), never silently eager for the rest of the run.
 
 Supported: llama, mistral (no sliding window in reach), qwen2 (qkv bias), qwen3
 (q_norm/k_norm) with static RoPE types; :func:`unsupported_reason` says why not otherwise.
@@ -27,15 +29,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from distflow.core.once import log_once
 from distflow.device import private_stream
 from distflow.hf import logit_transform
+from distflow.rollout.memory_plan import (DEFAULT_GPU_MEMORY_UTILIZATION, kv_token_bytes, plan_kv_cache,
+                                          prefill_reserve_bytes)
 
-__all__ = ["KV_CACHE_FRACTION", "LlamaRunner", "kv_slot_bytes", "plan_kv_slots", "unsupported_reason"]
+__all__ = ["LlamaRunner", "MAX_CAPTURE_FAILURES", "module_bytes", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
 
 _FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-KV_CACHE_FRACTION = 0.9  # default share of a GPU's free memory the KV cache may take (the rest: activations, graphs)
+MAX_CAPTURE_FAILURES = 4  # failed captures of one graph shape after which it decodes eagerly for good (logged)
 
 # One graph capture at a time in the process: generate runs in worker threads and
 # --in-process may hold several engines, and a capture must not overlap another one, nor a
@@ -71,28 +76,6 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def kv_slot_bytes(layers: int, kv_heads: int, length: int, head_dim: int, elem_size: int) -> int:
-    """Bytes of one cache slot of ``length`` positions: K and V of every layer."""
-    return 2 * layers * kv_heads * length * head_dim * elem_size
-
-
-def plan_kv_slots(want: int, slot_bytes: int, free_bytes: int, fraction: float, length: int) -> int:
-    """How many of ``want`` slots of ``slot_bytes`` each to allocate in ``fraction`` of
-    ``free_bytes`` (the rest is left for activations and graphs): ``want`` when they fit,
-    else as many as fit. The batcher decodes with fewer slots, only slower; not even one
-    slot (a prompt plus ``max_new_tokens`` of ``length`` positions) raises."""
-    budget = int(free_bytes * fraction)
-    fit = min(want, budget // slot_bytes)
-    if fit < 1:
-        gib = 1 << 30
-        raise RuntimeError(
-            f"KV cache: one slot of {length} positions (longest prompt + max_new_tokens) needs "
-            f"{slot_bytes / gib:.2f} GiB but {fraction:g} (kv_cache_memory_fraction) of the GPU's "
-            f"{free_bytes / gib:.2f} GiB free memory is {budget / gib:.2f} GiB: lower max_new_tokens or "
-            f"max_prompt_length, or free GPU memory")
-    return fit
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -106,7 +89,8 @@ class LlamaRunner:
     """
 
     def __init__(self, model: Any, *, use_graphs: bool, max_prefill_tokens: int = 8192,
-                 kv_memory_fraction: float = KV_CACHE_FRACTION):
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, trainer_memory_fraction: float = 0.0,
+                 engines: int = 1, extra_bytes: int = 0):
         self.model = model
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, list(inner.layers), inner.norm, \
@@ -123,7 +107,11 @@ class LlamaRunner:
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = bool(use_graphs) and self.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens
-        self.kv_memory_fraction = kv_memory_fraction  # CUDA: share of free memory the cache may take
+        # CUDA memory plan (memory_plan.plan_kv_cache): shares of the GPU's TOTAL memory
+        self.gpu_memory_utilization, self.trainer_memory_fraction = gpu_memory_utilization, trainer_memory_fraction
+        self.engines = engines  # engines splitting what the trainer leaves of the GPU
+        self.model_bytes = module_bytes(model) + int(extra_bytes)  # weights, and what the engine holds besides
+        self.plan: Any = None  # the last memory_plan.KVPlan (CUDA)
         self._mem_capped = False  # the cache holds fewer slots than asked (all that fit)
         # Prefill with an explicit length mask instead of is_causal (the reference the causal
         # path is tested against; on CUDA with GQA it forces SDPA's math kernel).
@@ -143,7 +131,12 @@ class LlamaRunner:
         self._cap_stream: Any = None  # this runner's capture stream (device.private_stream), made on first capture
         self._cap_stream_owner: Any = None
         self.capture_s = 0.0
-        self.graph_error: str | None = None  # why capturing failed (decoding is eager since)
+        self.graph_error: str | None = None  # why the last capture failed
+        self.graph_capture_failures = 0  # failed captures (each retried once after freeing memory)
+        self.graph_eager_steps = 0  # decode steps run eagerly although graphs were asked for
+        self._failed: dict[tuple[int, int], int] = {}  # graph shape -> its failed captures
+        self._eager_shapes: set[tuple[int, int]] = set()  # decoded eagerly until the next call (retry_captures)
+        self._given_up: set[tuple[int, int]] = set()  # failed MAX_CAPTURE_FAILURES times: eager for good
         # Decode inputs (graph-static on CUDA): the token to feed and its position, per slot.
         self.tok_in = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.pos = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -157,32 +150,27 @@ class LlamaRunner:
     def length(self) -> int:
         return 0 if self.k_cache is None else self.k_cache.shape[3]
 
-    def reserve(self, slots: int, length: int) -> None:
+    def reserve(self, slots: int, length: int, grow_to: int | None = None) -> None:
         """Make the cache hold ``slots`` x ``length`` tokens (reallocates, dropping graphs,
         only when it grows; sizes are rounded up so it rarely does). On CUDA the slots are
-        capped to what fits in ``kv_memory_fraction`` of the free memory (logged; the caller
-        reads :attr:`slots`), and a cache capped so is not regrown for more slots at the same
-        length (which would drop and recapture the graphs on every call)."""
+        capped to what this engine's share of the GPU's TOTAL memory holds after its weights and
+        prefill reserve (:func:`~distflow.rollout.memory_plan.plan_kv_cache`; logged, the caller
+        reads :attr:`slots`) and to what is free now, and a cache capped so is not regrown for
+        more slots at the same length (which would drop and recapture the graphs on every call).
+        ``grow_to`` (CUDA; the model's positions when the run has no prompt bound): the length is
+        stretched to what the plan's budget holds for those slots, so later, longer calls fit."""
         if length <= self.length and (slots <= self.slots or self._mem_capped):
             return
+        if self.k_cache is not None and length > self.length:
+            log.warning("KV cache regrows from %d x %d to %d x %d positions mid-run (a call longer than the "
+                        "max_prompt_length + max_new_tokens it was sized for); its CUDA graphs are recaptured",
+                        self.slots, self.length, max(slots, self.slots), max(length, self.length))
         slots = max(slots, self.slots)
         length = max(-(-length // 128) * 128, self.length)
         self.k_cache = self.v_cache = self.logits_out = None
         self.graphs.clear()
         if self.device.type == "cuda":
-            empty_cache()  # the old cache's memory counts as free below
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if self.use_graphs:  # the graphs' logits buffer comes out of the same memory
-                free = max(0, free - slots * self.vocab_size * 4)
-            each = kv_slot_bytes(len(self.layers), self.n_kv, length, self.head_dim, self.dtype.itemsize)
-            fit = plan_kv_slots(slots, each, free, self.kv_memory_fraction, length)
-            self._mem_capped = fit < slots
-            if self._mem_capped:
-                log.warning("KV cache: %d of the %d slots asked for (engine_max_slots, or the call's prompts) fit in "
-                            "%g (kv_cache_memory_fraction) of %.1f GiB free on %s at %d positions each (%.2f GiB a "
-                            "slot); decoding %d sequences at a time", fit, slots, self.kv_memory_fraction,
-                            free / (1 << 30), self.device, length, each / (1 << 30), fit)
-            slots = fit
+            slots, length = self._planned_slots(slots, length, grow_to)
         shape = (len(self.layers), slots, self.n_kv, length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -195,6 +183,42 @@ class LlamaRunner:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.model.model.rotary_emb(probe, pos)  # [1, length, head_dim]
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+
+    def _planned_slots(self, slots: int, length: int, grow_to: int | None) -> tuple[int, int]:
+        """CUDA: (slots, length) of the memory plan (at most ``slots``; ``length`` stretched
+        towards ``grow_to``), the slots capped to what is free now (a process over its share:
+        logged, naming the numbers)."""
+        empty_cache()  # the old cache's memory counts as free below
+        free, total = torch.cuda.mem_get_info(self.device)
+        logits_row = self.vocab_size * 4 if self.use_graphs else 0  # the graphs' fp32 logits buffer, per slot
+        token = kv_token_bytes(len(self.layers), self.n_kv, self.head_dim, self.dtype.itemsize)
+        cfg = self.model.config
+        reserve = prefill_reserve_bytes(self.max_prefill_tokens, int(cfg.hidden_size),
+                                        int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)),
+                                        self.vocab_size, self.dtype.itemsize, min(slots, self.max_prefill_tokens))
+        plan = self.plan = plan_kv_cache(total, self.model_bytes, int(total * self.trainer_memory_fraction),
+                                         self.gpu_memory_utilization, token, want_slots=slots, length=length,
+                                         engines=self.engines, slot_extra_bytes=logits_row, reserve_bytes=reserve,
+                                         grow_to=grow_to)
+        fit, length = plan.slots, plan.length
+        per_slot = length * token + logits_row
+        now = max(0, free - reserve) // per_slot
+        if now < fit:
+            log.warning("KV cache: the plan gives %d slots (%.2f GiB) but %.2f GiB is free on %s less the %.2f GiB "
+                        "prefill reserve: another process on the GPU uses more than its share "
+                        "(engine_trainer_memory_fraction, engine_gpu_memory_utilization); %d slots",
+                        fit, fit * per_slot / (1 << 30), free / (1 << 30), self.device, reserve / (1 << 30), now)
+            fit = now
+        if fit < 1:
+            raise RuntimeError(f"KV cache: not one slot of {length} positions ({per_slot / (1 << 30):.2f} GiB) fits in "
+                               f"the {free / (1 << 30):.2f} GiB free on {self.device}")
+        self._mem_capped = fit < slots
+        log.info("KV cache: %d of %d slots x %d positions (%.2f GiB; %.2f GiB a slot) from %g of the GPU's %.1f GiB "
+                 "less %g for the trainer, split among %d engine(s), less %.2f GiB of weights and %.2f GiB of "
+                 "prefill reserve", fit, slots, length, fit * length * token / (1 << 30), per_slot / (1 << 30),
+                 self.gpu_memory_utilization, total / (1 << 30), self.trainer_memory_fraction, self.engines,
+                 self.model_bytes / (1 << 30), reserve / (1 << 30))
+        return fit, length
 
     def move_slot(self, src: int, dst: int, length: int | None = None) -> None:
         """Copy slot ``src``'s KV and decode inputs to slot ``dst`` (compaction). ``length``: the
@@ -260,7 +284,14 @@ class LlamaRunner:
         the keys are repeated instead (``B x L x D`` per extra head), which the memory-efficient
         kernel takes."""
         gqa = self.n_kv != self.n_heads
+        if mask is not None and q.is_cuda:
+            log_once(log, "engine-prefill-mask", logging.WARNING, "engine prefill: an explicit mask sends SDPA to its "
+                     "math kernel (fp32 scores of every query and key), slower than the causal flash path")
         if gqa and q.dtype not in (torch.float16, torch.bfloat16):
+            log_once(log, "engine-gqa-repeat", logging.WARNING if q.is_cuda else logging.INFO,
+                     "engine prefill: %s keys of a GQA model are repeated to the %d query heads (no fused kernel takes "
+                     "grouped %s keys): more memory traffic than the flash path of bf16/fp16", q.dtype, self.n_heads,
+                     q.dtype)
             group = self.n_heads // self.n_kv
             k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
@@ -416,20 +447,57 @@ class LlamaRunner:
         if not self.use_graphs:
             return self._decode(n, max_pos + 1)
         shape = self.graph_shape(n, max_pos)
-        if shape not in self.graphs:
-            try:
-                self._capture(*shape)
-            except Exception as e:  # an op a graph cannot hold, no memory left for the graph pool, ...
-                # Eager decoding gives the same tokens, slower: the run goes on, the log says why.
-                self.graph_error = f"{type(e).__name__}: {e}"
-                log.warning("capturing the decode step as a CUDA graph (%d rows, %d positions) failed (%s); "
-                            "decoding eagerly from now on, which is several times slower (engine_compile: false "
-                            "to skip capturing)", shape[0], shape[1], self.graph_error)
-                self.use_graphs = False
-                self.graphs.clear()
-                return self._decode(n, max_pos + 1)
+        if shape not in self.graphs and not self._capture_or_count(shape):
+            self.graph_eager_steps += 1
+            return self._decode(n, max_pos + 1)  # the same tokens, slower
         self.graphs[shape].replay()
         return self.logits_out[:n]  # read (sampled) before the next decode step overwrites it
+
+    def retry_captures(self) -> None:
+        """Let the shapes whose capture failed during the last call try again (each call does)."""
+        self._eager_shapes.clear()
+
+    def _capture_or_count(self, shape: tuple[int, int]) -> bool:
+        """Capture ``shape``'s graph; on failure (no memory left for the graph pool, an op a graph
+        cannot hold, ...) count it, free the memory the other graphs hold (they are recaptured when
+        next used) and try once more. A shape failing twice decodes eagerly until the next call
+        (:meth:`retry_captures`), and for good after :data:`MAX_CAPTURE_FAILURES` failures (logged
+        as an error). False: decode this step eagerly. Every failure is in ``graph_capture_failures``
+        and every eager step in ``graph_eager_steps`` (the engine's stats, the step's metrics)."""
+        if shape in self._eager_shapes or shape in self._given_up:
+            return False
+        for attempt in (1, 2):
+            try:
+                self._capture(*shape)
+                return True
+            except Exception as e:  # noqa: BLE001 - any capture failure: counted, retried, never fatal
+                self.graph_error = f"{type(e).__name__}: {e}"
+                self.graph_capture_failures += 1
+                failed = self._failed[shape] = self._failed.get(shape, 0) + 1
+            if failed >= MAX_CAPTURE_FAILURES:
+                self._given_up.add(shape)
+                log.error("capturing the decode step as a CUDA graph (%d rows, %d positions) failed %d times (%s); "
+                          "this shape decodes eagerly for the rest of the run, several times slower "
+                          "(graph_eager_steps counts its steps; engine_compile: false to skip capturing)",
+                          shape[0], shape[1], failed, self.graph_error)
+                return False
+            if attempt == 1:
+                log.warning("capturing the decode step as a CUDA graph (%d rows, %d positions) failed (%s); freeing "
+                            "the other graphs' memory and retrying", shape[0], shape[1], self.graph_error)
+                self.free_graphs()
+        self._eager_shapes.add(shape)
+        log.warning("capturing the decode step as a CUDA graph (%d rows, %d positions) failed again (%s); decoding "
+                    "it eagerly until the next call, which tries again (graph_capture_failures: %d)",
+                    shape[0], shape[1], self.graph_error, self.graph_capture_failures)
+        return False
+
+    def free_graphs(self) -> None:
+        """Drop every captured graph and its private pool (recaptured on their next use), and give
+        the allocator's cached blocks back, so a capture that ran out of memory can try again."""
+        self.graphs.clear()
+        self._pool = None
+        if self.device.type == "cuda":
+            empty_cache()
 
     def _capture(self, b: int, length: int) -> None:
         """Capture the decode step for ``b`` rows attending to cache positions [0, length).
@@ -487,3 +555,12 @@ class LlamaRunner:
 def kind_uses_window(cfg: Any) -> bool:
     """Mistral configs carry a sliding window that applies to every layer."""
     return getattr(cfg, "model_type", None) == "mistral" and bool(getattr(cfg, "sliding_window", None))
+
+
+def module_bytes(model: Any) -> int:
+    """Bytes of a module's parameters and buffers, each storage once (tied weights share one)."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

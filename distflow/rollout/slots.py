@@ -32,18 +32,19 @@ class SlotBatcher:
 
     ``engine``: the TorchEngine (its ``stats``, ``version``, ``sync_every``, ``max_slots``,
     ``_poll``); ``params``: the sampling mode of every sequence (its ``max_new_tokens`` is not
-    used: each sequence has its own limit, at most ``width``); ``slots``, ``length``: the cache
-    to reserve. Slot state lives on the device (decode inputs in the runner; per-slot outputs
-    here) and is mirrored on the host only where the host can know it without a sync (sequence,
-    tokens generated so far). Sequences are added with :meth:`add` and wait in :attr:`waiting`.
+    used: each sequence has its own limit, at most ``width``); ``slots``, ``length``, ``grow_to``:
+    the cache to reserve (``LlamaRunner.reserve``). Slot state lives on the device (decode inputs in
+    the runner; per-slot outputs here) and is mirrored on the host only where the host can know it
+    without a sync (sequence, tokens generated so far). Sequences are added with :meth:`add` and
+    wait in :attr:`waiting`.
     """
 
     def __init__(self, engine: Any, runner: Any, params: SamplingParams, stop: list[int], *, slots: int, length: int,
-                 width: int, weights_update: WeightsUpdate | None = None):
+                 width: int, weights_update: WeightsUpdate | None = None, grow_to: int | None = None):
         self.eng, self.r, self.params = engine, runner, params
         self.weights_update = weights_update
         dev = runner.device
-        runner.reserve(slots if not runner.use_graphs else engine.max_slots, length)
+        runner.reserve(slots if not runner.use_graphs else engine.max_slots, length, grow_to)
         s = runner.slots
         self.width = width
         self.stop = torch.tensor(stop, dtype=torch.int64, device=dev)

@@ -75,6 +75,11 @@ class RolloutContext:
 
 
 
+# The torch engine's counters of CUDA graphs asked for but not used (failed captures, eager decode
+# steps), reported per step as engine_<name> when not zero
+GRAPH_COUNTERS = ("graph_capture_failures", "graph_eager_steps")
+
+
 def sampling_params(cfg: Config, tokenizer: Any = None) -> SamplingParams:
     """The config's sampling, with its ``stop_token_ids`` and, with ``chat_template``, the
     template's end-of-turn id: a base model (Qwen2.5's EOS is ``<|endoftext|>``) prompted in a chat
@@ -178,7 +183,12 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     flat_prompts = [p for p in prompts for _ in range(g)]
     kw = {"weights_update": weights_update} if weights_update is not None else {}
     params = sampling_params(cfg, engine.tokenizer)
+    counters = getattr(engine, "stats", None)
+    before = {k: counters.get(k, 0) for k in GRAPH_COUNTERS} if isinstance(counters, dict) else {}
     comps = engine.generate(flat_prompts, params, seed=seed, **kw) if flat_prompts else []
+    for k, v in before.items():  # CUDA graphs asked for but not used: the step's metrics say so
+        if stats is not None and counters[k] != v:
+            stats[f"engine_{k}"] = stats.get(f"engine_{k}", 0) + counters[k] - v
     sample_ids, prompt_ids, extras = [], [], []
     for r in rows:
         for j in range(g):

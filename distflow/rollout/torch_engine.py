@@ -10,9 +10,11 @@ where a sync is free); on CUDA the decode step replays CUDA graphs. Each sequenc
 from its own counter-based stream (:mod:`distflow.rollout.sampling`), so results depend on
 the seed only, not on slots. ``generate`` can swap weights mid-call (partial rollout):
 in-flight sequences are re-prefilled under the new weights and continue. On CUDA the KV
-cache takes at most ``kv_cache_memory_fraction`` of the free GPU memory (fewer slots when
-``max_slots`` do not fit), and ``generate``/``load_weights`` run with the engine's GPU as
-the calling thread's current device (they run in worker threads; ``set_device`` is per thread).
+cache is planned from the engine's share of the GPU's TOTAL memory (``gpu_memory_utilization``
+less a colocated trainer's ``trainer_memory_fraction``, :mod:`distflow.rollout.memory_plan`;
+fewer slots when ``max_slots`` do not fit), sized once for the run's longest sequence, and
+``generate``/``load_weights`` run with the engine's GPU as the calling thread's current device
+(they run in worker threads; ``set_device`` is per thread).
 
 The slots themselves are :mod:`distflow.rollout.slots` (shared with the request-level engine
 of :meth:`TorchEngine.continuous`, :mod:`distflow.rollout.continuous`, which multi-turn
@@ -31,9 +33,11 @@ from typing import Any, Sequence
 
 import torch
 
+from distflow.core.once import log_once
 from distflow.device import node_device, on_device
 from distflow.hf import load_causal_lm, load_tokenizer
-from distflow.rollout.llama_forward import KV_CACHE_FRACTION, LlamaRunner, empty_cache, unsupported_reason
+from distflow.rollout.llama_forward import LlamaRunner, empty_cache, unsupported_reason
+from distflow.rollout.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION, cache_length
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_finite_logprobs,
                                        check_model_dir, parse_dtype, validate_prompts)
 from distflow.rollout.sampling import counter_uniform, sample_rows, seed_key
@@ -57,19 +61,24 @@ class TorchEngine:
 
     ``max_slots``: sequences decoded at once; ``compile``: capture the decode step as CUDA
     graphs on CUDA (ignored on CPU); ``max_batch_size``: batch size of the HF fallback loop;
-    ``kv_cache_memory_fraction``: on CUDA, the share of the free GPU memory the KV cache may
-    take (the slots are capped to what fits, logged). ``lora``: ``{rank, alpha, target_modules}``
-    when weight syncs carry LoRA adapters (merged into the base, :mod:`distflow.rollout.lora_apply`).
+    ``gpu_memory_utilization``: on CUDA, the share of the GPU's TOTAL memory its processes may
+    use together (vLLM's name); ``trainer_memory_fraction`` of it is a colocated trainer's, and
+    ``engines`` engines split the rest; the KV cache gets this engine's part less its weights and
+    prefill reserve (the slots are capped to what fits, logged). ``lora``: ``{rank, alpha,
+    target_modules}`` when weight syncs carry LoRA adapters (merged into the base, :mod:`distflow.rollout.lora_apply`).
     ``stats`` reports ``capture_s`` (graph capture time, paid once per process and cache
-    size), ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
+    size), ``graph_capture_failures`` (each retried once after freeing memory),
+    ``graph_eager_steps`` (decode steps run eagerly although graphs were asked for),
+    ``prefill_tokens``, ``decode_steps``, ``decode_rows`` and ``weight_swaps``
     (mid-generate), cumulative; a request-level engine (:meth:`continuous`) adds ``requests``,
     ``kv_hits``, ``kv_misses``, ``kv_reused_tokens``.
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
                  max_batch_size: int = 256, max_slots: int = 256, compile: bool = True,
-                 max_prefill_tokens: int = 8192, kv_cache_memory_fraction: float = KV_CACHE_FRACTION,
-                 max_length: int | None = None, lora: dict[str, Any] | None = None):
+                 max_prefill_tokens: int = 8192, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+                 trainer_memory_fraction: float = 0.0, engines: int = 1, max_length: int | None = None,
+                 lora: dict[str, Any] | None = None):
         path = check_model_dir(model_path)
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
         # positions every KV-cache slot holds from the first call (the run's longest prompt plus
@@ -78,9 +87,15 @@ class TorchEngine:
         self.max_length = None if max_length is None else _positive_int("max_length", max_length)
         self.max_slots = _positive_int("max_slots", max_slots)
         _positive_int("max_prefill_tokens", max_prefill_tokens)
-        if isinstance(kv_cache_memory_fraction, bool) or not isinstance(kv_cache_memory_fraction, (int, float)) \
-                or not 0 < kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be a number in (0, 1], got {kv_cache_memory_fraction!r}")
+        for name, v, low in (("gpu_memory_utilization", gpu_memory_utilization, 0.0),
+                             ("trainer_memory_fraction", trainer_memory_fraction, None)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 if low is not None else v >= 0) \
+                    or not v <= 1:
+                raise ValueError(f"{name} must be a number in {'(0' if low is not None else '[0'}, 1], got {v!r}")
+        if trainer_memory_fraction >= gpu_memory_utilization:
+            raise ValueError(f"trainer_memory_fraction {trainer_memory_fraction} leaves nothing of "
+                             f"gpu_memory_utilization {gpu_memory_utilization} for the engine")
+        _positive_int("engines", engines)
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {device!r} requested but CUDA is not available")
@@ -119,7 +134,8 @@ class TorchEngine:
             AdapterTarget(self.model, lora["rank"], lora["alpha"], lora["target_modules"]) if lora
             else WeightTarget(self.model))
         self.stats: dict[str, float] = {"capture_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0,
-                                        "weight_swaps": 0, "slots_in_use": 0}
+                                        "weight_swaps": 0, "slots_in_use": 0, "graph_capture_failures": 0,
+                                        "graph_eager_steps": 0}
         from distflow.core.prometheus import register  # read only when a node serves /metrics
 
         register("engine", lambda: {"engine_slots_in_use": self.stats["slots_in_use"],
@@ -127,8 +143,12 @@ class TorchEngine:
         why = unsupported_reason(self.model)
         self.runner: LlamaRunner | None = None
         if why is None:
+            extra = sum(t.numel() * t.element_size() for t in getattr(self._target, "base", {}).values()) \
+                if isinstance(getattr(self._target, "base", None), dict) else 0  # a LoRA engine's unmerged base copy
             self.runner = LlamaRunner(self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens,
-                                      kv_memory_fraction=float(kv_cache_memory_fraction))
+                                      gpu_memory_utilization=float(gpu_memory_utilization),
+                                      trainer_memory_fraction=float(trainer_memory_fraction), engines=engines,
+                                      extra_bytes=extra)
         else:
             log.info("TorchEngine: %s; using the HF generate loop (no static cache)", why)
         # Host looks at the device's stop flags (and polls weights_update) every this many steps.
@@ -174,21 +194,28 @@ class TorchEngine:
             runner = self.runner
             if runner is not None and runner.window and longest + params.max_new_tokens > runner.window:
                 runner = None  # the sliding window would matter: HF's attention handles it
+                log_once(log, "engine-window-hf", logging.WARNING, "TorchEngine: prompt + max_new_tokens (%d) passes "
+                         "the model's sliding window (%d): such calls run the HF generate loop (no static cache, "
+                         "no CUDA graphs), several times slower", longest + params.max_new_tokens,
+                         self.runner.window)
             if runner is None:
                 return self._generate_hf(prompts, params, stop, seed, weights_update)
             try:
                 key = seed_key(seed)
-                length = longest + params.max_new_tokens
-                if self.max_length is not None:
-                    length = max(length, self.max_length)
+                # sized once: the run's bound, else (CUDA) as long as the budget allows, up to the model's positions
+                length = cache_length(self.max_length, longest + params.max_new_tokens)
+                runner.retry_captures()
                 batcher = SlotBatcher(self, runner, params, stop, slots=min(self.max_slots, len(prompts)),
-                                      length=length, width=params.max_new_tokens, weights_update=weights_update)
+                                      length=length, width=params.max_new_tokens, weights_update=weights_update,
+                                      grow_to=self.max_positions if self.max_length is None else None)
                 for q, p in enumerate(prompts):
                     batcher.add(q, list(p), params.max_new_tokens, key, q)
                 results = batcher.run()
                 return [results[q] for q in range(len(prompts))]
             finally:
                 self.stats["capture_s"] = runner.capture_s
+                self.stats["graph_capture_failures"] = runner.graph_capture_failures
+                self.stats["graph_eager_steps"] = runner.graph_eager_steps
 
     def continuous(self, *, seed: int = 0, max_slots: int | None = None, max_length: int,
                    kv_store_tokens: int | None = None) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from distflow.device import local_gpu_index
-from distflow.weights.tiers import to_host
+from distflow.weights.tiers import rpc_copy
 from distflow.rollout.protocol import (Completion, SamplingParams, Weights, WeightsUpdate, check_model_dir,
                                        parse_dtype, validate_prompts)
 
@@ -123,7 +123,7 @@ class VLLMEngine:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"weights version must be an int >= 0, got {version!r}")
         for bucket in ([weights] if isinstance(weights, dict) or hasattr(weights, "items") else weights):
-            self.llm.collective_rpc(_vllm_load_weights, args=(list(to_host(bucket).items()),))
+            self.llm.collective_rpc(_vllm_load_weights, args=(list(rpc_copy(bucket).items()),))
         self.llm.reset_prefix_cache()
         self.version = version
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from distflow.buffer.dataloader import PromptShard
 from distflow.device import call_on, chosen_device, gpu_sharers, node_device
@@ -45,7 +45,7 @@ from distflow.core.config import Config
 from distflow.rollout.engine import make_engine
 from distflow.rl.eval_report import eval_progress
 from distflow.rollout.evaluation import NodeEvaluator
-from distflow.rollout.llama_forward import KV_CACHE_FRACTION
+from distflow.rollout.memory_plan import engine_share
 from distflow.rollout.stages import RolloutContext
 from distflow.step import rollout_half, step_seed
 from distflow.runtime import ClusterStopped, Groups, PeerLostError, Runtime, shard_cover
@@ -57,11 +57,15 @@ log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 5.0  # how long the engine's mid-generation weight poll waits for the event loop
 
 
-def kv_cache_fraction(setting: float | None, sharers: int) -> float:
-    """The torch engine's KV-cache share of its GPU's free memory: ``engine_kv_cache_memory_fraction``,
-    or (null) the engine's default split among the ``sharers`` nodes placed on that GPU, so that a
-    colocated trainer or another engine that allocates later still finds its part."""
-    return setting if setting is not None else KV_CACHE_FRACTION / max(1, sharers)
+def engine_memory(cfg: Config, sharers: int) -> dict[str, Any]:
+    """The engine's GPU memory keywords (:func:`distflow.rollout.memory_plan.engine_share`): the share
+    of the GPU's total memory its processes may use (``engine_gpu_memory_utilization``), a colocated
+    trainer rank's part of it (``engine_trainer_memory_fraction``, with ``colocate``), and how many
+    engines split the rest (the ``sharers`` nodes placed on the GPU less the trainer), so that a
+    trainer that allocates after the engine still finds its budget."""
+    util, trainer, engines = engine_share(cfg.engine_gpu_memory_utilization, cfg.engine_trainer_memory_fraction,
+                                          sharers, bool(cfg.colocate))
+    return {"gpu_memory_utilization": util, "trainer_memory_fraction": trainer, "engines": engines}
 
 
 def engine_max_length(cfg: Config) -> int | None:
@@ -207,8 +211,7 @@ class RolloutLoop:
                                                           compile=cfg.engine_compile, max_slots=cfg.engine_max_slots,
                                                           max_length=engine_max_length(cfg),
                                                           **({"lora": cfg.lora.model_dump()} if cfg.lora else {}),
-                                                          kv_cache_memory_fraction=kv_cache_fraction(
-                                                              cfg.engine_kv_cache_memory_fraction, gpu_sharers())))
+                                                          **engine_memory(cfg, gpu_sharers())))
         try:
             self.groups = groups = await rt.form_groups()
         except BaseException:

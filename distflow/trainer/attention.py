@@ -34,12 +34,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Any, Collection, Mapping
 
 import torch
 import torch.nn.functional as F
 
+from distflow.core.once import log_once
 from distflow.trainer.packing import SEQ_LENS_KWARG
+
+log = logging.getLogger(__name__)
 
 __all__ = ["VARLEN", "model_attention_mask", "register_varlen_attention", "unsupported_attention",
            "use_varlen_attention", "varlen_attention"]
@@ -94,7 +98,12 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
             n = query.shape[2]
             banded = window is not None and n > window
             # FlashAttention takes GQA, but only half precision and no mask
-            key, value, gqa = _expand_kv(query, key, value, query.is_cuda and (banded or query.dtype == torch.float32))
+            expand = query.is_cuda and (banded or query.dtype == torch.float32)
+            if expand and query.shape[1] != key.shape[1]:
+                log_once(log, "trainer-gqa-repeat", logging.WARNING, "trainer attention: %s GQA keys are repeated "
+                         "to the query heads for the memory-efficient kernel (%s), slower than FlashAttention",
+                         query.dtype, "a sliding window" if banded else "fp32")
+            key, value, gqa = _expand_kv(query, key, value, expand)
             out = _causal_sdpa(query, key, value, n, window, scaling, gqa)
             return out.transpose(1, 2).contiguous(), None
         kwargs.pop("cu_seq_lens_k", None), kwargs.pop("max_length_k", None)
@@ -115,6 +124,12 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
         out = flash[0](q, k, v, cu, cu, longest, longest, **kw)
         return out.unsqueeze(0), None
+    why = ("not on CUDA" if not query.is_cuda else f"{query.dtype} (FlashAttention is fp16/bf16 only)"
+           if query.dtype not in (torch.float16, torch.bfloat16) else "this torch has no varlen FlashAttention"
+           if flash is None else "this torch's varlen kernel cannot take this call (scale, window or GQA)")
+    log_once(log, f"trainer-per-sample-sdpa:{why}", logging.WARNING if query.is_cuda else logging.INFO,
+             "trainer attention: packed rows attend one SDPA call per sample (%s), slower than one varlen "
+             "FlashAttention call", why)
     return _per_sample_sdpa(query, key, value, lens, window, scaling, expand_kv=gqa and query.is_cuda), None
 
 

@@ -14,8 +14,9 @@ Logits are computed in the weight's dtype (the compute dtype under mixed precisi
 full-model path and the rollout engine do) and then promoted to fp32 for the softmax. In
 backward both matmuls run in that dtype too (tensor cores; an fp32 matmul is ~16x slower on
 an H100): the weight gradient, summed over chunks, accumulates in fp32 through
-fp32-output GEMMs on CUDA, each chunk's added in place (:func:`_add_mm_fp32`); elsewhere, and
-for fp32 weights, it is computed in fp32.
+fp32-output GEMMs on CUDA, each chunk's added in place in row blocks of at most 64 MiB
+(:func:`_add_mm_fp32`: no fp32 [vocab, hidden] temporary per chunk); elsewhere, and for fp32
+weights, it is computed in fp32 with ``addmm_`` into the accumulator.
 
 :func:`response_forward` runs a Hugging Face causal LM's decoder once over
 :class:`~distflow.trainer.packing.ModelInputs` (packed or padded) and applies the head; the
@@ -43,29 +44,37 @@ DEFAULT_CHUNK_TOKENS = 1024
 _HALF = (torch.float16, torch.bfloat16)
 # Whether torch.mm(..., out_dtype=torch.float32) (aten::mm.dtype, CUDA-only) works here; None = untried.
 _MM_FP32_OUT: list[bool | None] = [None]
-# Whether torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32) works here; None = untried.
-_ADDMM_FP32_INTO: list[bool | None] = [None]
+# The most bytes one fp32 block of a chunk's weight-gradient product may take (the rest of the
+# [V, H] product is computed block by block into the accumulator, never whole).
+PRODUCT_BLOCK_BYTES = 64 << 20
 
 
 def _add_mm_fp32(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
-    """``acc + a @ b`` in fp32, ``acc`` updated in place (None: a new fp32 tensor). Half
-    precision CUDA inputs: tensor-core GEMMs with an fp32 result, the first chunk's as
-    ``aten::mm.dtype`` and later ones accumulated straight into ``acc`` (``aten::addmm.dtype_out``
-    with ``out=acc``: no fp32 [V, H] temporary per chunk, 2.2 GB for a 152k x 3584 head; a torch
-    whose kernel refuses an fp32 ``acc`` adds an ``mm.dtype`` product instead); otherwise (CPU,
-    fp32, a torch without them) the product of the inputs promoted to fp32."""
-    if a.is_cuda and a.dtype in _HALF and b.dtype == a.dtype:
-        if acc is not None and _optional_kernel(
-                _ADDMM_FP32_INTO, lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
-                "addmm(out_dtype=float32) into the fp32 gradient", "each chunk adds an fp32 product") is not None:
-            return acc
-        prod = _optional_kernel(_MM_FP32_OUT, lambda: torch.mm(a, b, out_dtype=torch.float32),
-                                "torch.mm(out_dtype=float32)", "the weight gradient is computed in fp32 (slower)")
-        if prod is not None:
-            return prod if acc is None else acc.add_(prod)
+    """``acc + a @ b`` in fp32, ``acc`` updated in place (None: a new fp32 zero tensor), with no
+    fp32 temporary of ``acc``'s size. Half precision CUDA inputs: tensor-core GEMMs with an fp32
+    result (``aten::mm.dtype``) of at most :data:`PRODUCT_BLOCK_BYTES` rows at a time, each added
+    into its rows of ``acc`` (:func:`_add_rows`). ``addmm(acc, a, b, out_dtype=float32)`` cannot
+    do it in one call: its CUDA kernel requires ``acc``'s dtype to be the inputs' (bf16), and a
+    whole ``mm.dtype`` product per chunk was a 2.2 GB fp32 temporary for a 152k x 3584 head.
+    Otherwise (CPU, fp32, a torch without ``mm.dtype``): ``addmm_`` in place on the inputs promoted
+    to fp32 (chunk-sized copies)."""
     if acc is None:
         acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    if a.is_cuda and a.dtype in _HALF and b.dtype == a.dtype and _optional_kernel(
+            _MM_FP32_OUT, lambda: torch.mm(a[:1], b, out_dtype=torch.float32), "torch.mm(out_dtype=float32)",
+            "the weight gradient is computed in fp32 (slower)") is not None:
+        return _add_rows(acc, a, b, lambda x, y: torch.mm(x, y, out_dtype=torch.float32))
     return acc.addmm_(a.float(), b.float())
+
+
+def _add_rows(acc: Tensor, a: Tensor, b: Tensor, product: Any, block_bytes: int = PRODUCT_BLOCK_BYTES) -> Tensor:
+    """``acc += product(a, b)`` block by block over ``a``'s rows: ``product`` (an fp32-result
+    matmul) runs on at most ``block_bytes // (4 * acc.shape[1])`` rows at a time, so the only
+    temporary is one such block, whatever the vocabulary."""
+    rows = max(1, block_bytes // (4 * max(1, acc.shape[1])))
+    for r in range(0, a.shape[0], rows):
+        acc[r:r + rows].add_(product(a[r:r + rows], b))
+    return acc
 
 
 def _optional_kernel(works: list[bool | None], call: Any, what: str, instead: str) -> Tensor | None:

@@ -14,6 +14,7 @@ import torch
 from distflow.core.aio import woken
 from distflow.transport import Envelope
 from distflow.transport.movers.cuda_ipc import import_ipc, release_ipc
+from distflow.transport.pool import PinnedPool
 from distflow.weights.tiers import GPU_HOLD_RESERVE, spill_needed, to_host
 
 BUCKET_BYTES = 64 << 20
@@ -99,6 +100,13 @@ class WeightInbox:
         # versions; the rollout node compares what its engine applied with it (rollout.lora_apply)
         self.checksums: dict[int, str | None] = {}
         self._changed = asyncio.Condition()
+        # NCCL buckets spilled off a GPU short of memory go into page-locked buffers of this pool, never
+        # pageable memory (tiers.to_host); by version until the engine has the version, then lent to it
+        # until the next take_update (the engine loads one update before it takes the next)
+        self._pool = PinnedPool()
+        self._spilled: dict[int, list[torch.Tensor]] = {}
+        self._lent: list[torch.Tensor] = []
+        self.spilled_bytes = 0  # bytes of NCCL buckets that had to leave the GPU (kept in page-locked memory)
 
     async def receive(self, env: Envelope) -> None:
         meta = env.meta
@@ -167,10 +175,13 @@ class WeightInbox:
         else:  # NCCL buckets leave a GPU that is short of memory, copied off the event loop
             part.buckets[k] = {}  # index claimed while the copy runs (the commit comes after this ack)
             try:
-                part.buckets[k] = await asyncio.to_thread(to_host, tensors)
+                part.buckets[k], buf = await asyncio.to_thread(to_host, tensors, self._pool)
             except BaseException:
                 part.buckets.pop(k, None)  # never committed as an empty bucket
                 raise
+            if buf is not None:
+                self._spilled.setdefault(v, []).append(buf)
+                self.spilled_bytes += nbytes
 
     async def _commit(self, sender: str, v: int, base: int | None, num_buckets: Any, attempt: tuple[str, Any]) -> None:
         part = self._partial.get(v)
@@ -202,6 +213,7 @@ class WeightInbox:
         self.received["delta" if base is not None else "full"] += 1
         for old in [k for k in self._partial if k < v]:
             del self._partial[old]
+            self._give_back(self._spilled.pop(old, []))  # never committed: nobody holds its buckets
         async with self._changed:
             self.version = v
             self._changed.notify_all()
@@ -239,7 +251,15 @@ class WeightInbox:
         """The newest complete weights not yet applied, as buckets (apply each in order), if any."""
         update, self.pending = self.pending, None
         self.taken_bytes, self.pending_bytes = self.pending_bytes, 0
+        if update is not None:  # the engine loaded the update taken before this one: its spill buffers go back
+            self._give_back(self._lent)
+            self._lent = [b for old in [k for k in self._spilled if k <= update.version]
+                          for b in self._spilled.pop(old)]
         return update
+
+    def _give_back(self, bufs: list[torch.Tensor]) -> None:
+        for b in bufs:
+            self._pool.give_back(b)
 
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Like :meth:`take_update`, merged into one dict (for engines that take a state dict)."""

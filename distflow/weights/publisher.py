@@ -13,7 +13,13 @@ skips peers that are not alive, abandons a send when its peer dies, and starts o
 full version when a peer comes back (``peer_up``). The publisher keeps the newest version
 (its buckets, on the GPU for the CUDA tiers, in host memory for the channel tier) so a late
 or returning peer is served without asking the trainer again; older versions are dropped as
-soon as no send reads them (their pinned staging buffers are reused).
+soon as no send reads them (their pinned staging buffers are reused). Once every alive peer has
+the newest version (its commit acked: the bytes are in the peer's memory, or for CUDA IPC held by
+the peer's handles, which keep the blocks alive until it lets go), a full-sync publisher drops
+its GPU copy (:meth:`WeightPublisher._drop_device_copy`): a whole model in the compute dtype
+would otherwise sit on the serving rank's GPU through the next training step. A page-locked host
+copy (the reused pool) stays for a peer that comes back. Delta sync keeps the GPU copy: the next
+version is compared against it.
 
 Transport per peer (``weight_transport``, see :mod:`distflow.weights.tiers`):
 ``channel`` (shm/zmq frames), ``cuda_ipc`` (handles only, device-to-device copy) or
@@ -86,6 +92,7 @@ class _Version:
         self.nbytes = 0
         self.done = False
         self.aborted = False
+        self.dropping = False  # its GPU buckets are being (or were) replaced by a host copy
         self.readers = 0
         self.prev: _Version | None = None  # the version before, read while this one is ingested
         self._grew = asyncio.Event()
@@ -400,6 +407,41 @@ class WeightPublisher:
             else:
                 self.sent[peer] = max(self.sent[peer], ver.version)
                 self._full_next.discard(peer)
+                self._drop_when_loaded(ver)
+
+    def _drop_when_loaded(self, ver: _Version) -> None:
+        """Start :meth:`_drop_device_copy` of ``ver`` once every alive peer has it (full sync, GPU buckets)."""
+        if (ver is not self._latest or not ver.done or ver.aborted or ver.dropping or self.sync != "full"
+                or not self._keep_device or any(self.sent[p] < ver.version for p in self.peers if self.is_alive(p))):
+            return
+        ver.dropping = True
+        task = asyncio.create_task(self._drop_device_copy(ver), name=f"weights-v{ver.version}-drop-gpu-copy")
+        self._tasks.append(task)  # close() ends it with the senders
+
+    async def _drop_device_copy(self, ver: _Version) -> None:
+        """Replace ``ver``'s GPU buckets by page-locked host copies (the channel tier's, when it has
+        them, else staged now in a worker thread, off the loop) and let go of the GPU ones. A send
+        that starts meanwhile reads whichever it finds; both hold the same bytes."""
+        host = list(ver.host) if ver.host is not None else [None] * len(ver.buckets)
+        bufs = []
+        for i, bucket in enumerate(list(ver.buckets)):
+            if host[i] is None:
+                if ver.ready[i] is not None:  # the gather's event: long done (every peer read the bucket)
+                    await asyncio.to_thread(ver.ready[i].synchronize)
+                host[i], buf = await asyncio.to_thread(self._pool.stage, bucket)
+                bufs.append(buf)
+        if ver is not self._latest or ver.aborted:  # superseded meanwhile: its memory goes with it
+            for b in bufs:
+                self._pool.give_back(b)
+            return
+        nbytes = ver.nbytes
+        ver.buckets, ver.host, ver.ready = host, None, [None] * len(host)
+        ver.index = {n: t for b in host for n, t in b.items()}
+        ver.bufs.extend(bufs)
+        self.stats["dropped_versions"] += 1
+        self.stats["dropped_bytes"] += nbytes
+        log.info("weights v%d: every peer has it; the GPU copy (%.1f MiB) is dropped, a host copy serves a peer "
+                 "that comes back", ver.version, nbytes / (1 << 20))
 
     async def _send_version(self, peer: str, ver: _Version, base: int | None) -> None:
         endpoint, tier, v = self.endpoint_of(peer), self.transport_of(peer), ver.version

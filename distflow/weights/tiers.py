@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from distflow.transport.pool import PinnedPool
+
 SYNC_MODES = ("full", "delta")
 log = logging.getLogger(__name__)
 
@@ -80,12 +82,28 @@ def spill_needed(bucket: dict[str, torch.Tensor], reserve: int = GPU_HOLD_RESERV
     return free < reserve
 
 
-def to_host(bucket: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The bucket with its CUDA tensors copied to host memory. Blocking: run it in a worker thread
-    (it waits for the device's default stream, i.e. behind the engine's queued kernels, which
-    must not stall the event loop). Pageable, not pinned: torch caches freed pinned blocks for
-    good, rounded up to a power of two per tensor (a spilled 15 GB version would keep ~25 GB of
-    page-locked memory), and a side stream from torch's pool can be the engine's capture stream."""
+def to_host(bucket: dict[str, torch.Tensor], pool: PinnedPool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(the bucket with its CUDA tensors copied into one page-locked host buffer of ``pool``, that
+    buffer; None when nothing was on a GPU). Blocking: run it in a worker thread (it waits for the
+    copy on the device's current stream, behind the engine's queued kernels, which must not stall
+    the event loop). Page-locked, never pageable: the engine loads the bucket back with a
+    ``non_blocking`` DMA (a pageable source makes that copy synchronous and staged through a
+    driver bounce buffer, twice the traffic), and the pool's buffers are reused version after
+    version (give them back once the engine has loaded the version), so torch's pinned-memory
+    cache, which keeps every freed block rounded up to a power of two, never grows past what one
+    held version needs."""
+    cuda = [t for t in bucket.values() if t.is_cuda]
+    if not cuda:
+        return dict(bucket), None
+    with torch.cuda.device(cuda[0].device):
+        host, buf = pool.stage({k: t for k, t in bucket.items() if t.is_cuda})
+    return {k: host.get(k, t) for k, t in bucket.items()}, buf
+
+
+def rpc_copy(bucket: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The bucket with its CUDA tensors copied to (pageable) host memory, for vLLM's
+    ``collective_rpc``, which pickles its arguments to the worker processes: a copy made to be
+    sent and dropped, not a bucket held while the engine waits (that is :func:`to_host`)."""
     cuda = [t for t in bucket.values() if t.is_cuda]
     if not cuda:
         return dict(bucket)
