@@ -6,17 +6,52 @@ same step on the whole batch without TP. Loss, every gradient (``full_tensor``, 
 optimizer consumes it), the updated weights and the weights the publisher's bucketed gather
 hands a rollout node must agree within float tolerance. The projections really are split: each
 TP rank holds half of q_proj's rows and half of o_proj's columns.
+
+And the real thing: ``distflow run examples/grpo_quickstart.yaml trainer_nodes=2 tensor_parallel=2``
+learns the toy task.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.test_actor import _cfg, _forked_fn
+from distflow.trainer.metrics import read_metrics
+from tests.conftest import ROOT, run_distflow
 from tests.process_group import process_group
+from tests.test_actor import _cfg, _forked_fn
 from tests.test_packing import make_batch
+
+
+QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["trainer_nodes=3", "tensor_parallel=2"], "tensor_parallel (2) must divide trainer_nodes (3)"),
+    (["tensor_parallel=2", "lora.rank=4"], "tensor_parallel: LoRA adapters"),
+])
+def test_config_refuses_a_tp_degree_that_does_not_fit(overrides, needle):
+    from distflow.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(QUICKSTART, overrides)
+    assert load_config(QUICKSTART, ["trainer_nodes=4", "tensor_parallel=2"]).tensor_parallel == 2
+
+
+def test_model_heads_must_split_evenly():
+    from transformers import LlamaConfig
+
+    from distflow.trainer.parallel import check_tp_model
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    check_tp_model(cfg, 2)  # the toy's layout (and GQA with 2 KV heads) splits in two
+    with pytest.raises(ValueError, match=r"tensor_parallel: 4 must divide the model's num_key_value_heads \(2\)"):
+        check_tp_model(cfg, 4)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\)"):
+        check_tp_model(cfg, 3)
 
 
 def _tp_step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
@@ -85,3 +120,21 @@ def test_tp2_step_equals_tp1_loss_gradients_and_published_weights(tmp_path, toy_
     for name, t in a["published"].items():
         assert b["published"][name].shape == t.shape and torch.allclose(b["published"][name], t, atol=5e-5), name
         assert torch.equal(b["published"][name], b["state"][name]), name  # the same tensors the checkpoint gets
+
+
+def test_quickstart_with_tensor_parallel_learns(tmp_path):
+    """The quickstart with its two trainers as one TP=2 group (dp 1 x tp 2): rollout nodes get the
+    published weights of the split model, and it learns. 60 of the 100 steps (constant lr: a shorter
+    run, the same curve): measured first-10 0.09, steps 50-59 0.65 (100 steps: 0.80); 45-65 s on 2 busy cores."""
+    out = tmp_path / "qs"
+    r = run_distflow(["run", str(QUICKSTART), "--no-progress", f"output_dir={out}",
+                      f"model_path={tmp_path / 'toy'}", "trainer_nodes=2", "tensor_parallel=2", "max_steps=60"],
+                     timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trainer mesh: dp 1 x tp 2" in (out / "logs" / "trainer-0.log").read_text()
+    rewards = [m["reward_mean"] for m in read_metrics(out / "metrics.jsonl")]
+    assert len(rewards) == 60
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"quickstart tp=2: first-10 {first:.3f}, last-10 {last:.3f}")
+    assert last - first >= 0.3, (first, last)
+    assert (out / "checkpoint" / "model.safetensors").is_file()  # the gathered weights of the split model

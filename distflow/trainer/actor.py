@@ -198,6 +198,9 @@ class Actor:
         # (dp, tp) with tensor_parallel > 1, else (world,): trainer/parallel.py
         self.mesh = mesh = trainer_mesh(self.device.type, self.world, getattr(cfg, "tensor_parallel", 1))
         self.tp = tp_size(mesh)
+        if self.rank == 0 and self.tp > 1:
+            log.info("trainer mesh: dp %d x tp %d (FSDP2 over dp, attention and MLP split over tp)",
+                     self.world // self.tp, self.tp)
         # The checkpoint's run state, checked against this config before anything is loaded.
         self.resumed = read_run_state(Path(cfg.resume_from), cfg) if cfg.resume_from else None
         torch.manual_seed(cfg.seed)
