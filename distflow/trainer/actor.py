@@ -3,7 +3,8 @@
 Everything here is blocking torch code that the trainer's asyncio loop runs in a worker
 thread. The trainer group is one torch.distributed process group (gloo on CPU, NCCL on
 GPU); :func:`distflow.trainer.model.load_for_training` loads fp32 master weights and shards
-them with FSDP2 (mixed precision: ``dtype`` is the compute dtype).
+them with FSDP2 (mixed precision: ``dtype`` is the compute dtype); with ``tensor_parallel`` the
+mesh is 2-D and each TP group trains its ranks' united samples (:mod:`distflow.trainer.parallel`).
 
 Collectives must line up across ranks even though owner routing gives each rank a
 different number of samples (possibly zero). So every forward/backward loop first agrees
