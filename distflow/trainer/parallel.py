@@ -104,7 +104,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
         missing = [name for name in TP_PLAN if name not in names]
         if missing:
             raise ValueError(f"tensor_parallel: {type(layer).__name__} has no {', '.join(missing)}; the "
-                             "tensor-parallel plan covers the Llama/Qwen layer layout (q/k/v/o_proj, gate/up/down_proj)")
+                             "tensor-parallel plan covers the Llama/Qwen layout (q/k/v/o_proj, gate/up/down_proj)")
         parallelize_module(layer, tp, {name: styles[style]() for name, style in TP_PLAN.items()})
 
 
