@@ -87,7 +87,12 @@ def world1(tmp_path_factory):
 
 
 def _forked(nprocs: int, args: tuple) -> None:
-    """``_step`` in ``nprocs`` forked processes (no re-import of torch/transformers).
+    """``_step`` in ``nprocs`` forked processes (:func:`_forked_fn`)."""
+    _forked_fn(_step, nprocs, args)
+
+
+def _forked_fn(fn, nprocs: int, args: tuple) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` forked processes (no re-import of torch/transformers).
 
     A test that ran earlier in this process may have left a process group in a reference cycle
     (a destroyed group's FSDP modules, device meshes): collected in a forked child, its C++
@@ -96,7 +101,7 @@ def _forked(nprocs: int, args: tuple) -> None:
     gc.collect()
     gc.freeze()
     try:
-        mp.start_processes(_step, args=args, nprocs=nprocs, join=True, start_method="fork")
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="fork")
     finally:
         gc.unfreeze()
 

@@ -159,6 +159,13 @@ class Config(BaseModel):
         if self.worker_groups and self.controller == "single":
             raise ValueError("worker_groups: controller: single routes every batch through one controller; it "
                              "cannot be combined with worker groups (use controller: distributed)")
+        if self.trainer_nodes % self.tensor_parallel:
+            raise ValueError(f"tensor_parallel ({self.tensor_parallel}) must divide trainer_nodes "
+                             f"({self.trainer_nodes}): the trainers form (trainer_nodes / tensor_parallel) "
+                             "data-parallel shards of tensor_parallel ranks each")
+        if self.tensor_parallel > 1 and self.lora is not None:
+            raise ValueError("tensor_parallel: LoRA adapters wrap the projections the tensor-parallel plan splits; "
+                             "use tensor_parallel: 1 with lora (or lora: null)")
         if self.device == "cpu" and self.gpus is not None:  # here, not only in placement: --check sees it too
             raise ValueError(f"gpus: {self.gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
         if self.colocate and self.engine_trainer_memory_fraction >= (self.engine_gpu_memory_utilization or 0.9):

@@ -429,6 +429,12 @@ class LaunchSection(Section):
         "`config.yaml` the nodes of `distflow run` read"))
     rollout_nodes: int = Field(1, ge=1, description="rollout processes (rollout data-parallel size)")
     trainer_nodes: int = Field(1, ge=1, description="trainer processes (the FSDP2 group)")
+    tensor_parallel: int = Field(1, ge=1, description=(
+        "tensor-parallel degree of the trainer: the `trainer_nodes` ranks form a 2-D mesh (trainer_nodes / N "
+        "FSDP2 data-parallel shards x N tensor-parallel ranks, consecutive ranks in a TP group); each decoder "
+        "layer's q/k/v/gate/up projections are split by columns and o/down by rows over the N ranks "
+        "(Llama/Qwen layouts; N must divide trainer_nodes, the attention and KV heads and the MLP width). "
+        "Same loss, gradients and published weights as 1 (docs/parallelism.md). Not with `lora`"))
     worker_groups: dict[str, int] = Field(default_factory=dict, description=(
         "extra worker groups between rollout and trainer: group name -> node count, e.g. `{reward: 1}`. A "
         "workflow node with `group: NAME` runs on that group's nodes; rollout shard s goes to the group's rank "

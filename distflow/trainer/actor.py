@@ -3,7 +3,8 @@
 Everything here is blocking torch code that the trainer's asyncio loop runs in a worker
 thread. The trainer group is one torch.distributed process group (gloo on CPU, NCCL on
 GPU); :func:`distflow.trainer.model.load_for_training` loads fp32 master weights and shards
-them with FSDP2 (mixed precision: ``dtype`` is the compute dtype).
+them with FSDP2 (mixed precision: ``dtype`` is the compute dtype); with ``tensor_parallel`` the
+mesh is 2-D and each TP group trains its ranks' united samples (:mod:`distflow.trainer.parallel`).
 
 Collectives must line up across ranks even though owner routing gives each rank a
 different number of samples (possibly zero). So every forward/backward loop first agrees
@@ -48,6 +49,7 @@ from distflow.weights.adapter import is_adapter
 from distflow.rl.shaping import response_loss_mask, trained_samples, trained_token_counts, trained_token_mask
 from distflow.trainer.lora import save_adapter
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
+from distflow.trainer.parallel import tp_size, tp_union, trainer_mesh
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
 from distflow.trainer.schedule import lr_at
@@ -190,13 +192,16 @@ class Actor:
     (loaded only when the workflow has a reference node AND ``kl_coef > 0``)."""
 
     def __init__(self, cfg: Config, with_reference: bool):
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = node_device(cfg.device)
         self.compute_dtype = DTYPES[cfg.dtype]
-        mesh = init_device_mesh(self.device.type, (self.world,))
+        # (dp, tp) with tensor_parallel > 1, else (world,): trainer/parallel.py
+        self.mesh = mesh = trainer_mesh(self.device.type, self.world, getattr(cfg, "tensor_parallel", 1))
+        self.tp = tp_size(mesh)
+        if self.rank == 0 and self.tp > 1:
+            log.info("trainer mesh: dp %d x tp %d (FSDP2 over dp, attention and MLP split over tp)",
+                     self.world // self.tp, self.tp)
         # The checkpoint's run state, checked against this config before anything is loaded.
         self.resumed = read_run_state(Path(cfg.resume_from), cfg) if cfg.resume_from else None
         torch.manual_seed(cfg.seed)
@@ -261,9 +266,20 @@ class Actor:
         return self._inference_pass(batch, ref=False, old=True)
 
     @torch.no_grad()
-    def _inference_pass(self, batch: SampleBatch, ref: bool, old: bool, reshard_policy: bool = False) -> SampleBatch:
+    def _inference_pass(self, batch: SampleBatch, ref: bool, old: bool, reshard_policy: bool = False,
+                        united: bool = False) -> SampleBatch:
+        """The pass over ``batch``, this rank's samples; with tensor parallelism its TP group's united
+        samples (:func:`~distflow.trainer.parallel.tp_union`), this rank's rows kept (``united``: the
+        batch is the TP group's already, as in :meth:`update`)."""
         fields = [name for name, want in (("ref_logprobs", ref), ("old_logprobs", old)) if want]
         if not fields:
+            return batch
+        if self.tp > 1 and not united:
+            group, mine = tp_union(batch, self.mesh)
+            self._inference_pass(group, ref, old, reshard_policy, united=True)
+            own = group.select(range(mine.start, mine.stop))
+            for name in fields:
+                batch.set_ragged(name, own.tensors[name])
             return batch
         parts: dict[str, list[tuple[list[int], list[int], torch.Tensor]]] = {f: [] for f in fields}
         for idx, inputs in self._micro_batches(batch):
@@ -289,11 +305,13 @@ class Actor:
         ``mini_batches_per_step`` optimizer steps (1 x 1 by default: one step per batch). The
         old (proximal) logprobs are fixed before the first step; the policy version advances
         once per batch (versions count trainer steps in the weight protocol). Metrics are the
-        mean over the optimizer steps."""
+        mean over the optimizer steps. With tensor parallelism a TP group trains its ranks' samples
+        together (:func:`~distflow.trainer.parallel.tp_union`)."""
         cfg = self.cfg
         loss_fn = resolve(POLICY_LOSSES, node.fn, f"workflow node {node.id!r} policy loss")
+        batch = tp_union(batch, self.mesh)[0]
         if cfg.recompute_old_logprobs and "old_logprobs" not in batch.tensors:
-            self.old_logprobs(batch)
+            self._inference_pass(batch, ref=False, old=True, united=True)
         kl_in_reward = bool(getattr(cfg, "kl_in_reward", False))
         kl_coef = cfg.kl_coef if "ref_logprobs" in batch.tensors and not kl_in_reward else 0.0
         lr = lr_at(self.version, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.total_steps)
@@ -320,6 +338,8 @@ class Actor:
         global_tokens, global_seqs, global_all = self._all_reduce(
             [float(lens.sum()), float((lens > 0).sum()), float(batch.num_tokens().sum()) if len(batch) else 0.0])
         # FSDP averages gradients over ranks: normalise by the global count / world.
+        # (With tensor parallelism every sample is counted tp times, on each rank of its TP group, and
+        # FSDP averages over the world / tp data-parallel shards: the same quotient.)
         normalizer = max(global_tokens, 1.0) / self.world
         seq_normalizer = max(global_seqs, 1.0) / self.world
         self.optim.zero_grad(set_to_none=True)
@@ -376,7 +396,7 @@ class Actor:
             value = out.pop(k)
             if weight > 0:
                 out[k] = value / weight
-        out.update(grad_norm=grad_norm, tokens=global_tokens, train_tokens=global_all,
+        out.update(grad_norm=grad_norm, tokens=global_tokens / self.tp, train_tokens=global_all / self.tp,
                    skipped_steps=float(not math.isfinite(grad_norm)))
         return out
 

@@ -135,12 +135,14 @@ class Critic:
     """The FSDP2 value model with its optimizer: ``values(batch)`` and ``update(node, batch)``."""
 
     def __init__(self, cfg: Config):
-        from torch.distributed.device_mesh import init_device_mesh
+        from distflow.trainer.parallel import trainer_mesh
 
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = node_device(cfg.device)
-        mesh = init_device_mesh(self.device.type, (self.world,))
+        # FSDP2 over every trainer rank, whatever tensor_parallel: the critic is not split (docs/parallelism.md),
+        # and it computes on this rank's own samples
+        mesh = trainer_mesh(self.device.type, self.world, 1)
         resume = Path(cfg.resume_from) / CRITIC_DIR if cfg.resume_from else None
         source = str(resume) if resume is not None and resume.is_dir() else (cfg.critic_path or cfg.model_path)
 

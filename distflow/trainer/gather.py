@@ -125,8 +125,9 @@ class _Gatherer:
         (None on ranks that keep nothing). Complete after :meth:`wait`.
 
         FSDP2 shards dim 0 in ``torch.chunk`` pieces: the rows are moved straight into ``out``
-        (when it is on the collective's device, else through one temporary). Other placements,
-        and uneven rows when every rank keeps, take ``full_tensor()`` (an all-gather) and one copy.
+        (when it is on the collective's device, else through one temporary). Other placements
+        (a tensor-parallel layer's 2-D DTensor: ``docs/parallelism.md``), and uneven rows when every
+        rank keeps, take ``full_tensor()`` (all-gathers over its whole mesh, on every rank) and one copy.
         ``dtype`` (the same on every rank): each rank casts its rows before they travel (fp32
         master weights -> the engine's bf16: half the bytes on the wire); ``out`` is in it.
         """

@@ -17,7 +17,10 @@ and getting it wrong is silent (a bf16 master copy rounds lr-1e-6 updates away).
   checkpointing needs;
 * ``activation_checkpointing`` checkpoints every decoder layer (transformers'
   ``GradientCheckpointingLayer``, non-reentrant, FSDP2 hooks outside the checkpoint);
-* every decoder layer and then the root are ``fully_shard``-ed on the trainer's device
+* with ``tensor_parallel`` > 1 the trainer mesh is 2-D ``(dp, tp)``: each decoder layer's
+  attention and MLP are first split over ``tp`` (:mod:`distflow.trainer.parallel`), then
+  FSDP2 shards over ``dp``;
+* every decoder layer and then the root are ``fully_shard``-ed on the trainer's (dp) device
   mesh, and :func:`~distflow.trainer.head.response_forward` is registered as an FSDP
   forward method, so ``model.response_forward(inputs, temperature, chunk)`` all-gathers the
   root's parameters (embeddings, final norm, LM head) like ``forward`` does.
@@ -36,11 +39,12 @@ from distflow.device import COMPUTE_DTYPES
 from distflow.hf import load_causal_lm, meta_causal_lm
 from distflow.trainer.attention import use_varlen_attention
 from distflow.trainer.head import response_forward
+from distflow.trainer.parallel import apply_tensor_parallel, dp_mesh, is_mesh_rank0
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "clip_and_step", "disable_dropout", "gather_full_state", "load_for_training", "load_from_rank0",
-           "shard_fp32", "shard_mixed_precision"]
+__all__ = ["DTYPES", "clip_and_step", "disable_dropout", "gather_full_state", "grad_norm", "load_for_training",
+           "load_from_rank0", "shard_fp32", "shard_mixed_precision"]
 
 DTYPES = COMPUTE_DTYPES
 
@@ -159,10 +163,11 @@ def shard_fp32(load: Callable[[], torch.nn.Module], meta: Callable[[], torch.nn.
     if mesh.size() == 1:
         model = load().to(device)
     else:
-        full = load() if mesh.get_local_rank() == 0 else None
+        full = load() if is_mesh_rank0(mesh) else None
         model = meta()
     prepare(model)
-    shard_mixed_precision(model, mesh, compute_dtype, fp32_modules=fp32_modules(model))
+    apply_tensor_parallel(model, mesh)  # a 2-D (dp, tp) mesh: the layers split over tp first (trainer.parallel)
+    shard_mixed_precision(model, dp_mesh(mesh), compute_dtype, fp32_modules=fp32_modules(model))
     if mesh.size() > 1:
         model.to_empty(device=device)
         load_from_rank0(model, full, mesh)
@@ -182,12 +187,13 @@ def load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, mesh: 
 
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    group = mesh.get_group()
+    group = mesh.get_group() if mesh.ndim == 1 else None  # a 2-D trainer mesh spans the whole (default) group
+    root = int(mesh.mesh.flatten()[0])
     src = dict(full.named_buffers()) if full is not None else {}
     for name, buf in model.named_buffers():
         if full is not None:
             buf.copy_(src[name])
-        dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast(buf, src=root, group=group)
 
 
 def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device | str,
@@ -228,13 +234,41 @@ def clip_and_step(model: torch.nn.Module, optim: torch.optim.Optimizer, max_norm
     is read on the host, one sync per optimizer step. ``what`` names the model in the warning.
     The gradients are freed either way: kept, they would hold a sharded fp32 copy of the model
     on every GPU through the weight publish, the checkpoint and the next step's forward passes."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = grad_norm([p.grad for p in params])
+    value = float(norm)
     finite = math.isfinite(value)
     if finite:
+        for group in _by_mesh(params, lambda p: p.grad).values():  # a foreach op takes one mesh's tensors
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         optim.step()
     optim.zero_grad(set_to_none=True)
     if not finite:
         log.warning("%s: gradient norm is %s: optimizer step skipped (weights and optimizer state unchanged)",
                     what, value)
     return value
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of ``grads`` (plain tensors or DTensors on any meshes), replicated: a plain
+    tensor on every rank. Why not ``clip_grad_norm_``: with tensor parallelism the gradients live on
+    two meshes (the layers' on ``(dp, tp)``, the replicated norms' and embeddings' on ``dp``), and it
+    stacks their norms, which DTensor refuses across meshes; here each mesh's norm is made whole
+    (``full_tensor``) first and the squares are summed (one mesh: its norm as it is)."""
+    if not grads:
+        return torch.zeros(())
+    norms = []
+    for gs in _by_mesh(grads, lambda g: g).values():
+        n = torch.nn.utils.get_total_norm(gs, 2.0)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.stack([n.to(norms[0].device) for n in norms]).square().sum().sqrt()
+
+
+def _by_mesh(items: list[Any], tensor: Callable[[Any], torch.Tensor]) -> dict[Any, list[Any]]:
+    """``items`` grouped by the device mesh of ``tensor(item)`` (None: a plain tensor), in order."""
+    out: dict[Any, list[Any]] = {}
+    for item in items:
+        out.setdefault(getattr(tensor(item), "device_mesh", None), []).append(item)
+    return out

@@ -1,0 +1,126 @@
+"""The trainer's device mesh: FSDP2 data parallel x tensor parallel (``tensor_parallel``).
+
+Why it exists: a model too big for FSDP2 alone (its layers' activations and gathered weights per
+GPU) is split inside each layer too, Megatron-style, as torchtitan does: the trainer's
+``trainer_nodes`` ranks form a 2-D mesh ``(dp, tp)`` (``tp = tensor_parallel``, consecutive ranks
+share a TP group, so on GPUs a TP group is one host's NVLink domain), every decoder layer's
+attention and MLP are ``parallelize_module``-d over ``tp`` and then everything is ``fully_shard``-ed
+over ``dp``.
+
+The plan (the Llama/Qwen family, transformers' own ``base_model_tp_plan``): ``ColwiseParallel`` on
+q/k/v and gate/up (each TP rank computes ``num_heads / tp`` heads, ``num_kv_heads / tp`` KV heads and
+``intermediate_size / tp`` MLP columns, on its local tensor), ``RowwiseParallel`` on o and down
+(one all-reduce each: the layer's output is replicated again). The embeddings, norms and LM head
+stay replicated over ``tp`` (sharded over ``dp`` by FSDP2): the chunked logprob head
+(:mod:`distflow.trainer.head`) runs unchanged on replicated hidden states, and the gradients of
+replicated parameters come out equal on every TP rank (the column-parallel inputs' gradients are
+all-reduced), so FSDP2 reduces them over ``dp`` only.
+
+A TP group computes ONE data-parallel share: its ranks must see the same samples. Each trainer
+rank receives its own samples (owner routing); the actor unites its TP group's samples before a
+pass (:func:`tp_union`) and keeps its own rows of the results. Counts all-reduced over the whole
+group then count each sample ``tp`` times, which the step's normalisers (global / world) absorb.
+
+Weights leave through ``full_tensor()`` of each DTensor, whatever its mesh
+(:mod:`distflow.trainer.gather`): rollout nodes and checkpoints get the same tensors as with
+``tensor_parallel: 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TP_PLAN", "apply_tensor_parallel", "check_tp_model", "dp_mesh", "is_mesh_rank0", "tp_size",
+           "tp_union", "trainer_mesh"]
+
+# module name under each decoder layer -> "colwise" | "rowwise" (transformers' base_model_tp_plan of Llama/Qwen)
+TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+           "mlp.down_proj": "rowwise"}
+
+
+def trainer_mesh(device_type: str, world: int, tp: int) -> Any:
+    """The trainer group's device mesh: 1-D ``(world,)`` for ``tp == 1`` (plain FSDP2), else 2-D
+    ``(world // tp, tp)`` named ``("dp", "tp")``. ``world`` must be divisible by ``tp`` (the config
+    checks it; said again here, naming the key, for a caller that built its own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp < 1 or world % tp:
+        raise ValueError(f"tensor_parallel ({tp}) must divide trainer_nodes ({world})")
+    if tp == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def tp_size(mesh: Any) -> int:
+    """The tensor-parallel degree of a trainer mesh (1 for a 1-D one)."""
+    return mesh["tp"].size() if mesh.ndim == 2 else 1
+
+
+def dp_mesh(mesh: Any) -> Any:
+    """The mesh FSDP2 shards over: the ``dp`` dimension of a 2-D trainer mesh, else the mesh itself."""
+    return mesh["dp"] if mesh.ndim == 2 else mesh
+
+
+def is_mesh_rank0(mesh: Any) -> bool:
+    """Whether this rank is the mesh's first (the one that reads the checkpoint), on any mesh."""
+    return all(c == 0 for c in mesh.get_coordinate())
+
+
+def check_tp_model(config: Any, tp: int) -> None:
+    """Refuse, naming the key, a model whose heads or MLP width ``tp`` does not divide (each TP rank
+    computes whole heads), or that is not of the Llama/Qwen layout :data:`TP_PLAN` names."""
+    if tp == 1:
+        return
+    cfg = getattr(config, "text_config", None) or config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    width = cfg.intermediate_size
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("intermediate_size", width)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel: {tp} must divide the model's {what} ({n}): each tensor-parallel "
+                             "rank computes whole heads and an equal share of the MLP")
+
+
+def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
+    """``parallelize_module`` every decoder layer of ``model`` (a Hugging Face ``*ForCausalLM``) over
+    ``mesh["tp"]`` with :data:`TP_PLAN`; a 1-D mesh: nothing. Runs before ``fully_shard``. The layers'
+    parameters become DTensors sharded over ``tp`` (FSDP2 then adds the ``dp`` dimension)."""
+    if mesh.ndim != 2:
+        return
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = mesh["tp"]
+    check_tp_model(model.config, tp.size())
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if not layers:
+        raise ValueError(f"tensor_parallel: {type(model).__name__} has no decoder layers (model.layers) to split")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in layers:
+        names = {name for name, _ in layer.named_modules()}
+        missing = [name for name in TP_PLAN if name not in names]
+        if missing:
+            raise ValueError(f"tensor_parallel: {type(layer).__name__} has no {', '.join(missing)}; the "
+                             "tensor-parallel plan covers the Llama/Qwen layout (q/k/v/o_proj, gate/up/down_proj)")
+        parallelize_module(layer, tp, {name: styles[style]() for name, style in TP_PLAN.items()})
+
+
+def tp_union(batch: Any, mesh: Any) -> tuple[Any, slice]:
+    """The samples of this rank's whole TP group (every TP rank's, in TP-rank order) and where this
+    rank's own are in it: ``(united batch, slice)``. A collective over the TP group (objects through
+    gloo/NCCL); a 1-D mesh returns ``(batch, slice(None))`` and moves nothing."""
+    if mesh.ndim != 2:
+        return batch, slice(None)
+    from distflow.buffer.batch import SampleBatch
+
+    group = mesh["tp"].get_group()
+    parts: list[Any] = [None] * mesh["tp"].size()
+    dist.all_gather_object(parts, batch, group=group)
+    me = mesh["tp"].get_local_rank()
+    start = sum(len(p) for p in parts[:me])
+    nonempty = [p for p in parts if len(p)]
+    united = SampleBatch.concat(nonempty) if nonempty else batch
+    return united, slice(start, start + len(batch))
