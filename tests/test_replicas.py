@@ -1,0 +1,115 @@
+"""Trainer replica groups kept in step by torchft (distflow.trainer.replicas).
+
+The cluster test runs two replica groups of one rank each as processes of their own
+(tests/replica_child.py: a mesh node, torchft's lighthouse/manager/gloo group, a torch model),
+SIGKILLs one mid-run and starts it again. It checks, in values: the survivor was never restarted
+and committed steps alone while the other was dead; the restarted one copied live state (a heal,
+not step 0) and committed the later steps in the quorum again; and both end with the weights of
+one process training every sample of every step exactly once (a share lost or trained twice in
+any step would change them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distflow.trainer.replicas import replica_layout, replica_share
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 30
+
+
+def test_replica_layout_splits_the_trainer_ranks_into_equal_groups():
+    assert replica_layout(4, 2) == [[0, 1], [2, 3]]
+    assert replica_layout(2, 2) == [[0], [1]]
+    assert replica_layout(3, 1) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="trainer_replicas: 2 must divide trainer_nodes: 3"):
+        replica_layout(3, 2)
+
+
+def test_the_shares_of_a_quorum_cover_the_step_once_whoever_takes_part():
+    ids = [f"7-{i}" for i in range(50)]
+    for n in (1, 2, 3):
+        shares = [replica_share(ids, n, r) for r in range(n)]
+        assert sorted(i for s in shares for i in s) == list(range(50))
+    assert replica_share(ids, 2, 0) == replica_share(list(ids), 2, 0)  # a function of the ids: every process agrees
+    assert 10 < len(replica_share(ids, 2, 0)) < 40
+    with pytest.raises(ValueError):
+        replica_share(ids, 2, 2)
+
+
+def _progress(out: Path, replica: int) -> list[dict]:
+    path = out / f"progress-{replica}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _wait(what: str, cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.cluster
+def test_a_killed_replica_group_leaves_the_other_training_and_rejoins_from_live_state(tmp_path):
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
+    from tests.replica_child import reference_weights
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs: list[subprocess.Popen] = []
+
+    def start(replica: int, seed: str | None = None) -> subprocess.Popen:
+        (tmp_path / f"addr-{replica}").unlink(missing_ok=True)
+        log = open(tmp_path / f"log-{replica}-{len(procs)}", "w")
+        p = subprocess.Popen([sys.executable, "-m", "tests.replica_child", str(tmp_path), str(replica), "2",
+                              str(STEPS), *([seed] if seed else [])], cwd=ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT)
+        procs.append(p)
+        _wait(f"replica {replica}'s mesh address", (tmp_path / f"addr-{replica}").is_file, 60)
+        return p
+
+    try:
+        first = start(0)
+        seed = (tmp_path / "addr-0").read_text()
+        victim = start(1, seed)
+        _wait("three steps committed by both replicas",
+              lambda: sum(r["participants"] == 2 for r in _progress(tmp_path, 1)) >= 3, 60)
+        victim.send_signal(signal.SIGKILL)  # the whole replica group (its one rank), at whatever point of a step
+        victim.wait(timeout=10)
+        killed_at = _progress(tmp_path, 1)[-1]["step"]
+        _wait("the survivor committing steps alone",
+              lambda: sum(r["participants"] == 1 for r in _progress(tmp_path, 0)) >= 2, 30)
+        again = start(1, seed)
+        assert first.wait(timeout=90) == 0, (tmp_path / "log-0-0").read_text()[-3000:]
+        assert again.wait(timeout=30) == 0, (tmp_path / "log-1-2").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+    survivor = json.loads((tmp_path / "result-0.json").read_text())
+    rejoined = json.loads((tmp_path / "result-1.json").read_text())
+    rows0 = _progress(tmp_path, 0)
+    assert [r["step"] for r in rows0] == list(range(STEPS))  # every step committed once, no restart
+    assert {r["pid"] for r in rows0} == {first.pid}
+    alone = [r["step"] for r in rows0 if r["participants"] == 1 and r["step"] > killed_at - 1]
+    assert alone and all(len(r["ids"]) == 8 for r in rows0 if r["participants"] == 1)  # the dead share taken
+    later = [r for r in _progress(tmp_path, 1) if r["pid"] == again.pid]
+    assert later and later[0]["step"] > killed_at and later[0]["healed"] >= 1  # live state, not step 0
+    assert all(r["participants"] == 2 for r in later)
+    assert rejoined["healed"] >= 1 and rejoined["step"] == survivor["step"] == STEPS
+    assert 2 in survivor["participants_seen"][-len(later):]  # back in the quorum till the end
+    expected = torch.tensor(reference_weights(STEPS))
+    torch.testing.assert_close(torch.tensor(survivor["weights"]), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(rejoined["weights"]), expected, rtol=1e-5, atol=1e-6)
