@@ -14,7 +14,10 @@ over every sample (:func:`reference_weights`) exactly when every sample was trai
     python -m tests.replica_child OUT REPLICA REPLICAS STEPS [SEED_ADDRESS]
 
 writes ``OUT/addr-<replica>`` (its mesh address), a line a committed step to
-``OUT/progress-<replica>.jsonl`` and, at the end, ``OUT/result-<replica>.json``.
+``OUT/progress-<replica>.jsonl`` and, at the end, ``OUT/result-<replica>.json``. With
+``REPLICA_TEST_STALL_AT=K`` it stops in step K after its backward, before the gradient average,
+and says so in ``OUT/stalled-<replica>``: where the test kills it, so that the survivor's average
+fails and the step is taken again by the new quorum.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ SAMPLES, LR, SECRET = 8, 0.1, "replica-test-secret-0123"
 # The pace of a step: slower alone, so that a killed replica restarted by the test (a new process:
 # seconds to import torch on a busy machine) is back before the survivor runs out of steps.
 STEP_PAUSE_S, ALONE_PAUSE_S = 0.05, 0.6
+STALL_ENV = "REPLICA_TEST_STALL_AT"  # this step: stop after the backward, before the gradient average
 
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -72,7 +76,7 @@ def flat(model: torch.nn.Module) -> list[float]:
 
 
 def train(sync: ReplicaSync, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, out: Path,
-          replica: int) -> dict:
+          replica: int, stall_at: int | None) -> dict:
     seen: list[int] = []
     retries = 0
     while True:
@@ -88,6 +92,9 @@ def train(sync: ReplicaSync, model: torch.nn.Module, opt: torch.optim.Optimizer,
         else:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
+        if step == stall_at:  # the test SIGKILLs this replica here: mid-step, its share not yet averaged
+            (out / f"stalled-{replica}").write_text(str(step))
+            time.sleep(60)
         sync.average_gradients(model)
         participants = sync.participants
         if not sync.commit():
@@ -125,7 +132,8 @@ async def main(out: Path, replica: int, replicas: int, steps: int, seed: str | N
     node.set_meta(ft_ready=True)
     await node.wait_for(lambda ms: sum(bool(m.meta.get("ft_ready")) for m in ms) >= replicas, timeout=30,
                         what="every replica's torchft manager")
-    result = await asyncio.to_thread(train, sync, model, opt, steps, out, replica)
+    stall = os.environ.get(STALL_ENV)
+    result = await asyncio.to_thread(train, sync, model, opt, steps, out, replica, int(stall) if stall else None)
     result.update(weights=flat(model), healed=sync.healed, pid=os.getpid())
     node.set_meta(done=True)
     if lighthouse is not None:  # the others' last quorum needs it: wait (bounded) until they are done or dead
