@@ -119,3 +119,71 @@ def test_a_killed_replica_group_leaves_the_other_training_and_rejoins_from_live_
     expected = torch.tensor(reference_weights(STEPS))
     torch.testing.assert_close(torch.tensor(survivor["weights"]), expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(rejoined["weights"]), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture()
+def world1(tmp_path):
+    """This pytest process as a one-rank gloo group: the replica group's own FSDP group."""
+    from tests.process_group import process_group, store_path
+
+    with process_group(store_path(tmp_path)):
+        yield
+
+
+def test_the_actor_steps_only_when_the_quorum_commits_and_heals_from_a_peers_state(toy_model, world1):
+    """The real FSDP2 actor under torchft (one replica group, an in-process lighthouse): a committed
+    step is the plain actor's step (the mean over one participant); a step the quorum does not
+    commit (torchft told of an error, as a failed all-reduce tells it) raises StepNotCommitted and
+    leaves the weights, optimizer and version as they were; and the state a healing replica copies
+    (``actor_state_fns``, through a byte round trip as over torchft's transport) makes a fresh actor
+    take the next step exactly as the one it came from."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
+    import io
+
+    from torchft.coordination import LighthouseServer
+
+    from distflow.core.config import load_config
+    from distflow.trainer.actor import Actor, StepNotCommitted
+    from distflow.trainer.replicas import ReplicaSync, actor_state_fns
+    from tests.conftest import ROOT as REPO
+    from tests.test_packing import make_batch
+
+    cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
+                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01"])
+    node = cfg.node("ACTOR", "MODEL_TRAIN")
+    plain, actor = Actor(cfg, with_reference=False), Actor(cfg, with_reference=False)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    sync = ReplicaSync("replica0", lighthouse.address(), *actor_state_fns(actor), host="127.0.0.1", timeout_s=20)
+    try:
+        actor.replicas = sync
+        plain.update(node, make_batch(8, seed=7))
+        sync.begin()
+        actor.update(node, make_batch(8, seed=7))
+        assert actor.version == 1 and sync.step == 1
+        after = actor.full_state_dict()
+        for name, t in plain.full_state_dict().items():
+            torch.testing.assert_close(after[name], t, rtol=1e-5, atol=1e-7)
+
+        sync.begin()
+        sync.manager.report_error(RuntimeError("a replica group died in this step"))
+        with pytest.raises(StepNotCommitted):
+            actor.update(node, make_batch(8, seed=8))
+        assert actor.version == 1 and sync.step == 1
+        for name, t in actor.full_state_dict().items():
+            assert torch.equal(t, after[name]), name
+
+        buf = io.BytesIO()
+        torch.save(actor_state_fns(actor)[0](), buf)
+        healed = Actor(cfg, with_reference=False)
+        actor_state_fns(healed)[1](torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+        assert healed.version == 1
+        sync.begin()
+        actor.update(node, make_batch(8, seed=9))
+        healed.update(node, make_batch(8, seed=9))  # (no replicas: the same single-participant step)
+        assert actor.version == healed.version == 2
+        final = actor.full_state_dict()
+        for name, t in healed.full_state_dict().items():
+            torch.testing.assert_close(t, final[name], rtol=1e-5, atol=1e-7)  # AdamW's moments came along
+    finally:
+        sync.close()
+        lighthouse.shutdown()

@@ -43,7 +43,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LIGHTHOUSE_META", "ReplicaSync", "find_lighthouse", "publish_lighthouse", "replica_layout",
+__all__ = ["LIGHTHOUSE_META", "ReplicaSync", "actor_state_fns", "find_lighthouse", "publish_lighthouse", "replica_layout",
            "replica_share"]
 
 LIGHTHOUSE_META = "ft_lighthouse"  # mesh meta key: the torchft lighthouse's address, set by its host
@@ -92,6 +92,30 @@ async def find_lighthouse(node: Any, timeout: float) -> str:
 
     members = await node.wait_for(hosted, timeout=timeout, what="the torchft lighthouse (mesh meta ft_lighthouse)")
     return next(m.meta[LIGHTHOUSE_META] for m in members if isinstance(m.meta.get(LIGHTHOUSE_META), str))
+
+
+def actor_state_fns(actor: Any) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+    """``(state_dict, load_state_dict)`` of an :class:`~distflow.trainer.actor.Actor` for
+    :class:`ReplicaSync`: what a restarted replica copies from a live one: the full (unsharded,
+    host) weights, the optimizer state and the policy version. Full state dicts are collectives
+    of the replica's own FSDP group; torchft calls these from its own thread, which is safe for a
+    one-rank group only (see docs/recovery.md, "Not built yet")."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def state_dict() -> dict:
+        return {"model": get_model_state_dict(actor.model, options=full),
+                "optim": get_optimizer_state_dict(actor.model, actor.optim, options=full), "version": actor.version}
+
+    def load_state_dict(state: dict) -> None:
+        set_model_state_dict(actor.model, state["model"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(actor.model, actor.optim, state["optim"], options=StateDictOptions(full_state_dict=True))
+        actor.version = int(state["version"])
+
+    return state_dict, load_state_dict
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
