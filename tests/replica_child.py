@@ -11,7 +11,7 @@ with a loss scaled so that the gradient averaged over the quorum is the mean ove
 whoever takes part (:func:`share_loss`): the final weights equal a single-process run of every step
 over every sample (:func:`reference_weights`) exactly when every sample was trained once a step.
 
-    python -m tests.replica_child OUT REPLICA REPLICAS STEPS [SEED_ADDRESS]
+    python -m tests.replica_child OUT REPLICA REPLICAS STEPS [SEED_ADDRESS | @FILE_WITH_IT]
 
 writes ``OUT/addr-<replica>`` (its mesh address), a line a committed step to
 ``OUT/progress-<replica>.jsonl`` and, at the end, ``OUT/result-<replica>.json``. With
@@ -104,11 +104,16 @@ def train(sync: ReplicaSync, model: torch.nn.Module, opt: torch.optim.Optimizer,
         seen.append(participants)
         with open(out / f"progress-{replica}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "participants": participants, "ids": [ids[i] for i in mine],
-                                "healed": sync.healed, "pid": os.getpid()}) + "\n")
+                                "healed": sync.healed, "pid": os.getpid(), "t": round(time.time(), 2)}) + "\n")
         time.sleep(STEP_PAUSE_S if participants > 1 else ALONE_PAUSE_S)
 
 
 async def main(out: Path, replica: int, replicas: int, steps: int, seed: str | None) -> None:
+    if seed and seed.startswith("@"):  # a file the seed writes its address to: started together, not one by one
+        path, deadline = Path(seed[1:]), time.monotonic() + 60
+        while not path.is_file() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        seed = path.read_text()
     node = Node(f"trainer-{replica}", "trainer", secret=SECRET, seeds=[seed] if seed else [],
                 config=MeshConfig(protocol_period_s=0.2, suspicion_timeout_s=1.0))
     await node.start()

@@ -78,13 +78,13 @@ def test_a_killed_replica_group_leaves_the_other_training_and_rejoins_from_live_
                               str(STEPS), *([seed] if seed else [])], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                              env={**env, **({STALL_ENV: str(stall_at)} if stall_at is not None else {})})
         procs.append(p)
-        _wait(f"replica {replica}'s mesh address", (tmp_path / f"addr-{replica}").is_file, 60)
         return p
 
     try:
         first = start(0)
+        victim = start(1, f"@{tmp_path / 'addr-0'}", stall_at=KILLED_AT)  # it joins through replica 0 once it is up
+        _wait("replica 0's mesh address", (tmp_path / "addr-0").is_file, 60)
         seed = (tmp_path / "addr-0").read_text()
-        victim = start(1, seed, stall_at=KILLED_AT)
         _wait("the victim inside its step", (tmp_path / "stalled-1").is_file, 60)
         victim.send_signal(signal.SIGKILL)  # the whole replica group (its one rank), mid-step
         victim.wait(timeout=10)
