@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from distflow.core.node import MeshConfig, Node
-from distflow.trainer.replicas import ReplicaSync, find_lighthouse, publish_lighthouse
+from distflow.trainer.replicas import ReplicaSync, StepNotCommitted, find_lighthouse, publish_lighthouse
 
 SAMPLES, LR, SECRET = 8, 0.1, "replica-test-secret-0123"
 # The pace of a step: slower alone, so that a killed replica restarted by the test (a new process:
@@ -78,12 +78,8 @@ def flat(model: torch.nn.Module) -> list[float]:
 def train(sync: ReplicaSync, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, out: Path,
           replica: int, stall_at: int | None) -> dict:
     seen: list[int] = []
-    retries = 0
-    while True:
-        sync.begin()
-        step = sync.step
-        if step >= steps:
-            return {"participants_seen": seen, "retries": retries, "step": step}
+
+    def one_step(step: int) -> None:
         ids, x, y = step_samples(step)
         mine = sync.share(ids)
         opt.zero_grad(set_to_none=False)
@@ -97,15 +93,24 @@ def train(sync: ReplicaSync, model: torch.nn.Module, opt: torch.optim.Optimizer,
             time.sleep(60)
         sync.average_gradients(model)
         participants = sync.participants
-        if not sync.commit():
-            retries += 1  # a replica dropped out mid-step: the next quorum takes the whole step again
-            continue
+        if not sync.commit():  # a replica dropped out mid-step: take_step takes the whole step again
+            raise StepNotCommitted(f"step {step}")
         opt.step()
         seen.append(participants)
         with open(out / f"progress-{replica}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "participants": participants, "ids": [ids[i] for i in mine],
                                 "healed": sync.healed, "pid": os.getpid(), "t": round(time.time(), 2)}) + "\n")
         time.sleep(STEP_PAUSE_S if participants > 1 else ALONE_PAUSE_S)
+
+    def step_or_done(step: int) -> bool:  # the quorum's step: a restarted replica heals into the run's
+        if step >= steps:
+            return True
+        one_step(step)
+        return False
+
+    while not sync.take_step(step_or_done):
+        pass
+    return {"participants_seen": seen, "retries": sync.retries, "step": sync.step}
 
 
 async def main(out: Path, replica: int, replicas: int, steps: int, seed: str | None) -> None:

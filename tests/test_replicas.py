@@ -143,8 +143,8 @@ def test_the_actor_steps_only_when_the_quorum_commits_and_heals_from_a_peers_sta
     from torchft.coordination import LighthouseServer
 
     from distflow.core.config import load_config
-    from distflow.trainer.actor import Actor, StepNotCommitted
-    from distflow.trainer.replicas import ReplicaSync, actor_state_fns
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.replicas import ReplicaSync, StepNotCommitted, actor_state_fns
     from tests.conftest import ROOT as REPO
     from tests.test_packing import make_batch
 

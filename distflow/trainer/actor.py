@@ -48,6 +48,7 @@ from distflow.weights.adapter import is_adapter
 from distflow.rl.shaping import response_loss_mask, trained_samples, trained_token_counts, trained_token_mask
 from distflow.trainer.lora import save_adapter
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
+from distflow.trainer.replicas import StepNotCommitted
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
 from distflow.trainer.schedule import lr_at
@@ -183,12 +184,6 @@ def _call_loss(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return fn(*args, **kwargs)
-
-
-class StepNotCommitted(RuntimeError):
-    """The replica groups' quorum did not commit this optimizer step (a group died in it): the
-    weights, the optimizer state and the policy version are unchanged; the caller takes the
-    step again from a new quorum (:mod:`distflow.trainer.replicas`)."""
 
 
 class Actor:

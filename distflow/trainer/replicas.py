@@ -23,7 +23,8 @@ One step, on every replica group (``ReplicaSync``):
    the quorum's replicas.
 4. ``commit()`` (torchft ``should_commit``): True only when every participant got through the
    step; then the optimizer steps. False (a replica died mid-step: the all-reduce failed) leaves
-   the weights untouched; the caller takes the same step again from ``begin()``: the new quorum's
+   the weights untouched (the actor raises :class:`StepNotCommitted`) and ``take_step`` takes the
+   same step again from ``begin()``: the new quorum's
    participants split the whole step between them, so the dead group's share is trained by the
    survivors and no sample is trained twice into the weights.
 
@@ -43,13 +44,19 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LIGHTHOUSE_META", "ReplicaSync", "actor_state_fns", "find_lighthouse", "publish_lighthouse", "replica_layout",
+__all__ = ["LIGHTHOUSE_META", "ReplicaSync", "StepNotCommitted", "actor_state_fns", "find_lighthouse", "publish_lighthouse", "replica_layout",
            "replica_share"]
 
 LIGHTHOUSE_META = "ft_lighthouse"  # mesh meta key: the torchft lighthouse's address, set by its host
 # The lighthouse's clocks: a replica whose heartbeats stop for HEARTBEAT_S is out of the next quorum,
 # and a quorum waits at most JOIN_S for replicas beyond those alive (a restarted one joins the next).
 HEARTBEAT_S, JOIN_S, QUORUM_TICK_S = 2.0, 1.0, 0.1
+
+
+class StepNotCommitted(RuntimeError):
+    """The replica groups' quorum did not commit this optimizer step (a group died in it): the
+    weights, the optimizer state and the policy version are unchanged; the step is taken again
+    from a new quorum (:meth:`ReplicaSync.take_step`)."""
 
 
 def replica_layout(trainer_nodes: int, replicas: int) -> list[list[int]]:
@@ -137,6 +144,7 @@ class ReplicaSync:
         limit = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=limit)
         self.healed = 0  # live-state copies this replica took from a peer
+        self.retries = 0  # steps taken again because a quorum did not commit them
         self._load = load_state_dict
 
         def load(state: dict) -> None:
@@ -187,6 +195,21 @@ class ReplicaSync:
         """Whether every participant got through this step (torchft ``should_commit``): step the
         optimizer only when True; when False take the step again from :meth:`begin`."""
         return self.manager.should_commit()
+
+    def take_step(self, train: Callable[[int], Any], attempts: int = 3) -> Any:
+        """One committed step: :meth:`begin` (a quorum; a heal when behind), then ``train(step)``
+        (the quorum's step: it trains :meth:`share` of that step's samples, averages the
+        gradients and steps the optimizer only when :meth:`commit` says so, else raises
+        :class:`StepNotCommitted`); again from :meth:`begin` while a step is not committed, at
+        most ``attempts`` times. Returns what ``train`` returned."""
+        for attempt in range(1, attempts + 1):
+            self.begin()
+            try:
+                return train(self.step)
+            except StepNotCommitted as e:
+                self.retries += 1
+                log.warning("replica step %d not committed (attempt %d of %d): %s", self.step, attempt, attempts, e)
+        raise StepNotCommitted(f"step {self.step}: no quorum committed it in {attempts} attempts")
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
