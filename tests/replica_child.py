@@ -2,7 +2,7 @@
 test can SIGKILL it and start it again.
 
 Why a small model and not a distflow cluster: the cluster wiring of ``trainer_replicas`` is not
-built yet (docs/recovery.md, Limits); what this exercises is the mechanism it will use, with real
+built yet (docs/recovery.md, "Not built yet"); what this exercises is the mechanism it will use, with real
 parts only: a gossip mesh node (where the lighthouse is found), torchft's lighthouse, manager and
 gloo process group (distflow.trainer.replicas), and a torch model with its optimizer.
 
