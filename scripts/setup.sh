@@ -21,11 +21,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
       --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 --timeout 15
   fi
 fi
-EXTRAS="dev,trackers"
+EXTRAS="dev,trackers,ft"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   # cupy and NCCL built for the CUDA major version the installed torch uses (gpu = CUDA 12, gpu-cu13 = CUDA 13)
   CUDA_MAJOR=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
-  if [ "$CUDA_MAJOR" = "13" ]; then EXTRAS="dev,trackers,gpu-cu13"; else EXTRAS="dev,trackers,gpu"; fi
+  if [ "$CUDA_MAJOR" = "13" ]; then EXTRAS="dev,trackers,ft,gpu-cu13"; else EXTRAS="dev,trackers,ft,gpu"; fi
 fi
 "$PY" -m pip install -e ".[$EXTRAS]"
 # Bytecode for the package, written even under PYTHONDONTWRITEBYTECODE: every node process would

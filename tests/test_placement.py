@@ -81,6 +81,23 @@ def test_trainer_ranks_follow_sorted_ids_and_controllers_get_no_gpu():
                                                                "rollout-0": "2", "controller-0": ""}
 
 
+def test_gpu_nodes_get_nccl_error_handling_and_the_flight_recorder_unless_the_user_set_them():
+    """A cuda placement turns on NCCL's async error handling, the flight recorder and its dump on
+    timeout for every node on a GPU; a key the launcher's environment sets is left to it (the
+    children inherit it); nodes without a GPU, and cpu placements, get none."""
+    nodes = [*NODES, ("controller-0", "controller")]
+    slots = {s.node_id: s for s in place(nodes, device="cuda", present=8, environ={})}
+    for node_id in ("trainer-0", "trainer-1", "rollout-0", "rollout-2"):
+        env = slots[node_id].env
+        assert (env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], env["TORCH_NCCL_TRACE_BUFFER_SIZE"],
+                env["TORCH_NCCL_DUMP_ON_TIMEOUT"]) == ("1", "2000", "1")
+    assert not any(k.startswith("TORCH_NCCL") for k in slots["controller-0"].env)
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    env = next(s.env for s in place(nodes, device="cuda", present=8, environ=mine) if s.node_id == "trainer-0")
+    assert {k: v for k, v in env.items() if k.startswith("TORCH_NCCL")} == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert not any(k.startswith("TORCH_NCCL") for s in place(NODES, device="cpu", environ={}) for k in s.env)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(gpus=None, present=0), "device: cuda, but no GPU is present"),
     (dict(gpus=4, present=2), "gpus: 4 GPUs asked for, but only 2 present"),

@@ -16,7 +16,8 @@ over (round-robin; several rollout nodes may share one), or with ``colocate: tru
 the trainers' GPUs round-robin. Nodes of a worker group (role ``worker``, e.g. a reward
 model) are placed like rollout nodes. Controller nodes get no GPU. On ``device: cpu`` every node
 gets ``CUDA_VISIBLE_DEVICES=""``. Each node on a GPU also learns how many nodes share it
-(``DISTFLOW_GPU_NODES``), so a rollout engine's KV cache leaves the others their share.
+(``DISTFLOW_GPU_NODES``), so a rollout engine's KV cache leaves the others their share, and
+NCCL's async error handling and flight recorder (:data:`NCCL_FAULT_ENV`), unless the user set them.
 """
 
 from __future__ import annotations
@@ -24,13 +25,27 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from distflow.core.config import Config, ConfigError
 from distflow.core.launch_env import GPU_NODES_ENV  # how many nodes of the run share this node's GPU
 from distflow.launch.roles import node_roles
 
-__all__ = ["GPU_NODES_ENV", "PlacementError", "Slot", "describe", "gpus_present", "place", "plan_placement"]
+__all__ = ["GPU_NODES_ENV", "NCCL_FAULT_ENV", "PlacementError", "Slot", "describe", "gpus_present", "place", "plan_placement"]
+
+
+# On by default on a GPU node: a collective whose peer died or hangs fails the rank (async error
+# handling) instead of blocking it for ever, and the flight recorder keeps the last collectives of
+# each rank, dumped when one times out (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, /tmp/nccl_trace_rank_<r>
+# by default): what a hang's post-mortem needs, at a few MB of host memory. A value the user set in
+# the launcher's environment wins (the children inherit it).
+NCCL_FAULT_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                  "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def nccl_fault_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """:data:`NCCL_FAULT_ENV`'s keys that ``environ`` (the launcher's environment) does not set."""
+    return {k: v for k, v in NCCL_FAULT_ENV.items() if k not in environ}
 
 
 class PlacementError(ValueError):
@@ -76,7 +91,7 @@ def _usable(gpus: int | Sequence[int] | None, present: int | None, visible: Sequ
 
 def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence[int] | None = None,
           colocate: bool = False, present: int | None = None,
-          visible: Sequence[str] | None = None) -> list[Slot]:
+          visible: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> list[Slot]:
     """Each node's GPU and environment.
 
     ``nodes``: (node_id, role) in launch order, role in trainer/rollout/worker/controller; trainer
@@ -84,6 +99,8 @@ def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence
     ``present``: GPUs the launcher sees (None = unknown, e.g. on a remote host: trust ``gpus``).
     ``visible``: the launcher's own CUDA_VISIBLE_DEVICES entries (None = unset), so that
     ``gpus`` indices stay relative to what the launcher was given.
+    ``environ``: the launcher's environment (None: ``os.environ``); a node on a GPU gets
+    :data:`NCCL_FAULT_ENV`'s keys it does not set.
     Raises :class:`PlacementError` naming the key for an impossible placement.
     """
     if device == "cpu":
@@ -112,6 +129,7 @@ def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence
         env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", "DISTFLOW_LOCAL_GPU": "0"}
         if gpu is not None:
             env[GPU_NODES_ENV] = str(sharing[gpu])
+            env.update(nccl_fault_env(os.environ if environ is None else environ))
         slots.append(Slot(node_id, role, gpu, env))
     return slots
 

@@ -50,13 +50,14 @@ from distflow.rl.shaping import response_loss_mask, trained_samples, trained_tok
 from distflow.trainer.lora import save_adapter
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
 from distflow.trainer.parallel import tp_size, tp_union, trainer_mesh
+from distflow.trainer.replicas import StepNotCommitted
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
 from distflow.trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Actor", "DTYPES", "DeviceSums", "all_reduce", "flat_to_padded", "grad_sync_mode", "ragged_in_batch_order",
+__all__ = ["Actor", "DTYPES", "DeviceSums", "StepNotCommitted", "all_reduce", "flat_to_padded", "grad_sync_mode", "ragged_in_batch_order",
            "step_micro_batches"]
 
 # Loss metrics some policy losses report (token means): logged per step when any micro-batch had them.
@@ -228,6 +229,9 @@ class Actor:
                             extra / 2**30)
         self.pad_id = 0
         self.version = 0
+        # Replica groups kept in step (distflow.trainer.replicas.ReplicaSync, or None): the optimizer step
+        # averages the gradients over the quorum and is taken only when it commits (StepNotCommitted).
+        self.replicas: Any = None
         self.total_steps: int | None = cfg.max_steps  # the worker sets the run's length when it learns it
         if self.resumed is not None:
             self._resume(Path(cfg.resume_from), self.resumed)
@@ -318,6 +322,9 @@ class Actor:
         for group in self.optim.param_groups:
             group["lr"] = lr
         minis = split_mini_batches(len(batch), cfg.mini_batches_per_step)  # same count on every rank
+        if self.replicas is not None and len(minis) * cfg.ppo_epochs != 1:
+            raise ValueError("trainer replica groups commit one optimizer step a step: mini_batches_per_step "
+                             "and ppo_epochs must be 1 (a step half committed cannot be taken again)")
         steps = [self._optimizer_step(loss_fn, batch if len(minis) == 1 else batch.select(mini), kl_coef)
                  for _ in range(cfg.ppo_epochs) for mini in minis]
         self.version += 1
@@ -389,6 +396,12 @@ class Actor:
             if keep_gathered:
                 self.model.set_reshard_after_backward(True)
                 keep_weights_gathered(self.model, False)
+        if self.replicas is not None:  # replica groups (torchft): the quorum's mean gradient, if it commits
+            self.replicas.average_gradients(self.model)
+            if not self.replicas.commit():
+                self.optim.zero_grad(set_to_none=True)
+                raise StepNotCommitted(f"policy version {self.version}: a replica group dropped out of the "
+                                       "step; the weights are unchanged: take the step again with the new quorum")
         grad_norm = clip_and_step(self.model, self.optim, cfg.grad_clip, "policy")
         out = sums.all_reduce()
         for k in OPTIONAL_METRICS:  # the token-weighted mean over the ranks that reported it, else left out
