@@ -51,6 +51,7 @@ from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, loa
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
 from distflow.trainer.schedule import lr_at
+from distflow.vision import batch_images
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ OPTIM_DIR = "optimizer"
 # grad_sync auto: reduce-scatter once per step only while that holds at most this many bytes
 # per GPU beyond sharded gradients and weights.
 GRAD_SYNC_AUTO_BYTES = 2 << 30
+_WARNED_PACKING: list[bool] = []  # the "no packing with images" message, logged once per process
 
 
 def keep_weights_gathered(model: torch.nn.Module, keep: bool) -> None:
@@ -150,11 +152,22 @@ def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens:
     at the end for ranks with fewer. Packed with a token budget, padded without."""
     prompts, responses = batch.ragged("prompt_tokens"), batch.ragged("response_tokens")
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
+    images = "pixel_values" in batch.tensors
+    if images and max_tokens is not None:  # packed rows would need each sample's M-RoPE positions per row
+        if not _WARNED_PACKING:
+            _WARNED_PACKING.append(True)
+            log.info("max_tokens_per_micro_batch: samples with images are not packed (M-RoPE positions); padded "
+                     "micro-batches of micro_batch_size samples instead")
+        max_tokens = None
     plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
     n = int(all_reduce([len(plan)], dist.ReduceOp.MAX, group)[0])
     for idx in plan:
         ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
-        yield idx, (pack_inputs(ps, rs) if max_tokens is not None else pad_inputs(ps, rs, pad_id))
+        inputs = pack_inputs(ps, rs) if max_tokens is not None else pad_inputs(ps, rs, pad_id)
+        pics = batch_images(batch, idx) if images else None
+        if pics is not None:
+            inputs.pixel_values, inputs.image_grid_thw = pics
+        yield idx, inputs
     for _ in range(n - len(plan)):
         yield None, dummy_inputs()
 
@@ -206,7 +219,8 @@ class Actor:
         self.model = load_for_training(cfg.model_path if self.lora else cfg.resume_from or cfg.model_path, mesh,
                                        self.device, self.compute_dtype,
                                        activation_checkpointing=cfg.activation_checkpointing, lora=self.lora,
-                                       adapter_from=cfg.resume_from if self.lora else None)
+                                       adapter_from=cfg.resume_from if self.lora else None,
+                                       freeze_vision=cfg.freeze_vision_tower)
         self.ref = None
         if with_reference and cfg.kl_coef > 0:
             self.ref = load_for_training(cfg.model_path, mesh, self.device, self.compute_dtype, trainable=False)
@@ -463,6 +477,9 @@ class Actor:
             model.generation_config = GenerationConfig.from_pretrained(self.cfg.model_path, local_files_only=True)
         model.save_pretrained(str(out_dir))
         load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))
+        images = Path(self.cfg.model_path) / "preprocessor_config.json"  # a vision-language model's image processor
+        if images.is_file():
+            (out_dir / images.name).write_bytes(images.read_bytes())
 
 
 def apply_optimizer_config(optim: torch.optim.Optimizer, cfg: Config, lr: float | None = None) -> None:

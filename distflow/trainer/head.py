@@ -209,13 +209,41 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("response_forward: LM heads with a bias are not supported")
-    attention = inputs.attention_kwargs()
-    mask = model_attention_mask(model.model.config, inputs.attention_mask, attention, inputs.input_ids.device)
-    hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
-                         use_cache=False, **attention).last_hidden_state  # [R, L, H]
+    if getattr(model.model, "visual", None) is not None:  # a vision-language model: its images, M-RoPE positions
+        hidden = _vision_hidden(model, inputs)
+    else:
+        attention = inputs.attention_kwargs()
+        mask = model_attention_mask(model.model.config, inputs.attention_mask, attention, inputs.input_ids.device)
+        hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
+                             use_cache=False, **attention).last_hidden_state  # [R, L, H]
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]
     return chunked_logprobs(picked, head_weight(head), inputs.targets, temperature, chunk_tokens, with_entropy,
                             logit_transform(model.config))
+
+
+def _vision_hidden(model: Any, inputs: ModelInputs) -> Tensor:
+    """The decoder's hidden states [R, L, H] of a vision-language micro-batch (padded rows): the
+    images through the vision tower into their placeholder tokens, M-RoPE positions computed as the
+    engine computes them (:func:`distflow.vision.mrope_positions`), so the logprobs are the engine's.
+    Only PROMPT tokens are image placeholders: a sampled response token may be the image-token id
+    (a random policy samples any id), which the model's own forward would take for one."""
+    from distflow.vision import mrope_positions
+
+    inner, ids = model.model, inputs.input_ids
+    mask = inputs.attention_mask if inputs.attention_mask is not None else torch.ones_like(ids)
+    prompt = mask.reshape(-1) != 0
+    prompt[inputs.index + 1] = False  # the response tokens (``index`` points at the positions predicting them)
+    image = (ids == int(inner.config.image_token_id)) & prompt.view_as(ids)
+    embeds = inner.get_input_embeddings()(ids)
+    if inputs.pixel_values is not None:
+        feats = inner.get_image_features(inputs.pixel_values, inputs.image_grid_thw, return_dict=True).pooler_output
+        feats = torch.cat(list(feats)).to(embeds.dtype)
+        if feats.shape[0] != int(image.sum()):
+            raise ValueError(f"{feats.shape[0]} image features for {int(image.sum())} image tokens in the prompts")
+        embeds = embeds.masked_scatter(image[..., None], feats)
+    pos = mrope_positions(model, ids, mask, inputs.image_grid_thw, image)
+    return inner.language_model(inputs_embeds=embeds, attention_mask=inputs.attention_mask, position_ids=pos,
+                                use_cache=False).last_hidden_state
 
 
 def head_weight(head: Any) -> Tensor:
