@@ -235,11 +235,13 @@ def _vision_hidden(model: Any, inputs: ModelInputs) -> Tensor:
     prompt[inputs.index + 1] = False  # the response tokens (``index`` points at the positions predicting them)
     image = (ids == int(inner.config.image_token_id)) & prompt.view_as(ids)
     embeds = inner.get_input_embeddings()(ids)
-    if inputs.pixel_values is not None:
-        feats = inner.get_image_features(inputs.pixel_values, inputs.image_grid_thw, return_dict=True).pooler_output
-        feats = torch.cat(list(feats)).to(embeds.dtype)
-        if feats.shape[0] != int(image.sum()):
-            raise ValueError(f"{feats.shape[0]} image features for {int(image.sum())} image tokens in the prompts")
+    tokens = int(image.sum())  # (one host read per micro-batch)
+    if inputs.pixel_values is not None or tokens:  # image tokens without images: the sample lost them on the way
+        feats = None if inputs.pixel_values is None else torch.cat(list(inner.get_image_features(
+            inputs.pixel_values, inputs.image_grid_thw, return_dict=True).pooler_output)).to(embeds.dtype)
+        if feats is None or feats.shape[0] != tokens:
+            raise ValueError(f"{0 if feats is None else feats.shape[0]} image features for {tokens} image tokens in "
+                             f"the prompts of a micro-batch")
         embeds = embeds.masked_scatter(image[..., None], feats)
     pos = mrope_positions(model, ids, mask, inputs.image_grid_thw, image)
     return inner.language_model(inputs_embeds=embeds, attention_mask=inputs.attention_mask, position_ids=pos,
