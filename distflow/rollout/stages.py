@@ -151,7 +151,10 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     Rows whose prompt is unusable are skipped (``bad_prompts``); of the others, rows without a
     key a reward reads, or that a reward's ``check_row`` refuses, are bad rows
     (:func:`row_requirements`; counted in their loader's
-    ``bad_rows_skipped``, or as ``bad_rows`` in ``stats`` for rows no loader read)."""
+    ``bad_rows_skipped``, or as ``bad_rows`` in ``stats`` for rows no loader read). With a
+    vision-language engine (``engine.vision``) each row's images are read and rendered into its
+    prompt (:func:`distflow.vision.encode_image_rows`; a bad image is a bad row the same way) and
+    travel with every sample of the row (:func:`distflow.vision.attach_images`)."""
     vision = getattr(engine, "vision", None)
     pics: list[Any] = []
     if vision is not None:  # a vision-language model: each row's images, its prompt in the chat template
@@ -163,6 +166,12 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
         encoded: list[Any] = [None if p is None else p[0] for p in pairs]  # None: a bad row, counted already
         pics = [None if p is None else p[1] for p in pairs]
     else:
+        with_images = next((r for r in rows if isinstance(r.data, dict) and r.data.get(cfg.image_key) is not None),
+                           None)
+        if with_images is not None:  # generating without them would train on prompts the data does not hold
+            raise StageError(f"{with_images.where or with_images.prompt_id}: the row lists images (key "
+                             f"{cfg.image_key!r}) but the engine's model takes none (a vision-language model on "
+                             f"engine: torch does; docs/vlm.md)")
         encoded = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
     bad = [e for e in encoded if isinstance(e, str)]
     if bad:  # counted and named, never a crash: the rest of the step goes on
