@@ -8,7 +8,9 @@ nothing downloaded), solid-colour PNGs written by pillow.
   skip``), and an error naming it under ``bad_rows: error``;
 - the trainer's logprobs (FSDP2, images travelling as SampleBatch fields) are the engine's;
 - examples/vlm_quickstart.yaml learns in its default run (the step functions, one process);
-- a real ``distflow run --in-process`` of it (1 rollout x 1 trainer) trains every image sample once.
+- a real ``distflow run`` of it (2 rollout x 2 trainer processes) trains every image sample once, on
+  the rank that owns it;
+- rows listing images stop the step when the engine's model takes none.
 """
 
 from __future__ import annotations
@@ -157,21 +159,40 @@ def test_vlm_quickstart_learns(tmp_path):
     assert last >= 0.5, rewards  # above the 0.25 of a policy that names colours without looking
 
 
-def test_a_real_run_trains_every_image_sample_once(tmp_path):
-    """`distflow run --in-process` of the example, 1 rollout x 1 trainer, 3 steps: the launcher builds
-    the toy VLM, every sample of every prompt reaches the trainer once (its images with it: a
-    sample whose image tokens arrive without pixels fails the trainer's forward)."""
+def test_a_real_2x2_run_trains_every_image_sample_once(tmp_path):
+    """`distflow run` of the example as 2 rollout x 2 trainer node processes, 3 steps: the launcher
+    builds the toy VLM; every sample of every prompt reaches the trainer rank that owns it, once (its
+    images with it: a sample whose image tokens arrive without pixels fails the trainer's forward);
+    FSDP2 shards the model (vision tower included) over the 2 trainers; the checkpoint is a vision-
+    language model directory again (image processor included)."""
+    from distflow.buffer.routing import owner
     from distflow.trace import read_trace
 
     out = tmp_path / "out"
-    r = run_distflow(["run", str(EXAMPLE), "--no-progress", "--in-process", f"output_dir={out}",
-                      f"model_path={tmp_path / 'model'}", "max_steps=3", "prompts_per_step=4", "group_size=2",
+    r = run_distflow(["run", str(EXAMPLE), "--no-progress", f"output_dir={out}", f"model_path={tmp_path / 'model'}",
+                      "max_steps=3", "prompts_per_step=8", "group_size=2", "rollout_nodes=2", "trainer_nodes=2",
                       "trace_samples=true"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     trace = read_trace(out)
-    prompts = [p for rec in trace["rollout-0"] for p in rec["prompt_ids"]]
-    samples = [s for rec in trace["trainer-0"] for s in rec["sample_ids"]]
-    assert len(prompts) == 3 * 4
-    assert sorted(samples) == sorted(f"{p}:s{j}" for p in set(prompts) for j in range(2))
+    shards = [[p for rec in trace[f"rollout-{k}"] for p in rec["prompt_ids"]] for k in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 3 * 4 and not set(shards[0]) & set(shards[1])
+    seen = []
+    for rank in range(2):
+        for rec in trace[f"trainer-{rank}"]:
+            assert all(owner(s, 2) == rank for s in rec["sample_ids"])
+            seen += rec["sample_ids"]
+    assert sorted(seen) == sorted(f"{p}:s{j}" for p in shards[0] + shards[1] for j in range(2))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in rows] == [0, 1, 2] and all(x["prompt_len_min"] == 15 for x in rows)  # 11 text + 4 image tokens
+    assert [x["step"] for x in rows] == [0, 1, 2] and all(x["prompt_len_min"] == 15 for x in rows)  # 11 text + 4 image
+    ckpt = TorchEngine(str(out / "checkpoint"))
+    assert ckpt.vision is not None and ckpt.vision.image_processor.patch_size == 4
+
+
+def test_rows_with_images_and_a_text_only_model_stop_the_step_naming_the_row(toy_model, tmp_path):
+    from distflow.rl.catalog import StageError
+
+    path = make_vlm_dataset(tmp_path / "d.jsonl", 2, n_images=2)
+    cfg = load_config(EXAMPLE, [f"model_path={toy_model}", "toy_model=false", f"dataset={path}"])
+    with pytest.raises(StageError, match=r"d.jsonl:1: the row lists images \(key 'images'\) but the engine's model "
+                                         r"takes none"):
+        generate_rows(TorchEngine(str(toy_model)), cfg, PromptShard(path, 0, 1, shuffle=False).batch(0, 0, 2), 0)
