@@ -46,30 +46,44 @@ def is_vision_config(config: Any) -> bool:
 
 
 def load_images(paths: Any, base_dir: str | os.PathLike[str], max_pixels: int | None, where: str) -> list[Any]:
-    """The RGB pillow images of ``paths`` (a list of strings, relative to ``base_dir`` or absolute).
-    Raises :class:`DatasetError` naming ``where`` (the row) and the file when a path is missing,
-    unreadable or its image has more than ``max_pixels`` pixels (checked from the header, before
-    the pixels are decoded: a decompression bomb is refused without being decoded)."""
+    """The RGB pillow images of ``paths``: a list of file paths (strings, relative to ``base_dir``
+    or absolute) or of ``{"bytes": ..., "path": ...}`` structs (a Parquet image column, as Hugging
+    Face ``datasets`` writes one: the encoded bytes, else the path). Raises :class:`DatasetError`
+    naming ``where`` (the row) and the image when one is missing, unreadable or has more than
+    ``max_pixels`` pixels (checked from the header, before the pixels are decoded: a decompression
+    bomb is refused without being decoded)."""
+    import io
+
     from PIL import Image
 
-    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
-        raise DatasetError(f"{where}: 'images' must be a non-empty list of file paths, got {paths!r:.80}")
+    if not isinstance(paths, list) or not paths:
+        raise DatasetError(f"{where}: 'images' must be a non-empty list of file paths or image structs, "
+                           f"got {paths!r:.80}")
     out = []
-    for p in paths:
-        path = Path(p) if os.path.isabs(p) else Path(base_dir) / p
-        if not path.is_file():
-            raise DatasetError(f"{where}: image {p!r} not found ({path})")
+    for k, p in enumerate(paths):
+        data = p.get("bytes") if isinstance(p, dict) else None
+        if isinstance(p, dict) and data is None:
+            p = p.get("path")
+        if data is not None:
+            name, src = f"#{k} (bytes)", io.BytesIO(data)
+        elif isinstance(p, str) and p:
+            name, src = repr(p), Path(p) if os.path.isabs(p) else Path(base_dir) / p
+            if not src.is_file():
+                raise DatasetError(f"{where}: image {name} not found ({src})")
+        else:
+            raise DatasetError(f"{where}: image #{k} is neither a file path nor a struct with bytes or a path: "
+                               f"{p!r:.80}")
         try:
-            with Image.open(path) as im:
+            with Image.open(src) as im:
                 w, h = im.size
                 if max_pixels is not None and w * h > max_pixels:
-                    raise DatasetError(f"{where}: image {p!r} is {w}x{h} = {w * h} pixels, over max_image_pixels "
-                                       f"{max_pixels}")
+                    raise DatasetError(f"{where}: image {name} is {w}x{h} = {w * h} pixels, over "
+                                       f"max_image_pixels {max_pixels}")
                 out.append(im.convert("RGB"))
         except DatasetError:
             raise
         except Exception as e:  # pillow's UnidentifiedImageError, truncated files, OSError ...
-            raise DatasetError(f"{where}: image {p!r} cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
+            raise DatasetError(f"{where}: image {name} cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
     return out
 
 

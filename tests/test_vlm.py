@@ -196,3 +196,33 @@ def test_rows_with_images_and_a_text_only_model_stop_the_step_naming_the_row(toy
     with pytest.raises(StageError, match=r"d.jsonl:1: the row lists images \(key 'images'\) but the engine's model "
                                          r"takes none"):
         generate_rows(TorchEngine(str(toy_model)), cfg, PromptShard(path, 0, 1, shuffle=False).batch(0, 0, 2), 0)
+
+
+def test_parquet_image_structs_are_read_and_a_corrupt_one_is_a_counted_skip(engine, vlm_model, tmp_path):
+    """A Parquet ``images`` column of ``{bytes, path}`` structs (Hugging Face datasets' image format):
+    bytes are decoded, a path is relative to the file; corrupt bytes are a bad row named by its row."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    def png(rgb) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (16, 16), rgb).save(buf, format="PNG")
+        return buf.getvalue()
+
+    make_vlm_dataset(tmp_path / "unused.jsonl", 1, n_images=1)  # images/0.png, for the path struct
+    rows = [[{"bytes": png((200, 10, 10)), "path": None}], [{"bytes": None, "path": "images/0.png"}],
+            [{"bytes": b"garbage", "path": "x.png"}]]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["?"] * 3, "images": rows, "answer": ["red", "red", "blue"]}), path)
+    cfg = load_config(EXAMPLE, [f"model_path={vlm_model}", "toy_model=false", f"dataset={path}", "group_size=2"])
+    loader = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip")
+    batch = generate_rows(engine, cfg, loader.batch(0, 0, 3), seed=0)
+    assert batch.prompt_ids == ["e0:0", "e0:0", "e0:1", "e0:1"] and loader.bad_rows_skipped == 1
+    assert batch.tensors["image_grid_thw"].view(-1, 3).tolist() == [[1, 4, 4]] * 4
+    red = batch.tensors["pixel_values"].view(4, 16, 96)
+    assert not torch.equal(red[0], red[2])  # the bytes' image and the file's are different pictures
+    with pytest.raises(DatasetError, match=r"d.parquet: row 3: image #0 \(bytes\) cannot be read"):
+        generate_rows(engine, cfg, PromptShard(str(path), 0, 1, shuffle=False).batch(0, 2, 1), seed=0)

@@ -105,8 +105,8 @@ class DataSection(Section):
         "encodes to no tokens is skipped and counted (`bad_prompts` in the step's metrics), never a crash"))
     chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
     image_key: str = Field("images", min_length=1, description=(
-        "vision-language models (docs/vlm.md): the row key listing the prompt's image files, paths relative to the "
-        "dataset file or absolute; the prompt is rendered in the model's chat template with one image placeholder "
+        "vision-language models (docs/vlm.md): the row key listing the prompt's images: file paths relative to the "
+        "dataset file or absolute, or (Parquet) `{bytes, path}` structs; the prompt is rendered in the model's chat template with one image placeholder "
         "per image. A row whose image is missing, unreadable or too large is a bad row (`bad_rows`), named; a "
         "row without the key is a text prompt"))
     max_image_pixels: int | None = Field(16_777_216, ge=1, description=(
