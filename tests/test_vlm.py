@@ -119,24 +119,41 @@ def test_missing_corrupt_and_oversized_images_are_counted_skips_naming_the_row(e
 
 def test_trainer_logprobs_with_images_are_the_engines(vlm_model, tmp_path):
     """One FSDP2 trainer rank recomputes the batch's logprobs (images from the SampleBatch fields,
-    padded micro-batches although packing is asked for): the engine's, to 1e-4."""
+    padded micro-batches although packing is asked for), with the policy and with the frozen
+    reference: the engine's, to 1e-4; ``freeze_vision_tower`` leaves only the language model trainable."""
     from distflow.trainer.actor import Actor
     from tests.process_group import process_group, store_path
 
     torch.set_num_threads(2)
     path = make_vlm_dataset(tmp_path / "d.jsonl", 4, n_images=4)
-    cfg = load_config(EXAMPLE, [f"model_path={vlm_model}", "toy_model=false", f"dataset={path}", "group_size=3",
-                                "max_new_tokens=3", "micro_batch_size=5", "max_tokens_per_micro_batch=64",
-                                "freeze_vision_tower=true"])
+    with_ref = tmp_path / "with_reference.yaml"  # the example with a reference node: a KL penalty
+    with_ref.write_text(EXAMPLE.read_text().replace("deps: [advantage]}", "deps: [advantage, reference]}") +
+                        "  - {id: reference, role: REFERENCE, type: MODEL_INFERENCE, fn: ref_logprob, deps: [generate]}\n")
+    keys = [f"model_path={vlm_model}", "toy_model=false", f"dataset={path}", "group_size=3", "max_new_tokens=3",
+            "micro_batch_size=5", "max_tokens_per_micro_batch=64", "kl_coef=0.001"]
+    cfg = load_config(with_ref, [*keys, "freeze_vision_tower=true"])
     eng = TorchEngine(str(vlm_model))
     batch = generate_rows(eng, cfg, PromptShard(path, 0, 1, shuffle=False).batch(0, 0, 4), seed=1)
     with process_group(store_path(tmp_path)):
-        actor = Actor(cfg, with_reference=False)
+        actor = Actor(cfg, with_reference=True)  # the frozen reference takes the same path
         assert not any(p.requires_grad for p in actor.model.model.visual.parameters())
         assert all(p.requires_grad for p in actor.model.model.language_model.parameters())
         actor.old_logprobs(batch)
-    diff = (batch.tensors["old_logprobs"] - batch.tensors["logprobs"]).abs().max().item()
-    assert diff < 1e-4, diff
+        actor.reference_logprobs(batch)
+        for name in ("old_logprobs", "ref_logprobs"):
+            diff = (batch.tensors[name] - batch.tensors["logprobs"]).abs().max().item()
+            assert diff < 1e-4, (name, diff)
+        # one update: the frozen tower keeps its weights, the language model moves; unfrozen, the tower moves too
+        batch.set_scalar("advantage", torch.linspace(-1.0, 1.0, len(batch)))
+        for freeze, trainer in ((True, actor), (False, None)):
+            if trainer is None:
+                trainer = Actor(load_config(with_ref, [*keys, "freeze_vision_tower=false"]), with_reference=False)
+            before = trainer.full_state_dict()
+            trainer.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
+            moved = {n for n, p in trainer.full_state_dict().items() if not torch.equal(p, before[n])}
+            vision = {n for n in before if ".visual." in n}
+            assert vision and (not moved & vision if freeze else vision <= moved), (freeze, sorted(moved))
+            assert any(".language_model." in n for n in moved)
 
 
 def test_vlm_quickstart_learns(tmp_path):
