@@ -119,7 +119,7 @@ def test_missing_corrupt_and_oversized_images_are_counted_skips_naming_the_row(e
 
 def test_trainer_logprobs_with_images_are_the_engines(vlm_model, tmp_path):
     """One FSDP2 trainer rank recomputes the batch's logprobs (images from the SampleBatch fields,
-    padded micro-batches although packing is asked for), with the policy and with the frozen
+    packed micro-batches: each sample's M-RoPE positions in its row), with the policy and with the frozen
     reference: the engine's, to 1e-4; ``freeze_vision_tower`` leaves only the language model trainable."""
     from distflow.trainer.actor import Actor
     from tests.process_group import process_group, store_path
@@ -138,6 +138,10 @@ def test_trainer_logprobs_with_images_are_the_engines(vlm_model, tmp_path):
         actor = Actor(cfg, with_reference=True)  # the frozen reference takes the same path
         assert not any(p.requires_grad for p in actor.model.model.visual.parameters())
         assert all(p.requires_grad for p in actor.model.model.language_model.parameters())
+        from distflow.trainer.actor import step_micro_batches
+
+        packed = [inputs for idx, inputs in step_micro_batches(batch, micro_batch_size=5, max_tokens=64)]
+        assert all(x.attention_mask is None and len(x.seq_lens) > 1 for x in packed[:-1])  # several samples a row
         actor.old_logprobs(batch)
         actor.reference_logprobs(batch)
         for name in ("old_logprobs", "ref_logprobs"):

@@ -64,7 +64,6 @@ OPTIM_DIR = "optimizer"
 # grad_sync auto: reduce-scatter once per step only while that holds at most this many bytes
 # per GPU beyond sharded gradients and weights.
 GRAD_SYNC_AUTO_BYTES = 2 << 30
-_WARNED_PACKING: list[bool] = []  # the "no packing with images" message, logged once per process
 
 
 def keep_weights_gathered(model: torch.nn.Module, keep: bool) -> None:
@@ -153,12 +152,6 @@ def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens:
     prompts, responses = batch.ragged("prompt_tokens"), batch.ragged("response_tokens")
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
     images = "pixel_values" in batch.tensors
-    if images and max_tokens is not None:  # packed rows would need each sample's M-RoPE positions per row
-        if not _WARNED_PACKING:
-            _WARNED_PACKING.append(True)
-            log.info("max_tokens_per_micro_batch: samples with images are not packed (M-RoPE positions); padded "
-                     "micro-batches of micro_batch_size samples instead")
-        max_tokens = None
     plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
     n = int(all_reduce([len(plan)], dist.ReduceOp.MAX, group)[0])
     for idx in plan:

@@ -243,9 +243,31 @@ def _vision_hidden(model: Any, inputs: ModelInputs) -> Tensor:
             raise ValueError(f"{0 if feats is None else feats.shape[0]} image features for {tokens} image tokens in "
                              f"the prompts of a micro-batch")
         embeds = embeds.masked_scatter(image[..., None], feats)
-    pos = mrope_positions(model, ids, mask, inputs.image_grid_thw, image)
+    if inputs.seq_lens:  # a packed row: each sample's M-RoPE positions, after its text positions (Qwen2-VL
+        pos = _packed_mrope(model, ids, image, inputs)  # builds the per-sample causal mask from those)
+    else:
+        pos = mrope_positions(model, ids, mask, inputs.image_grid_thw, image)
     return inner.language_model(inputs_embeds=embeds, attention_mask=inputs.attention_mask, position_ids=pos,
                                 use_cache=False).last_hidden_state
+
+
+def _packed_mrope(model: Any, ids: Tensor, image: Tensor, inputs: ModelInputs) -> Tensor:
+    """Position ids [4, 1, S] of a packed vision-language row: its text positions (0, 1, ... per
+    sample: what the attention mask is built from, one causal block per sample) then the M-RoPE
+    positions of each sample on its own, its images' grids taken in order (one grid per run of
+    image tokens in its prompt)."""
+    from distflow.vision import mrope_positions
+
+    grids = inputs.image_grid_thw
+    parts, start, used = [], 0, 0
+    flags = image[0].tolist()
+    for n in inputs.seq_lens:
+        seg = slice(start, start + n)
+        k = sum(flags[i] and (i == start or not flags[i - 1]) for i in range(start, start + n))  # its image blocks
+        grid = None if grids is None or not k else grids[used:used + k]
+        parts.append(mrope_positions(model, ids[:, seg], torch.ones_like(ids[:, seg]), grid, image[:, seg]))
+        start, used = start + n, used + k
+    return torch.cat([inputs.position_ids[None], torch.cat(parts, dim=-1)], dim=0)
 
 
 def head_weight(head: Any) -> Tensor:
