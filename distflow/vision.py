@@ -161,8 +161,8 @@ def encode_image_rows(prompter: VisionPrompter, rows: list[PromptRow], prompt_ke
     """Each row's (prompt ids, image inputs), or None for a bad row: one whose images are missing,
     unreadable, too large, or do not fit its prompt, rejected (raised under ``bad_rows: error``,
     else skipped and counted) by the policy of the loader that read it (``fallback`` for a row
-    made elsewhere), the message naming the row. A row without ``image_key`` is a text prompt
-    (image inputs None). Image paths are relative to the row's file (``default_dir`` when it
+    made elsewhere), the message naming the row. A row without ``image_key`` (or with an empty
+    list, as datasets mixing text rows in write them) is a text prompt (image inputs None). Image paths are relative to the row's file (``default_dir`` when it
     has none)."""
     out: list[tuple[list[int], ImageInputs | None] | None] = []
     for r in rows:
@@ -170,7 +170,7 @@ def encode_image_rows(prompter: VisionPrompter, rows: list[PromptRow], prompt_ke
         data = r.data if isinstance(r.data, dict) else {}
         paths = data.get(image_key)
         try:
-            images = [] if paths is None else load_images(  # no images: a text prompt, rendered the same way
+            images = [] if paths is None or paths == [] else load_images(  # none: a text prompt, rendered alike
                 paths, os.path.dirname(os.path.abspath(r.source)) if r.source else default_dir, max_pixels, where)
             try:
                 out.append(prompter.encode(data.get(prompt_key), images))

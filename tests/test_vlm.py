@@ -95,6 +95,7 @@ def _bad_rows_dataset(tmp_path: Path) -> Path:
     with open(path, "a") as f:
         for name in ("missing.png", "corrupt.png", "big.png"):
             f.write(json.dumps({"prompt": "?", "images": [f"images/{name}"], "answer": "red"}) + "\n")
+        f.write(json.dumps({"prompt": "?", "images": [], "answer": "red"}) + "\n")  # a text row
     return path
 
 
@@ -103,14 +104,15 @@ def test_missing_corrupt_and_oversized_images_are_counted_skips_naming_the_row(e
     cfg = load_config(EXAMPLE, [f"model_path={vlm_model}", "toy_model=false", f"dataset={path}",
                                 "max_image_pixels=1024", "group_size=2"])
     loader = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="skip")
-    rows = loader.batch(0, 0, 6)
+    rows = loader.batch(0, 0, 7)
     stats: dict[str, float] = {}
     batch = generate_rows(engine, cfg, rows, seed=0, stats=stats)
     assert loader.bad_rows_skipped == 3
-    assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:1", "e0:2"] and len(batch) == 6
-    # each sample carries its prompt's images: 16 patches x 96 values, one (1, 4, 4) grid
-    assert batch.tensors["pixel_lens"].tolist() == [16 * 96] * 6
+    assert sorted(set(batch.prompt_ids)) == ["e0:0", "e0:1", "e0:2", "e0:6"] and len(batch) == 8
+    # each sample carries its prompt's images: 16 patches x 96 values, one (1, 4, 4) grid; the text row none
+    assert batch.tensors["pixel_lens"].tolist() == [16 * 96] * 6 + [0, 0]
     assert batch.tensors["image_grid_thw"].view(-1, 3).tolist() == [[1, 4, 4]] * 6
+    assert batch.tensors["prompt_lens"].tolist() == [15] * 6 + [9] * 2  # 4 image tokens and their 2 markers
     strict = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="error")
     for line, what in ((4, "not found"), (5, "cannot be read"), (6, "is 64x64 = 4096 pixels, over max_image_pixels 1024")):
         with pytest.raises(DatasetError, match=f"d.jsonl:{line}: image 'images/.*' {what}"):

@@ -166,8 +166,7 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
         encoded: list[Any] = [None if p is None else p[0] for p in pairs]  # None: a bad row, counted already
         pics = [None if p is None else p[1] for p in pairs]
     else:
-        with_images = next((r for r in rows if isinstance(r.data, dict) and r.data.get(cfg.image_key) is not None),
-                           None)
+        with_images = next((r for r in rows if isinstance(r.data, dict) and r.data.get(cfg.image_key)), None)
         if with_images is not None:  # generating without them would train on prompts the data does not hold
             raise StageError(f"{with_images.where or with_images.prompt_id}: the row lists images (key "
                              f"{cfg.image_key!r}) but the engine's model takes none (a vision-language model on "
