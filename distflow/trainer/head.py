@@ -222,7 +222,7 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
 
 
 def _vision_hidden(model: Any, inputs: ModelInputs) -> Tensor:
-    """The decoder's hidden states [R, L, H] of a vision-language micro-batch (padded rows): the
+    """The decoder's hidden states [R, L, H] of a vision-language micro-batch (padded or packed): the
     images through the vision tower into their placeholder tokens, M-RoPE positions computed as the
     engine computes them (:func:`distflow.vision.mrope_positions`), so the logprobs are the engine's.
     Only PROMPT tokens are image placeholders: a sampled response token may be the image-token id

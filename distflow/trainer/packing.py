@@ -55,7 +55,7 @@ class ModelInputs:
     cu_seqlens: Tensor | None = None
     max_len: int = 0
     seq_lens: tuple[int, ...] = ()
-    pixel_values: Tensor | None = None  # a vision-language micro-batch's images (distflow/vision.py), padded rows only
+    pixel_values: Tensor | None = None  # a vision-language micro-batch's images (distflow/vision.py)
     image_grid_thw: Tensor | None = None
 
     def to(self, device: torch.device) -> "ModelInputs":
