@@ -162,8 +162,8 @@ def encode_image_rows(prompter: VisionPrompter, rows: list[PromptRow], prompt_ke
     unreadable, too large, or do not fit its prompt, rejected (raised under ``bad_rows: error``,
     else skipped and counted) by the policy of the loader that read it (``fallback`` for a row
     made elsewhere), the message naming the row. A row without ``image_key`` (or with an empty
-    list, as datasets mixing text rows in write them) is a text prompt (image inputs None). Image paths are relative to the row's file (``default_dir`` when it
-    has none)."""
+    list, as datasets mixing text rows in write them) is a text prompt (image inputs None). Image
+    paths are relative to the row's file (``default_dir`` when it has none)."""
     out: list[tuple[list[int], ImageInputs | None] | None] = []
     for r in rows:
         where = r.where or "prompt " + r.prompt_id

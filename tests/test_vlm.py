@@ -114,7 +114,8 @@ def test_missing_corrupt_and_oversized_images_are_counted_skips_naming_the_row(e
     assert batch.tensors["image_grid_thw"].view(-1, 3).tolist() == [[1, 4, 4]] * 6
     assert batch.tensors["prompt_lens"].tolist() == [15] * 6 + [9] * 2  # 4 image tokens and their 2 markers
     strict = PromptShard(str(path), 0, 1, shuffle=False, bad_rows="error")
-    for line, what in ((4, "not found"), (5, "cannot be read"), (6, "is 64x64 = 4096 pixels, over max_image_pixels 1024")):
+    for line, what in ((4, "not found"), (5, "cannot be read"),
+                       (6, "is 64x64 = 4096 pixels, over max_image_pixels 1024")):
         with pytest.raises(DatasetError, match=f"d.jsonl:{line}: image 'images/.*' {what}"):
             generate_rows(engine, cfg, strict.batch(0, line - 1, 1), seed=0)
 
@@ -129,8 +130,8 @@ def test_trainer_logprobs_with_images_are_the_engines(vlm_model, tmp_path):
     torch.set_num_threads(2)
     path = make_vlm_dataset(tmp_path / "d.jsonl", 4, n_images=4)
     with_ref = tmp_path / "with_reference.yaml"  # the example with a reference node: a KL penalty
-    with_ref.write_text(EXAMPLE.read_text().replace("deps: [advantage]}", "deps: [advantage, reference]}") +
-                        "  - {id: reference, role: REFERENCE, type: MODEL_INFERENCE, fn: ref_logprob, deps: [generate]}\n")
+    reference = "  - {id: reference, role: REFERENCE, type: MODEL_INFERENCE, fn: ref_logprob, deps: [generate]}\n"
+    with_ref.write_text(EXAMPLE.read_text().replace("deps: [advantage]}", "deps: [advantage, reference]}") + reference)
     keys = [f"model_path={vlm_model}", "toy_model=false", f"dataset={path}", "group_size=3", "max_new_tokens=3",
             "micro_batch_size=5", "max_tokens_per_micro_batch=64", "kl_coef=0.001"]
     cfg = load_config(with_ref, [*keys, "freeze_vision_tower=true"])
