@@ -38,10 +38,22 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
+def _auto_class(cfg: Any) -> Any:
+    """``AutoModelForCausalLM``, or for a vision-language model (a config with a ``vision_config``:
+    Qwen2-VL, which ``AutoModelForCausalLM`` does not map) ``AutoModelForImageTextToText``, whose
+    ``*ForConditionalGeneration`` holds the vision tower and the language model under ``.model``."""
+    if getattr(cfg, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
     p = check_model_dir(path)
     with LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
+        cfg = AutoConfig.from_pretrained(str(p), local_files_only=True)
+        model = _auto_class(cfg).from_pretrained(str(p), dtype=dtype, local_files_only=True)
     return model.to(device)
 
 
@@ -52,7 +64,7 @@ def meta_causal_lm(path: str | Path, dtype: torch.dtype) -> Any:
     with LOAD_LOCK:
         cfg = AutoConfig.from_pretrained(str(p), local_files_only=True)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            return _auto_class(cfg).from_config(cfg, dtype=dtype)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -146,12 +146,16 @@ def build_toy_reward_model(out_dir: str | os.PathLike[str], *, seed: int = 0, hi
 def ensure_toy_model(out_dir: str | os.PathLike[str], *, seed: int = 0, kind: str = "successor") -> str:
     """Build the toy model of ``kind`` (``successor``: this module's; ``tool``:
     :func:`distflow.env.toy_tasks.build_tool_model`; ``gsm8k``:
-    :func:`distflow.toy_gsm8k.build_gsm8k_model`; ``reward``: :func:`build_toy_reward_model`)
-    into ``out_dir`` unless a ``config.json`` is already there."""
-    if kind not in ("successor", "gsm8k", "reward", "tool"):
-        raise ValueError(f"toy model kind {kind!r} is not successor, gsm8k, reward or tool")
+    :func:`distflow.toy_gsm8k.build_gsm8k_model`; ``reward``: :func:`build_toy_reward_model`; ``vlm``:
+    :func:`distflow.toy_vlm.build_vlm_model`) into ``out_dir`` unless a ``config.json`` is already there."""
+    if kind not in ("successor", "gsm8k", "reward", "tool", "vlm"):
+        raise ValueError(f"toy model kind {kind!r} is not successor, gsm8k, reward, tool or vlm")
     if not (Path(out_dir) / "config.json").is_file():
-        if kind == "tool":  # the tool toy task's (distflow.env.toy_tasks): a chat template, digits only
+        if kind == "vlm":  # a tiny Qwen2-VL and its image processor (needs pillow: the vlm extra)
+            from distflow.toy_vlm import build_vlm_model
+
+            build_vlm_model(out_dir, seed=seed)
+        elif kind == "tool":  # the tool toy task's (distflow.env.toy_tasks): a chat template, digits only
             from distflow.env.toy_tasks import build_tool_model
 
             build_tool_model(out_dir, seed=seed)

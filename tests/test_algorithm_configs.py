@@ -134,8 +134,9 @@ def curves(request, toy_model) -> Iterator[dict[str, Future]]:
 
 def test_every_shipped_toy_config_has_a_learning_test() -> None:
     shipped = sorted(p.name.removesuffix("_quickstart.yaml") for p in (ROOT / "examples").glob("*_quickstart.yaml"))
-    # tool: multi-turn episodes, learning in tests/test_agent_learning.py; grpo_lora: LoRA, in tests/test_lora.py
-    assert shipped == sorted(LEARNS + AS_SHIPPED + ["tool", "grpo_lora"]) and sorted(LONGEST_FIRST) == LEARNS
+    # tool: multi-turn episodes, learning in tests/test_agent_learning.py; grpo_lora: LoRA, in tests/test_lora.py;
+    # vlm: images, in tests/test_vlm.py
+    assert shipped == sorted(LEARNS + AS_SHIPPED + ["tool", "grpo_lora", "vlm"]) and sorted(LONGEST_FIRST) == LEARNS
 
 
 @pytest.mark.timeout(960)  # past the wait below, so a slow run fails with the worker's error, not pytest's kill

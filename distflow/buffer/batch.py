@@ -31,7 +31,11 @@ PROMPT_FIELDS = ("prompt_tokens",)
 RESPONSE_FIELDS = ("response_tokens", "logprobs", "ref_logprobs", "values", "old_logprobs", "token_advantages", "returns",
                    "loss_mask")
 SCALAR_FIELDS = ("policy_version", "reward", "advantage", "truncated", "last_version")
-LENGTHS = {"prompt_tokens": "prompt_lens", **{f: "response_lens" for f in RESPONSE_FIELDS}}
+# A vision-language prompt's images (distflow/vision.py), present only when the model takes images: its
+# pixel patches flat (float32, patches x patch_dim values) and its images' (t, h, w) patch grids flat (int64,
+# 3 per image). Every sample of a prompt carries them, so they travel with it to whichever trainer owns it.
+IMAGE_LENGTHS = {"pixel_values": "pixel_lens", "image_grid_thw": "image_grid_lens"}
+LENGTHS = {"prompt_tokens": "prompt_lens", **{f: "response_lens" for f in RESPONSE_FIELDS}, **IMAGE_LENGTHS}
 PACKED = "packed"  # meta key (the layout) and tensor name (the buffer) of the packed wire form
 MAX_FIELDS = 256
 

@@ -71,6 +71,7 @@ class PromptRow:
     data: dict[str, Any]
     where: str = ""  # "file:line" (or "file: row N"), for messages about the row; "" for rows made elsewhere
     policy: BadRowPolicy | None = field(default=None, repr=False, compare=False)  # the loader's, when it read it
+    source: str = ""  # the file it was read from ("" for rows made elsewhere): a row's image paths are relative to it
 
 
 def _absent(data: Mapping[str, Any], key: str) -> bool:
@@ -332,7 +333,7 @@ class PromptShard:
             if problem is not None:
                 self._policy.reject(problem)  # raises with bad_rows: error
                 continue
-            out.append(PromptRow(prompt_id(r), r, value, where, self._policy))
+            out.append(PromptRow(prompt_id(r), r, value, where, self._policy, self.path))
         return out
 
     def problems(self, rows: Sequence[int], keys: Mapping[str, str] | None = None,

@@ -67,10 +67,15 @@ class ModelSection(Section):
         "reward model at the `args.path` of each REWARD MODEL_INFERENCE node that is missing one; `distflow "
         "toy-model --kind reward DIR` builds it by hand). Only `distflow run` builds it; a hand-started node "
         "(`distflow-node`) refuses a missing one, naming the `distflow toy-model DIR` command that builds it"))
-    toy_kind: Literal["successor", "gsm8k", "tool"] = Field("successor", description=(
+    toy_kind: Literal["successor", "gsm8k", "tool", "vlm"] = Field("successor", description=(
         "which toy model `toy_model` builds: `successor` (the quickstart's character-level Llama), `gsm8k` (a "
-        "byte-level BPE tokenizer with a Qwen chat template and a tiny Qwen2; docs/gsm8k.md) or `tool` (a "
-        "character-level chat tokenizer with a Hermes tool template and a tiny Llama; docs/agents.md)"))
+        "byte-level BPE tokenizer with a Qwen chat template and a tiny Qwen2; docs/gsm8k.md), `tool` (a "
+        "character-level chat tokenizer with a Hermes tool template and a tiny Llama; docs/agents.md) or `vlm` "
+        "(a tiny Qwen2-VL with its image processor, for the colour-naming task; docs/vlm.md)"))
+    freeze_vision_tower: bool = Field(False, description=(
+        "vision-language models (docs/vlm.md): keep the vision tower's weights fixed (no gradients, no optimizer "
+        "state; the tower still runs in every forward). `false` trains it with the language model. Ignored for "
+        "text-only models"))
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
         "compute dtype of the trainer and the engines: `float32` or `bfloat16` (master weights, AdamW state and "
         "gradient reduction stay fp32: FSDP2 `MixedPrecisionPolicy`; the checkpoint's Hugging Face weights are "
@@ -99,6 +104,15 @@ class DataSection(Section):
         "(`[{role, content}, ...]`, rendered with the template). A row whose prompt is neither, malformed, or "
         "encodes to no tokens is skipped and counted (`bad_prompts` in the step's metrics), never a crash"))
     chat_template: bool = Field(False, description="wrap each prompt in the tokenizer's chat template")
+    image_key: str = Field("images", min_length=1, description=(
+        "vision-language models (docs/vlm.md): the row key listing the prompt's images: file paths relative to the "
+        "dataset file or absolute, or (Parquet) `{bytes, path}` structs; the prompt is rendered in the model's chat template with one image placeholder "
+        "per image. A row whose image is missing, unreadable or too large is a bad row (`bad_rows`), named; a "
+        "row without the key is a text prompt"))
+    max_image_pixels: int | None = Field(16_777_216, ge=1, description=(
+        "an image with more pixels (width x height, read from its header before it is decoded) makes its row a "
+        "bad row (`bad_rows`); null: no limit. The model's image processor then resizes what it keeps to its "
+        "own pixel bounds"))
     shuffle: bool = Field(True, description="a seeded permutation of the prompt set each epoch, before sharding")
     bad_rows: Literal["error", "skip"] = Field("error", description=(
         "`error` (names file and line) or `skip` (logged, and counted as `bad_rows` in the step's metrics); a row "

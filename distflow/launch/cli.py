@@ -175,10 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("k8s", help="render Kubernetes manifests for CONFIG", add_help=False)
     t = sub.add_parser("toy-model", help="build a tiny toy model and tokenizer into DIR")
     t.add_argument("dir")
-    t.add_argument("--kind", choices=["successor", "gsm8k", "reward", "tool"], default="successor",
+    t.add_argument("--kind", choices=["successor", "gsm8k", "reward", "tool", "vlm"], default="successor",
                    help="successor: the quickstart's character-level Llama; gsm8k: BPE chat tokenizer + tiny Qwen2; "
                         "reward: a tiny reward model (sequence classification) over the successor tokenizer; "
-                        "tool: a chat tokenizer with a tool template + tiny Llama (examples/tool_quickstart.yaml)")
+                        "tool: a chat tokenizer with a tool template + tiny Llama (examples/tool_quickstart.yaml); "
+                        "vlm: a tiny Qwen2-VL with its image processor (examples/vlm_quickstart.yaml)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--force", action="store_true", help="write into DIR even when it is not empty (overwrites)")
     d = sub.add_parser("toy-data", help="write a toy prompt set (JSONL) to PATH")

@@ -30,6 +30,7 @@ Stages: ``stage(node, ctx, batch) -> batch``; they never touch the network.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ from distflow.rl.shaping import group_index, mask_truncated, outcome_rewards, sp
 from distflow.rollout.engine import RolloutEngine, SamplingParams
 from distflow.rollout.rewards import REWARD_RANGE, RowCheck, resolve_reward, reward_value
 from distflow.rollout.rewards import row_requirements as rewards_row_requirements
+from distflow.vision import attach_images, encode_image_rows
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +156,33 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     Rows whose prompt is unusable are skipped (``bad_prompts``); of the others, rows without a
     key a reward reads, or that a reward's ``check_row`` refuses, are bad rows
     (:func:`row_requirements`; counted in their loader's
-    ``bad_rows_skipped``, or as ``bad_rows`` in ``stats`` for rows no loader read)."""
-    encoded = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
+    ``bad_rows_skipped``, or as ``bad_rows`` in ``stats`` for rows no loader read). With a
+    vision-language engine (``engine.vision``) each row's images are read and rendered into its
+    prompt (:func:`distflow.vision.encode_image_rows`; a bad image is a bad row the same way) and
+    travel with every sample of the row (:func:`distflow.vision.attach_images`)."""
+    vision = getattr(engine, "vision", None)
+    pics: list[Any] = []
+    if vision is not None:  # a vision-language model: each row's images, its prompt in the chat template
+        fallback = BadRowPolicy(cfg.bad_rows)
+        pairs = encode_image_rows(vision, rows, cfg.prompt_key, cfg.image_key, cfg.max_image_pixels, fallback,
+                                  os.path.dirname(os.path.abspath(cfg.dataset)))
+        if fallback.skipped and stats is not None:
+            stats["bad_rows"] = stats.get("bad_rows", 0) + fallback.skipped
+        encoded: list[Any] = [None if p is None else p[0] for p in pairs]  # None: a bad row, counted already
+        pics = [None if p is None else p[1] for p in pairs]
+    else:
+        with_images = next((r for r in rows if isinstance(r.data, dict) and r.data.get(cfg.image_key)), None)
+        if with_images is not None:  # generating without them would train on prompts the data does not hold
+            raise StageError(f"{with_images.where or with_images.prompt_id}: the row lists images (key "
+                             f"{cfg.image_key!r}) but the engine's model takes none (a vision-language model on "
+                             f"engine: torch does; docs/vlm.md)")
+        encoded = encode_prompts(engine.tokenizer, rows, cfg.prompt_key, cfg.chat_template)
     bad = [e for e in encoded if isinstance(e, str)]
     if bad:  # counted and named, never a crash: the rest of the step goes on
         log.warning("skipping %d unusable prompt(s), e.g. %s", len(bad), bad[0])
         if stats is not None:
             stats["bad_prompts"] = stats.get("bad_prompts", 0) + len(bad)
-    keep = [i for i, p in enumerate(encoded) if not isinstance(p, str)]
+    keep = [i for i, p in enumerate(encoded) if isinstance(p, list)]
     needed, checks = row_requirements(cfg.workflow)
     if needed or checks:
         fallback = BadRowPolicy(cfg.bad_rows)
@@ -180,8 +201,11 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
         keep = short
     rows, prompts = [rows[i] for i in keep], [encoded[i] for i in keep]
     g = cfg.group_size
-    flat_prompts = [p for p in prompts for _ in range(g)]
-    kw = {"weights_update": weights_update} if weights_update is not None else {}
+    flat_prompts = [p for p in prompts for _ in range(g)]  # a group: the same list (the engine prefills it once)
+    kw: dict[str, Any] = {"weights_update": weights_update} if weights_update is not None else {}
+    flat_images = [pics[i] for i in keep for _ in range(g)] if vision is not None else None
+    if flat_images is not None:
+        kw["images"] = flat_images
     params = sampling_params(cfg, engine.tokenizer)
     counters = getattr(engine, "stats", None)
     before = {k: counters.get(k, 0) for k in GRAPH_COUNTERS} if isinstance(counters, dict) else {}
@@ -201,6 +225,8 @@ def generate_rows(engine: RolloutEngine, cfg: Config, rows: list[PromptRow], see
     batch.set_scalar("last_version", torch.tensor([int(getattr(c, "last_version", engine.version)) for c in comps],
                                                   dtype=torch.int64))
     batch.set_scalar("truncated", torch.tensor([int(c.finish_reason == "length") for c in comps], dtype=torch.int64))
+    if flat_images is not None:
+        attach_images(batch, flat_images)  # they travel with each sample to its trainer
     return batch
 
 

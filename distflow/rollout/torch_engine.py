@@ -44,6 +44,7 @@ from distflow.rollout.sampling import counter_uniform, sample_rows, seed_key
 from distflow.rollout.lora_apply import AdapterTarget
 from distflow.rollout.slots import SlotBatcher
 from distflow.rollout.weight_loading import WeightTarget
+from distflow.vision import ImageInputs, VisionPrompter, is_vision_config, mrope_positions
 
 __all__ = ["TorchEngine"]
 
@@ -140,7 +141,12 @@ class TorchEngine:
 
         register("engine", lambda: {"engine_slots_in_use": self.stats["slots_in_use"],
                                     "engine_slots": self.max_slots})
-        why = unsupported_reason(self.model)
+        # a vision-language model (Qwen2-VL): prompts carry images, the HF loop runs it (M-RoPE positions)
+        self.vision: VisionPrompter | None = (VisionPrompter(self.tokenizer, path, cfg) if is_vision_config(cfg)
+                                              else None)
+        if self.vision is not None and self.max_positions is None:
+            self.max_positions = getattr(cfg.get_text_config(), "max_position_embeddings", None)
+        why = "a vision-language model" if self.vision is not None else unsupported_reason(self.model)
         self.runner: LlamaRunner | None = None
         if why is None:
             extra = sum(t.numel() * t.element_size() for t in getattr(self._target, "base", {}).values()) \
@@ -166,9 +172,13 @@ class TorchEngine:
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, *,
-                 weights_update: WeightsUpdate | None = None) -> list[Completion]:
+                 weights_update: WeightsUpdate | None = None,
+                 images: Sequence[ImageInputs | None] | None = None) -> list[Completion]:
         """Sample one completion per prompt, in order. Deterministic for a given ``seed``
-        whatever ``max_slots`` is. ``weights_update`` (optional) is polled every
+        whatever ``max_slots`` is. ``images`` (a vision-language model): each prompt's
+        :class:`~distflow.vision.ImageInputs` (or None), its image tokens already in the prompt;
+        prompts that are the same list with the same ImageInputs object (a GRPO group) are
+        prefilled once, their images encoded once. ``weights_update`` (optional) is polled every
         ``sync_every`` steps; when it returns ``(version, weights)`` they are loaded and the
         in-flight sequences continue under them (see ``Completion.first/last_version``);
         ``(version, weights, True)`` is a partial set (a delta)."""
@@ -180,6 +190,10 @@ class TorchEngine:
             raise TypeError(f"weights_update must be callable or None, got {type(weights_update).__name__}")
         params.validate()
         validate_prompts(prompts, self.vocab_size)
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image inputs for {len(prompts)} prompts")
+        if images is not None and self.vision is None and any(x is not None for x in images):
+            raise ValueError(f"{self.model_path} is not a vision-language model: it takes no images")
         if not prompts:
             return []
         longest = max(len(p) for p in prompts)
@@ -199,7 +213,7 @@ class TorchEngine:
                          "no CUDA graphs), several times slower", longest + params.max_new_tokens,
                          self.runner.window)
             if runner is None:
-                return self._generate_hf(prompts, params, stop, seed, weights_update)
+                return self._generate_hf(prompts, params, stop, seed, weights_update, images)
             try:
                 key = seed_key(seed)
                 # sized once: the run's bound, else (CUDA) as long as the budget allows, up to the model's positions
@@ -246,34 +260,66 @@ class TorchEngine:
         return True
 
     def _generate_hf(self, prompts: list[list[int]], params: SamplingParams, stop: list[int], seed: int,
-                     weights_update: WeightsUpdate | None) -> list[Completion]:
+                     weights_update: WeightsUpdate | None,
+                     images: Sequence[ImageInputs | None] | None = None) -> list[Completion]:
         key = seed_key(seed)  # the static path's per-sequence streams: the same draws, any batch size
         stop_t = torch.tensor(stop, dtype=torch.int64, device=self.device)
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
             if start:
                 self._poll(weights_update)
-            out.extend(self._generate_hf_batch(prompts[start:start + self.max_batch_size], params, stop_t, key, start))
+            end = start + self.max_batch_size
+            out.extend(self._generate_hf_batch(prompts[start:end], params, stop_t, key, start,
+                                               None if images is None else images[start:end]))
         return out
 
     def _generate_hf_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: torch.Tensor,
-                           key: int, first_seq: int) -> list[Completion]:
-        b, width, dev = len(prompts), max(len(p) for p in prompts), self.device
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.int64)
-        mask = torch.zeros((b, width), dtype=torch.int64)
-        for i, p in enumerate(prompts):  # left padding: every row's next token is at the same column
+                           key: int, first_seq: int,
+                           images: Sequence[ImageInputs | None] | None = None) -> list[Completion]:
+        b, dev = len(prompts), self.device
+        # distinct (prompt, images) pairs are prefilled once (a GRPO group's images encoded once), then
+        # their KV cache rows are copied to every sample of theirs
+        firsts: dict[tuple, int] = {}
+        rows: list[int] = []  # the first sample of each distinct pair
+        inverse: list[int] = []  # each sample's pair
+        for i in range(b):  # (text-only prompts: every sample its own row, as before)
+            k = (id(prompts[i]), id(images[i])) if images else (i,)
+            if k not in firsts:
+                firsts[k] = len(rows)
+                rows.append(i)
+            inverse.append(firsts[k])
+        uniq = [prompts[r] for r in rows]
+        width = max(len(p) for p in uniq)
+        ids = torch.full((len(uniq), width), self.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(uniq), width), dtype=torch.int64)
+        for i, p in enumerate(uniq):  # left padding: every row's next token is at the same column
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        extra: dict[str, Any] = {}
+        pics = [images[r] for r in rows if images[r] is not None] if images else []
+        if pics:
+            grid = torch.cat([x.grid_thw for x in pics]).to(dev)
+            extra = {"pixel_values": torch.cat([x.pixel_values for x in pics]).to(dev, self.dtype),
+                     "image_grid_thw": grid}
+            pos = mrope_positions(self.model, ids, mask, grid)
+        elif self.vision is not None:
+            pos = mrope_positions(self.model, ids, mask, None)
+        else:
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **extra)
         past, logits = cache_of(res), res.logits[:, -1, :].float()
+        if len(uniq) < b:
+            sel = torch.tensor(inverse, dtype=torch.int64, device=dev)
+            past.batch_select_indices(sel)
+            logits, mask, pos = logits[sel], mask[sel], pos[..., sel, :]
         n = params.max_new_tokens
         tokens = torch.full((b, n), self.pad_token_id, dtype=torch.int64, device=dev)
         logps = torch.zeros((b, n), dtype=torch.float32, device=dev)
         lengths = torch.full((b,), n, dtype=torch.int64, device=dev)
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)
-        next_pos = pos[:, -1:]
+        next_pos = pos[..., -1:]  # [b, 1], or [3, b, 1] (M-RoPE: text tokens advance on every axis)
         seq = torch.arange(first_seq, first_seq + b, dtype=torch.int64, device=dev)
         draws = None if params.temperature == 0 else counter_uniform(  # [b, n]: every step's draws at once
             key, seq[:, None].expand(b, n), torch.arange(n, dtype=torch.int64, device=dev)[None, :].expand(b, n))

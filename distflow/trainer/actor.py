@@ -54,6 +54,7 @@ from distflow.trainer.replicas import StepNotCommitted
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
 from distflow.trainer.schedule import lr_at
+from distflow.vision import batch_images
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +154,16 @@ def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens:
     at the end for ranks with fewer. Packed with a token budget, padded without."""
     prompts, responses = batch.ragged("prompt_tokens"), batch.ragged("response_tokens")
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
+    images = "pixel_values" in batch.tensors
     plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
     n = int(all_reduce([len(plan)], dist.ReduceOp.MAX, group)[0])
     for idx in plan:
         ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
-        yield idx, (pack_inputs(ps, rs) if max_tokens is not None else pad_inputs(ps, rs, pad_id))
+        inputs = pack_inputs(ps, rs) if max_tokens is not None else pad_inputs(ps, rs, pad_id)
+        pics = batch_images(batch, idx) if images else None
+        if pics is not None:
+            inputs.pixel_values, inputs.image_grid_thw = pics
+        yield idx, inputs
     for _ in range(n - len(plan)):
         yield None, dummy_inputs()
 
@@ -212,7 +218,8 @@ class Actor:
         self.model = load_for_training(cfg.model_path if self.lora else cfg.resume_from or cfg.model_path, mesh,
                                        self.device, self.compute_dtype,
                                        activation_checkpointing=cfg.activation_checkpointing, lora=self.lora,
-                                       adapter_from=cfg.resume_from if self.lora else None)
+                                       adapter_from=cfg.resume_from if self.lora else None,
+                                       freeze_vision=cfg.freeze_vision_tower)
         self.ref = None
         if with_reference and cfg.kl_coef > 0:
             self.ref = load_for_training(cfg.model_path, mesh, self.device, self.compute_dtype, trainable=False)
@@ -496,6 +503,9 @@ class Actor:
             model.generation_config = GenerationConfig.from_pretrained(self.cfg.model_path, local_files_only=True)
         model.save_pretrained(str(out_dir))
         load_tokenizer(self.cfg.model_path).save_pretrained(str(out_dir))
+        images = Path(self.cfg.model_path) / "preprocessor_config.json"  # a vision-language model's image processor
+        if images.is_file():
+            (out_dir / images.name).write_bytes(images.read_bytes())
 
 
 def apply_optimizer_config(optim: torch.optim.Optimizer, cfg: Config, lr: float | None = None) -> None:

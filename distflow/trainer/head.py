@@ -218,13 +218,65 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("response_forward: LM heads with a bias are not supported")
-    attention = inputs.attention_kwargs()
-    mask = model_attention_mask(model.model.config, inputs.attention_mask, attention, inputs.input_ids.device)
-    hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
-                         use_cache=False, **attention).last_hidden_state  # [R, L, H]
+    if getattr(model.model, "visual", None) is not None:  # a vision-language model: its images, M-RoPE positions
+        hidden = _vision_hidden(model, inputs)
+    else:
+        attention = inputs.attention_kwargs()
+        mask = model_attention_mask(model.model.config, inputs.attention_mask, attention, inputs.input_ids.device)
+        hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
+                             use_cache=False, **attention).last_hidden_state  # [R, L, H]
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]
     return chunked_logprobs(picked, head_weight(head), inputs.targets, temperature, chunk_tokens, with_entropy,
                             logit_transform(model.config))
+
+
+def _vision_hidden(model: Any, inputs: ModelInputs) -> Tensor:
+    """The decoder's hidden states [R, L, H] of a vision-language micro-batch (padded or packed): the
+    images through the vision tower into their placeholder tokens, M-RoPE positions computed as the
+    engine computes them (:func:`distflow.vision.mrope_positions`), so the logprobs are the engine's.
+    Only PROMPT tokens are image placeholders: a sampled response token may be the image-token id
+    (a random policy samples any id), which the model's own forward would take for one."""
+    from distflow.vision import mrope_positions
+
+    inner, ids = model.model, inputs.input_ids
+    mask = inputs.attention_mask if inputs.attention_mask is not None else torch.ones_like(ids)
+    prompt = mask.reshape(-1) != 0
+    prompt[inputs.index + 1] = False  # the response tokens (``index`` points at the positions predicting them)
+    image = (ids == int(inner.config.image_token_id)) & prompt.view_as(ids)
+    embeds = inner.get_input_embeddings()(ids)
+    tokens = int(image.sum())  # (one host read per micro-batch)
+    if inputs.pixel_values is not None or tokens:  # image tokens without images: the sample lost them on the way
+        feats = None if inputs.pixel_values is None else torch.cat(list(inner.get_image_features(
+            inputs.pixel_values, inputs.image_grid_thw, return_dict=True).pooler_output)).to(embeds.dtype)
+        if feats is None or feats.shape[0] != tokens:
+            raise ValueError(f"{0 if feats is None else feats.shape[0]} image features for {tokens} image tokens in "
+                             f"the prompts of a micro-batch")
+        embeds = embeds.masked_scatter(image[..., None], feats)
+    if inputs.seq_lens:  # a packed row: each sample's M-RoPE positions, after its text positions (Qwen2-VL
+        pos = _packed_mrope(model, ids, image, inputs)  # builds the per-sample causal mask from those)
+    else:
+        pos = mrope_positions(model, ids, mask, inputs.image_grid_thw, image)
+    return inner.language_model(inputs_embeds=embeds, attention_mask=inputs.attention_mask, position_ids=pos,
+                                use_cache=False).last_hidden_state
+
+
+def _packed_mrope(model: Any, ids: Tensor, image: Tensor, inputs: ModelInputs) -> Tensor:
+    """Position ids [4, 1, S] of a packed vision-language row: its text positions (0, 1, ... per
+    sample: what the attention mask is built from, one causal block per sample) then the M-RoPE
+    positions of each sample on its own, its images' grids taken in order (one grid per run of
+    image tokens in its prompt)."""
+    from distflow.vision import mrope_positions
+
+    grids = inputs.image_grid_thw
+    parts, start, used = [], 0, 0
+    flags = image[0].tolist()
+    for n in inputs.seq_lens:
+        seg = slice(start, start + n)
+        k = sum(flags[i] and (i == start or not flags[i - 1]) for i in range(start, start + n))  # its image blocks
+        grid = None if grids is None or not k else grids[used:used + k]
+        parts.append(mrope_positions(model, ids[:, seg], torch.ones_like(ids[:, seg]), grid, image[:, seg]))
+        start, used = start + n, used + k
+    return torch.cat([inputs.position_ids[None], torch.cat(parts, dim=-1)], dim=0)
 
 
 def head_weight(head: Any) -> Tensor:

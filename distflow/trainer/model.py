@@ -83,8 +83,9 @@ def shard_mixed_precision(model: torch.nn.Module, mesh: Any, compute_dtype: torc
         for m in fp32_modules:
             fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                      reduce_dtype=torch.float32))
-    if layers is None:
-        layers = getattr(getattr(model, "model", model), "layers", None) or []
+    if layers is None:  # a vision-language model's decoder layers are under .model.language_model; its vision
+        inner = getattr(model, "model", model)  # tower stays in the root unit (gathered with it, once per forward)
+        layers = getattr(inner, "layers", None) or getattr(getattr(inner, "language_model", None), "layers", None) or []
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -104,7 +105,7 @@ def enable_activation_checkpointing(model: Any) -> None:
 
 def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype: torch.dtype, *,
                       activation_checkpointing: bool = False, trainable: bool = True, lora: Any = None,
-                      adapter_from: str | None = None) -> Any:
+                      adapter_from: str | None = None, freeze_vision: bool = False) -> Any:
     """Load ``path`` in fp32 on ``device``, shard it with FSDP2 on ``mesh`` with mixed
     precision ``compute_dtype`` and return it (train mode, dropout off; ``trainable=False``
     freezes it: a reference model, whose shards are kept in ``compute_dtype`` since a model that
@@ -112,7 +113,9 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
     ``model.response_forward(inputs, temperature, chunk)`` is its FSDP-aware logprob forward.
     ``lora`` (the config's ``model.lora``): PEFT adapters are injected before sharding, on the
     loaded model and on the meta one alike (so rank 0's adapter initialisation, or the adapter of
-    the PEFT directory ``adapter_from``, reaches every rank), and only they stay trainable."""
+    the PEFT directory ``adapter_from``, reaches every rank), and only they stay trainable.
+    A vision-language model (Qwen2-VL) keeps transformers' SDPA attention (its M-RoPE batches are
+    padded, never packed); ``freeze_vision`` fixes its vision tower's weights."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     def with_lora(model: Any, loaded: bool) -> Any:
@@ -129,7 +132,11 @@ def load_for_training(path: str, mesh: Any, device: torch.device, compute_dtype:
 
     def prepare(model: Any) -> None:
         model.config.use_cache = False
-        use_varlen_attention(model, path)
+        vision = getattr(getattr(model, "model", None), "visual", None)
+        if vision is None:
+            use_varlen_attention(model, path)
+        elif freeze_vision:
+            vision.requires_grad_(False)
         disable_dropout(model)
         if lora is not None and lora.dropout > 0:  # the adapters' own dropout is a training choice: kept
             for name, m in model.named_modules():

@@ -55,12 +55,14 @@ class ModelInputs:
     cu_seqlens: Tensor | None = None
     max_len: int = 0
     seq_lens: tuple[int, ...] = ()
+    pixel_values: Tensor | None = None  # a vision-language micro-batch's images (distflow/vision.py)
+    image_grid_thw: Tensor | None = None
 
     def to(self, device: torch.device) -> "ModelInputs":
         mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return ModelInputs(mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask), mv(self.index),
                            mv(self.targets), self.response_lens, self.tokens, mv(self.cu_seqlens), self.max_len,
-                           self.seq_lens)
+                           self.seq_lens, mv(self.pixel_values), mv(self.image_grid_thw))
 
     def attention_kwargs(self) -> dict:
         """Extra model kwargs for varlen attention (packed rows), else {}."""
