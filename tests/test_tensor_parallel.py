@@ -122,19 +122,21 @@ def test_tp2_step_equals_tp1_loss_gradients_and_published_weights(tmp_path, toy_
         assert torch.equal(b["published"][name], b["state"][name]), name  # the same tensors the checkpoint gets
 
 
-def test_quickstart_with_tensor_parallel_learns(tmp_path):
-    """The quickstart with its two trainers as one TP=2 group (dp 1 x tp 2): rollout nodes get the
-    published weights of the split model, and it learns. 60 of the 100 steps (constant lr: a shorter
-    run, the same curve): measured first-10 0.09, steps 50-59 0.65 (100 steps: 0.80); 45-65 s on 2 busy cores."""
+def test_quickstart_runs_with_tensor_parallel_end_to_end(tmp_path):
+    """The quickstart with its two trainers as one TP=2 group (dp 1 x tp 2), in real processes: the
+    rollout nodes get the published weights of the split model (the held-out reward moves off the
+    untrained model's) and the checkpoint holds the gathered weights. That the TP=2 step is the
+    TP=1 step is asserted above to 1e-5; that the run learns is measured, not re-run here (the suite's
+    time): `distflow run examples/grpo_quickstart.yaml trainer_nodes=2 tensor_parallel=2` goes from
+    first-10 mean reward 0.09 to last-10 0.80 (docs/parallelism.md)."""
     out = tmp_path / "qs"
     r = run_distflow(["run", str(QUICKSTART), "--no-progress", f"output_dir={out}",
-                      f"model_path={tmp_path / 'toy'}", "trainer_nodes=2", "tensor_parallel=2", "max_steps=60"],
-                     timeout=300)
+                      f"model_path={tmp_path / 'toy'}", "trainer_nodes=2", "tensor_parallel=2", "max_steps=12",
+                      "eval_every=12"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trainer mesh: dp 1 x tp 2" in (out / "logs" / "trainer-0.log").read_text()
     rewards = [m["reward_mean"] for m in read_metrics(out / "metrics.jsonl")]
-    assert len(rewards) == 60
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"quickstart tp=2: first-10 {first:.3f}, last-10 {last:.3f}")
-    assert last - first >= 0.3, (first, last)
+    assert len(rewards) == 12
+    evals = {e["step"]: e["eval_reward_mean"] for e in read_metrics(out / "eval.jsonl")}
+    assert set(evals) == {0, 12} and evals[12] > evals[0], evals  # weights reached the engines and improved
     assert (out / "checkpoint" / "model.safetensors").is_file()  # the gathered weights of the split model
