@@ -4,8 +4,21 @@ Why a real one: the sbatch script DistFlow renders is shell run by Slurm's own d
 (srun steps, signals, requeue); a mock would test our assumptions about Slurm, not Slurm.
 Everything is private to the test: its own munge key and socket, its own slurm.conf
 (``$SLURM_CONF``), ports, state and spool directories under a temp dir, so the machine's
-own Slurm or munge (if any) is never touched. One node, the machine itself, with 8 CPUs
-configured (``SlurmdParameters=config_overrides``: a 2-core CI box still runs 4 tasks).
+own Slurm or munge (if any) is never touched. Two Slurm nodes, both the machine itself (two
+slurmd, each with its own node name, port and spool), with 8 CPUs configured each
+(``SlurmdParameters=config_overrides``: a 2-core CI box still runs 4 tasks).
+
+Why two nodes on one host: the components of a heterogeneous job are started by the backfill
+scheduler only, and backfill plans whole nodes: on a one-node cluster it plans component 1
+to start when component 0 ends (slurmctld: ``_dump_job_sched: JobId=N+1 to start at <end of
+N+0>``), so the job pends (``Resources``) forever. With a second node each component gets its
+own, as on a real cluster. ``bf_interval=1``: a heterogeneous job starts within a second or
+two instead of at the next 30 s backfill pass.
+
+Each node has 4 GPUs for Slurm's gres (``Gres=gpu:4``, ``gres.conf``): character devices
+made here with ``/dev/null``'s numbers (1, 3), so no GPU is needed, and what is checked is
+Slurm's own part: which GPUs a job and each task of a step get (``CUDA_VISIBLE_DEVICES``).
+Nothing opens them.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -37,6 +51,8 @@ class SlurmLab:
     def __init__(self, root: Path):
         self.root = root
         self.host = socket.gethostname()
+        self.nodes = [self.host, f"{self.host}-b"]  # Slurm node names; both run here
+        self.gpus = 4  # per node, fake (module docstring)
         self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
         self.procs: list[subprocess.Popen] = []
 
@@ -52,27 +68,38 @@ class SlurmLab:
         self._spawn(["munged", "-F", "-f", f"--key-file={key}", f"--socket={sock}", f"--pid-file={r}/munge/pid",
                      f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/seed"], "munged")
         self._wait(lambda: sock.exists(), timeout, "munged's socket")
+        (r / "dev").mkdir(exist_ok=True)
+        for i in range(self.gpus):
+            if not (r / "dev" / f"nvidia{i}").exists():
+                os.mknod(r / "dev" / f"nvidia{i}", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        (r / "gres.conf").write_text(f"Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n")  # next to slurm.conf
+        port = _free_port()
+        nodes = "".join(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 "
+                        f"Port={_free_port() if i else port} CPUs=8 Gres=gpu:{self.gpus} RealMemory=1000 "
+                        "State=UNKNOWN\n" for i, n in enumerate(self.nodes))
         (r / "slurm.conf").write_text(f"""ClusterName=dft{os.getpid()}
 SlurmctldHost={self.host}(127.0.0.1)
 SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmdPort={port}
+GresTypes=gpu
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={sock}
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
+SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
+SlurmdLogFile={r}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+SchedulerParameters=bf_interval=1
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
@@ -80,13 +107,14 @@ KillWait=30
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MailProg=/bin/true
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs=8 RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+{nodes}PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """)
         self._spawn(["slurmctld", "-D", "-i", "-f", str(r / "slurm.conf")], "slurmctld")
-        self._spawn(["slurmd", "-D", "-f", str(r / "slurm.conf"), "-N", self.host], "slurmd")
-        self._wait(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T", check=False).stdout, timeout,
-                   "an idle node in sinfo")
+        for n in self.nodes:
+            (r / "spool" / n).mkdir(exist_ok=True)
+            self._spawn(["slurmd", "-D", "-f", str(r / "slurm.conf"), "-N", n], f"slurmd-{n}")
+        self._wait(lambda: self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split() == ["idle"] * 2,
+                   timeout, "both nodes idle in sinfo")
 
     def _spawn(self, cmd: list[str], name: str) -> None:
         out = open(self.root / "log" / f"{name}.out", "wb")

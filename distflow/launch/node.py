@@ -58,7 +58,9 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
         log.error("%s: cannot start: %s", node_id, e)
         await rt.stop(graceful=False)
         return 1
-    log.info("%s up: control %s, data port %d", node_id, rt.node.address, rt.channel.port)
+    # The seeds it joined through: where a launcher found them (--seeds auto) is otherwise invisible.
+    log.info("%s up: control %s, data port %d, seeds %s", node_id, rt.node.address, rt.channel.port,
+             ",".join(seeds) or "none (the first node)")
     exporter = None
     if cfg.metrics_port is not None:  # opt-in Prometheus /metrics of this node (distflow/core/prometheus.py)
         from distflow.core.prometheus import MetricsServer

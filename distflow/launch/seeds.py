@@ -6,9 +6,12 @@ this order:
 
 1. ``$DISTFLOW_SEEDS`` (``HOST:PORT[,...]``), when set: an explicit choice wins.
 2. Slurm (``$SLURM_JOB_NODELIST``): the first host of the trainer component
-   (``SLURM_JOB_NODELIST_HET_GROUP_0`` in a heterogeneous job), expanded by
-   ``scontrol show hostnames``, at ``$DISTFLOW_SEED_PORT`` (29600): trainer rank 0, which
-   ``distflow slurm``'s script starts there.
+   (``SLURM_JOB_NODELIST_HET_GROUP_0`` in a heterogeneous job: a step of component 1 sees
+   only its own nodes in ``SLURM_JOB_NODELIST``), expanded by ``scontrol show hostnames``,
+   at its ``NodeAddr`` (``scontrol show node``: a node name need not resolve, as with
+   ``NodeName=n01 NodeAddr=10.1.0.1``; the name when there is none), at
+   ``$DISTFLOW_SEED_PORT`` (29600): trainer rank 0, which ``distflow slurm``'s script
+   starts there.
 3. Kubernetes (``$KUBERNETES_SERVICE_HOST``): the stable DNS name of the seed StatefulSet's
    first pod through the headless Service (``$DISTFLOW_K8S_SEED_POD.$DISTFLOW_K8S_SERVICE``),
    as ``distflow k8s``'s manifests set them.
@@ -41,7 +44,17 @@ def slurm_first_host(env: dict[str, str]) -> str | None:
     hosts = r.stdout.split()
     if r.returncode != 0 or not hosts:
         raise RuntimeError(f"scontrol show hostnames {nodelist}: {r.stderr.strip() or 'no hosts'}")
-    return hosts[0]
+    return node_addr(hosts[0])
+
+
+def node_addr(node: str) -> str:
+    """The address Slurm itself reaches NODE at (its ``NodeAddr``); NODE when scontrol has none."""
+    try:
+        r = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return node
+    addrs = [f.split("=", 1)[1] for f in r.stdout.split() if f.startswith("NodeAddr=")]
+    return addrs[0] if r.returncode == 0 and addrs and addrs[0] not in ("", "(null)") else node
 
 
 def auto_seeds(my_host: str, my_port: int, env: dict[str, str] | None = None) -> list[str]:

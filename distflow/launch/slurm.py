@@ -9,7 +9,8 @@ modules, containers or constraints without touching DistFlow.
 
 What the script does (the template's comments say why): trainers and rollout nodes as two job
 steps, heterogeneous components when they need different host shapes (``--rollout-hosts``);
-GPUs through Slurm's gres (``--gpus-per-task``); the cluster secret from a file only its owner
+GPUs through Slurm's gres (``--gres=gpu:N`` per host of each component, each task its
+own through the steps' ``--gpus-per-task``); the cluster secret from a file only its owner
 can read; one log folder per attempt; ``USR1`` before the time limit stops the rollout nodes,
 the trainers checkpoint, and the job requeues itself and resumes from the newest checkpoint.
 
@@ -75,16 +76,20 @@ def render(args: argparse.Namespace, overrides: Sequence[str]) -> tuple[str, Pat
     run_dir = Path(args.run_dir).resolve() if args.run_dir else out / "slurm"
     gpus = args.gpus_per_task if args.gpus_per_task is not None else int(cfg.device == "cuda")
     tasks = cfg.trainer_nodes + cfg.rollout_nodes
+    rgpus = args.rollout_gpus_per_task if args.rollout_gpus_per_task is not None else gpus
     env = dict(e.split("=", 1) for e in args.env if "=" in e)
+    hosts = args.hosts or max(1, -(-tasks // 8))
     context: dict[str, Any] = dict(
         config=str(Path(args.config).resolve()), cwd=os.getcwd(), job_name=args.job_name or cfg.name,
         run_dir=str(run_dir),
         output_dir=str(out), partition=args.partition, account=args.account, time=args.time,
         signal_s=args.signal_s, sbatch_args=args.sbatch_arg, het=args.rollout_hosts is not None,
-        hosts=args.hosts or max(1, -(-tasks // 8)), trainer_hosts=args.trainer_hosts, rollout_hosts=args.rollout_hosts,
+        hosts=hosts, trainer_hosts=args.trainer_hosts, rollout_hosts=args.rollout_hosts,
         trainers=cfg.trainer_nodes, rollouts=cfg.rollout_nodes, cpus_per_task=args.cpus_per_task,
         rollout_cpus_per_task=args.rollout_cpus_per_task or args.cpus_per_task, gpus_per_task=gpus,
-        rollout_gpus_per_task=args.rollout_gpus_per_task if args.rollout_gpus_per_task is not None else gpus,
+        rollout_gpus_per_task=rgpus, gres=gres(tasks, hosts, max(gpus, rgpus)),
+        trainer_gres=gres(cfg.trainer_nodes, args.trainer_hosts or 1, gpus),
+        rollout_gres=gres(cfg.rollout_nodes, args.rollout_hosts or 1, rgpus),
         port=args.port, python=args.python, node_cmd=args.node_cmd, env=env,
         overrides=[o for o in overrides if not o.startswith(("rollout_nodes=", "trainer_nodes=", "output_dir="))])
     loader = jinja2.FileSystemLoader([str(Path(args.template).resolve().parent)] if args.template else [str(TEMPLATES)])
@@ -92,6 +97,17 @@ def render(args: argparse.Namespace, overrides: Sequence[str]) -> tuple[str, Pat
     jenv.filters["q"] = lambda v: shlex.quote(str(v))
     name = Path(args.template).name if args.template else "slurm.sbatch.j2"
     return jenv.get_template(name).render(**context), run_dir, cfg
+
+
+def gres(tasks: int, hosts: int, gpus_per_task: int) -> str:
+    """The GPU part of a job component's ``#SBATCH`` line: ``--gres=gpu:N`` per host, N for as many tasks
+    as a host gets. Why per host and a fixed ``--ntasks-per-node``: gres counts GPUs per node, and
+    without the task count Slurm may pack more tasks on a host (block distribution fills its CPUs
+    first) than its gres has GPUs for. The steps' ``--gpus-per-task`` then gives each task its own."""
+    if not gpus_per_task:
+        return ""
+    per_host = -(-tasks // hosts)
+    return f" --ntasks-per-node={per_host} --gres=gpu:{per_host * gpus_per_task}"
 
 
 def write_secret(path: Path) -> None:
