@@ -152,9 +152,11 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = None
     for item in items:
+        _group_by_shared_fixture(item)
         tier = tier_of(item)
         item.user_properties.append(("tier", tier))
         if not item.get_closest_marker(tier):
@@ -166,6 +168,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 cuda = torch.cuda.is_available()
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def _group_by_shared_fixture(item: pytest.Item) -> None:
+    """``python3 -m pytest`` runs on two xdist workers (pyproject's addopts, ``--dist loadgroup``):
+    tests spread one by one, except those sharing a module- or class-scoped fixture (a cluster run
+    several tests read, a Slurm lab), which stay together on one worker, so the fixture is built once."""
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(info, "names_closure", ()):
+        defs = info.name2fixturedefs.get(name)
+        if defs and defs[-1].scope in ("module", "class"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            return
 
 
 _PY_OR_DISTFLOW = ("python", "distflow", "pdsh")
