@@ -50,6 +50,42 @@ def toy_data(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.fixture(scope="session")
+def shared_zygote(tmp_path_factory):
+    """One zygote for every `distflow run` of this test process (``DISTFLOW_ZYGOTE``,
+    distflow/launch/zygote.py): torch is imported once per pytest worker, not once per run. Nothing
+    is lost if it cannot start: each run then starts its own, as a user's does."""
+    import json
+    import signal
+    import threading
+
+    from distflow.core.launch_env import LAUNCHER_PID_ENV
+    from distflow.launch.zygote import SHARED_ENV
+
+    sock = tmp_path_factory.mktemp("zygote") / "sock"
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from distflow.launch.zygote_main import main; "
+                             "sys.exit(main())", "--socket", str(sock)], cwd=ROOT, stdout=subprocess.PIPE,
+                            env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}, start_new_session=True)
+    first: list[bytes] = []
+    reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(120)
+    ready = bool(first) and "ready" in json.loads(first[0] or b"{}")
+    if ready:
+        os.environ[SHARED_ENV] = str(sock)
+    yield sock if ready else None
+    os.environ.pop(SHARED_ENV, None)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _cluster_tests_share_a_zygote(request: pytest.FixtureRequest) -> None:
+    if dict(request.node.user_properties).get("tier") == "cluster":
+        request.getfixturevalue("shared_zygote")
+
+
 def run_distflow(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (as a user would)."""
     return subprocess.run([sys.executable, "-m", "distflow.launch.cli", *args], cwd=ROOT, capture_output=True,

@@ -44,3 +44,30 @@ def test_a_signal_reaches_the_forked_node_and_its_status_says_so(zygote, tmp_pat
     assert b"distflow-node --role rollout --config " in title and b"--node-id z-0" in title
     node.send_signal(signal.SIGKILL)
     assert node.wait(timeout=30) == -signal.SIGKILL and node.poll() == -signal.SIGKILL
+
+
+@pytest.mark.cluster
+def test_a_shared_zygote_stops_the_nodes_a_launcher_leaves_when_its_connection_ends(shared_zygote, tmp_path):
+    """DISTFLOW_ZYGOTE: runs share one zygote (the test suite does); a launcher that ends or dies
+    closes its connection, and its nodes still running get SIGTERM, as with a zygote of its own."""
+    import os
+    import time
+
+    from distflow.launch.zygote import SHARED_ENV
+
+    if shared_zygote is None:
+        pytest.skip("the shared zygote did not start")
+    z = Zygote({SHARED_ENV: str(shared_zygote)})
+    # The first node of a mesh (no seeds): up at once, then waiting for peers that never come.
+    node = z.spawn(["--role", "rollout", "--config", str(ROOT / "examples" / "grpo_quickstart.yaml"),
+                    "--seeds", "", "--node-id", "z-1"], str(tmp_path / "node.log"),
+                   {"DISTFLOW_SECRET": "s" * 32})
+    up = time.monotonic() + 60
+    while " up: control " not in (tmp_path / "node.log").read_text():
+        assert node.poll() is None and time.monotonic() < up, (tmp_path / "node.log").read_text()[-2000:]
+        time.sleep(0.1)
+    z.close()
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{node.pid}") and b"z-1" in open(f"/proc/{node.pid}/cmdline", "rb").read():
+        assert time.monotonic() < deadline, "the node outlived its launcher's connection"
+        time.sleep(0.1)

@@ -34,6 +34,7 @@ import threading
 from typing import Any
 
 READY_TIMEOUT_S = 120.0
+SHARED_ENV = "DISTFLOW_ZYGOTE"  # the socket of a zygote shared by every run that sees it (zygote_main --socket)
 
 
 class ForkedNode:
@@ -73,10 +74,20 @@ class Zygote:
     def __init__(self, env: dict[str, str]):
         from distflow.core.launch_env import LAUNCHER_PID_ENV
 
-        env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from distflow.launch.zygote_main import "
-                                      "main; sys.exit(main())"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self.proc, self.sock, self.gone = None, None, False
+        shared = env.get(SHARED_ENV)
+        if shared:  # a zygote already running (a sweep, the test suite): this run is one of its clients
+            import socket
+
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(shared)
+            self.stdin, self.stdout = self.sock.makefile("wb"), self.sock.makefile("rb")
+        else:
+            env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
+            self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from distflow.launch.zygote_main "
+                                          "import main; sys.exit(main())"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=env, start_new_session=True)
+            self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.cond = threading.Condition()
         self.exits: dict[int, int] = {}
         self.replies: list[dict] = []
@@ -92,7 +103,7 @@ class Zygote:
             raise RuntimeError(self.unfit or f"the zygote did not report ready in {READY_TIMEOUT_S:.0f} s")
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
+        for raw in self.stdout:
             msg: dict[str, Any] = json.loads(raw)
             with self.cond:
                 if "exit" in msg:
@@ -105,11 +116,12 @@ class Zygote:
                     self.replies.append(msg)
                 self.cond.notify_all()
         with self.cond:  # the zygote is gone: so are its nodes (their parent-death signal)
+            self.gone = True
             self.unfit = self.unfit or "the zygote exited"
             self.cond.notify_all()
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not self.gone and (self.proc is None or self.proc.poll() is None)
 
     def spawn(self, args: list[str], log_path: str, env: dict[str, str]) -> ForkedNode:
         """A node running ``distflow-node ARGS`` with ``env``, its output appended to ``log_path``."""
@@ -117,8 +129,8 @@ class Zygote:
             with self.cond:
                 self.replies.clear()
             line = json.dumps({"args": args, "env": env, "log": log_path, "cwd": os.getcwd()}) + "\n"
-            self.proc.stdin.write(line.encode())
-            self.proc.stdin.flush()
+            self.stdin.write(line.encode())
+            self.stdin.flush()
             with self.cond:
                 if not self.cond.wait_for(lambda: self.replies or not self.alive(), 30.0) or not self.replies:
                     raise RuntimeError("the zygote did not answer a start request in 30 s")
@@ -142,9 +154,18 @@ class Zygote:
     def close(self) -> None:
         """End the zygote (its nodes must be stopped first: they die with it)."""
         try:
-            self.proc.stdin.close()
+            self.stdin.close()
         except OSError:
             pass
+        if self.sock is not None:  # the shared zygote stays; our end closes (it stops what we left running)
+            import socket
+
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # an end now, whatever still holds a file of it
+            except OSError:
+                pass
+            self.sock.close()
+            return
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

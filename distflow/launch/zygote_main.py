@@ -27,10 +27,15 @@ def unfit_reason() -> str | None:
     return None
 
 
-def main() -> int:
-    """The zygote process: preload, report ready, then fork a node per request until stdin ends."""
+def main(argv: list[str] | None = None) -> int:
+    """The zygote process: preload, report ready, then fork a node per request until stdin ends.
+    ``--socket PATH``: a zygote shared by every ``distflow run`` that finds PATH in
+    ``DISTFLOW_ZYGOTE`` (a sweep, the test suite): each launcher connects, and when its connection
+    closes (it is done, or died) its nodes still running are sent SIGTERM, as its own zygote's would be."""
     from distflow.launch.children import die_with_launcher
 
+    argv = sys.argv[1:] if argv is None else argv
+    sock_path = argv[argv.index("--socket") + 1] if "--socket" in argv else None
     die_with_launcher()
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without initialising CUDA
     out = os.fdopen(os.dup(1), "w", buffering=1)
@@ -50,10 +55,44 @@ def main() -> int:
     if why:
         out.write(json.dumps({"unfit": why}) + "\n")
         return 1
-    return _serve(out)
+    if sock_path is None:
+        return _serve(_Client(sys.stdin.fileno(), out), None)
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)  # only this user may ask it for processes
+    try:
+        listener.bind(sock_path)
+    finally:
+        os.umask(old)
+    listener.listen(64)
+    out.write(json.dumps({"ready": os.getpid()}) + "\n")
+    return _serve(None, listener)
 
 
-def _serve(out) -> int:
+class _Client:
+    """One launcher: where its requests come from, where its replies go, the nodes it asked for."""
+
+    def __init__(self, in_fd: int, out, conn=None):
+        self.in_fd, self.out, self.conn, self.buf, self.pids = in_fd, out, conn, b"", set()
+
+    def send(self, msg: dict) -> None:
+        try:
+            self.out.write(json.dumps(msg) + "\n")
+            self.out.flush()
+        except OSError:  # it is gone; its nodes are stopped when its end is read
+            pass
+
+    def close(self) -> None:
+        for f in (self.out, self.conn):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
+
+def _serve(first: _Client | None, listener) -> int:
     import selectors
 
     rfd, wfd = os.pipe()
@@ -61,28 +100,62 @@ def _serve(out) -> int:
     signal.set_wakeup_fd(wfd)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of it
     sel = selectors.DefaultSelector()
-    sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "in")
     sel.register(rfd, selectors.EVENT_READ, "chld")
-    out.write(json.dumps({"ready": os.getpid()}) + "\n")
-    buf = b""
+    clients: list[_Client] = []
+    owner: dict[int, _Client] = {}
+
+    def add(c: _Client) -> None:
+        clients.append(c)
+        sel.register(c.in_fd, selectors.EVENT_READ, c)
+        c.send({"ready": os.getpid()})
+
+    def in_child() -> None:  # what a forked node must not keep of the zygote
+        signal.set_wakeup_fd(-1)
+        for fd in (rfd, wfd):
+            os.close(fd)
+        for c in clients:
+            c.close()
+        if listener is not None:
+            listener.close()
+
+    if first is not None:
+        add(first)
+    else:
+        sel.register(listener, selectors.EVENT_READ, "listen")
     while True:
         for key, _ in sel.select():
             if key.data == "chld":
                 os.read(rfd, 4096)
-                _reap(out)
-                continue
-            chunk = os.read(sys.stdin.fileno(), 65536)
-            if not chunk:  # the launcher is done (its nodes are stopped) or gone
-                return 0
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                pid = _fork(json.loads(line), out, (rfd, wfd, sys.stdin.fileno()))
-                out.write(json.dumps({"pid": pid} if isinstance(pid, int) else {"error": pid}) + "\n")
-        _reap(out)
+            elif key.data == "listen":
+                conn, _ = listener.accept()
+                add(_Client(conn.fileno(), conn.makefile("w", buffering=1), conn))
+            else:
+                c = key.data
+                chunk = os.read(c.in_fd, 65536)
+                if not chunk:  # the launcher is done (its nodes are stopped) or gone
+                    if first is not None:
+                        return 0
+                    sel.unregister(c.in_fd)
+                    clients.remove(c)
+                    for pid in c.pids:  # what its own zygote's death would do to them
+                        try:
+                            os.killpg(pid, signal.SIGTERM)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                    c.close()
+                    continue
+                c.buf += chunk
+                while b"\n" in c.buf:
+                    line, c.buf = c.buf.split(b"\n", 1)
+                    pid = _fork(json.loads(line), in_child)
+                    if isinstance(pid, int):
+                        owner[pid] = c
+                        c.pids.add(pid)
+                    c.send({"pid": pid} if isinstance(pid, int) else {"error": pid})
+        _reap(owner)
 
 
-def _reap(out) -> None:
+def _reap(owner: dict) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -90,10 +163,13 @@ def _reap(out) -> None:
             return
         if pid == 0:
             return
-        out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+        c = owner.pop(pid, None)
+        if c is not None:
+            c.pids.discard(pid)
+            c.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _fork(req: dict, out, close_fds: tuple[int, ...]) -> int | str:
+def _fork(req: dict, in_child) -> int | str:
     try:
         log_fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError as e:
@@ -108,9 +184,7 @@ def _fork(req: dict, out, close_fds: tuple[int, ...]) -> int | str:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)
-        for fd in close_fds:
-            os.close(fd)
-        out.close()
+        in_child()
         os.setsid()  # its own session, as spawn() gives an exec'd node
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
