@@ -193,6 +193,9 @@ def _fork(req: dict, in_child) -> int | str:
         os.chdir(req.get("cwd") or os.getcwd())
         os.environ.clear()
         os.environ.update(req["env"])
+        for entry in reversed([e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]):
+            if entry not in sys.path:  # as the interpreter reads it at start: this run's, not the zygote's
+                sys.path.insert(1, entry)
         from distflow.core.launch_env import LAUNCHER_PID_ENV
 
         os.environ[LAUNCHER_PID_ENV] = str(os.getppid())  # the zygote: the node dies with it
