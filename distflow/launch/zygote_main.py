@@ -13,8 +13,16 @@ import signal
 import sys
 import threading
 
-PRELOAD = ("torch", "transformers", "distflow.launch.cli", "distflow.launch.node", "distflow.rollout.worker",
-           "distflow.trainer.worker")
+# What every node imports (measured: the modules of a quickstart run's nodes, less these, is a dozen
+# small ones); the lazy ones transformers and torch.distributed load at a node's first model load,
+# FSDP wrap, checkpoint and plot cost as much again as the eager ones.
+PRELOAD = ("torch", "transformers", "uvloop", "distflow.launch.cli", "distflow.launch.node", "distflow.rollout.worker",
+           "distflow.trainer.worker", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_fast",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.generation", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "torch.distributed.tensor", "torch.distributed.device_mesh", "torch._dynamo", "safetensors.torch",
+           "matplotlib.pyplot")
 
 
 def unfit_reason() -> str | None:
