@@ -5,30 +5,16 @@ every key its rows carry is documented in docs/metrics.md."""
 
 from __future__ import annotations
 
-import time
-
-import torch
-
-from distflow.core.config import load_config
-from distflow.step import synchronous_run
-from distflow.toy import ensure_toy_model
 from tests.conftest import ROOT
-from tests.process_group import process_group, store_path
+from tests.learning import learning_run
 from tests.test_metrics_doc import documented
 
 EXAMPLE = ROOT / "examples" / "tool_quickstart.yaml"
 
 
 def test_tool_quickstart_learns_to_call_the_tool(tmp_path):
-    torch.set_num_threads(2)
-    model = ensure_toy_model(tmp_path / "model", kind="tool")
-    cfg = load_config(EXAMPLE, [f"model_path={model}", "toy_model=false", f"output_dir={tmp_path / 'out'}"])
-    t0 = time.perf_counter()
-    with process_group(store_path(tmp_path)):
-        rows = list(synchronous_run(cfg, cfg.max_steps))
-    wall = time.perf_counter() - t0
+    cfg, rows, first, last, wall = learning_run(EXAMPLE, "tool", tmp_path)
     rewards = [r["reward_mean"] for r in rows]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     rate = rows[-1]["tool_call_rate"]
     print(f"\ntool_quickstart: {len(rows)} steps, first-10 reward {first:.3f}, last-10 {last:.3f}, "
           f"tool_call_rate {rows[0]['tool_call_rate']:.3f} -> {rate:.3f}, wall {wall:.0f} s")

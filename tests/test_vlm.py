@@ -16,7 +16,6 @@ nothing downloaded), solid-colour PNGs written by pillow.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -164,19 +163,10 @@ def test_trainer_logprobs_with_images_are_the_engines(vlm_model, tmp_path):
 
 
 def test_vlm_quickstart_learns(tmp_path):
-    from distflow.step import synchronous_run
-    from distflow.toy import ensure_toy_model
-    from tests.process_group import process_group, store_path
+    from tests.learning import learning_run
 
-    torch.set_num_threads(2)
-    model = ensure_toy_model(tmp_path / "model", kind="vlm")
-    cfg = load_config(EXAMPLE, [f"model_path={model}", "toy_model=false", f"output_dir={tmp_path / 'out'}"])
-    t0 = time.perf_counter()
-    with process_group(store_path(tmp_path)):
-        rows = list(synchronous_run(cfg, cfg.max_steps))
-    wall = time.perf_counter() - t0
+    cfg, rows, first, last, wall = learning_run(EXAMPLE, "vlm", tmp_path)
     rewards = [r["reward_mean"] for r in rows]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"\nvlm_quickstart: {len(rows)} steps, first-10 reward {first:.3f}, last-10 {last:.3f}, wall {wall:.0f} s")
     assert len(rows) == cfg.max_steps == 20
     assert last - first >= 0.3, rewards
