@@ -75,7 +75,9 @@ ALIASES = {"learning_rate": "lr", "num_generations": "group_size", "n_samples_pe
            "batch_size": "prompts_per_step", "train_batch_size": "prompts_per_step", "max_tokens": "max_new_tokens",
            "max_completion_length": "max_new_tokens", "response_length": "max_new_tokens", "model": "model_path",
            "model_name_or_path": "model_path", "data_path": "dataset", "train_files": "dataset",
-           "num_train_epochs": "epochs", "total_steps": "max_steps", "kl_coeff": "kl_coef", "beta": "kl_coef"}
+           "num_train_epochs": "epochs", "total_steps": "max_steps", "kl_coeff": "kl_coef", "beta": "kl_coef",
+           "gpu_memory_utilization": "engine_gpu_memory_utilization",  # vLLM's name
+           "engine_kv_cache_memory_fraction": "engine_gpu_memory_utilization"}  # DistFlow's former key
 
 
 def suggest(name: str, section: str | None = None) -> str:

@@ -189,7 +189,6 @@ def _fork(req: dict, in_child) -> int | str:
     # The node. Nothing of the zygote's loop survives; what follows is a distflow-node process.
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)
         in_child()
