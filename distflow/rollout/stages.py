@@ -40,6 +40,7 @@ from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import BadRowPolicy, PromptRow, keep_row
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
+from distflow.core.once import log_once
 from distflow.hf import chat_prompt_ids, end_of_turn
 from distflow.rl.catalog import StageError, UserFunctionError, function, node_runs_on
 from distflow.rl.reward_model import score_batch
@@ -285,19 +286,15 @@ def reward(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -
         values.append(value)
     if outside:
         ctx.count("reward_out_of_range", outside)
-        if node.fn not in _WARNED_RANGE:
-            _WARNED_RANGE.add(node.fn)
-            log.warning("workflow node %r: reward %r gave %d of %d scores outside the documented range [%g, %g] "
-                        "(counted as reward_out_of_range; group advantages normalise them, shaping assumes the range)",
-                        node.id, node.fn, outside, len(values), *REWARD_RANGE)
+        log_once(log, f"reward-range:{node.fn}", logging.WARNING,
+                 "workflow node %r: reward %r gave %d of %d scores outside the documented range [%g, %g] "
+                 "(counted as reward_out_of_range; group advantages normalise them, shaping assumes the range)",
+                 node.id, node.fn, outside, len(values), *REWARD_RANGE)
     scores = torch.tensor(values, dtype=torch.float32)
     if "reward" in batch.tensors:  # an episode's environment rewards (or an earlier REWARD node): added to
         scores = batch.tensors["reward"].float() + scores
     batch.set_scalar("reward", scores)
     return batch
-
-
-_WARNED_RANGE: set[str] = set()  # reward functions warned of once per process
 
 
 def reward_model(node: WorkflowNode, ctx: RolloutContext, batch: SampleBatch | None) -> SampleBatch:
