@@ -128,7 +128,7 @@ def test_quickstart_runs_with_tensor_parallel_end_to_end(tmp_path):
     untrained model's) and the checkpoint holds the gathered weights. That the TP=2 step is the
     TP=1 step is asserted above to 1e-5; that the run learns is measured, not re-run here (the suite's
     time): `distflow run examples/grpo_quickstart.yaml trainer_nodes=2 tensor_parallel=2` goes from
-    first-10 mean reward 0.09 to last-10 0.80 (docs/parallelism.md)."""
+    first-10 mean reward 0.086 to last-10 0.927 (docs/parallelism.md)."""
     out = tmp_path / "qs"
     r = run_distflow(["run", str(QUICKSTART), "--no-progress", f"output_dir={out}",
                       f"model_path={tmp_path / 'toy'}", "trainer_nodes=2", "tensor_parallel=2", "max_steps=12",
