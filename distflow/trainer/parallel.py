@@ -1,4 +1,5 @@
-"""The trainer's device mesh: FSDP2 data parallel x tensor parallel (``tensor_parallel``).
+"""The trainer's device mesh: FSDP2 data parallel x tensor parallel (``tensor_parallel``) or x sequence
+parallel (``sequence_parallel``, Ulysses: :mod:`distflow.trainer.ulysses`).
 
 Why it exists: a model too big for FSDP2 alone (its layers' activations and gathered weights per
 GPU) is split inside each layer too, Megatron-style, as torchtitan does: the trainer's
@@ -18,8 +19,13 @@ all-reduced), so FSDP2 reduces them over ``dp`` only.
 
 A TP group computes ONE data-parallel share: its ranks must see the same samples. Each trainer
 rank receives its own samples (owner routing); the actor unites its TP group's samples before a
-pass (:func:`tp_union`) and keeps its own rows of the results. Counts all-reduced over the whole
+pass (:func:`share_union`) and keeps its own rows of the results. Counts all-reduced over the whole
 group then count each sample ``tp`` times, which the step's normalisers (global / world) absorb.
+
+With ``sequence_parallel: N`` the mesh is ``(dp, sp)`` instead: an SP group of N consecutive ranks
+also computes ONE data-parallel share (united by the same :func:`share_union`), each rank holding
+1/N of every packed row; FSDP2 shards over all ``dp x sp`` ranks (the flattened mesh), since each
+SP rank's gradients come from other tokens. Both at once are refused (:func:`trainer_mesh`).
 
 Weights leave through ``full_tensor()`` of each DTensor, whatever its mesh
 (:mod:`distflow.trainer.gather`): rollout nodes and checkpoints get the same tensors as with
@@ -33,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TP_PLAN", "apply_tensor_parallel", "check_tp_model", "dp_mesh", "is_mesh_rank0", "tp_size",
-           "tp_union", "trainer_mesh"]
+__all__ = ["TP_PLAN", "apply_tensor_parallel", "check_tp_model", "dp_mesh", "is_mesh_rank0", "share_size",
+           "share_union", "sp_group", "sp_size", "tp_size", "trainer_mesh"]
 
 # module name under each decoder layer -> "colwise" | "rowwise" (transformers' base_model_tp_plan of Llama/Qwen)
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -42,27 +48,63 @@ TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_a
            "mlp.down_proj": "rowwise"}
 
 
-def trainer_mesh(device_type: str, world: int, tp: int) -> Any:
-    """The trainer group's device mesh: 1-D ``(world,)`` for ``tp == 1`` (plain FSDP2), else 2-D
-    ``(world // tp, tp)`` named ``("dp", "tp")``. ``world`` must be divisible by ``tp`` (the config
-    checks it; said again here, naming the key, for a caller that built its own)."""
+def trainer_mesh(device_type: str, world: int, tp: int, sp: int = 1) -> Any:
+    """The trainer group's device mesh: 1-D ``(world,)`` for ``tp == sp == 1`` (plain FSDP2), else 2-D
+    ``(world // tp, tp)`` named ``("dp", "tp")`` or ``(world // sp, sp)`` named ``("dp", "sp")``.
+    ``world`` must be divisible by the degree, and tensor and sequence parallelism are not combined
+    (the config checks both; said again here, naming the keys, for a caller that built its own)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if tp < 1 or world % tp:
         raise ValueError(f"tensor_parallel ({tp}) must divide trainer_nodes ({world})")
-    if tp == 1:
+    if sp < 1 or world % sp:
+        raise ValueError(f"sequence_parallel ({sp}) must divide trainer_nodes ({world})")
+    if tp > 1 and sp > 1:
+        raise ValueError(f"tensor_parallel ({tp}) and sequence_parallel ({sp}) cannot be combined: set one of them "
+                         "to 1 (docs/parallelism.md)")
+    if tp == sp == 1:
         return init_device_mesh(device_type, (world,))
-    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    n, name = (tp, "tp") if tp > 1 else (sp, "sp")
+    return init_device_mesh(device_type, (world // n, n), mesh_dim_names=("dp", name))
+
+
+def _share_dim(mesh: Any) -> str | None:
+    """The mesh dimension whose ranks compute one data-parallel share together ("tp" or "sp"), or None."""
+    names = mesh.mesh_dim_names or ()
+    return next((d for d in ("tp", "sp") if d in names), None)
 
 
 def tp_size(mesh: Any) -> int:
-    """The tensor-parallel degree of a trainer mesh (1 for a 1-D one)."""
-    return mesh["tp"].size() if mesh.ndim == 2 else 1
+    """The tensor-parallel degree of a trainer mesh (1 without a ``tp`` dimension)."""
+    return mesh["tp"].size() if _share_dim(mesh) == "tp" else 1
+
+
+def sp_size(mesh: Any) -> int:
+    """The sequence-parallel degree of a trainer mesh (1 without an ``sp`` dimension)."""
+    return mesh["sp"].size() if _share_dim(mesh) == "sp" else 1
+
+
+def share_size(mesh: Any) -> int:
+    """How many ranks compute one data-parallel share together (its TP or SP group; 1 for a 1-D mesh)."""
+    return tp_size(mesh) * sp_size(mesh)
+
+
+def sp_group(mesh: Any) -> Any:
+    """This rank's sequence-parallel process group, or None without an ``sp`` dimension."""
+    return mesh["sp"].get_group() if _share_dim(mesh) == "sp" else None
 
 
 def dp_mesh(mesh: Any) -> Any:
-    """The mesh FSDP2 shards over: the ``dp`` dimension of a 2-D trainer mesh, else the mesh itself."""
-    return mesh["dp"] if mesh.ndim == 2 else mesh
+    """The mesh FSDP2 shards over: the ``dp`` dimension of a ``(dp, tp)`` mesh (the split layers are
+    already sharded over ``tp``); the whole ``(dp, sp)`` mesh flattened (every SP rank holds gradient
+    contributions of other tokens, so the gradient reduce spans all ranks, as verl's FSDP does with
+    Ulysses); a 1-D mesh itself."""
+    dim = _share_dim(mesh)
+    if dim == "tp":
+        return mesh["dp"]
+    if dim == "sp":
+        return mesh._flatten("dp_sp")  # torchtitan's way to shard over dp x cp; cached by name
+    return mesh
 
 
 def is_mesh_rank0(mesh: Any) -> bool:
@@ -89,7 +131,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
     """``parallelize_module`` every decoder layer of ``model`` (a Hugging Face ``*ForCausalLM``) over
     ``mesh["tp"]`` with :data:`TP_PLAN`; a 1-D mesh: nothing. Runs before ``fully_shard``. The layers'
     parameters become DTensors sharded over ``tp`` (FSDP2 then adds the ``dp`` dimension)."""
-    if mesh.ndim != 2:
+    if tp_size(mesh) == 1:
         return
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -108,18 +150,19 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
         parallelize_module(layer, tp, {name: styles[style]() for name, style in TP_PLAN.items()})
 
 
-def tp_union(batch: Any, mesh: Any) -> tuple[Any, slice]:
-    """The samples of this rank's whole TP group (every TP rank's, in TP-rank order) and where this
-    rank's own are in it: ``(united batch, slice)``. A collective over the TP group (objects through
+def share_union(batch: Any, mesh: Any) -> tuple[Any, slice]:
+    """The samples of this rank's whole TP or SP group (every rank's, in group-rank order) and where
+    this rank's own are in it: ``(united batch, slice)``. A collective over that group (objects through
     gloo/NCCL); a 1-D mesh returns ``(batch, slice(None))`` and moves nothing."""
-    if mesh.ndim != 2:
+    dim = _share_dim(mesh)
+    if dim is None:
         return batch, slice(None)
     from distflow.buffer.batch import SampleBatch
 
-    group = mesh["tp"].get_group()
-    parts: list[Any] = [None] * mesh["tp"].size()
+    group = mesh[dim].get_group()
+    parts: list[Any] = [None] * mesh[dim].size()
     dist.all_gather_object(parts, batch, group=group)
-    me = mesh["tp"].get_local_rank()
+    me = mesh[dim].get_local_rank()
     start = sum(len(p) for p in parts[:me])
     nonempty = [p for p in parts if len(p)]
     united = SampleBatch.concat(nonempty) if nonempty else batch
