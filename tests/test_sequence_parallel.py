@@ -1,15 +1,18 @@
 """Ulysses sequence parallelism in the trainer (``sequence_parallel``, distflow/trainer/ulysses.py) on real gloo ranks.
 
-Two ranks as ONE sequence-parallel group (mesh dp=1 x sp=2), each given a different, uneven part of
-a batch whose first sample is 4,000 tokens long (the SP group unites the parts), take one actor step:
-the reference pass and the update run every packed row split in two, with all-to-alls around the
-attention. One rank takes the same step on the whole batch without SP. Loss, every gradient, the
-updated weights and the reference logprobs must agree within float tolerance; each SP rank really
-held half of each row (padded to an even length). Ulysses' attention with fewer KV heads than ranks
-(the heads repeated) equals the whole attention, forward and backward. And the refusals.
+Two ranks as ONE sequence-parallel group (mesh dp=1 x sp=2), then four as one SP x TP group (dp=1 x
+sp=2 x tp=2), each rank given a different, uneven part of a batch whose first sample is 4,000 tokens
+long (the group unites the parts), take one actor step: the reference pass and the update run every
+packed row split in two, with all-to-alls around the attention. One rank takes the same step on the
+whole batch without SP. Loss, every gradient, the updated weights and the reference logprobs must
+agree within float tolerance; each SP rank really held half of each row (padded to an even length).
+Ulysses' attention with fewer KV heads than ranks (the heads repeated) equals the whole attention,
+forward and backward. And the refusals.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -27,9 +30,10 @@ LONG_PROMPT, LONG_RESPONSE = 3000, 1000
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["trainer_nodes=2", "sequence_parallel=3"], "sequence_parallel (3) must divide trainer_nodes (2)"),
-    (["trainer_nodes=4", "tensor_parallel=2", "sequence_parallel=2"],
-     "tensor_parallel (2) and sequence_parallel (2) cannot be combined"),
+    (["trainer_nodes=2", "sequence_parallel=3"],
+     "sequence_parallel (3) x tensor_parallel (1) must divide trainer_nodes (2)"),
+    (["trainer_nodes=2", "tensor_parallel=2", "sequence_parallel=2"],
+     "sequence_parallel (2) x tensor_parallel (2) must divide trainer_nodes (2)"),
 ])
 def test_config_refuses_an_sp_degree_that_does_not_fit(overrides, needle):
     assert config_refuses(overrides, needle, "sequence_parallel").sequence_parallel == 2
@@ -51,10 +55,13 @@ def test_model_heads_must_split_or_repeat_evenly():
         check_sp_model(LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(4\) or be a multiple"):
         check_sp_model(gqa, 3)
+    check_sp_model(cfg, 2, tp=2)  # 1 query head per rank; the TP rank's 1 KV head repeated
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4 / tensor_parallel 2\)"):
+        check_sp_model(cfg, 4, tp=2)
     with pytest.raises(ValueError, match="sequence_parallel: 2: vision-language models are not supported"):
         check_sp_model(Qwen2VLConfig(), 2)
-    with pytest.raises(ValueError, match=r"tensor_parallel \(2\) and sequence_parallel \(2\) cannot be combined"):
-        trainer_mesh("cpu", 4, 2, 2)  # said again for a caller that builds its own mesh
+    with pytest.raises(ValueError, match=r"sequence_parallel \(2\) x tensor_parallel \(2\) must divide trainer_nodes"):
+        trainer_mesh("cpu", 6, 2, 2)  # said again for a caller that builds its own mesh
 
 
 def long_batch() -> SampleBatch:
@@ -67,8 +74,9 @@ def long_batch() -> SampleBatch:
     return SampleBatch.concat([long, make_batch(7, seed=5)])
 
 
-def _check_gqa_attention(rank: int) -> dict[str, float]:
-    """Ulysses over 2 ranks with 1 KV head (repeated) vs one rank's varlen attention on the whole row."""
+def _check_gqa_attention(group: Any) -> dict[str, float]:
+    """Ulysses over a 2-rank SP ``group`` with 1 KV head (repeated) vs one rank's varlen attention on the
+    whole row."""
     from distflow.trainer.attention import varlen_attention
     from distflow.trainer.ulysses import ulysses_attention
 
@@ -81,12 +89,14 @@ def _check_gqa_attention(rank: int) -> dict[str, float]:
     full, _ = varlen_attention(None, q, k, v, None, **kw)  # [1, S, 4, 8]
     (full * torch.arange(full.numel()).view_as(full).sin()).sum().backward()
     ref_grads = [t.grad.clone() for t in (q, k, v)]
+    rank = dist.get_rank(group)
     mine = slice(rank * s // 2, (rank + 1) * s // 2)
     ql, kl, vl = (t.detach()[:, :, mine].clone().requires_grad_(True) for t in (q, k, v))
-    out, _ = ulysses_attention(varlen_attention, None, ql, kl, vl, None, dist.group.WORLD, **kw)
+    out, _ = ulysses_attention(varlen_attention, None, ql, kl, vl, None, group, **kw)
     (out * torch.arange(full.numel()).view_as(full).sin()[:, mine]).sum().backward()
     return {"out": float((out - full[:, mine]).abs().max()),
-            **{f"grad_{n}": float((t.grad - r[:, :, mine]).abs().max()) for n, t, r in zip("qkv", (ql, kl, vl), ref_grads)}}
+            **{f"grad_{n}": float((t.grad - r[:, :, mine]).abs().max())
+               for n, t, r in zip("qkv", (ql, kl, vl), ref_grads)}}
 
 
 def _sp_step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
@@ -98,34 +108,46 @@ def _sp_step(rank: int, world: int, store: str, toy_model: str, overrides: list[
         cfg = _cfg(toy_model, "kl_coef=0.01", "lr=0.01", f"trainer_nodes={world}", *overrides)
         actor = Actor(cfg, with_reference=True)
         batch = long_batch()
-        if world == 2:  # uneven parts, as owner routing gives: the SP group trains all 8 together
-            batch = batch.select(range(5) if rank == 0 else range(5, 8))
+        if world > 1:  # uneven parts, as owner routing gives: the share group trains all 8 together
+            cuts = [0, 5, 8] if world == 2 else [0, 3, 4, 8, 8]  # (4 ranks: one gets none)
+            batch = batch.select(range(cuts[rank], cuts[rank + 1]))
         batch = actor.reference_logprobs(batch)
         ref_lp = batch.tensors["ref_logprobs"].clone()  # this rank's rows only
         rows = [(int(i.input_ids.shape[1]), sum(i.seq_lens), i.tokens) for _, i in  # (this rank's width, the
                 actor._micro_batches(share_union(batch, actor.mesh)[0])]  # padded row, its real tokens)
         stats, grads = recorded_update(actor, cfg, batch)
         state = actor.full_state_dict()
-        gqa = _check_gqa_attention(rank) if world == 2 else {}
+        gqa = _check_gqa_attention(actor.sp_group) if world > 1 else {}
         if rank == 0:
             torch.save({"stats": stats, "grads": grads, "state": state, "ref_lp": ref_lp, "rows": rows,
                         "share": actor.share, "gqa": gqa}, out)
 
 
-def test_sp2_step_equals_sp1_on_a_4k_token_sample(tmp_path, toy_model):
+@pytest.fixture(scope="module")
+def sp1(tmp_path_factory, toy_model) -> dict:
+    """One rank's step on the whole batch, packed with a 4,096-token budget: the split steps' reference."""
+    tmp = tmp_path_factory.mktemp("sp1")
+    _forked_fn(_sp_step, 1, (1, str(tmp / "sp1.store"), str(toy_model), ["max_tokens_per_micro_batch=4096"],
+                             str(tmp / "sp1.pt")))
+    return torch.load(tmp / "sp1.pt")
+
+
+@pytest.mark.parametrize("world, overrides", [(2, ["sequence_parallel=2"]),
+                                              (4, ["sequence_parallel=2", "tensor_parallel=2"])],
+                         ids=["sp2", "sp2xtp2"])
+def test_split_step_equals_one_rank_on_a_4k_token_sample(tmp_path, toy_model, sp1, world, overrides):
+    """SP=2 (dp 1 x sp 2) and SP=2 x TP=2 (dp 1 x sp 2 x tp 2, each rank one of the toy's 4 heads), without
+    a token budget (micro-batches of 4 samples, packed because SP needs one row): the micro-batches differ
+    from the reference's too, and the step's loss and gradients must not."""
     assert not dist.is_initialized()
-    two, one = str(tmp_path / "sp2.pt"), str(tmp_path / "sp1.pt")
-    # SP=2 without a token budget (micro-batches of 4 samples, packed because SP needs one row), SP=1 packed
-    # with a budget: the micro-batches differ too, and the step's loss and gradients must not
-    _forked_fn(_sp_step, 2, (2, str(tmp_path / "sp2.store"), str(toy_model), ["sequence_parallel=2"], two))
-    _forked_fn(_sp_step, 1, (1, str(tmp_path / "sp1.store"), str(toy_model), ["max_tokens_per_micro_batch=4096"],
-                             one))
-    a, b = torch.load(one), torch.load(two)
-    assert (a["share"], b["share"]) == (1, 2)
+    out = str(tmp_path / "split.pt")
+    _forked_fn(_sp_step, world, (world, str(tmp_path / "split.store"), str(toy_model), overrides, out))
+    a, b = sp1, torch.load(out)
+    assert (a["share"], b["share"]) == (1, world)
     assert all(v < 1e-5 for v in b["gqa"].values()), b["gqa"]  # KV heads repeated: the whole attention's values
     # each SP rank held half of every row, padded to an even length; the first holds the 4,000-token sample
     assert [2 * w == n for w, n, _ in b["rows"]] == [True, True] and b["rows"][0][2] > LONG_PROMPT + LONG_RESPONSE
     assert [n - real for _, n, real in b["rows"]] == [1, 1]  # both rows were odd: one pad token each
-    assert torch.allclose(b["ref_lp"], a["ref_lp"][:b["ref_lp"].numel()], atol=1e-5)  # rank 0's own 5 rows
+    assert torch.allclose(b["ref_lp"], a["ref_lp"][:b["ref_lp"].numel()], atol=1e-5)  # rank 0's own rows
     assert b["stats"]["tokens"] == a["stats"]["tokens"] > LONG_RESPONSE
     assert_same_step(a, b, rel=1e-4, grad_atol=1e-6)

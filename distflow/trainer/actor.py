@@ -150,7 +150,8 @@ def ragged_in_batch_order(parts: list[tuple[list[int], list[int], torch.Tensor]]
 
 
 def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens: int | None,
-                       pad_id: int = 0, group=None, packed: bool = False) -> Iterator[tuple[list[int] | None, ModelInputs]]:
+                       pad_id: int = 0, group=None,
+                       packed: bool = False) -> Iterator[tuple[list[int] | None, ModelInputs]]:
     """This rank's micro-batches of ``batch`` as (sample indices, CPU model inputs); the
     same COUNT on every rank of ``group`` (a collective), dummies ``(None, dummy_inputs())``
     at the end for ranks with fewer. Packed with a token budget (or ``packed``), padded without."""
@@ -205,13 +206,12 @@ class Actor:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = node_device(cfg.device)
         self.compute_dtype = DTYPES[cfg.dtype]
-        # (dp, tp) with tensor_parallel > 1, (dp, sp) with sequence_parallel > 1, else (world,): trainer/parallel.py
+        # (dp[, sp][, tp]) with tensor_parallel or sequence_parallel > 1, else (world,): trainer/parallel.py
         self.mesh = mesh = trainer_mesh(self.device.type, self.world, getattr(cfg, "tensor_parallel", 1),
                                         getattr(cfg, "sequence_parallel", 1))
-        self.tp, self.share, self.sp_group = tp_size(mesh), share_size(mesh), sp_group(mesh)  # share: TP/SP group
+        self.tp, self.share, self.sp_group = tp_size(mesh), share_size(mesh), sp_group(mesh)  # share: SP x TP
         if self.rank == 0 and self.share > 1:
-            log.info("trainer mesh: dp %d x %s %d", self.world // self.share, "tp" if self.tp > 1 else "sp",
-                     self.share)
+            log.info("trainer mesh: %s", " x ".join(f"{n} {k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape)))
         # The checkpoint's run state, checked against this config before anything is loaded.
         self.resumed = read_run_state(Path(cfg.resume_from), cfg) if cfg.resume_from else None
         torch.manual_seed(cfg.seed)
@@ -283,9 +283,9 @@ class Actor:
     @torch.no_grad()
     def _inference_pass(self, batch: SampleBatch, ref: bool, old: bool, reshard_policy: bool = False,
                         united: bool = False) -> SampleBatch:
-        """The pass over ``batch``, this rank's samples; with tensor parallelism its TP group's united
-        samples (:func:`~distflow.trainer.parallel.share_union`; an SP group's too), this rank's rows kept (``united``: the
-        batch is the TP group's already, as in :meth:`update`)."""
+        """The pass over ``batch``, this rank's samples; with tensor or sequence parallelism its group's
+        united samples (:func:`~distflow.trainer.parallel.share_union`), this rank's rows kept (``united``:
+        the batch is the group's already, as in :meth:`update`)."""
         fields = [name for name, want in (("ref_logprobs", ref), ("old_logprobs", old)) if want]
         if not fields:
             return batch

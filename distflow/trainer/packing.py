@@ -24,8 +24,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ModelInputs", "SEQ_LENS_KWARG", "SP_GROUP_KWARG", "pack_inputs", "pad_inputs", "plan_micro_batches", "dummy_inputs",
-           "sample_lengths"]
+__all__ = ["ModelInputs", "SEQ_LENS_KWARG", "SP_GROUP_KWARG", "pack_inputs", "pad_inputs", "plan_micro_batches",
+           "dummy_inputs", "sample_lengths"]
 
 # The model kwarg that carries a packed row's sample lengths as Python ints to the attention
 # (which then never reads them back from the device tensor: no host sync per layer).

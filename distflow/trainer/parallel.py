@@ -25,7 +25,8 @@ group then count each sample ``tp`` times, which the step's normalisers (global 
 With ``sequence_parallel: N`` the mesh is ``(dp, sp)`` instead: an SP group of N consecutive ranks
 also computes ONE data-parallel share (united by the same :func:`share_union`), each rank holding
 1/N of every packed row; FSDP2 shards over all ``dp x sp`` ranks (the flattened mesh), since each
-SP rank's gradients come from other tokens. Both at once are refused (:func:`trainer_mesh`).
+SP rank's gradients come from other tokens. Both at once: ``(dp, sp, tp)``, TP innermost; the share
+group is then the SP x TP ranks, and FSDP2 shards over ``dp x sp`` (torchtitan's dp x cp x tp).
 
 Weights leave through ``full_tensor()`` of each DTensor, whatever its mesh
 (:mod:`distflow.trainer.gather`): rollout nodes and checkpoints get the same tensors as with
@@ -49,62 +50,65 @@ TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_a
 
 
 def trainer_mesh(device_type: str, world: int, tp: int, sp: int = 1) -> Any:
-    """The trainer group's device mesh: 1-D ``(world,)`` for ``tp == sp == 1`` (plain FSDP2), else 2-D
-    ``(world // tp, tp)`` named ``("dp", "tp")`` or ``(world // sp, sp)`` named ``("dp", "sp")``.
-    ``world`` must be divisible by the degree, and tensor and sequence parallelism are not combined
-    (the config checks both; said again here, naming the keys, for a caller that built its own)."""
+    """The trainer group's device mesh: 1-D ``(world,)`` for ``tp == sp == 1`` (plain FSDP2), else the
+    dimensions ``dp``, then ``sp`` when ``sp > 1``, then ``tp`` when ``tp > 1`` (innermost: consecutive
+    ranks share a TP group, then an SP group), e.g. ``(world // (sp * tp), sp, tp)`` named
+    ``("dp", "sp", "tp")``. ``world`` must be divisible by ``tp * sp`` (the config checks it; said again
+    here, naming the keys, for a caller that built its own)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if tp < 1 or world % tp:
         raise ValueError(f"tensor_parallel ({tp}) must divide trainer_nodes ({world})")
-    if sp < 1 or world % sp:
-        raise ValueError(f"sequence_parallel ({sp}) must divide trainer_nodes ({world})")
-    if tp > 1 and sp > 1:
-        raise ValueError(f"tensor_parallel ({tp}) and sequence_parallel ({sp}) cannot be combined: set one of them "
-                         "to 1 (docs/parallelism.md)")
+    if sp < 1 or world % (sp * tp):
+        raise ValueError(f"sequence_parallel ({sp}) x tensor_parallel ({tp}) must divide trainer_nodes ({world})")
     if tp == sp == 1:
         return init_device_mesh(device_type, (world,))
-    n, name = (tp, "tp") if tp > 1 else (sp, "sp")
-    return init_device_mesh(device_type, (world // n, n), mesh_dim_names=("dp", name))
+    dims = [("dp", world // (sp * tp))] + [(n, k) for n, k in (("sp", sp), ("tp", tp)) if k > 1]
+    return init_device_mesh(device_type, tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
 
 
-def _share_dim(mesh: Any) -> str | None:
-    """The mesh dimension whose ranks compute one data-parallel share together ("tp" or "sp"), or None."""
-    names = mesh.mesh_dim_names or ()
-    return next((d for d in ("tp", "sp") if d in names), None)
+def _has(mesh: Any, dim: str) -> bool:
+    return dim in (mesh.mesh_dim_names or ())
 
 
 def tp_size(mesh: Any) -> int:
     """The tensor-parallel degree of a trainer mesh (1 without a ``tp`` dimension)."""
-    return mesh["tp"].size() if _share_dim(mesh) == "tp" else 1
+    return mesh["tp"].size() if _has(mesh, "tp") else 1
 
 
 def sp_size(mesh: Any) -> int:
     """The sequence-parallel degree of a trainer mesh (1 without an ``sp`` dimension)."""
-    return mesh["sp"].size() if _share_dim(mesh) == "sp" else 1
+    return mesh["sp"].size() if _has(mesh, "sp") else 1
 
 
 def share_size(mesh: Any) -> int:
-    """How many ranks compute one data-parallel share together (its TP or SP group; 1 for a 1-D mesh)."""
+    """How many ranks compute one data-parallel share together (its SP x TP group; 1 for a 1-D mesh)."""
     return tp_size(mesh) * sp_size(mesh)
 
 
 def sp_group(mesh: Any) -> Any:
     """This rank's sequence-parallel process group, or None without an ``sp`` dimension."""
-    return mesh["sp"].get_group() if _share_dim(mesh) == "sp" else None
+    return mesh["sp"].get_group() if _has(mesh, "sp") else None
+
+
+def _share_mesh(mesh: Any) -> Any:
+    """The 1-D mesh of this rank's share group (its ``tp``, ``sp``, or both flattened), or None."""
+    dims = tuple(d for d in ("sp", "tp") if _has(mesh, d))
+    if not dims:
+        return None
+    return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("sp_tp")
 
 
 def dp_mesh(mesh: Any) -> Any:
-    """The mesh FSDP2 shards over: the ``dp`` dimension of a ``(dp, tp)`` mesh (the split layers are
-    already sharded over ``tp``); the whole ``(dp, sp)`` mesh flattened (every SP rank holds gradient
-    contributions of other tokens, so the gradient reduce spans all ranks, as verl's FSDP does with
-    Ulysses); a 1-D mesh itself."""
-    dim = _share_dim(mesh)
-    if dim == "tp":
+    """The mesh FSDP2 shards over: the ``dp`` dimension when there is no ``sp`` (the split layers are
+    sharded over ``tp`` already); ``dp`` and ``sp`` flattened when there is (every SP rank holds
+    gradient contributions of other tokens, so the gradient reduce spans them all, as verl's FSDP does
+    with Ulysses and torchtitan's over dp x cp); a 1-D mesh itself."""
+    if mesh.ndim == 1 and not _has(mesh, "dp"):
+        return mesh
+    if not _has(mesh, "sp"):
         return mesh["dp"]
-    if dim == "sp":
-        return mesh._flatten("dp_sp")  # torchtitan's way to shard over dp x cp; cached by name
-    return mesh
+    return mesh["dp", "sp"]._flatten("dp_sp")  # cached by name: the same mesh on every call
 
 
 def is_mesh_rank0(mesh: Any) -> bool:
@@ -151,18 +155,17 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
 
 
 def share_union(batch: Any, mesh: Any) -> tuple[Any, slice]:
-    """The samples of this rank's whole TP or SP group (every rank's, in group-rank order) and where
-    this rank's own are in it: ``(united batch, slice)``. A collective over that group (objects through
-    gloo/NCCL); a 1-D mesh returns ``(batch, slice(None))`` and moves nothing."""
-    dim = _share_dim(mesh)
-    if dim is None:
+    """The samples of this rank's whole share group (its TP, SP or SP x TP ranks, in group-rank order)
+    and where this rank's own are in it: ``(united batch, slice)``. A collective over that group
+    (objects through gloo/NCCL); a 1-D mesh returns ``(batch, slice(None))`` and moves nothing."""
+    share = _share_mesh(mesh)
+    if share is None:
         return batch, slice(None)
     from distflow.buffer.batch import SampleBatch
 
-    group = mesh[dim].get_group()
-    parts: list[Any] = [None] * mesh[dim].size()
-    dist.all_gather_object(parts, batch, group=group)
-    me = mesh[dim].get_local_rank()
+    parts: list[Any] = [None] * share.size()
+    dist.all_gather_object(parts, batch, group=share.get_group())
+    me = share.get_local_rank()
     start = sum(len(p) for p in parts[:me])
     nonempty = [p for p in parts if len(p)]
     united = SampleBatch.concat(nonempty) if nonempty else batch

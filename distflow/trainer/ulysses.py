@@ -13,7 +13,8 @@ when the model kwargs carry the SP group) an all-to-all turns (local positions, 
 (all positions, heads / N), the varlen attention runs over the whole packed row with its
 cumulative sample lengths, and a second all-to-all turns it back. RoPE is applied before, with
 each slice's own position ids. With fewer KV heads than N, each KV head is repeated (verl's way)
-so every rank has the one its query heads read.
+so every rank has the one its query heads read. With tensor parallelism too (the ``(dp, sp, tp)`` mesh)
+the attention sees this TP rank's heads, which the all-to-all splits further.
 
 The logprob head runs on the slice's response positions only; :func:`gather_tokens` concatenates
 the SP ranks' logprobs and entropies (each rank's slice predicts a contiguous run of the row's
@@ -49,9 +50,10 @@ class SequenceShard:
     counts: tuple[int, ...]
 
 
-def check_sp_model(config: Any, sp: int) -> None:
+def check_sp_model(config: Any, sp: int, tp: int = 1) -> None:
     """Refuse, naming the key, a model Ulysses cannot split ``sp`` ways: each rank attends with
-    ``num_attention_heads / sp`` whole heads, and its KV heads either split evenly or, when there are
+    ``num_attention_heads / (tp * sp)`` whole heads (``tp``: the tensor-parallel degree, which splits the
+    heads first), and its ``num_key_value_heads / tp`` KV heads either split evenly or, when there are
     fewer than ``sp``, are repeated (``sp`` must then be a multiple of them). Vision-language models
     (M-RoPE positions, padded batches) are not split."""
     if sp == 1:
@@ -60,13 +62,14 @@ def check_sp_model(config: Any, sp: int) -> None:
         raise ValueError(f"sequence_parallel: {sp}: vision-language models are not supported (their micro-batches "
                          "are padded and their positions are M-RoPE); use sequence_parallel: 1")
     heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads % sp:
-        raise ValueError(f"sequence_parallel: {sp} must divide the model's num_attention_heads ({heads}): each "
-                         "sequence-parallel rank attends with whole heads")
+    kv = (getattr(config, "num_key_value_heads", None) or heads) // tp
+    of_tp = f" / tensor_parallel {tp}" if tp > 1 else ""
+    if heads % (sp * tp):
+        raise ValueError(f"sequence_parallel: {sp} must divide the model's num_attention_heads ({heads}{of_tp}): "
+                         "each sequence-parallel rank attends with whole heads")
     if kv % sp and sp % kv:
-        raise ValueError(f"sequence_parallel: {sp} must divide the model's num_key_value_heads ({kv}) or be a "
-                         "multiple of it (the KV heads are then repeated)")
+        raise ValueError(f"sequence_parallel: {sp} must divide the model's num_key_value_heads ({kv * tp}{of_tp}) "
+                         "or be a multiple of it (the KV heads are then repeated)")
 
 
 def shard_inputs(inputs: ModelInputs, group: Any) -> ModelInputs:
