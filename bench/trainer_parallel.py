@@ -1,7 +1,7 @@
 """Benchmark: the trainer's tensor-parallel and sequence-parallel meshes against one rank, on one long sample.
 
-Why it exists: issue #37 asks whether ``tensor_parallel: 2`` and ``sequence_parallel: 2`` compute the
-same thing as one rank, and what each saves per rank. Each variant runs in real gloo processes (forked,
+Why it exists: issue #37 asks whether ``tensor_parallel: 2``, ``sequence_parallel: 2`` and both compute
+the same thing as one rank, and what each saves per rank. Each variant runs in real gloo processes (forked,
 a FileStore), loads the same random model through the trainer's own loader (``load_for_training``: FSDP2,
 the TP plan, the (dp, sp) mesh) and does what the policy update does with one packed micro-batch: the
 decoder and the chunked response-only head (``response_forward``; with SP each rank holds half of the
@@ -24,7 +24,8 @@ import sys
 import tempfile
 from typing import Any
 
-VARIANTS = {"baseline": (1, 1, 1), "tp2": (2, 2, 1), "sp2": (2, 1, 2)}  # name -> (ranks, tensor_parallel, sp)
+# name -> (ranks, tensor_parallel, sequence_parallel); each dp 1: one data-parallel share, as the baseline
+VARIANTS = {"baseline": (1, 1, 1), "tp2": (2, 2, 1), "sp2": (2, 1, 2), "sp2xtp2": (4, 2, 2)}
 
 
 def _rank(rank: int, world: int, store: str, model_dir: str, tp: int, sp: int, lens: tuple[int, int],
@@ -127,7 +128,7 @@ def main(args: Any, shapes: dict) -> None:
           f"({args.response_len_parallel} response), fp32, gloo on cpu", file=sys.stderr)
     for name, r in report.items():
         print(f"  {name:8s} {r}", file=sys.stderr)
-    for name in ("tp2", "sp2"):
+    for name in ("tp2", "sp2", "sp2xtp2"):
         r = report[name]
         print(f"  {name} / baseline per rank: parameters x{r['param_ratio']}, saved activations "
               f"x{r['saved_activation_ratio']}; loss diff {r['loss_abs_diff']:.2e}, max grad rel diff "

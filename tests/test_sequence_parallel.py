@@ -132,22 +132,24 @@ def sp1(tmp_path_factory, toy_model) -> dict:
     return torch.load(tmp / "sp1.pt")
 
 
-@pytest.mark.parametrize("world, overrides", [(2, ["sequence_parallel=2"]),
+@pytest.mark.parametrize("world, overrides", [(2, ["sequence_parallel=2"]), (4, ["sequence_parallel=2"]),
                                               (4, ["sequence_parallel=2", "tensor_parallel=2"])],
-                         ids=["sp2", "sp2xtp2"])
+                         ids=["sp2", "dp2xsp2", "sp2xtp2"])
 def test_split_step_equals_one_rank_on_a_4k_token_sample(tmp_path, toy_model, sp1, world, overrides):
-    """SP=2 (dp 1 x sp 2) and SP=2 x TP=2 (dp 1 x sp 2 x tp 2, each rank one of the toy's 4 heads), without
+    """SP=2 (dp 1 x sp 2), two SP groups (dp 2 x sp 2: FSDP2 over all 4 ranks, each group its own share)
+    and SP=2 x TP=2 (dp 1 x sp 2 x tp 2, each rank one of the toy's 4 heads), without
     a token budget (micro-batches of 4 samples, packed because SP needs one row): the micro-batches differ
     from the reference's too, and the step's loss and gradients must not."""
     assert not dist.is_initialized()
     out = str(tmp_path / "split.pt")
     _forked_fn(_sp_step, world, (world, str(tmp_path / "split.store"), str(toy_model), overrides, out))
     a, b = sp1, torch.load(out)
-    assert (a["share"], b["share"]) == (1, world)
+    assert (a["share"], b["share"]) == (1, 2 if "tensor_parallel=2" not in overrides else 4)
     assert all(v < 1e-5 for v in b["gqa"].values()), b["gqa"]  # KV heads repeated: the whole attention's values
     # each SP rank held half of every row, padded to an even length; the first holds the 4,000-token sample
-    assert [2 * w == n for w, n, _ in b["rows"]] == [True, True] and b["rows"][0][2] > LONG_PROMPT + LONG_RESPONSE
-    assert [n - real for _, n, real in b["rows"]] == [1, 1]  # both rows were odd: one pad token each
+    assert all(2 * w == n for w, n, _ in b["rows"]) and b["rows"][0][2] > LONG_PROMPT + LONG_RESPONSE
+    pads = [n - real for _, n, real in b["rows"]]
+    assert pads == ([1, 1] if world == 2 or b["share"] == 4 else [1])  # odd rows: one pad token each
     assert torch.allclose(b["ref_lp"], a["ref_lp"][:b["ref_lp"].numel()], atol=1e-5)  # rank 0's own rows
     assert b["stats"]["tokens"] == a["stats"]["tokens"] > LONG_RESPONSE
     assert_same_step(a, b, rel=1e-4, grad_atol=1e-6)

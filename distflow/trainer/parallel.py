@@ -1,4 +1,4 @@
-"""The trainer's device mesh: FSDP2 data parallel x tensor parallel (``tensor_parallel``) or x sequence
+"""The trainer's device mesh: FSDP2 data parallel x tensor parallel (``tensor_parallel``) x sequence
 parallel (``sequence_parallel``, Ulysses: :mod:`distflow.trainer.ulysses`).
 
 Why it exists: a model too big for FSDP2 alone (its layers' activations and gathered weights per
@@ -22,7 +22,7 @@ rank receives its own samples (owner routing); the actor unites its TP group's s
 pass (:func:`share_union`) and keeps its own rows of the results. Counts all-reduced over the whole
 group then count each sample ``tp`` times, which the step's normalisers (global / world) absorb.
 
-With ``sequence_parallel: N`` the mesh is ``(dp, sp)`` instead: an SP group of N consecutive ranks
+With ``sequence_parallel: N`` the mesh is ``(dp, sp)``: an SP group of N consecutive ranks
 also computes ONE data-parallel share (united by the same :func:`share_union`), each rank holding
 1/N of every packed row; FSDP2 shards over all ``dp x sp`` ranks (the flattened mesh), since each
 SP rank's gradients come from other tokens. Both at once: ``(dp, sp, tp)``, TP innermost; the share
