@@ -132,12 +132,13 @@ def sp1(tmp_path_factory, toy_model) -> dict:
     return torch.load(tmp / "sp1.pt")
 
 
-@pytest.mark.parametrize("world, overrides", [(2, ["sequence_parallel=2"]), (4, ["sequence_parallel=2"]),
+@pytest.mark.parametrize("world, overrides", [(2, ["sequence_parallel=2"]),
+                                              (4, ["sequence_parallel=2", "activation_checkpointing=true"]),
                                               (4, ["sequence_parallel=2", "tensor_parallel=2"])],
                          ids=["sp2", "dp2xsp2", "sp2xtp2"])
 def test_split_step_equals_one_rank_on_a_4k_token_sample(tmp_path, toy_model, sp1, world, overrides):
-    """SP=2 (dp 1 x sp 2), two SP groups (dp 2 x sp 2: FSDP2 over all 4 ranks, each group its own share)
-    and SP=2 x TP=2 (dp 1 x sp 2 x tp 2, each rank one of the toy's 4 heads), without
+    """SP=2 (dp 1 x sp 2), two SP groups (dp 2 x sp 2: FSDP2 over all 4 ranks, each group its own share;
+    with activation checkpointing, whose recomputation runs the all-to-alls again in backward) and SP=2 x TP=2 (dp 1 x sp 2 x tp 2, each rank one of the toy's 4 heads), without
     a token budget (micro-batches of 4 samples, packed because SP needs one row): the micro-batches differ
     from the reference's too, and the step's loss and gradients must not."""
     assert not dist.is_initialized()
