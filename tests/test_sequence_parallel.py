@@ -94,7 +94,7 @@ def _check_gqa_attention(group: Any) -> dict[str, float]:
     ql, kl, vl = (t.detach()[:, :, mine].clone().requires_grad_(True) for t in (q, k, v))
     out, _ = ulysses_attention(varlen_attention, None, ql, kl, vl, None, group, **kw)
     (out * torch.arange(full.numel()).view_as(full).sin()[:, mine]).sum().backward()
-    return {"out": float((out - full[:, mine]).abs().max()),
+    return {"out": float((out - full[:, mine]).detach().abs().max()),
             **{f"grad_{n}": float((t.grad - r[:, :, mine]).abs().max())
                for n, t, r in zip("qkv", (ql, kl, vl), ref_grads)}}
 

@@ -58,8 +58,8 @@ def recorded_update(actor: Any, cfg: Any, batch: Any) -> tuple[dict, dict[str, t
 
     def recording(model, optim, max_norm, what):
         for name, p in model.named_parameters():
-            g = p.grad
-            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+            if (g := p.grad) is not None:  # (a frozen parameter, e.g. under LoRA, has none)
+                grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
         return real(model, optim, max_norm, what)
 
     actor_mod.clip_and_step = recording
