@@ -245,7 +245,7 @@ class Runtime:
         ranks of a torch.distributed group cannot be replaced, so a dead rank ends the group,
         and the surviving ranks must say which one instead of a transport error, promptly,
         whatever they are waiting for. A peer alive but stuck is treated the same way (:func:`rank_stuck`):
-        its step counter (mesh meta ``beat``) stays behind mine for ``hang_s`` (default
+        its progress counter (mesh meta ``beat``) stays behind mine for ``hang_s`` (default
         ``hang_timeout_s``; 0: not watched): see :class:`BeatWatch`."""
         hang_s = self.cfg.hang_timeout_s if hang_s is None else hang_s
         beats = BeatWatch(hang_s)
@@ -257,8 +257,18 @@ class Runtime:
                 if gone:
                     raise GroupMemberLost(self.role, gone)
                 if hang_s > 0:
-                    beats.check(self._beats(), time.monotonic(), self.node.node_id, self.role)
+                    beats.check(self._beats(), time.monotonic(), self.node.node_id, self.role, self._at())
             await asyncio.sleep(poll_s)
+
+    def set_beat(self, step: int, point: int = 0, where: str = "samples") -> None:
+        """Say how far this rank is (mesh meta ``beat``: :func:`beat_of`; ``at``: what it is doing there)."""
+        self.node.set_meta(beat=beat_of(step, point), at=where)
+
+    def _at(self) -> dict[str, str]:
+        """Where each member of my group says it is (meta ``at``: a stage's id), for the stuck message."""
+        group = self.groups.members(self.role) if self.groups is not None else []
+        return {g.node_id: str(m.meta["at"]) for g in group
+                if (m := self.node.member(g.node_id)) is not None and "at" in m.meta}
 
     def _beats(self) -> dict[str, int]:
         """The step counter (meta ``beat``) of every alive member of my group, mine included."""
@@ -277,15 +287,39 @@ class Runtime:
             await asyncio.wait_for(self.channel.close(), timeout=10)
 
 
+# A rank's progress counter (mesh meta ``beat``): BEATS_PER_STEP points per step. Point 0: the step's
+# start (waiting for its samples); 1 + i: before the i-th stage of its train half (distflow.step.train_half),
+# so a rank stuck in one stage is behind a rank that went on to the next stage's collectives; the last
+# point: the step trained and its weights published.
+BEATS_PER_STEP = 100
+STEP_DONE = BEATS_PER_STEP - 1
+
+
+def beat_of(step: int, point: int = 0) -> int:
+    """The progress counter of ``point`` (0 .. STEP_DONE) of ``step``."""
+    if not 0 <= point <= STEP_DONE:
+        raise ValueError(f"beat point {point} is not within 0..{STEP_DONE}")
+    return step * BEATS_PER_STEP + point
+
+
+def describe_beat(beat: int, at: str | None = None) -> str:
+    """``beat`` in words: the step and where in it (``at``: the stage it names)."""
+    step, point = divmod(beat, BEATS_PER_STEP)
+    where = at or ("its samples" if point == 0 else "done" if point == STEP_DONE else f"stage {point - 1}")
+    return f"step {step} ({where})"
+
+
 class BeatWatch:
-    """Which ranks of a group are stuck, from their step counters (``beat``, gossiped in the mesh).
+    """Which ranks of a group are stuck, from their progress counters (``beat``, gossiped in the mesh).
 
     Ranks of one torch.distributed group move through a step together (its collectives pair
     them), so a rank whose count stays behind another's for ``hang_s`` is not slow in a shared
-    collective (there the counts stay equal, and ``collective_timeout_s`` bounds the wait) but
-    stuck in its own part of a step (its weight publish, rank 0's metrics and trackers), while
-    its event loop still answers the mesh (else the mesh declares it dead). The time counts
-    from when this node first saw it behind, at that count."""
+    collective (there the counts stay equal) but stuck in its own part of a step: a stage it has
+    not left while the others wait in the next stage's collectives, its weight publish, rank 0's
+    metrics and trackers, while its event loop still answers the mesh (else the mesh declares it
+    dead). A hang inside one collective that every rank entered keeps the counts equal: that is
+    ``collective_timeout_s``'s case. The time counts from when this node first saw it behind, at
+    that count."""
 
     def __init__(self, hang_s: float):
         self.hang_s = hang_s
@@ -306,11 +340,11 @@ class BeatWatch:
                 out.append((peer, beat, mine, now - seen[2]))
         return out
 
-    def check(self, beats: dict[str, int], now: float, me: str, role: str) -> None:
-        """Raise :func:`rank_stuck` naming the stuck peers, if any."""
+    def check(self, beats: dict[str, int], now: float, me: str, role: str, at: dict[str, str] | None = None) -> None:
+        """Raise :func:`rank_stuck` naming the stuck peers, if any (``at``: each rank's meta ``at``)."""
         stuck = self.stuck(beats, me, now)
         if stuck:
-            raise rank_stuck(role, stuck, me)
+            raise rank_stuck(role, stuck, me, at or {})
 
 
 def shard_cover(rollout_ids: list[str], alive: Callable[[str], bool], shard: int) -> str | None:
@@ -356,10 +390,12 @@ class GroupMemberLost(PeerLostError):
                                     f"group cannot go on without it")
 
 
-def rank_stuck(role: str, stuck: list[tuple[str, int, int, float]], me: str) -> GroupMemberLost:
+def rank_stuck(role: str, stuck: list[tuple[str, int, int, float]], me: str,
+               at: dict[str, str] | None = None) -> GroupMemberLost:
     """Members alive but stuck (:class:`BeatWatch`), as lost ones: treated as dead, so the group
     stops and a supervising launcher restarts it from a checkpoint."""
+    at = at or {}
     return GroupMemberLost(role, [peer for peer, *_ in stuck], "; ".join(
-        f"{role} rank {peer} is stuck: its step counter stayed at {beat} for {secs:.0f}s while {me} reached "
-        f"{mine} (hang_timeout_s)" for peer, beat, mine, secs in stuck) + f": the {role} group cannot go on "
-        f"with it; treated as dead")
+        f"{role} rank {peer} is stuck: its progress stayed at {describe_beat(beat, at.get(peer))} for {secs:.0f}s "
+        f"while {me} reached {describe_beat(mine, at.get(me))} (hang_timeout_s)" for peer, beat, mine, secs in stuck)
+        + f": the {role} group cannot go on with it; treated as dead")

@@ -78,13 +78,17 @@ def rollout_half(pipeline: list[WorkflowNode], ctx: RolloutContext, batch: Sampl
     return batch
 
 
-def train_half(pipeline: list[WorkflowNode], ctx: TrainerContext, batch: SampleBatch) -> dict[str, float]:
+def train_half(pipeline: list[WorkflowNode], ctx: TrainerContext, batch: SampleBatch,
+               at_stage: Callable[[int, str], None] | None = None) -> dict[str, float]:
     """samples -> reference / old logprobs -> values -> advantages -> update -> metrics: the trainer
     group's nodes on this rank's samples of one step. Every rank calls it (its stages are
     collectives). Returns every stage's metrics and where the time went (``time_logprobs_s``,
-    ``time_update_s``, ``time_critic_s``, ``time_reward_s``, ``time_compute_s``)."""
+    ``time_update_s``, ``time_critic_s``, ``time_reward_s``, ``time_compute_s``). ``at_stage(i, id)``
+    is told before the i-th stage starts (a trainer node gossips it: a rank stuck in a stage is named)."""
     stats: dict[str, float] = {"time_logprobs_s": 0.0, "time_update_s": 0.0}
-    for node, spec, stage in _walk(pipeline, TRAINER):
+    for i, (node, spec, stage) in enumerate(_walk(pipeline, TRAINER)):
+        if at_stage is not None:
+            at_stage(i, node.id)
         t0 = time.perf_counter()
         out = dict(stage(node, ctx, batch))
         took = time.perf_counter() - t0

@@ -35,7 +35,7 @@ from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.transport import Envelope
 from distflow.transport.movers.posting import Post
 from distflow.device import call_on, node_device
-from distflow.runtime import Groups, Runtime, shard_cover
+from distflow.runtime import STEP_DONE, Groups, Runtime, shard_cover
 from distflow.transport.select import weight_tier
 from distflow.weights.tiers import serving_plan
 from distflow.core.launch_env import run_start
@@ -325,7 +325,8 @@ async def run_trainer(rt: Runtime) -> None:
     inbox.consumed = step  # a resumed run continues at its checkpoint's step
     # The step this run starts at, said explicitly (0 included): a resumed run's rollout nodes wait
     # for it before their first batch, and policy_version 0 cannot tell "at step 0" from "not known yet".
-    rt.node.set_meta(policy_version=step, start_step=step, beat=2 * step)  # beat: Runtime.watch_group
+    rt.node.set_meta(policy_version=step, start_step=step)
+    rt.set_beat(step)  # this rank's progress, which the others watch (Runtime.watch_group)
     if step or cfg.resume_from:  # (a recovery from a step-0 checkpoint: the rollout nodes forgot v0)
         inbox.dropped["late"] += await rt.shard.discard_before(step)  # parts sent before the nodes knew it
         await publish(step)
@@ -348,9 +349,9 @@ async def run_trainer(rt: Runtime) -> None:
                 "data_order": data_order(cfg, rows)}
 
     while inbox.total is None or step < inbox.total:
-        # The step counter the other ranks watch (two a step: its start, its end): a rank whose count stays
-        # behind another's for hang_timeout_s is named stuck (Runtime.watch_group).
-        rt.node.set_meta(beat=2 * step)
+        # The progress counter the other ranks watch (the step's start, each stage of its train half, its
+        # end): a rank whose count stays behind another's for hang_timeout_s is named stuck (Runtime.watch_group).
+        rt.set_beat(step)
         t_wait = time.perf_counter()
         batch: SampleBatch | None = None
         error: Exception | None = None
@@ -388,7 +389,7 @@ async def run_trainer(rt: Runtime) -> None:
         actor.total_steps = inbox.total
         trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
                     policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
-        stats = await on_gpu(train_half, pipeline, ctx, batch)
+        stats = await on_gpu(train_half, pipeline, ctx, batch, stage_beats(rt, step))
         t_weights = time.perf_counter()
         published = await publish(actor.version)
         times["time_weights_s"] = time.perf_counter() - t_weights
@@ -401,8 +402,8 @@ async def run_trainer(rt: Runtime) -> None:
         times.update(throughput(stats, actor.num_params, world, peak))
         now = time.perf_counter()
         stages = {k: round(v, 4) for k, v in {**stats, **times}.items() if k in STAGE_KEYS}
-        rt.node.set_meta(policy_version=actor.version, step=step, beat=2 * step + 1, samples_per_s=round(n / (now - t_last), 1),
-                         **stages)
+        rt.node.set_meta(policy_version=actor.version, step=step, samples_per_s=round(n / (now - t_last), 1), **stages)
+        rt.set_beat(step, STEP_DONE, "done")
         rollout_stats = with_generated_mean(inbox.stage_stats.pop(step, {}))  # the counters ride on part 0 (rank 0)
         if writer is not None:
             if startup is None and (startup := first_startup(rt, rollout_ids) or None):
@@ -457,6 +458,17 @@ async def run_trainer(rt: Runtime) -> None:
     log.info("trainer rank %d: done after %d steps (dropped parts: %s; parts taken in %d, of them posted by "
              "same-host nodes %d, posts refused %d)", rank, step, inbox.dropped, st["puts"], st["posted_parts"],
              st["posts_refused"])
+
+
+def stage_beats(rt: Runtime, step: int) -> Callable[[int, str], None]:
+    """train_half's ``at_stage`` for this step: the training thread moves this rank's progress counter
+    (on the event loop, which owns the mesh metadata)."""
+    loop = asyncio.get_running_loop()
+
+    def at_stage(i: int, stage: str) -> None:
+        loop.call_soon_threadsafe(rt.set_beat, step, min(1 + i, STEP_DONE - 1), stage)
+
+    return at_stage
 
 
 def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:

@@ -1,0 +1,59 @@
+"""A trainer rank that hangs while the others wait in a collective is named within seconds and the
+run recovers by itself: real `distflow run` processes, a real hang (tests/hang_fns.py).
+
+trainer-1 sleeps inside its advantage estimator at its third step; trainer-0 goes on into the
+update's collectives and waits there. trainer-1's progress counter (mesh meta ``beat``, moved
+before each stage of the train half) stays behind trainer-0's, so after ``hang_timeout_s``
+trainer-0 names it stuck and stops; `distflow run` restarts every trainer rank from the newest
+checkpoint (docs/recovery.md), and the run ends with every prompt trained exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from distflow.trace import read_trace
+from distflow.trainer.metrics import read_metrics
+from tests.procs import run_pids
+from tests.test_supervise import make_data, start_run
+
+HANG_S = 4.0
+
+
+def test_a_rank_hung_in_its_own_stage_is_named_within_seconds_and_the_run_recovers(toy_model, tmp_path):
+    rows, per_step = 32, 4
+    out, marker = tmp_path / "run", tmp_path / "hung"
+    proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "rollout_nodes=1", "save_every=1",
+                     "save_interval_s=0", "eval_dataset=null", "eval_every=0", f"hang_timeout_s={HANG_S}",
+                     "workflow.2.fn=tests.hang_fns:grpo_hanging_once", "workflow.2.group=trainer",
+                     f"workflow.2.args.marker={marker}")
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.is_file():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "trainer-1 never reached its hang"
+            time.sleep(0.05)
+        hung_at = float(marker.read_text().split()[1])
+        log0 = out / "logs" / "trainer-0.log"
+        while "trainer rank trainer-1 is stuck" not in log0.read_text():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() - hung_at < HANG_S + 30, f"the hung rank was not named: {log0.read_text()[-2000:]}"
+            time.sleep(0.05)
+        named_after = time.time() - hung_at
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert HANG_S <= named_after < HANG_S + 10, named_after  # hang_timeout_s, then the next watch poll
+    line = next(ln for ln in log0.read_text().splitlines() if "is stuck" in ln)
+    assert "its progress stayed at step 2 (advantage)" in line and "trainer-0 reached step 2 (update)" in line, line
+    assert "restarting the trainers from checkpoint step 2" in err, err[-3000:]
+    steps = rows // per_step
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    trace = read_trace(out)
+    trained = Counter(s for node in ("trainer-0", "trainer-1") for rec in trace[node] for s in rec["sample_ids"])
+    assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
+    assert set(trained.values()) == {1}  # every sample trained exactly once
+    assert not run_pids(out)
