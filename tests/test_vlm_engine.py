@@ -1,0 +1,142 @@
+"""The static-KV engine on a Qwen2-VL (distflow/rollout/vlm_forward.py; docs/vlm.md "Rollout"), on the tiny
+toy VLM (distflow/toy_vlm.py) in fp32 on CPU:
+
+- logprobs of sampled tokens are the Hugging Face model's own forward on the same prompt, images and
+  response, and the tokens are the HF generate path's with the same seed (both draw from the same
+  per-sequence counter streams), in a batch mixing text-only prompts and images of two sizes;
+- the vision tower runs once per generate call over the distinct prompts' images (a GRPO group once),
+  and once more when a weight swap mid-call re-prefills the live sequences (the same tokens follow);
+- the request-level continuous engine runs two image episodes of different rope deltas, and a second
+  turn that reuses the first's KV (a text extension positioned past the images) matches HF too;
+- a vision-language model the static path cannot drive falls back to the HF loop with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from distflow.rollout.protocol import SamplingParams
+from distflow.rollout.torch_engine import TorchEngine
+from distflow.rollout.vlm_forward import VLMRunner
+from distflow.vision import ImageInputs, mrope_positions
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_model) -> TorchEngine:
+    return TorchEngine(str(vlm_model))
+
+
+def _encode(engine: TorchEngine, size: tuple[int, int] | None, rgb=(200, 30, 30)) -> tuple[list[int], ImageInputs]:
+    from PIL import Image
+
+    return engine.vision.encode("?", [] if size is None else [Image.new("RGB", size, rgb)])
+
+
+def _hf_logprobs(model, ids: list[int], response: list[int], pics: ImageInputs | None) -> list[float]:
+    full = torch.tensor([ids + response])
+    kw = {} if pics is None else {"pixel_values": pics.pixel_values, "image_grid_thw": pics.grid_thw,
+                                  "mm_token_type_ids": (full == model.config.image_token_id).int()}
+    with torch.no_grad():
+        logits = model(input_ids=full, **kw).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[len(ids) - 1 + j, t]) for j, t in enumerate(response)]
+
+
+def _delta(model, ids: list[int], pics: ImageInputs) -> int:
+    t = torch.tensor([ids])
+    return int(mrope_positions(model, t, torch.ones_like(t), pics.grid_thw).max()) + 1 - len(ids)
+
+
+def _worst_vs_hf(engine: TorchEngine, prompts, images, comps) -> tuple[float, list[int]]:
+    """The largest |engine - HF| logprob and the indices compared (a response holding the image-token id
+    is skipped: HF's forward would take it for an image placeholder; the trainer does not)."""
+    worst, compared = 0.0, []
+    for i, (p, x, c) in enumerate(zip(prompts, images, comps)):
+        if engine.vision.image_token_id in c.tokens:
+            continue
+        ref = _hf_logprobs(engine.model, p, c.tokens, x)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
+        compared.append(i)
+    return worst, compared
+
+
+def test_static_kv_logprobs_and_tokens_are_the_hf_paths_in_a_mixed_batch(engine, vlm_model, monkeypatch, caplog):
+    assert isinstance(engine.runner, VLMRunner)  # the static-KV path, not the HF loop
+    small, wide, text = _encode(engine, (16, 16)), _encode(engine, (32, 16), (30, 40, 220)), _encode(engine, None)
+    assert wide[1].grid_thw.tolist() == [[1, 4, 8]] and text[1] is None
+    assert _delta(engine.model, *small) == -2 and _delta(engine.model, *wide) == -4  # different M-RoPE offsets
+    order = [small, text, wide, small, text, wide, small, wide]  # groups interleaved, text rows among them
+    prompts, images = [p for p, _ in order], [x for _, x in order]
+    calls: list[int] = []
+    hook = engine.model.model.visual.register_forward_hook(lambda m, a, out: calls.append(int(a[0].shape[0])))
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    try:
+        comps = engine.generate(prompts, params, seed=11, images=images)
+    finally:
+        hook.remove()
+    assert calls == [16 + 32], calls  # one vision pass over the two distinct images, not six prompts'
+    assert len({tuple(c.tokens) for c in comps}) > 3
+    worst, compared = _worst_vs_hf(engine, prompts, images, comps)
+    kinds = {id(order[i]) for i in compared}
+    assert len(compared) >= 5 and len(kinds) == 3 and worst < 1e-4, (compared, worst)  # text, small and wide
+    # the HF generate path (an architecture the static path refuses: a logged fallback) samples the same tokens
+    monkeypatch.setattr("distflow.rollout.torch_engine.vlm_unsupported_reason", lambda m: "model_type 'qwen9_vl'")
+    with caplog.at_level(logging.WARNING, logger="distflow.rollout.torch_engine"):
+        hf = TorchEngine(str(vlm_model))
+    assert hf.runner is None and "qwen9_vl" in caplog.text and "HF generate loop" in caplog.text
+    ref = hf.generate(prompts, params, seed=11, images=images)
+    assert [c.tokens for c in ref] == [c.tokens for c in comps]
+    assert max(abs(a - b) for r, c in zip(ref, comps) for a, b in zip(r.logprobs, c.logprobs)) < 1e-4
+    hf.close()
+
+
+def test_a_weight_swap_mid_call_reencodes_the_images_and_continues(engine):
+    small, wide = _encode(engine, (16, 16), (30, 200, 40)), _encode(engine, (32, 16))
+    prompts, images = [small[0]] * 3 + [wide[0]] * 3, [small[1]] * 3 + [wide[1]] * 3
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    before = engine.runner.vision_calls
+    plain = engine.generate(prompts, params, seed=5, images=images)
+    assert engine.runner.vision_calls == before + 1
+    w = engine.model.lm_head.weight.detach().clone()
+    sent = []
+
+    def update():  # the same values as version 1, after the first decode step: the live sequences re-prefill
+        if sent:
+            return None
+        sent.append(1)
+        return engine.version + 1, {"lm_head.weight": w}, True
+
+    swaps = engine.stats["weight_swaps"]
+    swapped = engine.generate(prompts, params, seed=5, images=images, weights_update=update)
+    assert engine.stats["weight_swaps"] == swaps + 1 and engine.runner.vision_calls == before + 3
+    assert [c.tokens for c in swapped] == [c.tokens for c in plain]
+    assert sum(c.first_version + 1 == c.last_version for c in swapped) >= 3  # (the rest had stopped before it)
+    assert max(abs(a - b) for s, p in zip(swapped, plain) for a, b in zip(s.logprobs, p.logprobs)) < 1e-5
+
+
+def test_continuous_engine_runs_image_episodes_of_different_rope_deltas(engine):
+    small, wide = _encode(engine, (16, 16), (230, 220, 30)), _encode(engine, (32, 16), (30, 200, 40))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    tail = engine.tokenizer("? ?", add_special_tokens=False)["input_ids"]
+
+    async def episodes():
+        async with engine.continuous(seed=3, max_length=48) as cont:
+            a, b = await asyncio.gather(cont.submit(small[0], params, key=("a", 0), session="a", images=small[1]),
+                                        cont.submit(wide[0], params, key=("b", 0), session="b", images=wide[1]))
+            second = wide[0] + b.tokens + tail  # episode b's next turn: its context, then more text
+            c = await cont.submit(second, params, key=("b", 1), session="b", turn=1, images=wide[1])
+            return a, b, c, second
+
+    hits, reused = engine.stats.get("kv_hits", 0), engine.stats.get("kv_reused_tokens", 0)
+    a, b, c, second = asyncio.run(asyncio.wait_for(episodes(), 120))
+    assert engine.stats["kv_hits"] == hits + 1  # turn 2 prefilled only its new tokens, past the images
+    assert engine.stats["kv_reused_tokens"] == reused + len(wide[0]) + len(b.tokens) - 1
+    image = engine.vision.image_token_id
+    assert all(image not in x.tokens for x in (a, b, c)), "seed picks responses without the image-token id"
+    worst, compared = _worst_vs_hf(engine, [small[0], wide[0], second], [small[1], wide[1], wide[1]], [a, b, c])
+    assert compared == [0, 1, 2] and worst < 1e-4, worst
+
