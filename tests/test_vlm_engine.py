@@ -22,6 +22,7 @@ import torch
 from distflow.rollout.protocol import SamplingParams
 from distflow.rollout.torch_engine import TorchEngine
 from distflow.rollout.vlm_forward import VLMRunner
+from distflow.toy_vlm import make_vlm_dataset
 from distflow.vision import ImageInputs, mrope_positions
 
 
@@ -140,3 +141,39 @@ def test_continuous_engine_runs_image_episodes_of_different_rope_deltas(engine):
     worst, compared = _worst_vs_hf(engine, [small[0], wide[0], second], [small[1], wide[1], wide[1]], [a, b, c])
     assert compared == [0, 1, 2] and worst < 1e-4, worst
 
+
+def test_the_gpu_example_passes_the_nodes_checks_with_a_local_model_and_dataset(vlm_model, tmp_path):
+    """examples/vlm_qwen25vl_3b_gpu.yaml (never run on a GPU): a valid config as written (placeholder paths), and
+    with a Qwen2.5-VL-3B-shaped directory (the toy's tokenizer, 3B's text positions; no weights: nothing is
+    loaded) and a geometry-style dataset it passes every check its nodes make before they start (--check)."""
+    import json
+    import shutil
+
+    from distflow.core.config import load_config
+    from distflow.launch.preflight import check_functions, check_inputs
+    from tests.conftest import ROOT
+
+    example = ROOT / "examples" / "vlm_qwen25vl_3b_gpu.yaml"
+    cfg = load_config(example)
+    assert (cfg.device, cfg.engine, cfg.dtype, cfg.model_path, cfg.dataset) == (
+        "cuda", "torch", "bfloat16", "/models/Qwen2.5-VL-3B-Instruct", "/data/geometry3k/train.parquet")
+    assert cfg.engine_gpu_memory_utilization == 0.85 and cfg.max_prompt_length == 2048 and cfg.freeze_vision_tower
+    model = tmp_path / "Qwen2.5-VL-3B-Instruct"
+    model.mkdir()
+    for f in vlm_model.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, model / f.name)
+    conf = json.loads((model / "config.json").read_text())
+    conf["model_type"] = "qwen2_5_vl"
+    conf["text_config"]["max_position_embeddings"] = 128000
+    (model / "config.json").write_text(json.dumps(conf))
+    make_vlm_dataset(tmp_path / "colours.jsonl", 1, n_images=2)
+    rows = [{"problem": "Find x.", "images": ["images/0.png"], "answer": "3"},
+            {"problem": "Find the area.", "images": ["images/1.png"], "answer": "12.5"}]
+    (tmp_path / "geo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(example, [f"model_path={model}", f"dataset={tmp_path / 'geo.jsonl'}"])
+    for role in ("rollout", "trainer"):
+        check_functions(cfg, cfg.plan().pipelines.get(role, []))
+    assert check_inputs(cfg, None) == []
+    with pytest.raises(Exception, match="max_new_tokens"):  # the checks do look: the toy's 256 positions
+        check_inputs(load_config(example, [f"model_path={vlm_model}", f"dataset={tmp_path / 'geo.jsonl'}"]), None)
