@@ -38,8 +38,10 @@ def _encode(engine: TorchEngine, size: tuple[int, int] | None, rgb=(200, 30, 30)
 
 
 def _hf_logprobs(model, ids: list[int], response: list[int], pics: ImageInputs | None) -> list[float]:
-    full = torch.tensor([ids + response])
-    kw = {} if pics is None else {"pixel_values": pics.pixel_values, "image_grid_thw": pics.grid_thw,
+    p = next(model.parameters())
+    full = torch.tensor([ids + response], device=p.device)
+    kw = {} if pics is None else {"pixel_values": pics.pixel_values.to(p.device, p.dtype),
+                                  "image_grid_thw": pics.grid_thw.to(p.device),
                                   "mm_token_type_ids": (full == model.config.image_token_id).int()}
     with torch.no_grad():
         logits = model(input_ids=full, **kw).logits[0].float()
@@ -177,3 +179,24 @@ def test_the_gpu_example_passes_the_nodes_checks_with_a_local_model_and_dataset(
     assert check_inputs(cfg, None) == []
     with pytest.raises(Exception, match="max_new_tokens"):  # the checks do look: the toy's 256 positions
         check_inputs(load_config(example, [f"model_path={vlm_model}", f"dataset={tmp_path / 'geo.jsonl'}"]), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_graph_decode_with_rope_deltas_matches_eager_and_hf(vlm_model):
+    """CUDA graphs replay the decode step with each slot's rope delta read from the captured per-slot
+    tensor: the same tokens as eager decode, logprobs the HF forward's (fp32; TF32 convolutions in the
+    vision tower are the same for both sides). Never run yet: no GPU was lent when it was written."""
+    runs = {}
+    for graphs in (True, False):
+        eng = TorchEngine(str(vlm_model), device="cuda", compile=graphs, max_slots=16)
+        small, wide = _encode(eng, (16, 16)), _encode(eng, (32, 16), (30, 40, 220))
+        prompts, images = [small[0]] * 4 + [wide[0]] * 4, [small[1]] * 4 + [wide[1]] * 4
+        runs[graphs] = eng.generate(prompts, SamplingParams(max_new_tokens=24, temperature=1.0), seed=3,
+                                    images=images)
+        if graphs:
+            assert eng.runner.graphs and eng.stats["graph_eager_steps"] == 0 and eng.runner.vision_calls == 1
+            worst, compared = _worst_vs_hf(eng, prompts, images, runs[graphs])
+            assert len(compared) >= 2 and worst < 1e-3, (compared, worst)
+        eng.close()
+    assert [c.tokens for c in runs[True]] == [c.tokens for c in runs[False]]
