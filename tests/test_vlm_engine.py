@@ -132,6 +132,8 @@ def test_continuous_engine_runs_image_episodes_of_different_rope_deltas(engine):
                                         cont.submit(wide[0], params, key=("b", 0), session="b", images=wide[1]))
             second = wide[0] + b.tokens + tail  # episode b's next turn: its context, then more text
             c = await cont.submit(second, params, key=("b", 1), session="b", turn=1, images=wide[1])
+            with pytest.raises(ValueError, match="fewer image tokens than its images' 8 merged patches"):
+                await cont.submit(small[0], params, images=wide[1])  # refused before it reaches the engine thread
             return a, b, c, second
 
     hits, reused = engine.stats.get("kv_hits", 0), engine.stats.get("kv_reused_tokens", 0)
@@ -142,6 +144,13 @@ def test_continuous_engine_runs_image_episodes_of_different_rope_deltas(engine):
     assert all(image not in x.tokens for x in (a, b, c)), "seed picks responses without the image-token id"
     worst, compared = _worst_vs_hf(engine, [small[0], wide[0], second], [small[1], wide[1], wide[1]], [a, b, c])
     assert compared == [0, 1, 2] and worst < 1e-4, worst
+    # a later turn whose context holds a SAMPLED image-token id: text, positioned past the images (not a 9th image
+    # token, which made get_rope_index run out of grids and stopped the engine thread)
+    r = engine.runner
+    r.bind([0, 1], [wide[0], wide[0] + [image] + tail], [wide[1], wide[1]])
+    (_, pos), (_, later) = r.bound[0], r.bound[1]
+    assert torch.equal(later[:, :len(wide[0])], pos) and later[:, len(wide[0])].tolist() == [int(pos.max()) + 1] * 3
+    assert r.delta[:2].tolist() == [-4, -4]
 
 
 def test_the_gpu_example_passes_the_nodes_checks_with_a_local_model_and_dataset(vlm_model, tmp_path):

@@ -283,8 +283,13 @@ class ContinuousEngine:
             raise RuntimeError("ContinuousEngine.submit outside start()/close()")
         params.validate()
         validate_prompts([prompt_ids], self.engine.vocab_size)
-        if images is not None and getattr(self.engine, "vision", None) is None:
-            raise ValueError(f"{self.engine.model_path} is not a vision-language model: it takes no images")
+        if images is not None:  # checked here: a bad request raised on the engine thread would fail every other one
+            vision = getattr(self.engine, "vision", None)
+            if vision is None:
+                raise ValueError(f"{self.engine.model_path} is not a vision-language model: it takes no images")
+            need = int(images.grid_thw.prod(-1).sum()) // vision.merge ** 2
+            if sum(t == vision.image_token_id for t in prompt_ids) < need:
+                raise ValueError(f"the prompt holds fewer image tokens than its images' {need} merged patches")
         if len(prompt_ids) + params.max_new_tokens > self.max_length:
             raise ValueError(f"prompt length {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} exceeds the "
                              f"continuous engine's max_length {self.max_length}")

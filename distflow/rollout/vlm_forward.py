@@ -95,6 +95,7 @@ class VLMRunner(LlamaRunner):
             self.delta = torch.zeros(self.slots, dtype=torch.int64, device=self.device)
             self.bound = {}
 
+    @torch.inference_mode()
     def bind(self, slots: list[int], prompts: list[list[int]], images: list[Any]) -> None:
         """Give each slot its prompt's M-RoPE positions and rope delta (a text prompt: none, delta 0);
         the positions are computed once per distinct (prompt, images)."""
