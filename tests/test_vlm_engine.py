@@ -86,6 +86,17 @@ def test_static_kv_logprobs_and_tokens_are_the_hf_paths_in_a_mixed_batch(engine,
     worst, compared = _worst_vs_hf(engine, prompts, images, comps)
     kinds = {id(order[i]) for i in compared}
     assert len(compared) >= 5 and len(kinds) == 3 and worst < 1e-4, (compared, worst)  # text, small and wide
+    # 3 slots: sequences of both rope deltas and text wait, are admitted as others finish and are compacted
+    # (each slot's delta moves with it): the same tokens and logprobs, whatever the slots
+    few = TorchEngine(str(vlm_model), max_slots=3)
+    moves = []
+    move = few.runner.move_slot
+    monkeypatch.setattr(few.runner, "move_slot", lambda *a: (moves.append(a), move(*a)))
+    again = few.generate(prompts, params, seed=11, images=images)
+    assert moves and few.runner.vision_calls >= 2
+    assert [c.tokens for c in again] == [c.tokens for c in comps]
+    assert max(abs(a - b) for r, c in zip(again, comps) for a, b in zip(r.logprobs, c.logprobs)) < 1e-5
+    few.close()
     # the HF generate path (an architecture the static path refuses: a logged fallback) samples the same tokens
     monkeypatch.setattr("distflow.rollout.torch_engine.vlm_unsupported_reason", lambda m: "model_type 'qwen9_vl'")
     with caplog.at_level(logging.WARNING, logger="distflow.rollout.torch_engine"):
