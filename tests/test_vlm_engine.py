@@ -97,6 +97,16 @@ def test_static_kv_logprobs_and_tokens_are_the_hf_paths_in_a_mixed_batch(engine,
     assert [c.tokens for c in again] == [c.tokens for c in comps]
     assert max(abs(a - b) for r, c in zip(again, comps) for a, b in zip(r.logprobs, c.logprobs)) < 1e-5
     few.close()
+    # a vision call holds at most max_prefill_tokens image tokens (its activations within the prefill's reserve)
+    tight = TorchEngine(str(vlm_model), max_prefill_tokens=10)
+    calls.clear()
+    hook = tight.model.model.visual.register_forward_hook(lambda m, a, out: calls.append(int(a[0].shape[0])))
+    try:
+        tight.generate([small[0], wide[0], small[0]], params, seed=11, images=[small[1], wide[1], small[1]])
+    finally:
+        hook.remove()
+    assert calls == [16, 32], calls  # 4 + 8 image tokens > 10: two calls
+    tight.close()
     # the HF generate path (an architecture the static path refuses: a logged fallback) samples the same tokens
     monkeypatch.setattr("distflow.rollout.torch_engine.vlm_unsupported_reason", lambda m: "model_type 'qwen9_vl'")
     with caplog.at_level(logging.WARNING, logger="distflow.rollout.torch_engine"):

@@ -7,9 +7,10 @@ two differences live here, behind the runner's hooks:
 
 - **images**: at prefill the model's own vision tower (``model.model.visual`` through
   ``get_image_features``) encodes the distinct images of the slots being prefilled, in ONE call
-  (a GRPO group's samples share one :class:`~distflow.vision.ImageInputs`, and the batcher
-  prefills a group's prompt once anyway), and the features replace the embeddings of the
-  prompt's image tokens (only the prompt's: a sampled token with the image-token id is text);
+  per ``max_prefill_tokens`` image tokens (a GRPO group's samples share one
+  :class:`~distflow.vision.ImageInputs`, and the batcher prefills a group's prompt once anyway),
+  and the features replace the embeddings of the prompt's image tokens (only the prompt's: a
+  sampled token with the image-token id is text);
 - **M-RoPE**: a prompt's rotary positions are 3 x L (temporal, height, width) from the model's
   ``get_rope_index`` (:func:`~distflow.vision.mrope_positions`, as the trainer computes them);
   each frequency of the head's rotary half reads the axis ``mrope_section`` gives it. Past the
@@ -126,25 +127,39 @@ class VLMRunner(LlamaRunner):
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], seqs: list[list[int]]) -> torch.Tensor:
-        """:meth:`LlamaRunner.prefill`, the slots' distinct images encoded first, in one vision call."""
+        """:meth:`LlamaRunner.prefill`, the slots' distinct images encoded first (:meth:`_encode`)."""
         with_images = [s for s in slots if self.bound.get(s) is not None]
         if with_images:
             order: dict[int, ImageInputs] = {}
             for s in with_images:
                 order.setdefault(id(self.bound[s][0]), self.bound[s][0])
-            pics = list(order.values())
-            feats = image_features(self.model, torch.cat([x.pixel_values for x in pics]).to(self.device, self.dtype),
-                                   torch.cat([x.grid_thw for x in pics]).to(self.device))
-            self.vision_calls += 1
-            counts = [int(x.grid_thw.prod(-1).sum()) // self.merge ** 2 for x in pics]
-            if feats.shape[0] != sum(counts):
-                raise ValueError(f"the vision tower gave {feats.shape[0]} features for {sum(counts)} image tokens")
-            by_id = dict(zip(order, feats.split(counts)))
+            by_id = dict(zip(order, self._encode(list(order.values()))))
             self._feats = {s: by_id[id(self.bound[s][0])] for s in with_images}
         try:
             return super().prefill(slots, seqs)
         finally:
             self._feats = {}
+
+    def _encode(self, pics: list[ImageInputs]) -> list[torch.Tensor]:
+        """Each prompt's image features [tokens, hidden]: one vision-tower call per ``max_prefill_tokens``
+        image tokens (at least one prompt a call), so its activations stay within the prefill's reserve
+        (docs/gpu.md) however many prompts an admission brings."""
+        counts = [int(x.grid_thw.prod(-1).sum()) // self.merge ** 2 for x in pics]
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(pics):
+            j, tokens = i + 1, counts[i]
+            while j < len(pics) and tokens + counts[j] <= self.max_prefill_tokens:
+                tokens += counts[j]
+                j += 1
+            feats = image_features(self.model, torch.cat([x.pixel_values for x in pics[i:j]]).to(self.device,
+                                   self.dtype), torch.cat([x.grid_thw for x in pics[i:j]]).to(self.device))
+            self.vision_calls += 1
+            if feats.shape[0] != tokens:
+                raise ValueError(f"the vision tower gave {feats.shape[0]} features for {tokens} image tokens")
+            out.extend(feats.split(counts[i:j]))
+            i = j
+        return out
 
     @property
     def merge(self) -> int:
