@@ -174,6 +174,22 @@ def test_continuous_engine_runs_image_episodes_of_different_rope_deltas(engine):
     assert r.delta[:2].tolist() == [-4, -4]
 
 
+def test_a_qwen2_5_vl_runs_on_the_static_path_with_the_hf_logprobs(tmp_path):
+    """Qwen2.5-VL: the same text decoder and M-RoPE, another vision tower (windowed attention, 2 blocks)."""
+    from distflow.toy_vlm import build_vlm_model
+
+    eng = TorchEngine(build_vlm_model(tmp_path / "q25", seed=2, init_std=0.2, vision_depth=2, family="qwen2_5_vl"))
+    assert type(eng.model).__name__ == "Qwen2_5_VLForConditionalGeneration" and isinstance(eng.runner, VLMRunner)
+    small, wide, text = _encode(eng, (16, 16)), _encode(eng, (32, 16), (30, 40, 220)), _encode(eng, None)
+    order = [small, wide, text, small, wide, text]
+    prompts, images = [p for p, _ in order], [x for _, x in order]
+    comps = eng.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0), seed=4, images=images)
+    assert eng.runner.vision_calls == 1
+    worst, compared = _worst_vs_hf(eng, prompts, images, comps)
+    assert len({id(order[i]) for i in compared}) == 3 and worst < 1e-4, (compared, worst)
+    eng.close()
+
+
 def test_the_gpu_example_passes_the_nodes_checks_with_a_local_model_and_dataset(vlm_model, tmp_path):
     """examples/vlm_qwen25vl_3b_gpu.yaml (never run on a GPU): a valid config as written (placeholder paths), and
     with a Qwen2.5-VL-3B-shaped directory (the toy's tokenizer, 3B's text positions; no weights: nothing is
