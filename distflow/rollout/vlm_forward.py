@@ -88,7 +88,7 @@ class VLMRunner(LlamaRunner):
         self.delta = torch.zeros(0, dtype=torch.int64, device=self.device)  # [slots]: the rope delta of each
         self.bound: dict[int, tuple[ImageInputs, torch.Tensor] | None] = {}  # slot -> (images, [3, L] positions)
         self._feats: dict[int, torch.Tensor] = {}  # slot -> its prompt's image features (during a prefill)
-        self.vision_calls = 0  # vision tower calls (one per prefill of slots with images)
+        self.vision_calls = 0  # vision tower calls (one per max_prefill_tokens image tokens of a prefill)
 
     def reserve(self, slots: int, length: int, grow_to: int | None = None) -> None:
         super().reserve(slots, length, grow_to)
