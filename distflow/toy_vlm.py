@@ -75,11 +75,15 @@ def build_vlm_processor(out_dir: str | os.PathLike[str]):  # -> PreTrainedTokeni
 
 
 def build_vlm_model(out_dir: str | os.PathLike[str], *, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
-                    num_heads: int = 4, vision_dim: int = 32, vision_depth: int = 1, init_std: float = 0.02) -> str:
+                    num_heads: int = 4, vision_dim: int = 32, vision_depth: int = 1, init_std: float = 0.02,
+                    family: str = "qwen2_vl") -> str:
     """Build the processor and a tiny random Qwen2-VL (vision tower of ``vision_depth`` blocks) into
-    ``out_dir``; deterministic for ``seed``. Returns ``out_dir`` as a string."""
+    ``out_dir``; deterministic for ``seed``. ``family="qwen2_5_vl"``: a Qwen2.5-VL instead (the same
+    processor and text decoder; its vision tower's windowed attention over 2x2 merged tokens, the last
+    block full). Returns ``out_dir`` as a string."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
 
     tok = build_vlm_processor(out_dir)
     ids = {t: tok.convert_tokens_to_ids(t) for t in _SPECIALS}
@@ -93,12 +97,21 @@ def build_vlm_model(out_dir: str | os.PathLike[str], *, seed: int = 0, hidden_si
     vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
                   in_channels=3, patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2,
                   initializer_range=init_std)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+    config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    if family == "qwen2_5_vl":
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision = dict(depth=vision_depth, hidden_size=vision_dim, out_hidden_size=hidden_size, num_heads=2,
+                      intermediate_size=2 * vision_dim, in_channels=3, patch_size=PATCH, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=4 * PATCH, fullatt_block_indexes=[vision_depth - 1],
+                      initializer_range=init_std)
+    elif family != "qwen2_vl":
+        raise ValueError(f"family must be 'qwen2_vl' or 'qwen2_5_vl', got {family!r}")
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<unk>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = model_cls(config)
     gen = model.generation_config
     gen.pad_token_id, gen.eos_token_id, gen.bos_token_id = ids["<pad>"], ids["<|im_end|>"], ids["<bos>"]
     model.save_pretrained(str(out_dir), safe_serialization=True)

@@ -27,8 +27,8 @@ import torch
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.dataloader import BadRowPolicy, DatasetError, PromptRow
 
-__all__ = ["ImageInputs", "VisionPrompter", "attach_images", "batch_images", "encode_image_rows", "is_vision_config",
-           "load_images", "mrope_positions"]
+__all__ = ["ImageInputs", "VisionPrompter", "attach_images", "batch_images", "encode_image_rows", "image_features",
+           "is_vision_config", "load_images", "mrope_positions"]
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,16 @@ def mrope_positions(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
         return pos[None].expand(3, -1, -1)
     pos, _ = inner.get_rope_index(input_ids, types, image_grid_thw=grid_thw, attention_mask=attention_mask)
     return pos
+
+
+def image_features(model: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """[merged patches, hidden] features of images by the model's own vision tower (one call), the
+    images' rows in order: what replaces their prompts' image tokens. ``model``: the
+    ``*ForConditionalGeneration`` (or its ``.model``)."""
+    inner = getattr(model, "model", model)
+    out = inner.get_image_features(pixel_values, grid_thw, return_dict=True)
+    feats = getattr(out, "pooler_output", out)  # (per image in transformers 5; a tuple in some versions)
+    return torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
 
 
 def encode_image_rows(prompter: VisionPrompter, rows: list[PromptRow], prompt_key: str, image_key: str,

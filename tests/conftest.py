@@ -24,6 +24,14 @@ def toy_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm_model(tmp_path_factory) -> Path:
+    """The tiny random Qwen2-VL of the VLM tests (distflow/toy_vlm.py; tests/test_vlm*.py), built once."""
+    from distflow.toy_vlm import build_vlm_model
+
+    return Path(build_vlm_model(tmp_path_factory.mktemp("vlm") / "model", seed=1, init_std=0.2))
+
+
+@pytest.fixture(scope="session")
 def reward_model_dir(tmp_path_factory) -> Path:
     """A tiny sequence-classification (reward) model saved to a local directory, with a
     non-zero score head so that its scores differ between samples."""

@@ -26,15 +26,10 @@ from distflow.core.config import load_config
 from distflow.rollout.protocol import SamplingParams
 from distflow.rollout.stages import generate_rows
 from distflow.rollout.torch_engine import TorchEngine
-from distflow.toy_vlm import build_vlm_model, make_vlm_dataset
+from distflow.toy_vlm import make_vlm_dataset
 from tests.conftest import ROOT, run_distflow
 
 EXAMPLE = ROOT / "examples" / "vlm_quickstart.yaml"
-
-
-@pytest.fixture(scope="module")
-def vlm_model(tmp_path_factory) -> Path:
-    return Path(build_vlm_model(tmp_path_factory.mktemp("vlm") / "model", seed=1, init_std=0.2))
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     cancelled: bool = False
+    images: Any = None  # the prompt's ImageInputs (a vision-language model)
 
 
 def _mode(params: SamplingParams) -> SamplingParams:
@@ -139,10 +140,19 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
 def _hand(req: _Request, result: Any, error: BaseException | None = None) -> None:
     """Give ``req`` its result (or error) on its event loop; a loop that has closed meanwhile has
     nobody waiting: nothing to do (the engine thread must not die of it)."""
+    if isinstance(error, StopIteration):  # a Future refuses it (and the waiter would hang): say what it was
+        error = RuntimeError(f"the engine thread failed: {error!r}")
     try:
         req.loop.call_soon_threadsafe(_resolve, req.future, result, error)
     except RuntimeError:  # the loop is closed
         pass
+
+
+def _last_image_token(prompt: list[int], images: Any, runner: Any) -> int:
+    """The position of the prompt's last image placeholder (rollout/vlm_forward.py: placeholders)."""
+    from distflow.rollout.vlm_forward import placeholders
+
+    return int(placeholders(torch.tensor(prompt), runner.image_token_id, images, runner.merge)[-1])
 
 
 class _Slots(SlotBatcher):
@@ -176,6 +186,8 @@ class _Slots(SlotBatcher):
             if entry is not None and entry.version == self.eng.version:
                 prompt, held = self.prompts[q], entry.tokens
                 limit = min(len(held), len(prompt) - 1)  # the last prompt token is fed: its logits come out
+                if req.images is not None and _last_image_token(prompt, req.images, self.r) >= limit:
+                    limit = 0  # the images' tokens must come from a prefill (their features), not a text extension
                 while m < limit and held[m] == prompt[m]:
                     m += 1
             if m:
@@ -220,7 +232,8 @@ class ContinuousEngine:
     def __init__(self, engine: Any, *, seed: int = 0, max_slots: int | None = None, max_length: int,
                  kv_store_tokens: int | None = None, request_timeout: float = 3600.0):
         if engine.runner is None:
-            raise ValueError("continuous batching needs the engine's static-cache path (a Llama-family model)")
+            raise ValueError("continuous batching needs the engine's static-cache path (a Llama-family model "
+                             "or Qwen2-VL)")
         self.engine, self.seed = engine, int(seed)
         self.max_slots = min(max_slots or engine.max_slots, engine.max_slots)
         if engine.max_positions is not None:
@@ -258,16 +271,25 @@ class ContinuousEngine:
             self._thread.start()
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, *, key: Any = None,
-                     session: Any = None, turn: int = 0) -> Completion:
+                     session: Any = None, turn: int = 0, images: Any = None) -> Completion:
         """One completion of ``prompt_ids``. ``key``: what the request's sampling stream is derived
         from with the seed (None: a fresh serial number: deterministic in submission order only);
-        ``session``/``turn``: its episode and turn, for KV reuse (None: nothing stored)."""
+        ``session``/``turn``: its episode and turn, for KV reuse (None: nothing stored); ``images``:
+        the prompt's :class:`~distflow.vision.ImageInputs` (a vision-language model; a later turn of
+        an episode passes its images again: its M-RoPE positions are the whole prompt's)."""
         if self._error is not None:
             raise RuntimeError(f"the engine thread failed: {self._error!r}") from self._error
         if self._closing.is_set() or self._thread is None:
             raise RuntimeError("ContinuousEngine.submit outside start()/close()")
         params.validate()
         validate_prompts([prompt_ids], self.engine.vocab_size)
+        if images is not None:  # checked here: a bad request raised on the engine thread would fail every other one
+            vision = getattr(self.engine, "vision", None)
+            if vision is None:
+                raise ValueError(f"{self.engine.model_path} is not a vision-language model: it takes no images")
+            need = int(images.grid_thw.prod(-1).sum()) // vision.merge ** 2
+            if sum(t == vision.image_token_id for t in prompt_ids) < need:
+                raise ValueError(f"the prompt holds fewer image tokens than its images' {need} merged patches")
         if len(prompt_ids) + params.max_new_tokens > self.max_length:
             raise ValueError(f"prompt length {len(prompt_ids)} + max_new_tokens {params.max_new_tokens} exceeds the "
                              f"continuous engine's max_length {self.max_length}")
@@ -275,7 +297,7 @@ class ContinuousEngine:
             key, self._serial = ("serial", self._serial), self._serial + 1
         loop = asyncio.get_running_loop()
         req = _Request(list(prompt_ids), params, _mode(params), request_key(self.seed, key), session, turn, loop,
-                       loop.create_future())
+                       loop.create_future(), images=images)
         self.stats["requests"] += 1
         self._inbox.put(req)
         self._wake.set()
@@ -363,7 +385,7 @@ class ContinuousEngine:
                             continue
                         self._q += 1
                         b.requests[self._q] = req
-                        b.add(self._q, req.prompt, req.params.max_new_tokens, req.key, 0)
+                        b.add(self._q, req.prompt, req.params.max_new_tokens, req.key, 0, req.images)
                     pending[:] = rest
                     b.admit_all()
                 b.compact()

@@ -92,11 +92,12 @@ class LlamaRunner:
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, trainer_memory_fraction: float = 0.0,
                  engines: int = 1, extra_bytes: int = 0):
         self.model = model
-        inner = model.model
+        inner = getattr(model.model, "language_model", model.model)  # a VLM's text decoder (rollout/vlm_forward.py)
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, list(inner.layers), inner.norm, \
             model.lm_head
+        self.rotary = inner.rotary_emb
         self.vocab_size = int(self.lm_head.weight.shape[0])
-        cfg = model.config
+        cfg = model.config.get_text_config()
         attn = self.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
         self.n_heads = int(cfg.num_attention_heads)
@@ -181,7 +182,7 @@ class LlamaRunner:
         if self.cos.shape[0] < length:
             pos = torch.arange(length, device=self.device).unsqueeze(0)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.model.model.rotary_emb(probe, pos)  # [1, length, head_dim]
+            cos, sin = self.rotary(probe, pos)  # [1, length, head_dim]
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
     def _planned_slots(self, slots: int, length: int, grow_to: int | None) -> tuple[int, int]:
@@ -192,7 +193,7 @@ class LlamaRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         logits_row = self.vocab_size * 4 if self.use_graphs else 0  # the graphs' fp32 logits buffer, per slot
         token = kv_token_bytes(len(self.layers), self.n_kv, self.head_dim, self.dtype.itemsize)
-        cfg = self.model.config
+        cfg = self.model.config.get_text_config()
         reserve = prefill_reserve_bytes(self.max_prefill_tokens, int(cfg.hidden_size),
                                         int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)),
                                         self.vocab_size, self.dtype.itemsize, min(slots, self.max_prefill_tokens))
@@ -267,6 +268,19 @@ class LlamaRunner:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+    def bind(self, slots: list[int], prompts: list[list[int]], images: list[Any]) -> None:
+        """Hook: the prompts (and images) about to be admitted into ``slots`` (a VLM binds M-RoPE offsets)."""
+
+    def _rope(self, pos: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook: cos, sin [B, L, D] at cache positions ``pos`` [B, L] of slots ``rows`` [B] (M-RoPE offsets them)."""
+        return self.cos[pos], self.sin[pos]
+
+    def _prefill_inputs(self, slots: list[int], ids: torch.Tensor):
+        """Hook: embeddings [B, W, hidden] and cos, sin [B, W, D] of a right-padded prefill chunk from position 0."""
+        b, width = ids.shape
+        return self.embed(ids), self.cos[:width].unsqueeze(0).expand(b, -1, -1), \
+            self.sin[:width].unsqueeze(0).expand(b, -1, -1)
 
     def _finish_layer(self, layer: Any, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Residual adds around o_proj and the MLP. a: [B, Hq, L, D] attention output."""
@@ -345,8 +359,8 @@ class LlamaRunner:
         total = int(max(s + len(q) for s, q in zip(starts, seqs)))
         keys = torch.arange(total, device=dev)
         mask = (keys[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [b, 1, width, total]: prefix + causal
-        cos, sin = self.cos[pos_c], self.sin[pos_c]  # [b, width, head_dim]
         slot_t = torch.tensor(slots, device=dev)
+        cos, sin = self._rope(pos_c, slot_t)  # [b, width, head_dim]
         idx = self._flat_index(slot_t, pos_c)
         keep = valid[:, None, :].expand(b, self.n_kv, width).reshape(-1)
         idx = idx[keep]
@@ -388,10 +402,8 @@ class LlamaRunner:
         if self.prefill_mask:
             mask = (cols[None, :, None] >= cols[None, None, :]) & (cols[None, None, :] < lens[:, None, None])
             mask = mask.unsqueeze(1)  # [b, 1, width, width]: causal and within the sequence
-        cos = self.cos[:width].unsqueeze(0).expand(b, -1, -1)
-        sin = self.sin[:width].unsqueeze(0).expand(b, -1, -1)
+        x, cos, sin = self._prefill_inputs(slots, ids)
         idx = self._flat_index(torch.tensor(slots, device=dev), cols.unsqueeze(0).expand(b, -1))
-        x = self.embed(ids)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             self._write(li, idx, k, v)
@@ -406,7 +418,7 @@ class LlamaRunner:
         tok, pos = self.tok_in[:b], self.pos[:b]
         idx = self._flat_index(torch.arange(b, device=self.device), pos.unsqueeze(1))
         mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None]).view(b, 1, 1, length)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [b, 1, D]
+        cos, sin = self._rope(pos.unsqueeze(1), torch.arange(b, device=self.device))  # [b, 1, D]
         group = self.n_heads // self.n_kv
         x = self.embed(tok.unsqueeze(1))  # [b, 1, hidden]
         for li, layer in enumerate(self.layers):

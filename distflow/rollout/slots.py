@@ -60,20 +60,29 @@ class SlotBatcher:
         self.slot_gen: list[int] = [0] * self.limit  # host: tokens generated so far
         self.first_version: dict[int, int] = {}
         self.prompts: dict[int, list[int]] = {}
+        self.images: dict[int, Any] = {}  # sequence -> its prompt's ImageInputs (a vision-language model)
         self.max_new: dict[int, int] = {}
         self.stream: dict[int, tuple[int, int]] = {}  # sequence -> (key, stream index)
         self.waiting: deque[int] = deque()
         self.dropped: set[int] = set()  # live sequences nobody waits for any more: freed at the next check
         self.results: dict[int, Completion] = {}
-        self.kept_logits: dict[tuple[int, ...], torch.Tensor] = {}  # prompt -> [V] first-token logits
+        self.kept_logits: dict[tuple, torch.Tensor] = {}  # prompt key (:meth:`_pkey`) -> [V] first-token logits
 
-    def add(self, q: int, prompt: list[int], max_new: int, key: int, stream: int) -> None:
+    def add(self, q: int, prompt: list[int], max_new: int, key: int, stream: int, images: Any = None) -> None:
         """Queue sequence ``q`` (unique while it lives): ``max_new`` tokens at most (<= width),
-        sampled from the stream ``(key, stream)``."""
+        sampled from the stream ``(key, stream)``; ``images``: its prompt's ImageInputs (or None)."""
         if max_new > self.width:
             raise ValueError(f"max_new_tokens {max_new} exceeds this batcher's width {self.width}")
         self.prompts[q], self.max_new[q], self.stream[q] = prompt, max_new, (key, stream)
+        if images is not None:
+            self.images[q] = images
         self.waiting.append(q)
+
+    def _pkey(self, q: int) -> tuple:
+        """What makes two sequences' prompts the same KV: the tokens and the images object (the same text
+        with other images is another prompt; a GRPO group shares one object; live while its sequences are)."""
+        pics = self.images.get(q)
+        return tuple(self.prompts[q]), None if pics is None else id(pics)
 
     # ---------------------------------------------------------------- main loop (a generate call)
     def run(self) -> dict[int, Completion]:
@@ -170,9 +179,8 @@ class SlotBatcher:
                                                finish_reason="stop" if done[i] else "length",
                                                first_version=self.first_version[q], last_version=version))
             self.first_version.pop(q, None)
-            self.prompts.pop(q, None)
-            self.max_new.pop(q, None)
-            self.stream.pop(q, None)
+            for d in (self.prompts, self.max_new, self.stream, self.images):
+                d.pop(q, None)
             self.slot_seq[i] = -1
 
     def finished(self, slot: int, q: int, completion: Completion) -> None:
@@ -195,12 +203,13 @@ class SlotBatcher:
         for q in gone:
             self.dropped.discard(q)
             self.discarded(q)
-            for d in (self.prompts, self.max_new, self.stream):
+            for d in (self.prompts, self.max_new, self.stream, self.images):
                 d.pop(q, None)
         seqs = [q for q in seqs if q not in gone]
         if not seqs:
             return bool(self.waiting)
         slots = free[:len(seqs)]
+        self.r.bind(slots, [self.prompts[q] for q in seqs], [self.images.get(q) for q in seqs])  # (a VLM: M-RoPE)
         logits = self.prefill(seqs, slots)
         dev = self.r.device
         slot_t = torch.tensor(slots, device=dev)
@@ -222,26 +231,26 @@ class SlotBatcher:
         split across two admissions) is copied from there, since a live slot's prompt KV
         (positions [0, len)) is never overwritten while it decodes, with its first-token
         logits kept from its own prefill."""
-        live = {tuple(self.prompts[q]): i for i, q in enumerate(self.slot_seq) if q >= 0}
-        first: dict[tuple[int, ...], int] = {}  # prompt -> index (into seqs) of its first holder
+        live = {self._pkey(q): i for i, q in enumerate(self.slot_seq) if q >= 0}
+        first: dict[tuple, int] = {}  # prompt key -> index (into seqs) of its first holder
         owner = []
         for j, q in enumerate(seqs):
-            owner.append(first.setdefault(tuple(self.prompts[q]), j))
+            owner.append(first.setdefault(self._pkey(q), j))
         uniq = sorted(set(owner))
-        keys = {u: tuple(self.prompts[seqs[u]]) for u in uniq}
+        keys = {u: self._pkey(seqs[u]) for u in uniq}
         fresh = [u for u in uniq if not (keys[u] in live and keys[u] in self.kept_logits)]
         if fresh:
-            new = self.r.prefill([slots[u] for u in fresh], [list(keys[u]) for u in fresh])
-            self.eng.stats["prefill_tokens"] += sum(len(keys[u]) for u in fresh)
+            new = self.r.prefill([slots[u] for u in fresh], [list(keys[u][0]) for u in fresh])
+            self.eng.stats["prefill_tokens"] += sum(len(keys[u][0]) for u in fresh)
             self.kept_logits.update({keys[u]: new[i] for i, u in enumerate(fresh)})
         for u in uniq:
             src = live.get(keys[u], slots[u]) if u not in fresh else slots[u]
             sharers = [slots[j] for j, o in enumerate(owner) if o == u and slots[j] != src]
             if sharers:
-                self.r.copy_prefix(src, sharers, len(keys[u]))
-        logits = torch.stack([self.kept_logits[tuple(self.prompts[q])] for q in seqs])
+                self.r.copy_prefix(src, sharers, len(keys[u][0]))
+        logits = torch.stack([self.kept_logits[self._pkey(q)] for q in seqs])
         # Keep only what the next admission can reuse: the prompt of the next waiting sequence.
-        nxt = tuple(self.prompts[self.waiting[0]]) if self.waiting else None
+        nxt = self._pkey(self.waiting[0]) if self.waiting else None
         self.kept_logits = {k: v for k, v in self.kept_logits.items() if k == nxt}
         return logits
 

@@ -18,8 +18,9 @@ fewer slots when ``max_slots`` do not fit), sized once for the run's longest seq
 
 The slots themselves are :mod:`distflow.rollout.slots` (shared with the request-level engine
 of :meth:`TorchEngine.continuous`, :mod:`distflow.rollout.continuous`, which multi-turn
-episodes use). Models outside the Llama family fall back to an HF ``model(...)`` loop
-(logged once).
+episodes use). Qwen2-VL / Qwen2.5-VL take the same path with their images and M-RoPE
+(:mod:`distflow.rollout.vlm_forward`). Models outside these families fall back to an HF
+``model(...)`` loop (logged; a vision-language model's fallback as a warning).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from distflow.rollout.protocol import (Completion, SamplingParams, Weights, Weig
 from distflow.rollout.sampling import counter_uniform, sample_rows, seed_key
 from distflow.rollout.lora_apply import AdapterTarget
 from distflow.rollout.slots import SlotBatcher
+from distflow.rollout.vlm_forward import VLMRunner, vlm_unsupported_reason
 from distflow.rollout.weight_loading import WeightTarget
 from distflow.vision import ImageInputs, VisionPrompter, is_vision_config, mrope_positions
 
@@ -141,22 +143,23 @@ class TorchEngine:
 
         register("engine", lambda: {"engine_slots_in_use": self.stats["slots_in_use"],
                                     "engine_slots": self.max_slots})
-        # a vision-language model (Qwen2-VL): prompts carry images, the HF loop runs it (M-RoPE positions)
+        # a vision-language model (Qwen2-VL): prompts carry images; the static-KV path with M-RoPE (vlm_forward)
         self.vision: VisionPrompter | None = (VisionPrompter(self.tokenizer, path, cfg) if is_vision_config(cfg)
                                               else None)
         if self.vision is not None and self.max_positions is None:
             self.max_positions = getattr(cfg.get_text_config(), "max_position_embeddings", None)
-        why = "a vision-language model" if self.vision is not None else unsupported_reason(self.model)
+        why = vlm_unsupported_reason(self.model) if self.vision is not None else unsupported_reason(self.model)
         self.runner: LlamaRunner | None = None
         if why is None:
             extra = sum(t.numel() * t.element_size() for t in getattr(self._target, "base", {}).values()) \
                 if isinstance(getattr(self._target, "base", None), dict) else 0  # a LoRA engine's unmerged base copy
-            self.runner = LlamaRunner(self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens,
-                                      gpu_memory_utilization=float(gpu_memory_utilization),
-                                      trainer_memory_fraction=float(trainer_memory_fraction), engines=engines,
-                                      extra_bytes=extra)
-        else:
-            log.info("TorchEngine: %s; using the HF generate loop (no static cache)", why)
+            self.runner = (VLMRunner if self.vision is not None else LlamaRunner)(
+                self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens,
+                gpu_memory_utilization=float(gpu_memory_utilization),
+                trainer_memory_fraction=float(trainer_memory_fraction), engines=engines, extra_bytes=extra)
+        else:  # never silent: a VLM on this loop gets no continuous batching, no CUDA graphs
+            log.log(logging.WARNING if self.vision is not None else logging.INFO,
+                    "TorchEngine: %s; using the HF generate loop (no static cache)", why)
         # Host looks at the device's stop flags (and polls weights_update) every this many steps.
         self.sync_every = 8 if self.device.type == "cuda" else 1
 
@@ -222,8 +225,8 @@ class TorchEngine:
                 batcher = SlotBatcher(self, runner, params, stop, slots=min(self.max_slots, len(prompts)),
                                       length=length, width=params.max_new_tokens, weights_update=weights_update,
                                       grow_to=self.max_positions if self.max_length is None else None)
-                for q, p in enumerate(prompts):
-                    batcher.add(q, list(p), params.max_new_tokens, key, q)
+                for q, p in enumerate(prompts):  # (a GRPO group: one list, one ImageInputs: prefilled once)
+                    batcher.add(q, list(p), params.max_new_tokens, key, q, images[q] if images else None)
                 results = batcher.run()
                 return [results[q] for q in range(len(prompts))]
             finally:
