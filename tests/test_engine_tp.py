@@ -1,0 +1,132 @@
+"""Tensor-parallel generation in the built-in engine (rollout_tensor_parallel; distflow/rollout/tp_engine.py).
+
+Real processes: a TP=2 engine spawns one follower process, the two ranks form a real gloo group,
+and the row-parallel all-reduces run over it. Compared with a TP=1 engine on the same checkpoint:
+the toy Llama model (4 heads = 4 KV heads, tied embeddings) and a tiny Qwen2 (GQA: 4 query heads,
+2 KV heads, qkv biases, untied head), built here.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from distflow.rollout.protocol import SamplingParams
+from distflow.rollout.torch_engine import TorchEngine
+from distflow.rollout.tp_shard import ROW_BIAS, kind_of, shard_of
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [1, 2, 3], [8], [9, 10, 11, 12, 13], [4, 5, 6, 7]]
+PARAMS = SamplingParams(max_new_tokens=10, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def qwen2_model(tmp_path_factory):
+    """A tiny Qwen2 with grouped-query attention over the toy tokenizer, sharp enough (init 0.3)
+    that sampling is not a coin toss between near-equal tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from distflow.toy import build_toy_tokenizer
+
+    out = tmp_path_factory.mktemp("qwen2") / "model"
+    tok = build_toy_tokenizer(out)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=0.3, tie_word_embeddings=False, use_sliding_window=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        Qwen2ForCausalLM(cfg).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs(toy_model, qwen2_model):
+    """(TP=1, TP=2) engines of each model; the TP=2 ones are closed at the end (their followers exit).
+    One intra-op thread, as a node runs (``torch_threads``; the followers take rank 0's count): two
+    processes each spinning OpenMP threads on 2 cores make every collective wait for a time slice."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    paths = {"toy": toy_model, "qwen2": qwen2_model}
+    with ThreadPoolExecutor(2) as pool:  # the two followers start (import torch, load) side by side
+        tp2 = {name: pool.submit(TorchEngine, str(path), max_slots=4, tensor_parallel=2) for name, path in paths.items()}
+        made = {name: (TorchEngine(str(path), max_slots=4), tp2[name].result()) for name, path in paths.items()}
+    yield made
+    for one, two in made.values():
+        one.close()
+        two.close()
+    torch.set_num_threads(threads)
+
+
+def _agree(one: TorchEngine, two: TorchEngine, seed: int) -> None:
+    a, b = one.generate(PROMPTS, PARAMS, seed=seed), two.generate(PROMPTS, PARAMS, seed=seed)
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert sum(len(c.tokens) for c in a) > len(PROMPTS)  # real generations, not all stopped at once
+    for x, y in zip(a, b):
+        assert x.finish_reason == y.finish_reason
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["toy", "qwen2"])
+def test_tp2_matches_tp1(pairs, name):
+    """The same seeds give the same tokens, logprobs within 1e-5 (fp32); each rank holds half of
+    the split layers, and its KV cache half of the KV heads."""
+    one, two = pairs[name]
+    _agree(one, two, seed=5)
+    cfg = one.model.config
+    full_q = one.model.model.layers[0].self_attn.q_proj.weight
+    mine = two.model.model.layers[0].self_attn.q_proj.weight
+    assert mine.shape[0] * 2 == full_q.shape[0] and torch.equal(mine, full_q[:full_q.shape[0] // 2])
+    assert two.runner.k_cache.shape[2] * 2 == one.runner.k_cache.shape[2] == cfg.num_key_value_heads
+    assert two.tp.ready[0] < 0.8 * sum(t.numel() * t.element_size() for t in one.model.state_dict().values())
+
+
+def test_weight_update_sends_each_follower_only_its_shard(pairs):
+    """A new version (full tensors, as the trainer publishes them) reaches rank 0; the follower
+    receives exactly its slices of the split tensors plus the replicated ones (bytes counted on the
+    follower); both engines still agree, also after a delta of one tensor."""
+    one, two = pairs["qwen2"]
+    g = torch.Generator().manual_seed(3)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in one.model.state_dict().items()}
+    before = two.tp.ask("stats")[0]["weight_bytes_received"]
+    one.load_weights(1, new)
+    two.load_weights(1, new)
+    got = two.tp.ask("stats")[0]["weight_bytes_received"] - before
+    shard = sum(shard_of(k, v, 1, 2).numel() * v.element_size() for k, v in new.items() if kind_of(k, v) != ROW_BIAS)
+    full = sum(v.numel() * v.element_size() for v in new.values())
+    assert got == shard < full
+    assert two.version == 1
+    _agree(one, two, seed=6)
+    delta = {"model.layers.1.mlp.down_proj.weight": new["model.layers.1.mlp.down_proj.weight"] * 1.5}
+    one.load_weights(2, delta, partial=True)
+    two.load_weights(2, delta, partial=True)
+    _agree(one, two, seed=7)
+    with pytest.raises(ValueError, match="shape mismatch"):  # validated against the FULL shapes, on rank 0
+        two.load_weights(3, {"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)}, partial=True)
+
+
+def test_killed_follower_is_named_within_seconds(pairs):
+    """kill -9 of the follower: the next generate raises naming its rank and pid at once (the
+    group's connection resets; the liveness check), and the engine stays refused."""
+    one, two = pairs["toy"]
+    proc = two.tp.procs[1]
+    proc.kill()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"engine tensor-parallel rank 1 \(pid {proc.pid}\) died \(exit code -9\)"):
+        two.generate(PROMPTS, PARAMS, seed=1)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="rank 1"):
+        two.load_weights(9, {"lm_head.weight": one.model.lm_head.weight.clone()}, partial=True)
+
+
+def test_refusals(qwen2_model):
+    """N must divide the heads, KV heads and MLP width: named before any process starts."""
+    with pytest.raises(ValueError, match=r"rollout_tensor_parallel \(3\) must divide num_attention_heads \(4\), "
+                                         r"num_key_value_heads \(2\) of the model"):
+        TorchEngine(str(qwen2_model), tensor_parallel=3)
+    with pytest.raises(ValueError, match=r"rollout_tensor_parallel \(4\) must divide num_key_value_heads \(2\)"):
+        TorchEngine(str(qwen2_model), tensor_parallel=4)
+    with pytest.raises(ValueError, match="tensor_parallel must be an int >= 1"):
+        TorchEngine(str(qwen2_model), tensor_parallel=0)
