@@ -69,6 +69,7 @@ def _agree(one: TorchEngine, two: TorchEngine, seed: int) -> None:
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
 @pytest.mark.parametrize("name", ["toy", "qwen2"])
 def test_tp2_matches_tp1(pairs, name):
     """The same seeds give the same tokens, logprobs within 1e-5 (fp32); each rank holds half of
@@ -83,6 +84,7 @@ def test_tp2_matches_tp1(pairs, name):
     assert two.tp.ready[0] < 0.8 * sum(t.numel() * t.element_size() for t in one.model.state_dict().values())
 
 
+@pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
 def test_weight_update_sends_each_follower_only_its_shard(pairs):
     """A new version (full tensors, as the trainer publishes them) reaches rank 0; the follower
     receives exactly its slices of the split tensors plus the replicated ones (bytes counted on the
@@ -107,6 +109,7 @@ def test_weight_update_sends_each_follower_only_its_shard(pairs):
         two.load_weights(3, {"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)}, partial=True)
 
 
+@pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
 def test_killed_follower_is_named_within_seconds(pairs):
     """kill -9 of the follower: the next generate raises naming its rank and pid at once (the
     group's connection resets; the liveness check), and the engine stays refused."""
@@ -130,3 +133,37 @@ def test_refusals(qwen2_model):
         TorchEngine(str(qwen2_model), tensor_parallel=4)
     with pytest.raises(ValueError, match="tensor_parallel must be an int >= 1"):
         TorchEngine(str(qwen2_model), tensor_parallel=0)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout_tensor_parallel=2", "lora.rank=4"], "rollout_tensor_parallel (2): the built-in engine's"),
+    (["rollout_tensor_parallel=2", "engine=vllm", "device=cuda"], "needs engine: torch and lora: null"),
+])
+def test_config_refusals(overrides, needle):
+    import re
+
+    from distflow.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config("examples/grpo_quickstart.yaml", overrides)
+    assert load_config("examples/grpo_quickstart.yaml", ["rollout_tensor_parallel=2"]).rollout_tensor_parallel == 2
+
+
+def test_placement_gives_a_rollout_node_n_distinct_gpus():
+    """With rollout_tensor_parallel: N each rollout node sees N distinct GPUs (its TP ranks are its
+    cuda:0..N-1), groups taken round-robin; worker-group nodes keep one GPU; too few is refused."""
+    from distflow.launch.placement import PlacementError, describe, place
+
+    nodes = [("trainer-0", "trainer"), ("rollout-0", "rollout"), ("rollout-1", "rollout"), ("rollout-2", "rollout"),
+             ("reward-0", "worker")]
+    slots = {s.node_id: s.env for s in place(nodes, device="cuda", present=5, rollout_gpus=2)}
+    assert [slots[n]["CUDA_VISIBLE_DEVICES"] for n, _ in nodes] == ["0", "1,2", "3,4", "1,2", "1"]
+    assert [slots[n]["DISTFLOW_GPU_NODES"] for n, _ in nodes] == ["1", "3", "1", "3", "3"]
+    assert "GPU 1,2: rollout-0, rollout-2" in describe(place(nodes, device="cuda", present=5, rollout_gpus=2))
+    colo = {s.node_id: s.env["CUDA_VISIBLE_DEVICES"] for s in place(
+        [("trainer-0", "trainer"), ("trainer-1", "trainer"), ("rollout-0", "rollout")], device="cuda", present=2,
+        colocate=True, rollout_gpus=2)}
+    assert colo == {"trainer-0": "0", "trainer-1": "1", "rollout-0": "0,1"}
+    with pytest.raises(PlacementError, match=r"rollout_tensor_parallel: 4 GPUs per rollout node, but only 3 GPU"):
+        place(nodes, device="cuda", present=4, rollout_gpus=4)
+    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in place(nodes, device="cpu", rollout_gpus=2)} == {""}

@@ -449,6 +449,13 @@ class LaunchSection(Section):
         "layer's q/k/v/gate/up projections are split by columns and o/down by rows over the N ranks "
         "(Llama/Qwen layouts; N must divide trainer_nodes, the attention and KV heads and the MLP width). "
         "Same loss, gradients and published weights as 1 (docs/parallelism.md). Not with `lora`"))
+    rollout_tensor_parallel: int = Field(1, ge=1, description=(
+        "tensor-parallel degree of each rollout node's built-in engine: the node's process is rank 0 and spawns "
+        "N-1 follower processes that run the same forward in lockstep (gloo on CPU; with `device: cuda` the node "
+        "owns N distinct GPUs, one per rank, NCCL), each holding 1/N of the attention heads, KV heads (and KV "
+        "cache) and MLP width (Llama/Qwen layouts; N must divide them, checked when the model loads); weight "
+        "syncs send each follower only its shard (docs/parallelism.md). `engine: torch` only, not with `lora`; "
+        "CUDA graphs are off"))
     worker_groups: dict[str, int] = Field(default_factory=dict, description=(
         "extra worker groups between rollout and trainer: group name -> node count, e.g. `{reward: 1}`. A "
         "workflow node with `group: NAME` runs on that group's nodes; rollout shard s goes to the group's rank "

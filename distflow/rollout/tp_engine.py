@@ -27,6 +27,7 @@ the all-reduces is not done here).
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing
 import time
 import weakref
@@ -46,6 +47,8 @@ __all__ = ["COLLECTIVE_TIMEOUT_S", "DrivenRunner", "START_TIMEOUT_S", "ShardedWe
 START_TIMEOUT_S = 600.0  # a follower's start: importing torch, loading the checkpoint, joining the group
 COLLECTIVE_TIMEOUT_S = 300.0  # any one collective (a hung follower; a dead one fails it at once)
 _POLL_S = 0.05
+
+log = logging.getLogger(__name__)
 
 
 class TensorParallel:
@@ -100,6 +103,9 @@ class TensorParallel:
             raise
         self.store = store
         shard_model(model, 0, n, all_reducer(self.group))
+        log.info("engine tensor parallel: %d ranks on %s (followers: %s), %.1f MB of weights per follower",
+                 n, ", ".join(devices), ", ".join(f"rank {r} pid {self.procs[r].pid}" for r in range(1, n)),
+                 max(self.ready) / 1e6)
 
     # ------------------------------------------------------------------ the followers
     def follower(self, r: int) -> str:
