@@ -110,6 +110,30 @@ def test_weight_update_sends_each_follower_only_its_shard(pairs):
 
 
 @pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
+def test_continuous_engine_reuses_kv_on_every_rank(pairs):
+    """The request-level engine (episodes): a second turn extends the first turn's stored KV, which
+    each rank keeps for its own heads (rank 0's copy carries the handle); same tokens and
+    logprobs as TP=1, and the followers drop their copies when rank 0's are collected."""
+    import asyncio
+    import gc
+
+    async def episode(engine: TorchEngine) -> tuple[list, dict]:
+        async with engine.continuous(seed=2, max_length=64) as cont:
+            first = await cont.submit([1, 2, 3, 4], PARAMS, key="t0", session="ep", turn=0)
+            second = await cont.submit([1, 2, 3, 4, *first.tokens, 5, 6], PARAMS, key="t1", session="ep", turn=1)
+            return [first, second], dict(cont.stats)
+
+    one, two = pairs["qwen2"]
+    (a, sa), (b, sb) = asyncio.run(episode(one)), asyncio.run(episode(two))
+    assert sa["kv_hits"] == sb["kv_hits"] == 1 and sb["kv_reused_tokens"] > 4
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    gc.collect()
+    assert two.tp.ask("stats")[0]["saved_prefixes"] == 0
+
+
+@pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
 def test_killed_follower_is_named_within_seconds(pairs):
     """kill -9 of the follower: the next generate raises naming its rank and pid at once (the
     group's connection resets; the liveness check), and the engine stays refused."""

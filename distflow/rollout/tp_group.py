@@ -133,7 +133,7 @@ class _Follower:
         elif op == "weights":
             self.stats["weight_bytes_received"] += receive_weights(self.group, self.params, args[0])
         elif op == "stats":
-            return dict(self.stats)
+            return {**self.stats, "saved_prefixes": len(self.saved)}
         else:
             raise ValueError(f"unknown engine tensor-parallel command {op!r}")
         return None
@@ -150,7 +150,7 @@ def follower_main(rank: int, n: int, port: int, model_path: str, device: str, dt
             try:
                 op, args, reply = conn.recv()  # EOF: rank 0 is gone (its end of the pipe closed)
             except (EOFError, OSError):
-                return
+                os._exit(0)  # nothing to flush; an interpreter shutdown of torch takes seconds
             out = me.run(op, args)
             if reply:
                 conn.send(("ok", out))
