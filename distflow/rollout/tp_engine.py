@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -84,6 +85,7 @@ class TensorParallel:
         self.procs: list[Any] = [None]
         self.conns: list[Any] = [None]
         self._drops: list[int] = []
+        self.lock = threading.RLock()  # one command (and its local run) at a time, whoever calls
         self._handles = itertools.count()
         self.closed = False
         try:
@@ -96,6 +98,8 @@ class TensorParallel:
                 theirs.close()
                 self.procs.append(p)
                 self.conns.append(mine)
+            for r in range(1, n):  # each follower is alive and at the group (or named) before rank 0 waits there
+                self._expect(r, "joining", start_timeout_s)
             self.group = make_group(store, 0, n, device, timeout_s)
             self.ready = [self._expect(r, "ready", start_timeout_s) for r in range(1, n)]  # each one's shard bytes
         except BaseException:
@@ -176,8 +180,9 @@ class TensorParallel:
 
     def ask(self, op: str, timeout: float = 30.0) -> list[Any]:
         """Every follower's answer to ``op`` (rank order), each within ``timeout`` s."""
-        self.send(op, (), reply=True)
-        return [self._expect(r, "ok", timeout) for r in range(1, self.n)]
+        with self.lock:
+            self.send(op, (), reply=True)
+            return [self._expect(r, "ok", timeout) for r in range(1, self.n)]
 
     def drop(self, handle: int) -> None:
         self._drops.append(handle)  # from a finalizer: the followers hear it with the next command
@@ -225,15 +230,17 @@ class DrivenRunner:
 
     def _both(self, op: str, args: tuple, local: Any) -> Any:
         tp = self._tp
-        tp.send(op, args)
-        try:
-            return local()
-        except RuntimeError as e:
-            raise tp.failure(e) from e
+        with tp.lock:
+            tp.send(op, args)
+            try:
+                return local()
+            except RuntimeError as e:
+                raise tp.failure(e) from e
 
     def reserve(self, slots: int, length: int, grow_to: int | None = None) -> None:
-        self._local.reserve(slots, length, grow_to)  # rank 0 plans; the followers take its cache shape
-        self._tp.send("reserve", (self._local.slots, self._local.length))
+        with self._tp.lock:
+            self._local.reserve(slots, length, grow_to)  # rank 0 plans; the followers take its cache shape
+            self._tp.send("reserve", (self._local.slots, self._local.length))
 
     def prefill(self, slots: list[int], seqs: list[list[int]]) -> torch.Tensor:
         return self._both("prefill", (list(slots), [list(s) for s in seqs]), lambda: self._local.prefill(slots, seqs))
@@ -285,22 +292,26 @@ class ShardedWeights:
         """Per bucket: rank 0 copies its slices in, sends each follower its slice of every split
         tensor and broadcasts the replicated ones (:func:`~distflow.rollout.tp_group.receive_weights`
         is the other side, name by name in the same order)."""
-        tp, n = self.tp, self.tp.n
+        tp = self.tp
         for b in buckets:
-            names = list(b)
-            tp.send("weights", (names,))
-            try:
-                for tag, name in enumerate(names):
-                    dst, full = self.own[name], b[name]
-                    kind = kind_of(name, dst)
-                    dst.copy_(shard_of(name, full, 0, n))
-                    if kind == REPLICATED:
-                        tp.group.broadcast(dst, 0).wait()  # contiguous: HF's own parameters
-                    elif kind != ROW_BIAS:
-                        for r in range(1, n):
-                            part = shard_of(name, full, r, n).to(device=dst.device, dtype=dst.dtype).contiguous()
-                            tp.group.send([part], r, tag).wait()
-            except RuntimeError as e:
-                raise tp.failure(e) from e
-            if tp.device.type == "cuda":
-                torch.cuda.current_stream(tp.device).synchronize()
+            with tp.lock:
+                tp.send("weights", (list(b),))
+                try:
+                    self._send_bucket(b)
+                except RuntimeError as e:
+                    raise tp.failure(e) from e
+        if tp.device.type == "cuda":
+            torch.cuda.current_stream(tp.device).synchronize()
+
+    def _send_bucket(self, b: Mapping[str, torch.Tensor]) -> None:
+        tp, n = self.tp, self.tp.n
+        for tag, name in enumerate(b):
+            dst, full = self.own[name], b[name]
+            kind = kind_of(name, dst)
+            dst.copy_(shard_of(name, full, 0, n))
+            if kind == REPLICATED:
+                tp.group.broadcast(dst, 0).wait()  # contiguous: HF's own parameters
+            elif kind != ROW_BIAS:
+                for r in range(1, n):
+                    part = shard_of(name, full, r, n).to(device=dst.device, dtype=dst.dtype).contiguous()
+                    tp.group.send([part], r, tag).wait()

@@ -82,7 +82,7 @@ class _Follower:
     """One follower's runner, its saved KV prefixes and its counters."""
 
     def __init__(self, rank: int, n: int, port: int, model_path: str, device: str, dtype: torch.dtype,
-                 timeout_s: float, runner_kw: dict[str, Any], threads: int):
+                 timeout_s: float, runner_kw: dict[str, Any], threads: int, conn: Any):
         from distflow.hf import load_causal_lm
         from distflow.rollout.llama_forward import LlamaRunner, module_bytes
 
@@ -92,8 +92,9 @@ class _Follower:
         torch.set_num_threads(threads)  # rank 0's intra-op threads
         store = dist.TCPStore("127.0.0.1", port, n, is_master=False,
                               timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        model = load_causal_lm(model_path, dtype)
+        conn.send(("joining", None))  # rank 0 makes its side of the group only now: it never waits on a dead one
         self.group = make_group(store, rank, n, self.device, timeout_s)
+        model = load_causal_lm(model_path, dtype)
         shard_model(model, rank, n, all_reducer(self.group))
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.runner = LlamaRunner(self.model, use_graphs=False, **runner_kw)
@@ -141,10 +142,10 @@ class _Follower:
 
 def follower_main(rank: int, n: int, port: int, model_path: str, device: str, dtype: torch.dtype,
                   timeout_s: float, runner_kw: dict[str, Any], threads: int, conn: Any) -> None:
-    """A follower process: build the rank's shard, say ready, then run rank 0's commands until its
-    pipe closes. ``("error", text)`` goes back before a failing follower exits (rank 0 names it)."""
+    """A follower process: join the group (saying so first), build the rank's shard, say ready, then
+    run rank 0's commands until its pipe closes. ``("error", text)`` goes back before a failing follower exits (rank 0 names it)."""
     try:
-        me = _Follower(rank, n, port, model_path, device, dtype, timeout_s, runner_kw, threads)
+        me = _Follower(rank, n, port, model_path, device, dtype, timeout_s, runner_kw, threads, conn)
         conn.send(("ready", me.stats["weight_bytes"]))
         while True:
             try:
