@@ -191,3 +191,45 @@ def test_placement_gives_a_rollout_node_n_distinct_gpus():
     with pytest.raises(PlacementError, match=r"rollout_tensor_parallel: 4 GPUs per rollout node, but only 3 GPU"):
         place(nodes, device="cuda", present=4, rollout_gpus=4)
     assert {s.env["CUDA_VISIBLE_DEVICES"] for s in place(nodes, device="cpu", rollout_gpus=2)} == {""}
+
+
+def test_pdsh_hostfile_gives_a_rollout_node_n_gpus(tmp_path):
+    """The pdsh launcher reads rollout_tensor_parallel from the config and places by the same rule;
+    a node's DISTFLOW_GPU_NODES counts the nodes on its most shared GPU."""
+    import importlib.util
+    import sys
+    from importlib.machinery import SourceFileLoader
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "deploy" / "pdsh" / "distflow-pdsh"
+    loader = SourceFileLoader("distflow_pdsh", str(path))
+    dp = importlib.util.module_from_spec(importlib.util.spec_from_loader("distflow_pdsh", loader))
+    sys.modules["distflow_pdsh"] = dp
+    loader.exec_module(dp)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("launch:\n  device: cuda\n  rollout_tensor_parallel: 2\n")
+    specs = dp.parse_hostfile("h trainer=1 rollout=3 gpus=0,1,2,3,4 bind=10.0.0.1")
+    (p,) = dp.build_plans(specs, str(cfg), [], "/r", "/w").values()
+    assert {n["id"]: n["gpu"] for n in p["nodes"]} == {"trainer-h-0": "0", "rollout-h-0": "1,2",
+                                                      "rollout-h-1": "3,4", "rollout-h-2": "1,2"}
+    assert {n["id"]: dp._node_env(p, n, "s" * 32)["DISTFLOW_GPU_NODES"] for n in p["nodes"]} == {
+        "trainer-h-0": "1", "rollout-h-0": "2", "rollout-h-1": "1", "rollout-h-2": "2"}
+    (p,) = dp.build_plans(specs, str(cfg), ["rollout_tensor_parallel=1"], "/r", "/w").values()
+    assert [n["gpu"] for n in p["nodes"]] == ["0", "1", "2", "3"]
+
+
+def test_slurm_and_k8s_ask_rollout_tasks_for_n_gpus():
+    """`distflow slurm` / `distflow k8s` give each rollout task / pod rollout_tensor_parallel GPUs
+    unless told otherwise."""
+    from distflow.launch import k8s
+    from distflow.launch.slurm import parser, render
+
+    args = parser().parse_args(["examples/grpo_quickstart.yaml", "--dry-run", "--trainer-hosts=1", "--rollout-hosts=1"])
+    script, _, _ = render(args, ["device=cuda", "rollout_tensor_parallel=2"])
+    assert "--het-group=1 --ntasks=2 --cpus-per-task=4 --gpus-per-task=2 " in script
+    assert "#SBATCH hetjob\n#SBATCH --nodes=1 --ntasks=2 --cpus-per-task=4 --ntasks-per-node=2 --gres=gpu:4\n" in script
+    docs = k8s.manifests(k8s.parser().parse_args(["examples/grpo_quickstart.yaml"]),
+                         ["device=cuda", "rollout_tensor_parallel=2"], "s" * 32)
+    limits = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+              for d in docs if d["kind"] == "StatefulSet"}
+    assert {n.rsplit("-", 1)[-1]: v["nvidia.com/gpu"] for n, v in limits.items()} == {"trainer": 1, "rollout": 2}
