@@ -81,6 +81,8 @@ def test_tp2_matches_tp1(pairs, name):
     mine = two.model.model.layers[0].self_attn.q_proj.weight
     assert mine.shape[0] * 2 == full_q.shape[0] and torch.equal(mine, full_q[:full_q.shape[0] // 2])
     assert two.runner.k_cache.shape[2] * 2 == one.runner.k_cache.shape[2] == cfg.num_key_value_heads
+    with pytest.raises(NotImplementedError, match="LlamaRunner._decode is not driven"):
+        two.runner._decode(1, 1)  # a runner call rank 0 would make alone: refused, never a hang
     assert two.tp.ready[0] < 0.8 * sum(t.numel() * t.element_size() for t in one.model.state_dict().values())
 
 

@@ -26,6 +26,7 @@ the all-reduces is not done here).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import multiprocessing
@@ -211,6 +212,10 @@ class TensorParallel:
                 p.join(5.0)
 
 
+# LlamaRunner methods that only read rank 0's state or act on its graphs (off with TP): called as they are
+_LOCAL_METHODS = frozenset({"bucket", "length_bucket", "graph_shape", "retry_captures", "free_graphs"})
+
+
 class DrivenRunner:
     """Rank 0's :class:`~distflow.rollout.llama_forward.LlamaRunner`, each call made on every rank.
 
@@ -223,7 +228,13 @@ class DrivenRunner:
         object.__setattr__(self, "_tp", tp)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._local, name)
+        value = getattr(self._local, name)
+        if inspect.ismethod(value) and name not in _LOCAL_METHODS:
+            # a runner method this class does not drive would run on rank 0 alone and leave the others
+            # out of its all-reduces (a hang until the timeout): refused by name instead
+            raise NotImplementedError(f"LlamaRunner.{name} is not driven over the engine's tensor-parallel group: "
+                                      "add it to distflow/rollout/tp_engine.py's DrivenRunner")
+        return value
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._local, name, value)
