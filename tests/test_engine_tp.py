@@ -136,6 +136,17 @@ def test_continuous_engine_reuses_kv_on_every_rank(pairs):
 
 
 @pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
+def test_a_failing_follower_is_named_with_its_error(pairs):
+    """A follower whose command fails reports the error and exits; rank 0's next call names both
+    (here an unknown command: the qwen2 pair's last use)."""
+    _, two = pairs["qwen2"]
+    two.tp.send("no-such-command")
+    with pytest.raises(RuntimeError, match=r"engine tensor-parallel rank 1 \(pid \d+\) died \(exit code 1\): "
+                                           r"ValueError: unknown engine tensor-parallel command 'no-such-command'"):
+        two.generate(PROMPTS, PARAMS, seed=1)
+
+
+@pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
 def test_killed_follower_is_named_within_seconds(pairs):
     """kill -9 of the follower: the next generate raises naming its rank and pid at once (the
     group's connection resets; the liveness check), and the engine stays refused."""
