@@ -246,3 +246,22 @@ def test_slurm_and_k8s_ask_rollout_tasks_for_n_gpus():
     limits = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
               for d in docs if d["kind"] == "StatefulSet"}
     assert {n.rsplit("-", 1)[-1]: v["nvidia.com/gpu"] for n, v in limits.items()} == {"trainer": 1, "rollout": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one per TP rank)")
+def test_tp2_matches_tp1_on_two_gpus(qwen2_model):
+    """The CUDA path: rank 0 on cuda:0, the follower on cuda:1, NCCL between them; fp32, so the
+    same bound as on CPU; a weight update reaches the follower's GPU."""
+    one = TorchEngine(str(qwen2_model), device="cuda", max_slots=4)
+    two = TorchEngine(str(qwen2_model), device="cuda", max_slots=4, tensor_parallel=2)
+    try:
+        _agree(one, two, seed=5)
+        new = {k: v * 1.02 for k, v in one.model.state_dict().items()}
+        one.load_weights(1, new)
+        two.load_weights(1, new)
+        _agree(one, two, seed=6)
+        assert two.tp.ask("stats")[0]["weight_bytes_received"] > 0
+    finally:
+        one.close()
+        two.close()
