@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
                "same_tokens": same, "max_logprob_diff": diff}
     print(f"{'':6} {'tok/s':>10} {'wall s':>8} {'weight MB per rank':>30}")
     for k, r in rows.items():
-        print(f"{k:6} {r['tok_s']:10.1f} {r['wall_s']:8.2f} {', '.join(f'{b / 1e6:.1f}' for b in r['rank_weight_bytes']):>30}")
+        mbs = ", ".join(f"{b / 1e6:.1f}" for b in r["rank_weight_bytes"])
+        print(f"{k:6} {r['tok_s']:10.1f} {r['wall_s']:8.2f} {mbs:>30}")
     print(f"TP={args.tp} / TP=1: tokens/s x{summary['tok_s_ratio']:.2f}, largest rank's weights "
           f"x{summary['rank_weight_ratio']:.2f}; same tokens: {same}, largest logprob difference {diff:.2e}")
     print(json.dumps(summary, sort_keys=True))

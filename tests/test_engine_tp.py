@@ -51,7 +51,8 @@ def pairs(toy_model, qwen2_model):
     torch.set_num_threads(1)
     paths = {"toy": toy_model, "qwen2": qwen2_model}
     with ThreadPoolExecutor(2) as pool:  # the two followers start (import torch, load) side by side
-        tp2 = {name: pool.submit(TorchEngine, str(path), max_slots=4, tensor_parallel=2) for name, path in paths.items()}
+        tp2 = {name: pool.submit(TorchEngine, str(path), max_slots=4, tensor_parallel=2)
+               for name, path in paths.items()}
         made = {name: (TorchEngine(str(path), max_slots=4), tp2[name].result()) for name, path in paths.items()}
     yield made
     for one, two in made.values():
@@ -90,7 +91,8 @@ def test_tp2_matches_tp1(pairs, name):
 def test_weight_update_sends_each_follower_only_its_shard(pairs):
     """A new version (full tensors, as the trainer publishes them) reaches rank 0; the follower
     receives exactly its slices of the split tensors plus the replicated ones (bytes counted on the
-    follower); both engines still agree, also after a delta of one tensor."""
+    follower); both engines still agree, also after a delta of one tensor and after a swap in the
+    middle of a generate call (partial rollout: the in-flight sequences re-prefilled on every rank)."""
     one, two = pairs["qwen2"]
     g = torch.Generator().manual_seed(3)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in one.model.state_dict().items()}
@@ -107,6 +109,19 @@ def test_weight_update_sends_each_follower_only_its_shard(pairs):
     one.load_weights(2, delta, partial=True)
     two.load_weights(2, delta, partial=True)
     _agree(one, two, seed=7)
+    # mid-generate (partial rollout): new weights at the 3rd poll; the in-flight sequences are re-prefilled
+    mid = {k: v * 0.9 for k, v in new.items()}
+    runs = []
+    for eng in (one, two):
+        polls = []
+        update = lambda p=polls: (p.append(1), (4, mid) if len(p) == 3 else None)[1]  # noqa: E731
+        runs.append(eng.generate(PROMPTS, PARAMS, seed=8, weights_update=update))
+        assert eng.version == 4 and eng.stats["weight_swaps"] >= 1
+    assert [c.tokens for c in runs[0]] == [c.tokens for c in runs[1]]
+    versions = [c.last_version for c in runs[1]]
+    assert versions == [c.last_version for c in runs[0]] and 4 in versions
+    for x, y in zip(*runs):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="shape mismatch"):  # validated against the FULL shapes, on rank 0
         two.load_weights(3, {"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)}, partial=True)
 

@@ -116,6 +116,7 @@ class TorchEngine:
                 raise ValueError("rollout_tensor_parallel: not with LoRA adapters or a vision-language model")
             from distflow.rollout.tp_engine import TensorParallel  # splits `model` in place: only the shard moves
 
+            compile = False  # CUDA graphs: not with TP (the NCCL all-reduces are not captured)
             self.tp = TensorParallel(model, str(path), tensor_parallel, self.device, self.dtype, runner_kw=dict(
                 max_prefill_tokens=max_prefill_tokens, gpu_memory_utilization=float(gpu_memory_utilization),
                 trainer_memory_fraction=float(trainer_memory_fraction), engines=engines))
@@ -160,7 +161,7 @@ class TorchEngine:
         if why is None:
             extra = sum(t.numel() * t.element_size() for t in getattr(self._target, "base", {}).values()) \
                 if isinstance(getattr(self._target, "base", None), dict) else 0  # a LoRA engine's unmerged base copy
-            self.runner = LlamaRunner(self.model, use_graphs=compile and self.tp is None, max_prefill_tokens=max_prefill_tokens,
+            self.runner = LlamaRunner(self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens,
                                       gpu_memory_utilization=float(gpu_memory_utilization),
                                       trainer_memory_fraction=float(trainer_memory_fraction), engines=engines,
                                       extra_bytes=extra)

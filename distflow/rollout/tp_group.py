@@ -143,7 +143,8 @@ class _Follower:
 def follower_main(rank: int, n: int, port: int, model_path: str, device: str, dtype: torch.dtype,
                   timeout_s: float, runner_kw: dict[str, Any], threads: int, conn: Any) -> None:
     """A follower process: join the group (saying so first), build the rank's shard, say ready, then
-    run rank 0's commands until its pipe closes. ``("error", text)`` goes back before a failing follower exits (rank 0 names it)."""
+    run rank 0's commands until its pipe closes. ``("error", text)`` goes back before a failing
+    follower exits (rank 0 names it)."""
     try:
         me = _Follower(rank, n, port, model_path, device, dtype, timeout_s, runner_kw, threads, conn)
         conn.send(("ready", me.stats["weight_bytes"]))
