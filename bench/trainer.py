@@ -23,6 +23,9 @@ exactly one JSON line.
 
     python bench/trainer.py                      # CPU default: ~1 min on 2 cores
     python bench/trainer.py --device cuda --shape qwen0.5b --dtype bfloat16
+
+``--parallel`` instead compares the tensor-parallel and sequence-parallel meshes with one rank on one
+long sample, in gloo processes (:mod:`bench.trainer_parallel`: equality and memory per rank).
 """
 
 from __future__ import annotations
@@ -186,7 +189,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="packed path: LM-head chunk (tokens)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--parallel", action="store_true", help="TP=2 and SP=2 vs one rank (bench/trainer_parallel.py)")
+    ap.add_argument("--prompt-len-parallel", type=int, default=3072, help="--parallel: the sample's prompt")
+    ap.add_argument("--response-len-parallel", type=int, default=1024, help="--parallel: the sample's response")
     args = ap.parse_args()
+    if args.parallel:
+        from bench.trainer_parallel import main as parallel_main
+
+        return parallel_main(args, SHAPES)
 
     import torch
 

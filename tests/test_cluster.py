@@ -171,6 +171,37 @@ def test_node_on_a_taken_port_exits_with_one_line(tmp_path):
             assert "Traceback" not in r.stderr, r.stderr
 
 
+def test_node_stops_on_sigterm_while_still_joining_the_mesh(tmp_path):
+    """A node whose seeds do not answer waits up to mesh.join_timeout_s to join; SIGTERM (a launcher,
+    Slurm, a person stopping a half-started cluster) ends that wait at once, with exit 143."""
+    env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
+    with socket.socket() as a, socket.socket() as b:  # two free ports: this node's, and a seed nobody serves
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        port, dead_seed = a.getsockname()[1], b.getsockname()[1]
+    proc = subprocess.Popen(cmd + ["--role", "rollout", "--config", QUICKSTART, "--port", str(port), "--seeds",
+                                   f"127.0.0.1:{dead_seed}", f"output_dir={tmp_path}", "mesh.join_timeout_s=120"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # its control socket is bound: it is in the join (the signal handlers are set before)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        time.sleep(0.5)  # well inside the 120 s join wait
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 143 and time.monotonic() - t0 < 10, err[-3000:]
+        assert "stopping on signal while joining the mesh" in err and "Traceback" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
     """Every start resolves the workflow's functions (not only --check): a typo is named before the
     node joins anything, instead of failing its pipeline at step 1 (here: it would wait for peers)."""

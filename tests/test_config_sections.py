@@ -36,7 +36,7 @@ def test_every_field_of_every_section_has_a_description():
 def test_flat_keys_name_one_field_each_and_are_read_through_to_their_section():
     """Every section's keys, generated into FLAT_KEYS; ``cfg.<key>`` reads ``cfg.<section>.<key>``
     (the ~40 modules reading flat keys need not change) and refuses a write, naming the section."""
-    assert sum(len(m.model_fields) for m in SECTIONS.values()) == len(FLAT_KEYS) == 127
+    assert sum(len(m.model_fields) for m in SECTIONS.values()) == len(FLAT_KEYS) == 128
     cfg = load_config(QUICKSTART)
     for key, section in FLAT_KEYS.items():
         assert getattr(cfg, key) is getattr(getattr(cfg, section), key), key
@@ -294,3 +294,16 @@ def test_the_config_modules_stay_torch_free():
     code = ("import sys, distflow.core.config, distflow.core.config_explain, distflow.core.config_docs; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env=NODE_ENV, timeout=60).returncode == 0
+
+
+def test_show_into_a_closed_pipe_ends_quietly():
+    """`distflow config --show CONFIG | head -1`: the reader is gone before the output is written; the
+    command ends with SIGPIPE's status and no BrokenPipeError traceback."""
+    r, w = os.pipe()
+    os.close(r)  # a reader that stopped reading: every write gets EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "distflow.launch.cli", "config", "--show", str(QUICKSTART)],
+                              cwd=ROOT, stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr[-2000:]

@@ -14,6 +14,7 @@ learns the toy task.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -34,11 +35,54 @@ QUICKSTART = ROOT / "examples" / "grpo_quickstart.yaml"
     (["tensor_parallel=2", "lora.rank=4"], "tensor_parallel: LoRA adapters"),
 ])
 def test_config_refuses_a_tp_degree_that_does_not_fit(overrides, needle):
+    assert config_refuses(overrides, needle, "tensor_parallel").tensor_parallel == 2
+
+
+def config_refuses(overrides: list[str], needle: str, key: str) -> Any:
+    """Assert the quickstart with ``overrides`` is refused with ``needle``; returns the quickstart on 4
+    trainers with ``key`` at 2 (a degree that fits), loaded."""
     from distflow.core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(QUICKSTART, overrides)
-    assert load_config(QUICKSTART, ["trainer_nodes=4", "tensor_parallel=2"]).tensor_parallel == 2
+    return load_config(QUICKSTART, ["trainer_nodes=4", f"{key}=2"])
+
+
+def recorded_update(actor: Any, cfg: Any, batch: Any) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``actor.update`` of ``batch`` and every gradient it computed (whole: ``full_tensor``), recorded
+    before the optimizer consumes them."""
+    import distflow.trainer.actor as actor_mod
+
+    grads: dict[str, torch.Tensor] = {}
+    real = actor_mod.clip_and_step
+
+    def recording(model, optim, max_norm, what):
+        for name, p in model.named_parameters():
+            if (g := p.grad) is not None:  # (a frozen parameter, e.g. under LoRA, has none)
+                grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        return real(model, optim, max_norm, what)
+
+    actor_mod.clip_and_step = recording
+    try:
+        return actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch), grads
+    finally:
+        actor_mod.clip_and_step = real
+
+
+def assert_same_step(a: dict, b: dict, rel: float, grad_atol: float) -> None:
+    """The step of ``b`` (split) is the step of ``a`` (one rank): metrics to ``rel``, every gradient to
+    ``rel`` / ``grad_atol``, the updated weights to 5e-5. Adam's first step moves each weight by lr (0.01)
+    whatever g is, except for a gradient near eps (1e-8): the toy's smallest are ~2e-8, where the
+    reduction-order rounding of split matmuls (~2e-10) moves the update by up to ~1.4e-5 (seen: 1 weight
+    in 8192). 5e-5 is 0.5% of a step; a wrong gradient moves a weight by a whole step."""
+    for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "tokens", "train_tokens"):
+        assert b["stats"][key] == pytest.approx(a["stats"][key], rel=rel, abs=1e-7), key
+    assert a["grads"].keys() == b["grads"].keys() and len(a["grads"]) > 10
+    for name, g in a["grads"].items():
+        assert torch.allclose(b["grads"][name], g, rtol=rel, atol=grad_atol), name
+    assert a["state"].keys() == b["state"].keys()
+    for name, t in a["state"].items():
+        assert torch.allclose(b["state"][name], t, atol=5e-5), name
 
 
 def test_model_heads_must_split_evenly():
@@ -55,7 +99,6 @@ def test_model_heads_must_split_evenly():
 
 
 def _tp_step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
-    import distflow.trainer.actor as actor_mod
     from distflow.trainer.actor import Actor
     from distflow.trainer.gather import iter_weight_buckets
 
@@ -68,20 +111,7 @@ def _tp_step(rank: int, world: int, store: str, toy_model: str, overrides: list[
             batch = batch.select(range(7) if rank == 0 else [7])
         batch = actor.reference_logprobs(batch)
         ref_lp = batch.tensors["ref_logprobs"].clone()  # this rank's rows only
-        grads: dict[str, torch.Tensor] = {}
-        real = actor_mod.clip_and_step
-
-        def recording(model, optim, max_norm, what):
-            for name, p in model.named_parameters():
-                g = p.grad
-                grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-            return real(model, optim, max_norm, what)
-
-        actor_mod.clip_and_step = recording
-        try:
-            stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
-        finally:
-            actor_mod.clip_and_step = real
+        stats, grads = recorded_update(actor, cfg, batch)
         layer = actor.model.model.layers[0]
         local = {"q": tuple(layer.self_attn.q_proj.weight.to_local().shape),
                  "o": tuple(layer.self_attn.o_proj.weight.to_local().shape)}
@@ -104,18 +134,7 @@ def test_tp2_step_equals_tp1_loss_gradients_and_published_weights(tmp_path, toy_
     # the toy model (hidden 64, 4 heads of 16, 4 KV heads): each TP rank computes 2 heads
     assert b["local"] == {"q": (32, 64), "o": (64, 32)}
     assert torch.allclose(b["ref_lp"], a["ref_lp"][:b["ref_lp"].numel()], atol=1e-6)  # rank 0's own 7 rows
-    for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "tokens", "train_tokens"):
-        assert b["stats"][key] == pytest.approx(a["stats"][key], rel=1e-5, abs=1e-7), key
-    assert a["grads"].keys() == b["grads"].keys() and len(a["grads"]) > 10
-    for name, g in a["grads"].items():
-        assert torch.allclose(b["grads"][name], g, rtol=1e-5, atol=1e-6), name
-    # Adam's first step moves each weight by lr * g / (|g| + eps): lr (0.01) whatever g is, except for a
-    # gradient near eps (1e-8): the toy's smallest are ~2e-8, where the reduction-order rounding of the
-    # split matmuls (~2e-10, within the tolerance above) moves the update by up to ~1.4e-5 (seen: 1 weight
-    # in 8192). 5e-5 is 0.5% of a step; a wrong gradient moves a weight by a whole step.
-    assert a["state"].keys() == b["state"].keys()
-    for name, t in a["state"].items():
-        assert torch.allclose(b["state"][name], t, atol=5e-5), name
+    assert_same_step(a, b, rel=1e-5, grad_atol=1e-6)
     assert b["published"].keys() == a["published"].keys()  # the rollout nodes' weights: as with TP=1
     for name, t in a["published"].items():
         assert b["published"][name].shape == t.shape and torch.allclose(b["published"][name], t, atol=5e-5), name

@@ -163,6 +163,10 @@ class Config(BaseModel):
             raise ValueError(f"tensor_parallel ({self.tensor_parallel}) must divide trainer_nodes "
                              f"({self.trainer_nodes}): the trainers form (trainer_nodes / tensor_parallel) "
                              "data-parallel shards of tensor_parallel ranks each")
+        if self.trainer_nodes % (self.sequence_parallel * self.tensor_parallel):
+            raise ValueError(f"sequence_parallel ({self.sequence_parallel}) x tensor_parallel "
+                             f"({self.tensor_parallel}) must divide trainer_nodes ({self.trainer_nodes}): the "
+                             "trainers form data-parallel shards of sequence_parallel x tensor_parallel ranks each")
         if self.tensor_parallel > 1 and self.lora is not None:
             raise ValueError("tensor_parallel: LoRA adapters wrap the projections the tensor-parallel plan splits; "
                              "use tensor_parallel: 1 with lora (or lora: null)")

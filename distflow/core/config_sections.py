@@ -449,6 +449,15 @@ class LaunchSection(Section):
         "layer's q/k/v/gate/up projections are split by columns and o/down by rows over the N ranks "
         "(Llama/Qwen layouts; N must divide trainer_nodes, the attention and KV heads and the MLP width). "
         "Same loss, gradients and published weights as 1 (docs/parallelism.md). Not with `lora`"))
+    sequence_parallel: int = Field(1, ge=1, description=(
+        "sequence-parallel degree of the trainer (Ulysses): the `trainer_nodes` ranks form a mesh "
+        "(data-parallel shards x N consecutive ranks, x `tensor_parallel` innermost when both are set); an SP "
+        "group trains one share of the samples, each rank holding 1/N of every packed micro-batch row (padded "
+        "to a multiple of N), with all-to-alls over the attention heads around the attention; FSDP2 shards "
+        "over the data-parallel x SP ranks. Micro-batches are always packed (`max_tokens_per_micro_batch` "
+        "bounds the whole row, before the split). N x tensor_parallel must divide trainer_nodes and the "
+        "attention heads; N must divide the KV heads per TP rank or be a multiple of them; not for "
+        "vision-language models. Same loss, gradients and weights as 1 (docs/parallelism.md)"))
     rollout_tensor_parallel: int = Field(1, ge=1, description=(
         "tensor-parallel degree of each rollout node's built-in engine: the node's process is rank 0 and spawns "
         "N-1 follower processes that run the same forward in lockstep (gloo on CPU; with `device: cuda` the node "

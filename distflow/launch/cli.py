@@ -193,15 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["status"]:
         from distflow.core.status import status_main
 
-        return status_main(argv[1:])
+        return into_a_pipe(status_main, argv[1:])
     if argv[:1] == ["config"]:  # `distflow config --explain KEY | --show CONFIG`: distflow/core/config_explain.py
         from distflow.core.config_explain import config_main
 
-        return config_main(argv[1:])
+        return into_a_pipe(config_main, argv[1:])
     if argv[:1] in (["slurm"], ["k8s"]):  # they parse their own arguments (and KEY=VALUE overrides)
         from importlib import import_module
 
-        return import_module(f"distflow.launch.{argv[0]}").main(argv[1:])
+        return into_a_pipe(import_module(f"distflow.launch.{argv[0]}").main, argv[1:])
     argv, overrides = split_overrides(argv)
     args = p.parse_args(argv)
     if overrides and args.cmd != "run":
@@ -217,6 +217,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:  # the config, or what `distflow run` refuses before any node starts
         print(f"distflow run: {e}", file=sys.stderr)
         return 2
+
+
+def into_a_pipe(command, argv: list[str]) -> int:
+    """Run a command that prints (``config --show``, ``k8s``, ``status``) whose reader may stop early
+    (``| head``): a closed pipe ends it quietly with SIGPIPE's status (141), as a shell tool does,
+    instead of a BrokenPipeError traceback (Python ignores SIGPIPE)."""
+    try:
+        code = command(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return 128 + 13
 
 
 def toy_main(args: argparse.Namespace) -> int:

@@ -52,12 +52,25 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # Joining the mesh may wait up to join_timeout_s for its seeds: a stop signal ends that wait too.
+    starting = asyncio.create_task(rt.start(), name="runtime-start")
+    signalled = asyncio.create_task(stop.wait(), name="signal-wait-start")
     try:
-        await rt.start()
+        await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.warning("%s: stopping on signal while joining the mesh", node_id)
+            from distflow.core.aio import cancel_and_wait
+
+            await cancel_and_wait({starting}, 10)
+            await rt.stop(graceful=False)
+            return 143
+        starting.result()
     except OSError as e:  # a port taken, no seed answering the join (both OSErrors): one line; what started closes
         log.error("%s: cannot start: %s", node_id, e)
         await rt.stop(graceful=False)
         return 1
+    finally:
+        signalled.cancel()
     # The seeds it joined through: where a launcher found them (--seeds auto) is otherwise invisible.
     log.info("%s up: control %s, data port %d, seeds %s", node_id, rt.node.address, rt.channel.port,
              ",".join(seeds) or "none (the first node)")

@@ -4,7 +4,8 @@ Everything here is blocking torch code that the trainer's asyncio loop runs in a
 thread. The trainer group is one torch.distributed process group (gloo on CPU, NCCL on
 GPU); :func:`distflow.trainer.model.load_for_training` loads fp32 master weights and shards
 them with FSDP2 (mixed precision: ``dtype`` is the compute dtype); with ``tensor_parallel`` the
-mesh is 2-D and each TP group trains its ranks' united samples (:mod:`distflow.trainer.parallel`).
+mesh is 2-D and each TP group trains its ranks' united samples (:mod:`distflow.trainer.parallel`); with
+``sequence_parallel`` an SP group does, each rank on 1/N of every packed row (:mod:`distflow.trainer.ulysses`).
 
 Collectives must line up across ranks even though owner routing gives each rank a
 different number of samples (possibly zero). So every forward/backward loop first agrees
@@ -49,7 +50,8 @@ from distflow.weights.adapter import is_adapter
 from distflow.rl.shaping import response_loss_mask, trained_samples, trained_token_counts, trained_token_mask
 from distflow.trainer.lora import save_adapter
 from distflow.trainer.model import DTYPES, clip_and_step, gather_full_state, load_for_training
-from distflow.trainer.parallel import tp_size, tp_union, trainer_mesh
+from distflow.trainer.parallel import share_size, share_union, sp_group, tp_size, trainer_mesh
+from distflow.trainer.ulysses import shard_inputs
 from distflow.trainer.replicas import StepNotCommitted
 from distflow.trainer.packing import (ModelInputs, dummy_inputs, pack_inputs, pad_inputs, plan_micro_batches,
                                       split_mini_batches)
@@ -148,10 +150,11 @@ def ragged_in_batch_order(parts: list[tuple[list[int], list[int], torch.Tensor]]
 
 
 def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens: int | None,
-                       pad_id: int = 0, group=None) -> Iterator[tuple[list[int] | None, ModelInputs]]:
+                       pad_id: int = 0, group=None,
+                       packed: bool = False) -> Iterator[tuple[list[int] | None, ModelInputs]]:
     """This rank's micro-batches of ``batch`` as (sample indices, CPU model inputs); the
     same COUNT on every rank of ``group`` (a collective), dummies ``(None, dummy_inputs())``
-    at the end for ranks with fewer. Packed with a token budget, padded without."""
+    at the end for ranks with fewer. Packed with a token budget (or ``packed``), padded without."""
     prompts, responses = batch.ragged("prompt_tokens"), batch.ragged("response_tokens")
     lengths = [int(p.numel() + r.numel()) for p, r in zip(prompts, responses)]
     images = "pixel_values" in batch.tensors
@@ -159,7 +162,7 @@ def step_micro_batches(batch: SampleBatch, *, micro_batch_size: int, max_tokens:
     n = int(all_reduce([len(plan)], dist.ReduceOp.MAX, group)[0])
     for idx in plan:
         ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
-        inputs = pack_inputs(ps, rs) if max_tokens is not None else pad_inputs(ps, rs, pad_id)
+        inputs = pack_inputs(ps, rs) if max_tokens is not None or packed else pad_inputs(ps, rs, pad_id)
         pics = batch_images(batch, idx) if images else None
         if pics is not None:
             inputs.pixel_values, inputs.image_grid_thw = pics
@@ -203,12 +206,12 @@ class Actor:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = node_device(cfg.device)
         self.compute_dtype = DTYPES[cfg.dtype]
-        # (dp, tp) with tensor_parallel > 1, else (world,): trainer/parallel.py
-        self.mesh = mesh = trainer_mesh(self.device.type, self.world, getattr(cfg, "tensor_parallel", 1))
-        self.tp = tp_size(mesh)
-        if self.rank == 0 and self.tp > 1:
-            log.info("trainer mesh: dp %d x tp %d (FSDP2 over dp, attention and MLP split over tp)",
-                     self.world // self.tp, self.tp)
+        # (dp[, sp][, tp]) with tensor_parallel or sequence_parallel > 1, else (world,): trainer/parallel.py
+        self.mesh = mesh = trainer_mesh(self.device.type, self.world, getattr(cfg, "tensor_parallel", 1),
+                                        getattr(cfg, "sequence_parallel", 1))
+        self.tp, self.share, self.sp_group = tp_size(mesh), share_size(mesh), sp_group(mesh)  # share: SP x TP
+        if self.rank == 0 and self.share > 1:
+            log.info("trainer mesh: %s", " x ".join(f"{n} {k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape)))
         # The checkpoint's run state, checked against this config before anything is loaded.
         self.resumed = read_run_state(Path(cfg.resume_from), cfg) if cfg.resume_from else None
         torch.manual_seed(cfg.seed)
@@ -255,8 +258,9 @@ class Actor:
 
     def _micro_batches(self, batch: SampleBatch) -> Iterator[tuple[list[int] | None, ModelInputs]]:
         for idx, inputs in step_micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size,
-                                              max_tokens=self.cfg.max_tokens_per_micro_batch, pad_id=self.pad_id):
-            yield idx, inputs.to(self.device)
+                                              max_tokens=self.cfg.max_tokens_per_micro_batch, pad_id=self.pad_id,
+                                              packed=self.sp_group is not None):
+            yield idx, (inputs if self.sp_group is None else shard_inputs(inputs, self.sp_group)).to(self.device)
 
     def _forward(self, model: Any, inputs: ModelInputs, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         return model.response_forward(inputs, self.cfg.temperature, self.cfg.logprob_chunk_tokens, with_entropy)
@@ -279,14 +283,14 @@ class Actor:
     @torch.no_grad()
     def _inference_pass(self, batch: SampleBatch, ref: bool, old: bool, reshard_policy: bool = False,
                         united: bool = False) -> SampleBatch:
-        """The pass over ``batch``, this rank's samples; with tensor parallelism its TP group's united
-        samples (:func:`~distflow.trainer.parallel.tp_union`), this rank's rows kept (``united``: the
-        batch is the TP group's already, as in :meth:`update`)."""
+        """The pass over ``batch``, this rank's samples; with tensor or sequence parallelism its group's
+        united samples (:func:`~distflow.trainer.parallel.share_union`), this rank's rows kept (``united``:
+        the batch is the group's already, as in :meth:`update`)."""
         fields = [name for name, want in (("ref_logprobs", ref), ("old_logprobs", old)) if want]
         if not fields:
             return batch
-        if self.tp > 1 and not united:
-            group, mine = tp_union(batch, self.mesh)
+        if self.share > 1 and not united:
+            group, mine = share_union(batch, self.mesh)
             self._inference_pass(group, ref, old, reshard_policy, united=True)
             own = group.select(range(mine.start, mine.stop))
             for name in fields:
@@ -317,10 +321,10 @@ class Actor:
         old (proximal) logprobs are fixed before the first step; the policy version advances
         once per batch (versions count trainer steps in the weight protocol). Metrics are the
         mean over the optimizer steps. With tensor parallelism a TP group trains its ranks' samples
-        together (:func:`~distflow.trainer.parallel.tp_union`)."""
+        together (:func:`~distflow.trainer.parallel.share_union`), as does an SP group."""
         cfg = self.cfg
         loss_fn = resolve(POLICY_LOSSES, node.fn, f"workflow node {node.id!r} policy loss")
-        batch = tp_union(batch, self.mesh)[0]
+        batch = share_union(batch, self.mesh)[0]
         if cfg.recompute_old_logprobs and "old_logprobs" not in batch.tensors:
             self._inference_pass(batch, ref=False, old=True, united=True)
         kl_in_reward = bool(getattr(cfg, "kl_in_reward", False))
@@ -352,8 +356,8 @@ class Actor:
         global_tokens, global_seqs, global_all = self._all_reduce(
             [float(lens.sum()), float((lens > 0).sum()), float(batch.num_tokens().sum()) if len(batch) else 0.0])
         # FSDP averages gradients over ranks: normalise by the global count / world.
-        # (With tensor parallelism every sample is counted tp times, on each rank of its TP group, and
-        # FSDP averages over the world / tp data-parallel shards: the same quotient.)
+        # (With tensor or sequence parallelism every sample is counted N times, on each rank of its group, and
+        # each of those computes its whole loss: the same quotient. See trainer/ulysses.py for SP's gradients.)
         normalizer = max(global_tokens, 1.0) / self.world
         seq_normalizer = max(global_seqs, 1.0) / self.world
         self.optim.zero_grad(set_to_none=True)
@@ -416,7 +420,7 @@ class Actor:
             value = out.pop(k)
             if weight > 0:
                 out[k] = value / weight
-        out.update(grad_norm=grad_norm, tokens=global_tokens / self.tp, train_tokens=global_all / self.tp,
+        out.update(grad_norm=grad_norm, tokens=global_tokens / self.share, train_tokens=global_all / self.share,
                    skipped_steps=float(not math.isfinite(grad_norm)))
         return out
 

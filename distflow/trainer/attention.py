@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from distflow.core.once import log_once
-from distflow.trainer.packing import SEQ_LENS_KWARG
+from distflow.trainer.packing import SEQ_LENS_KWARG, SP_GROUP_KWARG
+from distflow.trainer.ulysses import ulysses_attention
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,13 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     and the row holds n causally-masked samples (``distflow_seq_lens``: their lengths as
     ints; ``sliding_window``: the model's window, applied within each sample). Without it, an
     empty ``attention_mask`` (:func:`model_attention_mask`) means B right-padded rows: causal
-    attention over each row; any other mask goes to transformers' SDPA as it is."""
+    attention over each row; any other mask goes to transformers' SDPA as it is. With ``distflow_sp_group``
+    (sequence parallelism) the inputs are this rank's slice of the row: Ulysses' all-to-alls around
+    this attention (:func:`distflow.trainer.ulysses.ulysses_attention`)."""
+    group = kwargs.pop(SP_GROUP_KWARG, None)
+    if group is not None:
+        return ulysses_attention(varlen_attention, module, query, key, value, attention_mask, group, dropout=dropout,
+                                 scaling=scaling, cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     for opt, what in UNSUPPORTED_KWARGS.items():  # dropping them would train another model than the engine samples

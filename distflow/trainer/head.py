@@ -35,6 +35,7 @@ from torch import Tensor
 from distflow.hf import logit_transform
 from distflow.trainer.attention import model_attention_mask
 from distflow.trainer.packing import ModelInputs
+from distflow.trainer.ulysses import gather_tokens
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,8 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
     the batch's flat ragged order. The decoder runs without KV cache. Packed inputs pass
     their cumulative sample lengths to the attention (``distflow_varlen`` attends per
     sample); with transformers' own implementations the block-diagonal mask comes from the
-    position ids instead.
+    position ids instead. With sequence parallelism (``inputs.sp``, :mod:`distflow.trainer.ulysses`)
+    the decoder and the head run on this rank's slice and the values of the whole row come back.
     """
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
@@ -226,8 +228,10 @@ def response_forward(model: Any, inputs: ModelInputs, temperature: float = 1.0,
         hidden = model.model(input_ids=inputs.input_ids, attention_mask=mask, position_ids=inputs.position_ids,
                              use_cache=False, **attention).last_hidden_state  # [R, L, H]
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.index)  # [N, H]
-    return chunked_logprobs(picked, head_weight(head), inputs.targets, temperature, chunk_tokens, with_entropy,
-                            logit_transform(model.config))
+    lp, ent = chunked_logprobs(picked, head_weight(head), inputs.targets, temperature, chunk_tokens, with_entropy,
+                               logit_transform(model.config))
+    # sequence parallelism: this rank's slice of the row -> the whole row's, on every SP rank
+    return (lp, ent) if inputs.sp is None else gather_tokens(lp, ent, inputs.sp)
 
 
 def _vision_hidden(model: Any, inputs: ModelInputs) -> Tensor:

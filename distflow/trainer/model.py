@@ -19,7 +19,8 @@ and getting it wrong is silent (a bf16 master copy rounds lr-1e-6 updates away).
   ``GradientCheckpointingLayer``, non-reentrant, FSDP2 hooks outside the checkpoint);
 * with ``tensor_parallel`` > 1 the trainer mesh is 2-D ``(dp, tp)``: each decoder layer's
   attention and MLP are first split over ``tp`` (:mod:`distflow.trainer.parallel`), then
-  FSDP2 shards over ``dp``;
+  FSDP2 shards over ``dp``; with ``sequence_parallel`` > 1 it is ``(dp, sp)`` (or ``(dp, sp, tp)``) and
+  FSDP2 shards over dp x sp (:mod:`distflow.trainer.ulysses`: each rank holds 1/N of every packed row);
 * every decoder layer and then the root are ``fully_shard``-ed on the trainer's (dp) device
   mesh, and :func:`~distflow.trainer.head.response_forward` is registered as an FSDP
   forward method, so ``model.response_forward(inputs, temperature, chunk)`` all-gathers the
@@ -39,7 +40,8 @@ from distflow.device import COMPUTE_DTYPES
 from distflow.hf import load_causal_lm, meta_causal_lm
 from distflow.trainer.attention import use_varlen_attention
 from distflow.trainer.head import response_forward
-from distflow.trainer.parallel import apply_tensor_parallel, dp_mesh, is_mesh_rank0
+from distflow.trainer.parallel import apply_tensor_parallel, dp_mesh, is_mesh_rank0, sp_size, tp_size
+from distflow.trainer.ulysses import check_sp_model
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,7 @@ def shard_fp32(load: Callable[[], torch.nn.Module], meta: Callable[[], torch.nn.
         model = meta()
     prepare(model)
     apply_tensor_parallel(model, mesh)  # a 2-D (dp, tp) mesh: the layers split over tp first (trainer.parallel)
+    check_sp_model(model.config, sp_size(mesh), tp_size(mesh))  # an sp dimension: Ulysses splits the heads
     shard_mixed_precision(model, dp_mesh(mesh), compute_dtype, fp32_modules=fp32_modules(model))
     if mesh.size() > 1:
         model.to_empty(device=device)

@@ -19,17 +19,19 @@ Pure torch, no I/O, no torch.distributed (the actor agrees on micro-batch counts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["ModelInputs", "SEQ_LENS_KWARG", "pack_inputs", "pad_inputs", "plan_micro_batches", "dummy_inputs",
-           "sample_lengths"]
+__all__ = ["ModelInputs", "SEQ_LENS_KWARG", "SP_GROUP_KWARG", "pack_inputs", "pad_inputs", "plan_micro_batches",
+           "dummy_inputs", "sample_lengths"]
 
 # The model kwarg that carries a packed row's sample lengths as Python ints to the attention
 # (which then never reads them back from the device tensor: no host sync per layer).
 SEQ_LENS_KWARG = "distflow_seq_lens"
+# The model kwarg that carries the sequence-parallel group to the attention (distflow/trainer/ulysses.py).
+SP_GROUP_KWARG = "distflow_sp_group"
 
 
 @dataclass
@@ -42,7 +44,10 @@ class ModelInputs:
     response_lens: per-sample response lengths (sum N); tokens: real (non-pad) tokens;
     cu_seqlens: packed rows only, int32 [n + 1] cumulative sample lengths (for varlen
     attention, :mod:`distflow.trainer.attention`), max_len: the longest sample, seq_lens:
-    packed rows only, the sample lengths (host ints, the differences of cu_seqlens).
+    packed rows only, the sample lengths (host ints, the differences of cu_seqlens); sp: with
+    sequence parallelism, this rank's 1/N slice of the row (:class:`distflow.trainer.ulysses.SequenceShard`:
+    ids, positions, ``index`` and ``targets`` are the slice's; cu_seqlens, seq_lens and response_lens
+    the whole row's).
     """
 
     input_ids: Tensor
@@ -57,12 +62,13 @@ class ModelInputs:
     seq_lens: tuple[int, ...] = ()
     pixel_values: Tensor | None = None  # a vision-language micro-batch's images (distflow/vision.py)
     image_grid_thw: Tensor | None = None
+    sp: Any = None
 
     def to(self, device: torch.device) -> "ModelInputs":
         mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return ModelInputs(mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask), mv(self.index),
                            mv(self.targets), self.response_lens, self.tokens, mv(self.cu_seqlens), self.max_len,
-                           self.seq_lens, mv(self.pixel_values), mv(self.image_grid_thw))
+                           self.seq_lens, mv(self.pixel_values), mv(self.image_grid_thw), self.sp)
 
     def attention_kwargs(self) -> dict:
         """Extra model kwargs for varlen attention (packed rows), else {}."""
@@ -70,6 +76,8 @@ class ModelInputs:
             return {}
         out = {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_len,
                "max_length_k": self.max_len}
+        if self.sp is not None:
+            out[SP_GROUP_KWARG] = self.sp.group
         return {**out, SEQ_LENS_KWARG: self.seq_lens} if self.seq_lens else out
 
     @property

@@ -1,4 +1,5 @@
-"""The trainer's device mesh: FSDP2 data parallel x tensor parallel (``tensor_parallel``).
+"""The trainer's device mesh: FSDP2 data parallel x tensor parallel (``tensor_parallel``) x sequence
+parallel (``sequence_parallel``, Ulysses: :mod:`distflow.trainer.ulysses`).
 
 Why it exists: a model too big for FSDP2 alone (its layers' activations and gathered weights per
 GPU) is split inside each layer too, Megatron-style, as torchtitan does: the trainer's
@@ -18,8 +19,14 @@ all-reduced), so FSDP2 reduces them over ``dp`` only.
 
 A TP group computes ONE data-parallel share: its ranks must see the same samples. Each trainer
 rank receives its own samples (owner routing); the actor unites its TP group's samples before a
-pass (:func:`tp_union`) and keeps its own rows of the results. Counts all-reduced over the whole
+pass (:func:`share_union`) and keeps its own rows of the results. Counts all-reduced over the whole
 group then count each sample ``tp`` times, which the step's normalisers (global / world) absorb.
+
+With ``sequence_parallel: N`` the mesh is ``(dp, sp)``: an SP group of N consecutive ranks
+also computes ONE data-parallel share (united by the same :func:`share_union`), each rank holding
+1/N of every packed row; FSDP2 shards over all ``dp x sp`` ranks (the flattened mesh), since each
+SP rank's gradients come from other tokens. Both at once: ``(dp, sp, tp)``, TP innermost; the share
+group is then the SP x TP ranks, and FSDP2 shards over ``dp x sp`` (torchtitan's dp x cp x tp).
 
 Weights leave through ``full_tensor()`` of each DTensor, whatever its mesh
 (:mod:`distflow.trainer.gather`): rollout nodes and checkpoints get the same tensors as with
@@ -33,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TP_PLAN", "apply_tensor_parallel", "check_tp_model", "dp_mesh", "is_mesh_rank0", "tp_size",
-           "tp_union", "trainer_mesh"]
+__all__ = ["TP_PLAN", "apply_tensor_parallel", "check_tp_model", "dp_mesh", "is_mesh_rank0", "share_size",
+           "share_union", "sp_group", "sp_size", "tp_size", "trainer_mesh"]
 
 # module name under each decoder layer -> "colwise" | "rowwise" (transformers' base_model_tp_plan of Llama/Qwen)
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -42,27 +49,66 @@ TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_a
            "mlp.down_proj": "rowwise"}
 
 
-def trainer_mesh(device_type: str, world: int, tp: int) -> Any:
-    """The trainer group's device mesh: 1-D ``(world,)`` for ``tp == 1`` (plain FSDP2), else 2-D
-    ``(world // tp, tp)`` named ``("dp", "tp")``. ``world`` must be divisible by ``tp`` (the config
-    checks it; said again here, naming the key, for a caller that built its own)."""
+def trainer_mesh(device_type: str, world: int, tp: int, sp: int = 1) -> Any:
+    """The trainer group's device mesh: 1-D ``(world,)`` for ``tp == sp == 1`` (plain FSDP2), else the
+    dimensions ``dp``, then ``sp`` when ``sp > 1``, then ``tp`` when ``tp > 1`` (innermost: consecutive
+    ranks share a TP group, then an SP group), e.g. ``(world // (sp * tp), sp, tp)`` named
+    ``("dp", "sp", "tp")``. ``world`` must be divisible by ``tp * sp`` (the config checks it; said again
+    here, naming the keys, for a caller that built its own)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if tp < 1 or world % tp:
         raise ValueError(f"tensor_parallel ({tp}) must divide trainer_nodes ({world})")
-    if tp == 1:
+    if sp < 1 or world % (sp * tp):
+        raise ValueError(f"sequence_parallel ({sp}) x tensor_parallel ({tp}) must divide trainer_nodes ({world})")
+    if tp == sp == 1:
         return init_device_mesh(device_type, (world,))
-    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    dims = [("dp", world // (sp * tp))] + [(n, k) for n, k in (("sp", sp), ("tp", tp)) if k > 1]
+    return init_device_mesh(device_type, tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
+
+
+def _has(mesh: Any, dim: str) -> bool:
+    return dim in (mesh.mesh_dim_names or ())
 
 
 def tp_size(mesh: Any) -> int:
-    """The tensor-parallel degree of a trainer mesh (1 for a 1-D one)."""
-    return mesh["tp"].size() if mesh.ndim == 2 else 1
+    """The tensor-parallel degree of a trainer mesh (1 without a ``tp`` dimension)."""
+    return mesh["tp"].size() if _has(mesh, "tp") else 1
+
+
+def sp_size(mesh: Any) -> int:
+    """The sequence-parallel degree of a trainer mesh (1 without an ``sp`` dimension)."""
+    return mesh["sp"].size() if _has(mesh, "sp") else 1
+
+
+def share_size(mesh: Any) -> int:
+    """How many ranks compute one data-parallel share together (its SP x TP group; 1 for a 1-D mesh)."""
+    return tp_size(mesh) * sp_size(mesh)
+
+
+def sp_group(mesh: Any) -> Any:
+    """This rank's sequence-parallel process group, or None without an ``sp`` dimension."""
+    return mesh["sp"].get_group() if _has(mesh, "sp") else None
+
+
+def _share_mesh(mesh: Any) -> Any:
+    """The 1-D mesh of this rank's share group (its ``tp``, ``sp``, or both flattened), or None."""
+    dims = tuple(d for d in ("sp", "tp") if _has(mesh, d))
+    if not dims:
+        return None
+    return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("sp_tp")
 
 
 def dp_mesh(mesh: Any) -> Any:
-    """The mesh FSDP2 shards over: the ``dp`` dimension of a 2-D trainer mesh, else the mesh itself."""
-    return mesh["dp"] if mesh.ndim == 2 else mesh
+    """The mesh FSDP2 shards over: the ``dp`` dimension when there is no ``sp`` (the split layers are
+    sharded over ``tp`` already); ``dp`` and ``sp`` flattened when there is (every SP rank holds
+    gradient contributions of other tokens, so the gradient reduce spans them all, as verl's FSDP does
+    with Ulysses and torchtitan's over dp x cp); a 1-D mesh itself."""
+    if mesh.ndim == 1 and not _has(mesh, "dp"):
+        return mesh
+    if not _has(mesh, "sp"):
+        return mesh["dp"]
+    return mesh["dp", "sp"]._flatten("dp_sp")  # cached by name: the same mesh on every call
 
 
 def is_mesh_rank0(mesh: Any) -> bool:
@@ -89,7 +135,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
     """``parallelize_module`` every decoder layer of ``model`` (a Hugging Face ``*ForCausalLM``) over
     ``mesh["tp"]`` with :data:`TP_PLAN`; a 1-D mesh: nothing. Runs before ``fully_shard``. The layers'
     parameters become DTensors sharded over ``tp`` (FSDP2 then adds the ``dp`` dimension)."""
-    if mesh.ndim != 2:
+    if tp_size(mesh) == 1:
         return
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -108,18 +154,18 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
         parallelize_module(layer, tp, {name: styles[style]() for name, style in TP_PLAN.items()})
 
 
-def tp_union(batch: Any, mesh: Any) -> tuple[Any, slice]:
-    """The samples of this rank's whole TP group (every TP rank's, in TP-rank order) and where this
-    rank's own are in it: ``(united batch, slice)``. A collective over the TP group (objects through
-    gloo/NCCL); a 1-D mesh returns ``(batch, slice(None))`` and moves nothing."""
-    if mesh.ndim != 2:
+def share_union(batch: Any, mesh: Any) -> tuple[Any, slice]:
+    """The samples of this rank's whole share group (its TP, SP or SP x TP ranks, in group-rank order)
+    and where this rank's own are in it: ``(united batch, slice)``. A collective over that group
+    (objects through gloo/NCCL); a 1-D mesh returns ``(batch, slice(None))`` and moves nothing."""
+    share = _share_mesh(mesh)
+    if share is None:
         return batch, slice(None)
     from distflow.buffer.batch import SampleBatch
 
-    group = mesh["tp"].get_group()
-    parts: list[Any] = [None] * mesh["tp"].size()
-    dist.all_gather_object(parts, batch, group=group)
-    me = mesh["tp"].get_local_rank()
+    parts: list[Any] = [None] * share.size()
+    dist.all_gather_object(parts, batch, group=share.get_group())
+    me = share.get_local_rank()
     start = sum(len(p) for p in parts[:me])
     nonempty = [p for p in parts if len(p)]
     united = SampleBatch.concat(nonempty) if nonempty else batch
