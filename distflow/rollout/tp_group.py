@@ -78,6 +78,12 @@ def receive_weights(group: Any, params: dict[str, torch.Tensor], names: list[str
     return got
 
 
+def _no_logits(h: torch.Tensor) -> torch.Tensor:
+    """A follower's LM head: one column per row instead of the vocabulary (its weights stay, updated
+    like every replicated tensor: a tied embedding is the same tensor)."""
+    return h[..., :1]
+
+
 class _Follower:
     """One follower's runner, its saved KV prefixes and its counters."""
 
@@ -100,6 +106,7 @@ class _Follower:
         self.runner = LlamaRunner(self.model, use_graphs=False, **runner_kw)
         set_local_heads(self.runner, n)
         self.runner._planned_slots = lambda slots, length, grow_to: (slots, length)  # rank 0 planned them
+        self.runner.lm_head = _no_logits  # only rank 0 samples: a follower's logits would never be read
         self.params = dict(self.model.state_dict(keep_vars=True))
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.stats = {"weight_bytes_received": 0, "weight_bytes": module_bytes(self.model), "steps": 0}
