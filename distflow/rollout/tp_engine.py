@@ -8,7 +8,8 @@ slot batcher and samples; :class:`TensorParallel` spawns N-1 follower processes
 that load the checkpoint, keep only their shard and then execute every runner call rank 0 makes
 (:class:`DrivenRunner` sends it over each follower's pipe first; the decode step's token ids and
 positions go over the group as one broadcast, so no host sync is added on CUDA). The ranks meet in
-each row-parallel layer's all-reduce; all compute the same logits; only rank 0 samples.
+each row-parallel layer's all-reduce, so all hold the same hidden states; rank 0 alone computes the
+logits (its LM head is whole) and samples.
 
 Weights: rank 0 receives the full tensors from the trainer as without TP (the weight inbox, the
 same validation by name, shape and dtype against the full shapes), keeps its slice, and sends each

@@ -4,8 +4,8 @@ Why it exists: with ``rollout_tensor_parallel: N`` the rollout node's process is
 drives N-1 follower processes (:mod:`distflow.rollout.tp_engine` spawns them), the way
 nano-vllm's ModelRunner and vLLM's workers do: rank 0 sends each runner call (reserve, prefill,
 extend, decode, slot moves, weights) over a pipe, and every rank then executes the same forward
-in lockstep, meeting in the row-parallel layers' all-reduces. A follower samples nothing (rank 0
-does, from logits every rank computes alike). The follower process never reads anything but its
+in lockstep, meeting in the row-parallel layers' all-reduces. A follower computes no logits and
+samples nothing (rank 0 does, from the same all-reduced hidden states). The follower process never reads anything but its
 pipe and the group: it exits when its pipe closes (rank 0 gone), and a failure of its own is sent
 back over the pipe before it exits, so rank 0 can name it.
 

@@ -6,9 +6,9 @@ layer (Megatron's split, as nano-vllm and vLLM do it): q/k/v and gate/up are col
 (each rank holds whole heads, ``num_heads / N`` query and ``num_kv_heads / N`` KV heads, and
 ``intermediate_size / N`` MLP columns: output rows of the weight, and of a bias), o_proj and
 down_proj are row-parallel (the matching input columns; their outputs are all-reduced, a bias
-added by rank 0 only). Embeddings, norms and the LM head stay replicated: every rank computes the
-same logits from the same all-reduced hidden states, so no vocabulary gather is needed (rank 0
-alone samples). The split is done on the HF module's own parameters in place, so the runner's
+added by rank 0 only). Embeddings, norms and the LM head stay replicated: every rank holds the
+same all-reduced hidden states, so rank 0's whole LM head gives the full logits without a
+vocabulary gather (rank 0 alone samples; the followers skip the head). The split is done on the HF module's own parameters in place, so the runner's
 code is unchanged but for its per-rank head counts, and each parameter keeps its name: a weight
 update is sliced by name (:func:`shard_of`) into the shard each rank receives.
 """
