@@ -16,7 +16,8 @@ import torch
 
 from distflow.rollout.protocol import SamplingParams
 from distflow.rollout.torch_engine import TorchEngine
-from distflow.rollout.tp_shard import ROW_BIAS, kind_of, shard_of
+from distflow.rollout.llama_forward import module_bytes
+from distflow.rollout.tp_shard import RANK0_ONLY, kind_of, shard_of
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [1, 2, 3], [8], [9, 10, 11, 12, 13], [4, 5, 6, 7]]
 PARAMS = SamplingParams(max_new_tokens=10, temperature=1.0)
@@ -85,6 +86,10 @@ def test_tp2_matches_tp1(pairs, name):
     with pytest.raises(NotImplementedError, match="LlamaRunner._decode is not driven"):
         two.runner._decode(1, 1)  # a runner call rank 0 would make alone: refused, never a hang
     assert two.tp.ready[0] < 0.8 * sum(t.numel() * t.element_size() for t in one.model.state_dict().values())
+    # the follower's bytes: rank 0's shard less an untied LM head (qwen2), which only rank 0 holds
+    head = two.model.lm_head.weight
+    assert two.tp.head == (name == "qwen2")
+    assert two.tp.ready[0] == module_bytes(two.model) - (head.numel() * head.element_size() if two.tp.head else 0)
 
 
 @pytest.mark.cluster  # the TP=2 engines' follower processes (multiprocessing: no Popen)
@@ -100,7 +105,8 @@ def test_weight_update_sends_each_follower_only_its_shard(pairs):
     one.load_weights(1, new)
     two.load_weights(1, new)
     got = two.tp.ask("stats")[0]["weight_bytes_received"] - before
-    shard = sum(shard_of(k, v, 1, 2).numel() * v.element_size() for k, v in new.items() if kind_of(k, v) != ROW_BIAS)
+    shard = sum(shard_of(k, v, 1, 2, head=True).numel() * v.element_size() for k, v in new.items()
+                if kind_of(k, v, head=True) not in RANK0_ONLY)  # qwen2's head is untied: rank 0's alone
     full = sum(v.numel() * v.element_size() for v in new.values())
     assert got == shard < full
     assert two.version == 1

@@ -14,7 +14,8 @@ logits (its LM head is whole) and samples.
 Weights: rank 0 receives the full tensors from the trainer as without TP (the weight inbox, the
 same validation by name, shape and dtype against the full shapes), keeps its slice, and sends each
 follower only its slice of every split parameter (point-to-point over the group) and the
-replicated ones (embeddings, norms, LM head) by one broadcast (:class:`ShardedWeights`).
+replicated ones (embeddings, norms, a tied LM head) by one broadcast; an untied LM head stays on
+rank 0 (:class:`ShardedWeights`).
 
 Failure: a follower dies with the node (its pipe closes; it exits). A dead follower makes the next
 call, or the collective under way, raise a RuntimeError naming its rank, pid and exit code (or the
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from distflow.rollout.llama_forward import kind_uses_window, unsupported_reason
 from distflow.rollout.tp_group import all_reducer, follower_main, make_group, set_local_heads
-from distflow.rollout.tp_shard import REPLICATED, ROW_BIAS, check_divisible, kind_of, shard_model, shard_of
+from distflow.rollout.tp_shard import RANK0_ONLY, REPLICATED, check_divisible, kind_of, shard_model, shard_of
 from distflow.rollout.weight_loading import WeightTarget
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "DrivenRunner", "START_TIMEOUT_S", "ShardedWeights", "TensorParallel"]
@@ -108,7 +109,7 @@ class TensorParallel:
             self.close()
             raise
         self.store = store
-        shard_model(model, 0, n, all_reducer(self.group))
+        self.head = shard_model(model, 0, n, all_reducer(self.group))  # an untied LM head: rank 0's alone
         log.info("engine tensor parallel: %d ranks on %s (followers: %s), %.1f MB of weights per follower",
                  n, ", ".join(devices), ", ".join(f"rank {r} pid {self.procs[r].pid}" for r in range(1, n)),
                  max(self.ready) / 1e6)
@@ -319,11 +320,11 @@ class ShardedWeights:
         tp, n = self.tp, self.tp.n
         for tag, name in enumerate(b):
             dst, full = self.own[name], b[name]
-            kind = kind_of(name, dst)
-            dst.copy_(shard_of(name, full, 0, n))
+            kind = kind_of(name, dst, tp.head)
+            dst.copy_(shard_of(name, full, 0, n, tp.head))
             if kind == REPLICATED:
                 tp.group.broadcast(dst, 0).wait()  # contiguous: HF's own parameters
-            elif kind != ROW_BIAS:
+            elif kind not in RANK0_ONLY:
                 for r in range(1, n):
-                    part = shard_of(name, full, r, n).to(device=dst.device, dtype=dst.dtype).contiguous()
+                    part = shard_of(name, full, r, n, tp.head).to(device=dst.device, dtype=dst.dtype).contiguous()
                     tp.group.send([part], r, tag).wait()

@@ -5,8 +5,8 @@ drives N-1 follower processes (:mod:`distflow.rollout.tp_engine` spawns them), t
 nano-vllm's ModelRunner and vLLM's workers do: rank 0 sends each runner call (reserve, prefill,
 extend, decode, slot moves, weights) over a pipe, and every rank then executes the same forward
 in lockstep, meeting in the row-parallel layers' all-reduces. A follower computes no logits and
-samples nothing (rank 0 does, from the same all-reduced hidden states). The follower process never reads anything but its
-pipe and the group: it exits when its pipe closes (rank 0 gone), and a failure of its own is sent
+samples nothing (rank 0 does, from the same all-reduced hidden states). The follower process never
+reads anything but its pipe and the group: it exits when its pipe closes (rank 0 gone), and a failure of its own is sent
 back over the pipe before it exits, so rank 0 can name it.
 
 The group is a standalone c10d process group (gloo on CPU, NCCL on CUDA, one GPU per rank), not
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distflow.rollout.tp_shard import REPLICATED, ROW_BIAS, kind_of, shard_model
+from distflow.rollout.tp_shard import RANK0_ONLY, REPLICATED, kind_of, shard_model
 
 __all__ = ["follower_main", "make_group", "receive_weights", "set_local_heads"]
 
@@ -56,16 +56,16 @@ def set_local_heads(runner: Any, n: int) -> None:
 
 
 @torch.no_grad()
-def receive_weights(group: Any, params: dict[str, torch.Tensor], names: list[str]) -> int:
+def receive_weights(group: Any, params: dict[str, torch.Tensor], names: list[str], head: bool) -> int:
     """A follower's side of :meth:`distflow.rollout.tp_engine.ShardedWeights.copy_in` for one
     bucket: each split parameter's shard by a receive from rank 0 straight into the parameter, the
-    replicated ones by a broadcast, a row-parallel bias nothing (only rank 0 holds it). Returns the
-    bytes received."""
+    replicated ones by a broadcast, a row-parallel bias and an untied LM head (``head``) nothing
+    (only rank 0 holds them). Returns the bytes received."""
     got = 0
     for tag, name in enumerate(names):
         p = params[name]
-        kind = kind_of(name, p)
-        if kind == ROW_BIAS:
+        kind = kind_of(name, p, head)
+        if kind in RANK0_ONLY:
             continue
         buf = p if p.is_contiguous() else torch.empty_like(p)
         if kind == REPLICATED:
@@ -101,7 +101,7 @@ class _Follower:
         conn.send(("joining", None))  # rank 0 makes its side of the group only now: it never waits on a dead one
         self.group = make_group(store, rank, n, self.device, timeout_s)
         model = load_causal_lm(model_path, dtype)
-        shard_model(model, rank, n, all_reducer(self.group))
+        self.head = shard_model(model, rank, n, all_reducer(self.group))  # untied: this rank holds none of it
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.runner = LlamaRunner(self.model, use_graphs=False, **runner_kw)
         set_local_heads(self.runner, n)
@@ -139,7 +139,7 @@ class _Follower:
             for h in args[0]:
                 self.saved.pop(h, None)
         elif op == "weights":
-            self.stats["weight_bytes_received"] += receive_weights(self.group, self.params, args[0])
+            self.stats["weight_bytes_received"] += receive_weights(self.group, self.params, args[0], self.head)
         elif op == "stats":
             return {**self.stats, "saved_prefixes": len(self.saved)}
         else:
