@@ -170,6 +170,10 @@ class Config(BaseModel):
         if self.tensor_parallel > 1 and self.lora is not None:
             raise ValueError("tensor_parallel: LoRA adapters wrap the projections the tensor-parallel plan splits; "
                              "use tensor_parallel: 1 with lora (or lora: null)")
+        if self.rollout_tensor_parallel > 1 and (self.engine != "torch" or self.lora is not None):
+            raise ValueError(f"rollout_tensor_parallel ({self.rollout_tensor_parallel}): the built-in engine's "
+                             "tensor parallelism needs engine: torch and lora: null (vLLM's own tensor_parallel_size "
+                             "is not wired; LoRA adapters wrap the projections it splits)")
         if self.device == "cpu" and self.gpus is not None:  # here, not only in placement: --check sees it too
             raise ValueError(f"gpus: {self.gpus!r} is set, but device is cpu; set device: cuda or gpus: null")
         if self.colocate and self.engine_trainer_memory_fraction >= (self.engine_gpu_memory_utilization or 0.9):

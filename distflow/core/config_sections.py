@@ -458,6 +458,13 @@ class LaunchSection(Section):
         "bounds the whole row, before the split). N x tensor_parallel must divide trainer_nodes and the "
         "attention heads; N must divide the KV heads per TP rank or be a multiple of them; not for "
         "vision-language models. Same loss, gradients and weights as 1 (docs/parallelism.md)"))
+    rollout_tensor_parallel: int = Field(1, ge=1, description=(
+        "tensor-parallel degree of each rollout node's built-in engine: the node's process is rank 0 and spawns "
+        "N-1 follower processes that run the same forward in lockstep (gloo on CPU; with `device: cuda` the node "
+        "owns N distinct GPUs, one per rank, NCCL), each holding 1/N of the attention heads, KV heads (and KV "
+        "cache) and MLP width (Llama/Qwen layouts; N must divide them, checked when the model loads); weight "
+        "syncs send each follower only its shard (docs/parallelism.md). `engine: torch` only, not with `lora`; "
+        "CUDA graphs are off"))
     worker_groups: dict[str, int] = Field(default_factory=dict, description=(
         "extra worker groups between rollout and trainer: group name -> node count, e.g. `{reward: 1}`. A "
         "workflow node with `group: NAME` runs on that group's nodes; rollout shard s goes to the group's rank "

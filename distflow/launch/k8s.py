@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=None)
     p.add_argument("--image", default="distflow:latest")
     p.add_argument("--gpus-per-pod", type=int, default=None, help="default: 1 with device: cuda, else 0")
-    p.add_argument("--rollout-gpus-per-pod", type=int, default=None)
+    p.add_argument("--rollout-gpus-per-pod", type=int, default=None,
+                   help="default: --gpus-per-pod x rollout_tensor_parallel (the engine's TP ranks)")
     p.add_argument("--cpu", default="4", help="CPU request of a pod")
     p.add_argument("--memory", default="16Gi", help="memory request of a pod")
     p.add_argument("--pvc", default=None, help="an existing ReadWriteMany PersistentVolumeClaim for output_dir")
@@ -78,7 +79,8 @@ def manifests(args: argparse.Namespace, overrides: Sequence[str], secret: str) -
     gpus = args.gpus_per_pod if args.gpus_per_pod is not None else int(cfg.device == "cuda")
     shape = {"trainer": (cfg.trainer_nodes, gpus),
              "rollout": (cfg.rollout_nodes,
-                         args.rollout_gpus_per_pod if args.rollout_gpus_per_pod is not None else gpus)}
+                         args.rollout_gpus_per_pod if args.rollout_gpus_per_pod is not None
+                         else gpus * cfg.rollout_tensor_parallel)}  # the engine's TP ranks, one GPU each
     for role, (replicas, role_gpus) in shape.items():
         docs.append(statefulset(name, role, replicas, role_gpus, args, labels, meta, service, seed_pod, secret_name,
                                 [f"rollout_nodes={cfg.rollout_nodes}", f"trainer_nodes={cfg.trainer_nodes}",

@@ -12,7 +12,8 @@ refuses an impossible placement before anything starts, naming the key;
 present only then (``device: cuda``).
 
 The rule: one GPU per trainer rank, always, distinct. Rollout nodes take the GPUs left
-over (round-robin; several rollout nodes may share one), or with ``colocate: true`` share
+over (round-robin; several rollout nodes may share one; with ``rollout_tensor_parallel: N`` each
+takes a group of N distinct GPUs, its engine's TP ranks), or with ``colocate: true`` share
 the trainers' GPUs round-robin. Nodes of a worker group (role ``worker``, e.g. a reward
 model) are placed like rollout nodes. Controller nodes get no GPU. On ``device: cpu`` every node
 gets ``CUDA_VISIBLE_DEVICES=""``. Each node on a GPU also learns how many nodes share it
@@ -58,7 +59,7 @@ class Slot:
 
     node_id: str
     role: str
-    gpu: str | None
+    gpu: str | None  # its CUDA_VISIBLE_DEVICES: one id, or several comma-separated (rollout_tensor_parallel)
     env: dict[str, str]
 
 
@@ -91,7 +92,8 @@ def _usable(gpus: int | Sequence[int] | None, present: int | None, visible: Sequ
 
 def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence[int] | None = None,
           colocate: bool = False, present: int | None = None,
-          visible: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> list[Slot]:
+          visible: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+          rollout_gpus: int = 1) -> list[Slot]:
     """Each node's GPU and environment.
 
     ``nodes``: (node_id, role) in launch order, role in trainer/rollout/worker/controller; trainer
@@ -101,6 +103,9 @@ def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence
     ``gpus`` indices stay relative to what the launcher was given.
     ``environ``: the launcher's environment (None: ``os.environ``); a node on a GPU gets
     :data:`NCCL_FAULT_ENV`'s keys it does not set.
+    ``rollout_gpus`` (``rollout_tensor_parallel``): GPUs per rollout node, distinct, consecutive in
+    the pool (its engine's TP ranks: ``cuda:0`` .. ``cuda:N-1`` of its CUDA_VISIBLE_DEVICES); rollout
+    nodes take such groups round-robin (several may share one group, as they share a GPU).
     Raises :class:`PlacementError` naming the key for an impossible placement.
     """
     if device == "cpu":
@@ -120,15 +125,25 @@ def place(nodes: Sequence[tuple[str, str]], *, device: str, gpus: int | Sequence
         raise PlacementError(f"gpus: the {len(trainers)} trainer rank(s) take every usable GPU "
                              f"({','.join(usable)}), none is left for the rollout nodes; give more GPUs "
                              f"or set colocate: true (rollout nodes share the trainers' GPUs)")
-    given: dict[str, str | None] = {t: usable[k] for k, t in enumerate(sorted(trainers))}
-    given.update({r: pool[k % len(pool)] for k, r in enumerate(rollouts)})
-    sharing = Counter(given.values())  # nodes per GPU: an engine's KV cache leaves the others room
+    given: dict[str, list[str]] = {t: [usable[k]] for k, t in enumerate(sorted(trainers))}
+    engines = [i for i, r in nodes if r == "rollout"]
+    if engines and rollout_gpus > 1:
+        groups = [pool[k:k + rollout_gpus] for k in range(0, len(pool) - rollout_gpus + 1, rollout_gpus)]
+        if not groups:
+            raise PlacementError(f"rollout_tensor_parallel: {rollout_gpus} GPUs per rollout node, but only {len(pool)} "
+                                 f"{'trainer GPU(s) to colocate on' if colocate else 'GPU(s) left after the trainers'}"
+                                 f" ({','.join(pool)}); give more GPUs (gpus) or lower rollout_tensor_parallel")
+        given.update({r: groups[k % len(groups)] for k, r in enumerate(engines)})
+        rollouts = [i for i in rollouts if i not in given]  # worker-group nodes: one GPU each, as before
+    given.update({r: [pool[k % len(pool)]] for k, r in enumerate(rollouts)})
+    sharing = Counter(g for gs in given.values() for g in gs)  # nodes per GPU: an engine's KV cache leaves room
     slots = []
     for node_id, role in nodes:
-        gpu = given.get(node_id)
+        mine = given.get(node_id)
+        gpu = ",".join(mine) if mine else None
         env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", "DISTFLOW_LOCAL_GPU": "0"}
-        if gpu is not None:
-            env[GPU_NODES_ENV] = str(sharing[gpu])
+        if mine:
+            env[GPU_NODES_ENV] = str(max(sharing[g] for g in mine))
             env.update(nccl_fault_env(os.environ if environ is None else environ))
         slots.append(Slot(node_id, role, gpu, env))
     return slots
@@ -160,6 +175,6 @@ def plan_placement(cfg: Config, present: int | None = None, visible: list[str] |
         present, visible = gpus_present()
     try:
         return place(node_roles(cfg), device=cfg.device, gpus=cfg.gpus, colocate=cfg.colocate, present=present,
-                     visible=visible)
+                     visible=visible, rollout_gpus=cfg.rollout_tensor_parallel)
     except PlacementError as e:
         raise ConfigError(str(e)) from None

@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus-per-task", type=int, default=4)
     p.add_argument("--rollout-cpus-per-task", type=int, default=None)
     p.add_argument("--gpus-per-task", type=int, default=None, help="default: 1 with device: cuda, else 0")
-    p.add_argument("--rollout-gpus-per-task", type=int, default=None)
+    p.add_argument("--rollout-gpus-per-task", type=int, default=None,
+                   help="default: --gpus-per-task x rollout_tensor_parallel (the engine's TP ranks)")
     p.add_argument("--port", type=int, default=29600, help="first node port of a host (trainers; rollout nodes +100)")
     p.add_argument("--python", default="python3", help="the Python with DistFlow installed, on every host")
     p.add_argument("--node-cmd", default="distflow-node")
@@ -76,7 +77,8 @@ def render(args: argparse.Namespace, overrides: Sequence[str]) -> tuple[str, Pat
     run_dir = Path(args.run_dir).resolve() if args.run_dir else out / "slurm"
     gpus = args.gpus_per_task if args.gpus_per_task is not None else int(cfg.device == "cuda")
     tasks = cfg.trainer_nodes + cfg.rollout_nodes
-    rgpus = args.rollout_gpus_per_task if args.rollout_gpus_per_task is not None else gpus
+    # a rollout node's engine runs rollout_tensor_parallel ranks, one GPU each
+    rgpus = args.rollout_gpus_per_task if args.rollout_gpus_per_task is not None else gpus * cfg.rollout_tensor_parallel
     env = dict(e.split("=", 1) for e in args.env if "=" in e)
     hosts = args.hosts or max(1, -(-tasks // 8))
     context: dict[str, Any] = dict(

@@ -81,7 +81,7 @@ class TorchEngine:
                  max_batch_size: int = 256, max_slots: int = 256, compile: bool = True,
                  max_prefill_tokens: int = 8192, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                  trainer_memory_fraction: float = 0.0, engines: int = 1, max_length: int | None = None,
-                 lora: dict[str, Any] | None = None):
+                 lora: dict[str, Any] | None = None, tensor_parallel: int = 1):
         path = check_model_dir(model_path)
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
         # positions every KV-cache slot holds from the first call (the run's longest prompt plus
@@ -112,6 +112,16 @@ class TorchEngine:
             model = load_causal_lm(path, self.dtype)
         except Exception as e:
             raise ValueError(f"cannot load a causal LM from {str(path)!r}: {type(e).__name__}: {e}") from e
+        self.tp: Any = None  # tensor_parallel > 1: rank 0 of the engine's TP group (rollout/tp_engine.py)
+        if _positive_int("tensor_parallel", tensor_parallel) > 1:
+            if lora or is_vision_config(model.config):
+                raise ValueError("rollout_tensor_parallel: not with LoRA adapters or a vision-language model")
+            from distflow.rollout.tp_engine import TensorParallel  # splits `model` in place: only the shard moves
+
+            compile = False  # CUDA graphs: not with TP (the NCCL all-reduces are not captured)
+            self.tp = TensorParallel(model, str(path), tensor_parallel, self.device, self.dtype, runner_kw=dict(
+                max_prefill_tokens=max_prefill_tokens, gpu_memory_utilization=float(gpu_memory_utilization),
+                trainer_memory_fraction=float(trainer_memory_fraction), engines=engines))
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._cache_kw = cache_keyword(self.model)
         self.model_path = str(path)
@@ -135,7 +145,7 @@ class TorchEngine:
         # LoRA ({rank, alpha, target_modules}): weight syncs carry adapters, merged into an unmerged base copy
         self._target: WeightTarget | AdapterTarget | None = (
             AdapterTarget(self.model, lora["rank"], lora["alpha"], lora["target_modules"]) if lora
-            else WeightTarget(self.model))
+            else WeightTarget(self.model) if self.tp is None else self.tp.target(self.model))
         self.stats: dict[str, float] = {"capture_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0,
                                         "weight_swaps": 0, "slots_in_use": 0, "graph_capture_failures": 0,
                                         "graph_eager_steps": 0}
@@ -157,6 +167,8 @@ class TorchEngine:
                 self.model, use_graphs=compile, max_prefill_tokens=max_prefill_tokens,
                 gpu_memory_utilization=float(gpu_memory_utilization),
                 trainer_memory_fraction=float(trainer_memory_fraction), engines=engines, extra_bytes=extra)
+            if self.tp is not None:  # (refused above for a vision-language model)
+                self.runner = self.tp.drive(self.runner)
         else:  # never silent: a VLM on this loop gets no continuous batching, no CUDA graphs
             log.log(logging.WARNING if self.vision is not None else logging.INFO,
                     "TorchEngine: %s; using the HF generate loop (no static cache)", why)
@@ -394,6 +406,8 @@ class TorchEngine:
                 runner.k_cache = runner.v_cache = runner.logits_out = None
             self.model = None  # type: ignore[assignment]
             self._target = None
+            if self.tp is not None:
+                self.tp.close()
         if self.device.type == "cuda":
             gc.collect()  # parameters caught in reference cycles
             empty_cache()

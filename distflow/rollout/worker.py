@@ -211,6 +211,8 @@ class RolloutLoop:
                                                           compile=cfg.engine_compile, max_slots=cfg.engine_max_slots,
                                                           max_length=engine_max_length(cfg),
                                                           **({"lora": cfg.lora.model_dump()} if cfg.lora else {}),
+                                                          **({"tensor_parallel": cfg.rollout_tensor_parallel}
+                                                             if cfg.rollout_tensor_parallel > 1 else {}),
                                                           **engine_memory(cfg, gpu_sharers())))
         try:
             self.groups = groups = await rt.form_groups()
