@@ -214,8 +214,9 @@ class TensorParallel:
                 p.join(5.0)
 
 
-# LlamaRunner methods that only read rank 0's state or act on its graphs (off with TP): called as they are
-_LOCAL_METHODS = frozenset({"bucket", "length_bucket", "graph_shape", "retry_captures", "free_graphs"})
+# LlamaRunner methods that only read rank 0's state or act on its graphs (off with TP): called as they are.
+# `bind` is the M-RoPE hook, a no-op for a text model (TP refuses vision-language models).
+_LOCAL_METHODS = frozenset({"bucket", "length_bucket", "graph_shape", "retry_captures", "free_graphs", "bind"})
 
 
 class DrivenRunner:
