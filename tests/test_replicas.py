@@ -187,3 +187,84 @@ def test_the_actor_steps_only_when_the_quorum_commits_and_heals_from_a_peers_sta
     finally:
         sync.close()
         lighthouse.shutdown()
+
+
+def _trace_lines(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+@pytest.mark.cluster
+def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoins_from_live_state(toy_model,
+                                                                                                  tmp_path):
+    """`distflow run` with ``trainer_replicas: 2`` (two groups of one rank): trainer-1, one whole replica
+    group, is SIGKILLed right after it traced a committed step. The launcher restarts it alone; trainer-0
+    trains on alone meanwhile, never restarted, and trainer-1 heals into the run at the quorum's step from
+    trainer-0's live state (no checkpoint). Counted by sample id over the trainers' traces (each group's
+    share of each committed step): every sample of every step trained exactly once, within max_staleness."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
+    from collections import Counter
+
+    from distflow.trace import read_trace
+    from distflow.trainer.metrics import read_metrics
+    from tests.test_supervise import make_data, node_pid, start_run
+
+    rows, per_step = 64, 4
+    steps = rows // per_step
+    out = tmp_path / "run"
+    proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "trainer_replicas=2",
+                     "rollout_nodes=2", "eval_dataset=null", "eval_every=0", "max_staleness=1", "save_interval_s=0",
+                     "step_timeout_s=60")
+    victim_trace = out / "trace" / "trainer-1.jsonl"
+    try:
+        _wait("trainer-1's second committed step", lambda: len(_trace_lines(victim_trace)) >= 2, 120)
+        victim = node_pid(out, "trainer-1")
+        survivor = node_pid(out, "trainer-0")
+        subprocess.run(["kill", "-9", str(victim)], check=True)  # the whole group: its one rank
+        killed_after = _trace_lines(victim_trace)[-1]["step"]  # (its next step never committed)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    assert "trainer-1 died (killed by SIGKILL)" in err and "restarting trainer replica group 1 alone" in err, err[-3000:]
+    assert "restarting the trainers from checkpoint" not in err  # no full recovery
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    log0, log1 = ((out / "logs" / f"trainer-{i}.log").read_text() for i in (0, 1))
+    assert "----- distflow run:" not in log0 and survivor is not None  # trainer-0 was never restarted
+    assert "recovery 1 of 3: trainer-1's replica group heals from a live one" in log1
+    for r in ("rollout-0", "rollout-1"):
+        assert "----- distflow run:" not in (out / "logs" / f"{r}.log").read_text()
+
+    trace = read_trace(out)
+    t0 = {rec["step"]: rec for rec in trace["trainer-0"]}
+    assert sorted(t0) == list(range(steps))  # the survivor committed every step, in one life
+    t1 = trace["trainer-1"]
+    first = [r for r in t1 if r["step"] <= killed_after]
+    again = [r for r in t1 if r["step"] > killed_after]
+    assert [r["step"] for r in first] == list(range(killed_after + 1))
+    assert again, "trainer-1 never trained again after its restart"
+    rejoined_at = again[0]["step"]
+    # healed from live state: the quorum's step, not step 0 (its new life started at 0, and no checkpoint
+    # was read); trainer-0 trained the steps between its death and its heal alone, if any
+    assert rejoined_at > killed_after, (killed_after, rejoined_at)
+    assert f"healed from a live one: at step {rejoined_at} (was 0)" in log1 and "resume_from" not in log1, log1[-3000:]
+    assert [r["step"] for r in again] == list(range(rejoined_at, steps))
+    alone = set(range(killed_after + 1, rejoined_at))
+    assert {k for k, r in t0.items() if r["participants"] == 1} == alone
+    # each committed step's samples: the prompts the rollout nodes generated for it, two samples each
+    expected: dict[int, set] = {}
+    for node in ("rollout-0", "rollout-1"):
+        for rec in trace[node]:
+            expected.setdefault(rec["step"], set()).update(f"{p}:s{j}" for p in rec["prompt_ids"] for j in range(2))
+    by_step = {k: [t0[k]] + [r for r in t1 if r["step"] == k] for k in range(steps)}
+    trained = Counter()
+    for k, recs in by_step.items():
+        assert len(recs) == (1 if k in alone else 2), (k, recs)
+        assert {len(recs)} == {r["participants"] for r in recs}
+        ids = [s for r in recs for s in r["sample_ids"]]
+        assert len(ids) == len(set(ids)) and set(ids) == expected[k], k  # the shares: disjoint, the whole step
+        trained.update(ids)
+        assert all(k - 1 <= v <= k for r in recs for v in r["policy_versions"]), k  # max_staleness 1
+    assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
+    assert set(trained.values()) == {1}

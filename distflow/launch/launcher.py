@@ -302,6 +302,8 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
             stop_children(children)
             return CONFIG_EXIT
         fatal = [c for c in children if c.role not in RESTARTABLE and codes[c.node_id] not in (None, 0)]
+        if fatal and recovery.restart_replicas(children, fatal, lambda text: _tell(bar, text)):
+            continue  # trainer_replicas: only the dead replica group, healing from a live one
         if fatal and recovery.possible(children, fatal):  # every trainer rank again, from the newest checkpoint
             if recovery.recover(children, fatal, lambda text: _tell(bar, text),
                                 lambda step: bar.rows_dropped() if bar is not None else None):
