@@ -10,11 +10,10 @@ node loop (:mod:`distflow.trainer.worker`) that runs the same with or without re
 - :class:`ReplicaSteps`: each step's quorum (``begin``: a restarted group heals there, and its
   step becomes the quorum's), this group's share of the step's samples (the rollout nodes send
   every group the whole step), and the step taken again when the quorum did not commit it.
-- :func:`leads`: which group publishes weights and writes the metrics rows: the lowest live group
-  among those at the newest step (a group that heals is behind until its first step; a dead one
-  is not alive), so another takes over within a step when it dies.
-- :class:`ReplicaRows`: ``metrics.jsonl`` written by whichever group leads, each step's row once
-  (under a file lock; a group that takes over writes the rows it holds that the file lacks).
+- :class:`Lead`: which group publishes weights and writes the metrics rows: one at a time, the
+  lowest at the start; when it dies, the lowest live group takes over (a restarted one does not).
+- :class:`ReplicaRows`: ``metrics.jsonl`` written by the leading group, each step's row once (under
+  a file lock; a group that takes over writes the rows it holds that the file lacks).
 """
 
 from __future__ import annotations
@@ -34,9 +33,10 @@ from distflow.trainer.replicas import ReplicaSync, StepNotCommitted, actor_state
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReplicaRows", "ReplicaSteps", "leads", "replica_index", "start_replicas", "wait_for_replicas"]
+__all__ = ["Lead", "ReplicaRows", "ReplicaSteps", "replica_index", "start_replicas", "wait_for_replicas"]
 
 READY_META = "ft_ready"  # mesh meta: this replica group's torchft manager is up
+LEAD_META = "replica_lead"  # mesh meta: this replica group publishes weights and writes the metrics rows (Lead)
 ATTEMPTS = 3  # quorums a step may take before the node fails (each a dead group's worth of retry)
 ROWS_KEPT = 64  # metrics rows a group holds for a takeover (a lead dies between its commit and its row)
 
@@ -77,16 +77,31 @@ async def start_replicas(rt: Runtime, groups: Groups, actor: Any, on_gpu: Callab
     return sync, server
 
 
-def leads(rt: Runtime, groups: Groups, my_version: int) -> bool:
-    """Whether this trainer's replica group publishes weights and writes the metrics rows: the
-    lowest live group among those whose step (policy_version) is the newest."""
-    mine = replica_index(rt, groups)
-    versions = {mine: my_version}
-    for g, head in enumerate(_heads(rt, groups)):
-        if g != mine and rt.node.is_alive(head) and (m := rt.node.member(head)) is not None:
-            versions[g] = int(m.meta.get("policy_version", 0))
-    top = max(versions.values())
-    return min(g for g, v in versions.items() if v >= top) == mine
+class Lead:
+    """Whether this trainer's replica group is the one that publishes weights and writes the
+    metrics rows (call it once a step). One group leads at a time, and keeps leading while it
+    lives (mesh meta ``LEAD_META``): two groups publishing the same version would interleave their
+    buckets at the rollout nodes. At the start the lowest group takes it; when the leading group
+    dies (the mesh declares it dead), the lowest live group takes it over; a restarted group
+    finds another leading and does not."""
+
+    def __init__(self, rt: Runtime, groups: Groups):
+        self.rt, self.mine, self.heads = rt, replica_index(rt, groups), _heads(rt, groups)
+        self.on = False
+
+    def __call__(self) -> bool:
+        if self.on:
+            return True
+        node, me = self.rt.node, self.heads[self.mine]
+        alive = [g for g, h in enumerate(self.heads) if h != me and node.is_alive(h)]
+        if any((m := node.member(self.heads[g])) is not None and m.meta.get(LEAD_META) is True for g in alive):
+            return False  # another group leads
+        if any(g < self.mine for g in alive):
+            return False  # a lower live group takes it
+        self.on = True
+        node.set_meta(**{LEAD_META: True})
+        log.info("trainer replica group %d leads: it publishes the weights and writes the metrics rows", self.mine)
+        return True
 
 
 class ReplicaSteps:
@@ -129,20 +144,21 @@ class ReplicaRows:
     """``metrics.jsonl`` under replica groups: every group's rank 0 keeps its last rows, and the
     leading group (:func:`leads`) appends those the file lacks (steps after its last row), under
     a file lock, so each step's row is written once whoever leads when. ``fresh``: this process
-    starts the file (replica 0 at the run's start; a resume keeps the rows before its step)."""
+    starts the file (replica 0 at the run's start; a resume keeps the rows before its step).
+    ``lead``: a :class:`Lead`."""
 
-    def __init__(self, output_dir: Path, fresh: bool, resume_step: int | None):
+    def __init__(self, output_dir: Path, fresh: bool, resume_step: int | None, lead: Callable[[], bool]):
         if fresh:
             self.path = MetricsWriter(output_dir, resume_step=resume_step).path
         else:
             output_dir.mkdir(parents=True, exist_ok=True)
             self.path = output_dir / "metrics.jsonl"
         self.rows: list[dict] = []
-        self.lead = False  # set by the node before each write
+        self.lead = lead
 
     def write(self, record: dict[str, Any]) -> None:
         self.rows = [*self.rows[-(ROWS_KEPT - 1):], record]
-        if not self.lead:
+        if not self.lead():
             return
         with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -43,7 +43,7 @@ from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_ord
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
-from distflow.trainer.replica_run import ReplicaRows, ReplicaSteps, leads, replica_index, start_replicas, wait_for_replicas
+from distflow.trainer.replica_run import Lead, ReplicaRows, ReplicaSteps, replica_index, start_replicas, wait_for_replicas
 from distflow.trainer.async_save import CheckpointWriter
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.step_stats import peak_memory, step_statistics
@@ -299,11 +299,12 @@ async def run_trainer(rt: Runtime) -> None:
     ctx = await on_gpu(build_context, cfg, pipeline, actor)
     own = groups.own_group("trainer", cfg.trainer_replicas)  # the torch.distributed group (a replica group's)
     rank, world = [m.node_id for m in own].index(rt.node.node_id), len(own)
-    replica, steps, lighthouse, rows = 0, None, None, None
+    replica, steps, lighthouse, lead = 0, None, None, lambda: True
     if cfg.trainer_replicas > 1:  # replica groups kept in step by torchft (trainer.replica_run)
         replica = replica_index(rt, groups)
         sync, lighthouse = await start_replicas(rt, groups, actor, on_gpu)
         steps = ReplicaSteps(sync, actor, on_gpu, lambda share: train_half(pipeline, ctx, share))
+        lead = Lead(rt, groups)  # the group that publishes weights and writes the metrics rows
         if replica:
             evals = None  # the held-out evaluation reports go to trainer rank 0 (replica 0's)
     peak = trainer_peak_flops(cfg)
@@ -323,8 +324,8 @@ async def run_trainer(rt: Runtime) -> None:
     writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) \
         if rank == 0 and steps is None else None
     if rank == 0 and steps is not None:  # every group's rank 0 keeps its rows; the leading one writes them
-        writer = rows = ReplicaRows(out_dir, replica == 0 and not healing_replica(),
-                                    actor.version if cfg.resume_from else None)
+        writer = ReplicaRows(out_dir, replica == 0 and not healing_replica(), actor.version if cfg.resume_from
+                             else None, lead)
     trackers = None
     if rank == 0 and replica == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
         from distflow.trackers import open_trackers
@@ -425,8 +426,7 @@ async def run_trainer(rt: Runtime) -> None:
                     policy_versions=trained.tensors.get("policy_version", torch.zeros(0)).tolist(),
                     **({"participants": steps.sync.participants} if steps is not None else {}))
         t_weights = time.perf_counter()
-        lead = steps is None or leads(rt, groups, actor.version)  # replica groups: one publishes, one writes rows
-        published = await publish(actor.version) if lead else 0
+        published = await publish(actor.version) if lead() else 0  # (replica groups: the leading one)
         times["time_weights_s"] = time.perf_counter() - t_weights
         if cfg.lora is not None:
             check_reported_adapters(rt.node.member, mine, publish.checksums)
@@ -440,8 +440,6 @@ async def run_trainer(rt: Runtime) -> None:
         rt.node.set_meta(policy_version=actor.version, step=step, beat=2 * step + 1, samples_per_s=round(n / (now - t_last), 1),
                          **stages)
         rollout_stats = with_generated_mean(inbox.stage_stats.pop(step, {}))  # the counters ride on part 0 (rank 0)
-        if rows is not None:
-            rows.lead = lead
         if writer is not None:
             if startup is None and (startup := first_startup(rt, rollout_ids) or None):
                 times.update(startup)
