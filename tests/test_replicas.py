@@ -196,11 +196,13 @@ def _trace_lines(path: Path) -> list[dict]:
 @pytest.mark.cluster
 def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoins_from_live_state(toy_model,
                                                                                                   tmp_path):
-    """`distflow run` with ``trainer_replicas: 2`` (two groups of one rank): trainer-1, one whole replica
-    group, is SIGKILLed right after it traced a committed step. The launcher restarts it alone; trainer-0
-    trains on alone meanwhile, never restarted, and trainer-1 heals into the run at the quorum's step from
-    trainer-0's live state (no checkpoint). Counted by sample id over the trainers' traces (each group's
-    share of each committed step): every sample of every step trained exactly once, within max_staleness."""
+    """`distflow run` with ``trainer_replicas: 2`` (two groups of one rank): trainer-0, replica group 0, which
+    hosts torchft's lighthouse, publishes the weights and writes the metrics rows, is SIGKILLed right after
+    it traced a committed step. The launcher restarts it alone; trainer-1 trains on, never restarted: it
+    moves to a new lighthouse, takes over the weights and the rows, and trainer-0 heals into the run at the
+    quorum's step from trainer-1's live state (no checkpoint). Counted by sample id over the trainers'
+    traces (each group's share of each committed step): every sample of every step trained exactly once,
+    within max_staleness."""
     pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
     from collections import Counter
 
@@ -214,12 +216,10 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
     proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "trainer_replicas=2",
                      "rollout_nodes=2", "eval_dataset=null", "eval_every=0", "max_staleness=1", "save_interval_s=0",
                      "step_timeout_s=60")
-    victim_trace = out / "trace" / "trainer-1.jsonl"
+    victim_trace = out / "trace" / "trainer-0.jsonl"
     try:
-        _wait("trainer-1's second committed step", lambda: len(_trace_lines(victim_trace)) >= 2, 120)
-        victim = node_pid(out, "trainer-1")
-        survivor = node_pid(out, "trainer-0")
-        subprocess.run(["kill", "-9", str(victim)], check=True)  # the whole group: its one rank
+        _wait("trainer-0's second committed step", lambda: len(_trace_lines(victim_trace)) >= 2, 120)
+        subprocess.run(["kill", "-9", str(node_pid(out, "trainer-0"))], check=True)  # the whole group: its one rank
         killed_after = _trace_lines(victim_trace)[-1]["step"]  # (its next step never committed)
         _, err = proc.communicate(timeout=180)
     finally:
@@ -227,39 +227,43 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err[-4000:]
-    assert "trainer-1 died (killed by SIGKILL)" in err and "restarting trainer replica group 1 alone" in err, err[-3000:]
+    assert "trainer-0 died (killed by SIGKILL)" in err and "restarting trainer replica group 0 alone" in err, err[-3000:]
     assert "restarting the trainers from checkpoint" not in err  # no full recovery
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
     log0, log1 = ((out / "logs" / f"trainer-{i}.log").read_text() for i in (0, 1))
-    assert "----- distflow run:" not in log0 and survivor is not None  # trainer-0 was never restarted
-    assert "recovery 1 of 3: trainer-1's replica group heals from a live one" in log1
+    assert "----- distflow run:" not in log1  # trainer-1 was never restarted
+    assert "recovery 1 of 3: trainer-0's replica group heals from a live one" in log0
+    # its lighthouse went with it: trainer-1 built its torchft side again on a new one (hosted by the lowest live
+    # group: itself, or trainer-0's new life when that was back first), and took over the weights and the rows
+    lighthouses = {ln.split("torchft lighthouse ")[1].split()[0] for ln in log1.splitlines()
+                   if "trainer replica group 1 of 2: torchft lighthouse" in ln}
+    assert len(lighthouses) == 2 and "trainer replica group 1 leads" in log1, log1[-3000:]
     for r in ("rollout-0", "rollout-1"):
         assert "----- distflow run:" not in (out / "logs" / f"{r}.log").read_text()
 
     trace = read_trace(out)
-    t0 = {rec["step"]: rec for rec in trace["trainer-0"]}
-    assert sorted(t0) == list(range(steps))  # the survivor committed every step, in one life
-    t1 = trace["trainer-1"]
-    first = [r for r in t1 if r["step"] <= killed_after]
-    again = [r for r in t1 if r["step"] > killed_after]
-    assert [r["step"] for r in first] == list(range(killed_after + 1))
-    assert again, "trainer-1 never trained again after its restart"
+    survivor = {rec["step"]: rec for rec in trace["trainer-1"]}
+    assert sorted(survivor) == list(range(steps))  # the survivor committed every step, in one life
+    victim = trace["trainer-0"]
+    again = [r for r in victim if r["step"] > killed_after]
+    assert [r["step"] for r in victim if r["step"] <= killed_after] == list(range(killed_after + 1))
+    assert again, "trainer-0 never trained again after its restart"
     rejoined_at = again[0]["step"]
     # healed from live state: the quorum's step, not step 0 (its new life started at 0, and no checkpoint
-    # was read); trainer-0 trained the steps between its death and its heal alone, if any
+    # was read); trainer-1 trained the steps between its death and its heal alone, if any
     assert rejoined_at > killed_after, (killed_after, rejoined_at)
-    assert f"healed from a live one: at step {rejoined_at} (was 0)" in log1 and "resume_from" not in log1, log1[-3000:]
+    assert f"healed from a live one: at step {rejoined_at} (was 0)" in log0 and "resume_from" not in log0, log0[-3000:]
     assert [r["step"] for r in again] == list(range(rejoined_at, steps))
     alone = set(range(killed_after + 1, rejoined_at))
-    assert {k for k, r in t0.items() if r["participants"] == 1} == alone
+    assert {k for k, r in survivor.items() if r["participants"] == 1} == alone
     # each committed step's samples: the prompts the rollout nodes generated for it, two samples each
     expected: dict[int, set] = {}
     for node in ("rollout-0", "rollout-1"):
         for rec in trace[node]:
             expected.setdefault(rec["step"], set()).update(f"{p}:s{j}" for p in rec["prompt_ids"] for j in range(2))
-    by_step = {k: [t0[k]] + [r for r in t1 if r["step"] == k] for k in range(steps)}
     trained = Counter()
-    for k, recs in by_step.items():
+    for k in range(steps):
+        recs = [survivor[k]] + [r for r in victim if r["step"] == k]
         assert len(recs) == (1 if k in alone else 2), (k, recs)
         assert {len(recs)} == {r["participants"] for r in recs}
         ids = [s for r in recs for s in r["sample_ids"]]

@@ -13,8 +13,7 @@ with the same seeds (:mod:`distflow.rollout.worker`), so every prompt is trained
 :func:`distflow.launch.launcher.supervise` decides *when* (a trainer died); this module is *what*.
 With replica groups (``trainer_replicas``) a dead group is restarted alone, the others untouched
 (:meth:`TrainerRecovery.restart_replicas`): its ranks heal from a live group (torchft), no
-checkpoint is read. Replica 0's death (its first rank hosts the lighthouse) and the death of every
-group take the recovery above.
+checkpoint is read. The death of every group takes the recovery above.
 
 docs/recovery.md tells the whole story.
 """
@@ -57,7 +56,7 @@ class TrainerRecovery:
 
     def restart_replicas(self, children: list[Child], dead: list[Child], tell: Callable[[str], None]) -> bool:
         """Restart only the replica groups ``dead`` (trainers of :meth:`possible`) belong to, when
-        another group is wholly alive and the lighthouse's host (replica 0) is not among them: same
+        another group is wholly alive (one of them hosts torchft's lighthouse from then on): same
         ids, ports and environment plus ``HEAL_ENV`` (no ``resume_from``: they copy the live state
         from a peer), joining through the live nodes. A group's surviving ranks are killed first (a
         torch.distributed group cannot take a new member). Counted against ``recover_retries``.
@@ -67,7 +66,7 @@ class TrainerRecovery:
         groups = self.replica_groups(children)
         hit = [g for g, cs in enumerate(groups) if any(c in dead for c in cs)]
         live = [g for g, cs in enumerate(groups) if all(c.proc.poll() is None for c in cs)]
-        if not live or 0 in hit:
+        if not live:
             return False
         restart = [c for g in hit for c in groups[g]]
         kill_children([c for c in restart if c.proc.poll() is None])

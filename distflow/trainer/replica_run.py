@@ -4,9 +4,9 @@ Why it exists: :mod:`distflow.trainer.replicas` is the mechanism (quorum, share,
 commit, heal); this module is what a trainer node of ``distflow run`` does with it, kept out of the
 node loop (:mod:`distflow.trainer.worker`) that runs the same with or without replicas:
 
-- :func:`start_replicas`: replica 0's first rank hosts torchft's lighthouse (named in the mesh);
-  every replica group builds its :class:`~distflow.trainer.replicas.ReplicaSync` on the actor and
-  waits (bounded) for the others' managers before the first quorum.
+- :class:`ReplicaLink`: every replica group builds its :class:`~distflow.trainer.replicas.ReplicaSync`
+  on the actor; the lowest live group's first rank hosts torchft's lighthouse (named in the mesh),
+  and when its host dies the next one hosts another and every group builds its side again on it.
 - :class:`ReplicaSteps`: each step's quorum (``begin``: a restarted group heals there, and its
   step becomes the quorum's), this group's share of the step's samples (the rollout nodes send
   every group the whole step), and the step taken again when the quorum did not commit it.
@@ -27,15 +27,17 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from distflow.buffer.batch import SampleBatch
+from distflow.core.launch_env import healing_replica
 from distflow.runtime import Groups, Runtime
 from distflow.trainer.metrics import MetricsWriter, read_metrics
-from distflow.trainer.replicas import ReplicaSync, StepNotCommitted, actor_state_fns, find_lighthouse, publish_lighthouse
+from distflow.trainer.replicas import (LIGHTHOUSE_META, ReplicaSync, StepNotCommitted, actor_state_fns, find_lighthouse,
+                                       publish_lighthouse)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Lead", "ReplicaRows", "ReplicaSteps", "replica_index", "start_replicas", "wait_for_replicas"]
+__all__ = ["Lead", "ReplicaLink", "ReplicaRows", "ReplicaSteps", "replica_index", "wait_for_replicas"]
 
-READY_META = "ft_ready"  # mesh meta: this replica group's torchft manager is up
+READY_META = "ft_ready"  # mesh meta: the lighthouse this replica group's torchft manager uses
 LEAD_META = "replica_lead"  # mesh meta: this replica group publishes weights and writes the metrics rows (Lead)
 ATTEMPTS = 3  # quorums a step may take before the node fails (each a dead group's worth of retry)
 ROWS_KEPT = 64  # metrics rows a group holds for a takeover (a lead dies between its commit and its row)
@@ -51,30 +53,92 @@ def _heads(rt: Runtime, groups: Groups) -> list[str]:
     return [ms[0].node_id for ms in groups.replicas(rt.cfg.trainer_replicas)]
 
 
-async def start_replicas(rt: Runtime, groups: Groups, actor: Any, on_gpu: Callable[..., Awaitable[Any]]) -> tuple:
-    """(ReplicaSync, lighthouse server or None) of this replica group, its actor wired to it."""
-    cfg, replica = rt.cfg, replica_index(rt, groups)
-    host = rt.node.member(rt.node.node_id).host
-    first = groups.replicas(cfg.trainer_replicas)[0][0].node_id == rt.node.node_id
-    server = publish_lighthouse(rt.node, host) if first else None
-    address = await find_lighthouse(rt.node, timeout=cfg.mesh.join_timeout_s)
-    state_dict, load_state_dict = actor_state_fns(actor)
-    sync = await on_gpu(lambda: ReplicaSync(f"replica{replica}", address, state_dict, load_state_dict, host=host,
-                                            timeout_s=cfg.step_timeout_s))
-    actor.replicas = sync
-    rt.node.set_meta(**{READY_META: True})
-    # Every live group's manager up before the first quorum: torchft's lighthouse forms one at once from the
-    # groups it knows, so a group a moment ahead would train alone and the others heal into the run.
-    heads = _heads(rt, groups)
+def _published(rt: Runtime) -> tuple[str, str] | None:
+    """(holder, address) of the lighthouse in use: the one the live member with the lowest node id
+    publishes (two published for a moment, after a move, converge on one)."""
+    return next(((m.node_id, m.meta[LIGHTHOUSE_META]) for m in rt.node.members()
+                 if isinstance(m.meta.get(LIGHTHOUSE_META), str)), None)
 
-    def ready(_: list) -> bool:
-        return all((m := rt.node.member(h)) is not None and m.meta.get(READY_META) is True
-                   for h in heads if rt.node.is_alive(h))
 
-    await rt.node.wait_for(ready, timeout=cfg.mesh.join_timeout_s, what="every trainer replica group's torchft manager")
-    log.info("trainer replica group %d of %d: lighthouse %s%s", replica, cfg.trainer_replicas, address,
-             " (hosted here)" if server is not None else "")
-    return sync, server
+class ReplicaLink:
+    """This replica group's torchft side (:class:`ReplicaSync`, its actor wired to it) and the
+    lighthouse it uses. The lighthouse lives in a trainer process, which may die: the lowest live
+    replica group's first rank hosts one whenever no live member publishes one (at the start:
+    replica 0's), and a group whose lighthouse is no longer published by a live member builds its
+    torchft side again on the one that is (:meth:`connect`): the state (weights, optimizer, step)
+    stays in the actor, and the new lighthouse's first quorum starts from the groups' steps."""
+
+    def __init__(self, rt: Runtime, groups: Groups, actor: Any, on_gpu: Callable[..., Awaitable[Any]]):
+        self.rt, self.groups, self.actor, self.on_gpu = rt, groups, actor, on_gpu
+        self.replica, self.heads = replica_index(rt, groups), _heads(rt, groups)
+        self.host = rt.node.member(rt.node.node_id).host
+        self.sync: ReplicaSync | None = None
+        self.server: Any = None  # the lighthouse this process hosts, if any
+        self.address: str | None = None
+
+    def moved(self) -> bool:
+        """Whether the lighthouse this group uses is no longer the one in use (its host died)."""
+        got = _published(self.rt)
+        return got is None or got[1] != self.address
+
+    async def connect(self) -> None:
+        """(Re)build this group's torchft side on the lighthouse in use, hosting one when none is
+        published and this is the lowest live replica group (bounded by ``mesh.join_timeout_s``)."""
+        cfg, node = self.rt.cfg, self.rt.node
+        if self.sync is not None:
+            self.sync.close()
+            self.actor.replicas = self.sync = None
+        me = node.node_id
+        lowest = next(h for h in self.heads if h == me or node.is_alive(h)) == me
+        if _published(self.rt) is None and self.server is None and lowest:
+            self.server = publish_lighthouse(node, self.host)
+        await find_lighthouse(node, timeout=cfg.mesh.join_timeout_s)
+        holder, self.address = _published(self.rt)
+        state_dict, load_state_dict = actor_state_fns(self.actor)
+        self.sync = await self.on_gpu(lambda: ReplicaSync(f"replica{self.replica}", self.address, state_dict,
+                                                          load_state_dict, host=self.host,
+                                                          timeout_s=cfg.step_timeout_s,
+                                                          start_step=self.actor.version))
+        self.actor.replicas = self.sync
+        node.set_meta(**{READY_META: self.address})
+        log.info("trainer replica group %d of %d: torchft lighthouse %s (hosted by %s)", self.replica,
+                 cfg.trainer_replicas, self.address, holder)
+
+    async def start(self) -> None:
+        """The first :meth:`connect`, then wait (bounded) until every live group's manager is on the
+        same lighthouse: torchft's lighthouse forms a quorum at once from the groups it knows, so a
+        group a moment ahead would train alone and the others heal into the run; and a restarted
+        group (``launch_env.HEAL_ENV``) alone at a new lighthouse would start the run again at step
+        0 instead of healing (it also waits for one live group on it)."""
+        await self.connect()
+        node, me = self.rt.node, self.rt.node.node_id
+
+        def ready(_: list) -> bool:
+            if self.moved():  # (the lighthouse's host died meanwhile: build again on the one in use)
+                return True
+            on = [h for h in self.heads if h != me and node.is_alive(h)
+                  and (m := node.member(h)) is not None and m.meta.get(READY_META) == self.address]
+            alive = [h for h in self.heads if h != me and node.is_alive(h)]
+            return len(on) == len(alive) and (bool(on) or not healing_replica())
+
+        while True:
+            await node.wait_for(ready, timeout=self.rt.cfg.mesh.join_timeout_s,
+                                what="every live trainer replica group's torchft manager on one lighthouse")
+            if not self.moved():
+                return
+            await self.connect()
+
+        await node.wait_for(ready, timeout=self.rt.cfg.mesh.join_timeout_s,
+                            what="every trainer replica group's torchft manager")
+
+    async def close(self, timeout: float) -> None:
+        """At the end: the lighthouse's host waits (bounded) until every other group is done or
+        dead (their last quorums need it), then stops it."""
+        if self.sync is not None:
+            self.sync.close()
+        if self.server is not None:
+            await wait_for_replicas(self.rt, self.groups, timeout)
+            self.server.shutdown()
 
 
 class Lead:
@@ -82,8 +146,9 @@ class Lead:
     metrics rows (call it once a step). One group leads at a time, and keeps leading while it
     lives (mesh meta ``LEAD_META``): two groups publishing the same version would interleave their
     buckets at the rollout nodes. At the start the lowest group takes it; when the leading group
-    dies (the mesh declares it dead), the lowest live group takes it over; a restarted group
-    finds another leading and does not."""
+    dies (the mesh declares it dead), the lowest live group takes it over. A restarted group (mesh
+    meta ``heal``) does not while another lives: it holds no metrics rows of the steps before its
+    heal, which the group taking over writes when the one that led died before writing them."""
 
     def __init__(self, rt: Runtime, groups: Groups):
         self.rt, self.mine, self.heads = rt, replica_index(rt, groups), _heads(rt, groups)
@@ -93,10 +158,12 @@ class Lead:
         if self.on:
             return True
         node, me = self.rt.node, self.heads[self.mine]
-        alive = [g for g, h in enumerate(self.heads) if h != me and node.is_alive(h)]
-        if any((m := node.member(self.heads[g])) is not None and m.meta.get(LEAD_META) is True for g in alive):
+        alive = {g: node.member(h) for g, h in enumerate(self.heads) if h != me and node.is_alive(h)}
+        if any(m is not None and m.meta.get(LEAD_META) is True for m in alive.values()):
             return False  # another group leads
-        if any(g < self.mine for g in alive):
+        if healing_replica() and alive:
+            return False  # restarted: another group takes it
+        if any(g < self.mine and m is not None and m.meta.get("heal") is not True for g, m in alive.items()):
             return False  # a lower live group takes it
         self.on = True
         node.set_meta(**{LEAD_META: True})
@@ -109,14 +176,30 @@ class ReplicaSteps:
     taken, :meth:`step` to train them. ``train(share)``: the trainer pipeline on a share (in a
     worker thread, through ``on_gpu``)."""
 
-    def __init__(self, sync: ReplicaSync, actor: Any, on_gpu: Callable[..., Awaitable[Any]],
-                 train: Callable[[SampleBatch], Any]):
-        self.sync, self.actor, self.on_gpu, self.train = sync, actor, on_gpu, train
+    def __init__(self, link: ReplicaLink, train: Callable[[SampleBatch], Any]):
+        self.link, self.actor, self.on_gpu, self.train = link, link.actor, link.on_gpu, train
+
+    @property
+    def sync(self) -> ReplicaSync:
+        assert self.link.sync is not None
+        return self.link.sync
 
     async def begin(self, step: int) -> int:
         """A quorum for the next step; returns the step to train: the quorum's (a group that was
-        behind, restarted, has just copied a live group's state, its policy version with it)."""
-        await self.on_gpu(self.sync.begin)
+        behind, restarted, has just copied a live group's state, its policy version with it). A
+        quorum asked of a lighthouse that died is given up as soon as another is in use: the
+        torchft side is built again on that one (:meth:`ReplicaLink.connect`), and asked again."""
+        while True:
+            if self.link.moved():
+                await self.link.connect()
+            asked = asyncio.ensure_future(self.on_gpu(self.sync.begin))
+            while not asked.done() and not self.link.moved():
+                await asyncio.wait([asked], timeout=0.2)
+            if asked.done():
+                asked.result()
+                break
+            log.warning("the torchft lighthouse moved (its host died): asking the new one for the quorum")
+            asked.add_done_callback(lambda f: f.cancelled() or f.exception())  # (the old manager's thread ends alone)
         if self.actor.version != step:
             log.warning("trainer replica group healed from a live one: at step %d (was %d), %d heal(s)",
                         self.actor.version, step, self.sync.healed)

@@ -134,10 +134,12 @@ class ReplicaSync:
     """One replica group's side of torchft (a 1-rank group: this process is the group's rank 0 and
     hosts its torchft manager server and store). ``state_dict`` / ``load_state_dict``: what a
     restarted replica copies from a live one (weights, optimizer state, the step counter).
-    Every wait has a deadline: ``timeout_s`` for the quorum, the all-reduce and the commit."""
+    Every wait has a deadline: ``timeout_s`` for the quorum, the all-reduce and the commit.
+    ``start_step``: the steps this replica has committed already (a resumed run's, or a manager
+    built again on a new lighthouse): torchft's step count, which decides who heals from whom."""
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], dict],
-                 load_state_dict: Callable[[dict], None], *, host: str, timeout_s: float):
+                 load_state_dict: Callable[[dict], None], *, host: str, timeout_s: float, start_step: int = 0):
         import torch.distributed as dist
         from torchft import Manager, ProcessGroupGloo
 
@@ -156,6 +158,7 @@ class ReplicaSync:
                                store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
                                hostname=host, port=0, use_async_quorum=False, timeout=limit,
                                quorum_timeout=limit, connect_timeout=limit)
+        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
 
     def begin(self) -> None:
         """A new quorum for the next optimizer step (heals this replica first when it is behind)."""

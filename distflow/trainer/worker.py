@@ -43,7 +43,7 @@ from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_ord
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
-from distflow.trainer.replica_run import Lead, ReplicaRows, ReplicaSteps, replica_index, start_replicas, wait_for_replicas
+from distflow.trainer.replica_run import Lead, ReplicaLink, ReplicaRows, ReplicaSteps, replica_index
 from distflow.trainer.async_save import CheckpointWriter
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.step_stats import peak_memory, step_statistics
@@ -299,11 +299,12 @@ async def run_trainer(rt: Runtime) -> None:
     ctx = await on_gpu(build_context, cfg, pipeline, actor)
     own = groups.own_group("trainer", cfg.trainer_replicas)  # the torch.distributed group (a replica group's)
     rank, world = [m.node_id for m in own].index(rt.node.node_id), len(own)
-    replica, steps, lighthouse, lead = 0, None, None, lambda: True
+    replica, steps, lead = 0, None, lambda: True
     if cfg.trainer_replicas > 1:  # replica groups kept in step by torchft (trainer.replica_run)
         replica = replica_index(rt, groups)
-        sync, lighthouse = await start_replicas(rt, groups, actor, on_gpu)
-        steps = ReplicaSteps(sync, actor, on_gpu, lambda share: train_half(pipeline, ctx, share))
+        link = ReplicaLink(rt, groups, actor, on_gpu)
+        await link.start()
+        steps = ReplicaSteps(link, lambda share: train_half(pipeline, ctx, share))
         lead = Lead(rt, groups)  # the group that publishes weights and writes the metrics rows
         if replica:
             evals = None  # the held-out evaluation reports go to trainer rank 0 (replica 0's)
@@ -473,12 +474,8 @@ async def run_trainer(rt: Runtime) -> None:
     await publisher.flush(timeout=30)
     await publisher.close()
     rt.node.set_meta(state="done")
-    if steps is not None:
-        if lighthouse is not None:  # the other groups' last quorums need it
-            await wait_for_replicas(rt, groups, cfg.step_timeout_s)
-        steps.sync.close()
-        if lighthouse is not None:
-            lighthouse.shutdown()
+    if steps is not None:  # (a lighthouse hosted here: the other groups' last quorums need it)
+        await steps.link.close(cfg.step_timeout_s)
     await on_gpu(dist.barrier)
     dist.destroy_process_group()
     if evals is not None and writer is not None:  # rank 0: the rollout nodes evaluate the final weights now
