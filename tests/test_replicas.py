@@ -7,6 +7,10 @@ and committed steps alone while the other was dead; the restarted one copied liv
 not step 0) and committed the later steps in the quorum again; and both end with the weights of
 one process training every sample of every step exactly once (a share lost or trained twice in
 any step would change them).
+
+The run test starts ``distflow run`` with ``trainer_replicas: 2`` and kills replica group 0 (the
+lighthouse's host and the leading group): the other trains on, the killed one heals into the run,
+and every sample is trained once, counted by id in the trainers' traces.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -333,9 +334,9 @@ async def run_trainer(rt: Runtime) -> None:
 
         trackers = open_trackers(cfg, rt.node.node_id, actor.version if cfg.resume_from else None)
         writer = trackers.tee(writer)
-    if evals is not None and rank == 0:
-        evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None,
-                                                name="eval.jsonl"), "log_eval"))
+    if evals is not None and rank == 0:  # (a replica group healing into the run keeps every row: sys.maxsize)
+        kept = actor.version if cfg.resume_from else sys.maxsize if healing_replica() else None
+        evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=kept, name="eval.jsonl"), "log_eval"))
     # A trainer restarted from a checkpoint in the same run (recover_retries) keeps the trace of the steps
     # before it only: the later ones are trained again (like metrics.jsonl's rows).
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples,
