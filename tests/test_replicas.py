@@ -276,3 +276,107 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
         assert all(k - 1 <= v <= k for r in recs for v in r["policy_versions"]), k  # max_staleness 1
     assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
     assert set(trained.values()) == {1}
+
+
+@pytest.mark.parametrize("ingress", [True, False], ids=["posted", "messages"])
+def test_scatter_gives_every_replica_group_the_whole_step_each_sample_at_its_owner(ingress):
+    """``scatter(..., replicas=2)`` to 4 consumers (2 groups of 2): each group receives every sample once,
+    at the rank owning it within the group, byte-exact; a part names that rank and the group's size."""
+    from distflow.buffer.redistribute import gather_step, scatter
+    from distflow.buffer.routing import owner
+    from tests.test_posting import batch, consumers, ep, run, samples
+    from distflow.transport import make_transport
+    from tests.test_posting import SECRET
+
+    async def main():
+        cons = await consumers(4, ingress=ingress)
+        prods = [make_transport("shm", f"p{i}", SECRET) for i in range(2)]
+        for p in prods:
+            await p.start()
+        sent: dict = {}
+        got: list[dict] = [{}, {}]
+        for step in range(2):
+            for i, p in enumerate(prods):
+                b = batch(p.node_id, step, [7, 5][i], seed=10 * step + i)
+                sent.update(samples(b))
+                await scatter(p, b, [ep(c) for c, _ in cons], step=step, source_rank=i, timeout=10, replicas=2)
+            for j, (_, shard) in enumerate(cons):
+                taken = await gather_step(shard, step, [p.node_id for p in prods], timeout=10)
+                for sid, v in samples(taken).items():
+                    assert owner(sid, 2) == j % 2 and sid not in got[j // 2]
+                    got[j // 2][sid] = v
+        assert got[0] == sent and got[1] == sent and len(sent) == 24
+        for c in [*prods, *(c for c, _ in cons)]:
+            await c.close()
+
+    run(main())
+
+
+def test_trainer_replicas_is_refused_where_the_groups_cannot_keep_in_step(toy_model):
+    from distflow.core.config import load_config
+    from distflow.core.config_keys import ConfigError
+    from tests.conftest import ROOT as REPO
+
+    def cfg(*more: str):
+        return load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
+                                                                         *more])
+
+    assert cfg("trainer_nodes=2", "trainer_replicas=2").trainer_replicas == 2
+    for more, why in [(("trainer_nodes=3", "trainer_replicas=2"), "trainer_replicas: 2 must divide trainer_nodes: 3"),
+                      (("trainer_nodes=4", "trainer_replicas=2"), "groups of 2 ranks: replica groups of several FSDP"),
+                      (("trainer_replicas=2", "ppo_epochs=2"), "cannot be combined with ppo_epochs"),
+                      (("trainer_replicas=2", "mini_batches_per_step=2"), "cannot be combined with mini_batches"),
+                      (("trainer_replicas=2", "controller=single"), "cannot be combined with controller")]:
+        with pytest.raises(ConfigError, match=why):
+            cfg(*more)
+
+
+def test_the_launcher_restarts_only_the_dead_replica_group_and_marks_it_healing(toy_model, tmp_path):
+    """Real child processes: trainer-1's group dead and trainer-0's alive: only trainer-1 is started again,
+    with DISTFLOW_HEAL_REPLICA=1 and the live nodes as seeds, no resume_from, counted against
+    recover_retries. With every group dead (or without replicas) nothing is done here (the full recovery)."""
+    from distflow.core.config import load_config
+    from distflow.launch.children import Child
+    from distflow.launch.recovery import TrainerRecovery
+    from tests.conftest import ROOT as REPO
+
+    cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [
+        f"model_path={toy_model}", "toy_model=false", f"output_dir={tmp_path}", "trainer_nodes=2",
+        "trainer_replicas=2", "recover_retries=2"])
+    report = "import os, sys; print('env', os.environ.get('DISTFLOW_HEAL_REPLICA'), 'args', sys.argv[1:])"
+
+    def child(node_id: str, role: str, port: int, live: bool) -> Child:
+        log = tmp_path / f"{node_id}.log"
+        cmd = [sys.executable, "-c", "import time; time.sleep(60)" if live else "import sys; sys.exit(-9 % 256)"]
+        with log.open("w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        c = Child(node_id, role, port, proc, log, [sys.executable, "-c", report], dict(os.environ))
+        if not live:
+            proc.wait(timeout=30)
+        return c
+
+    kids = [child("trainer-0", "trainer", 1000, True), child("trainer-1", "trainer", 1001, False),
+            child("rollout-0", "rollout", 1002, True)]
+    told: list[str] = []
+    try:
+        recovery = TrainerRecovery(cfg, since=0.0)
+        assert recovery.restart_replicas(kids, [kids[1]], told.append)
+        assert recovery.attempts == 1 and kids[0].proc.poll() is None  # the live group untouched
+        kids[1].proc.wait(timeout=30)
+        out = (tmp_path / "trainer-1.log").read_text()
+        assert "heals from a live one" in out
+        assert "env 1 args ['--seeds', '127.0.0.1:1000,127.0.0.1:1002']" in out, out  # no resume_from
+        assert "restarting trainer replica group 1 alone; it heals from the live replica group 0 (attempt 1/2)" \
+            in told[0]
+        every = [kids[0], kids[1]]
+        kids[0].proc.kill()
+        kids[0].proc.wait(timeout=30)
+        assert not recovery.restart_replicas(kids, every, told.append)  # every group dead: the full recovery
+        single = TrainerRecovery(load_config(REPO / "examples" / "grpo_quickstart.yaml", [
+            f"model_path={toy_model}", "toy_model=false", f"output_dir={tmp_path}"]), since=0.0)
+        assert not single.restart_replicas(kids, [kids[1]], told.append) and recovery.attempts == 1
+    finally:
+        for c in kids:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait(timeout=30)

@@ -204,10 +204,10 @@ class SampleInbox:
             self.dropped["late"] += 1
             return None
         lives = env.meta.get("trainer_lives")
-        # A part made for this rank's previous life (before a recovery) is regenerated. Replica groups never go
-        # back a step: there a part made for another life is as good (the rank heals into the same steps).
-        if isinstance(lives, dict) and cfg.trainer_replicas == 1 and lives.get(self.rt.node.node_id,
-                                                                                 self.life) != self.life:
+        # A part made for this rank's previous life (before a recovery) is regenerated. A replica group restarted
+        # alone goes back no step: a part made for its previous life is as good (it heals into the same steps).
+        if isinstance(lives, dict) and not healing_replica() and lives.get(self.rt.node.node_id,
+                                                                            self.life) != self.life:
             self.dropped["other_life"] += 1
             return None
         return step, f"shard-{shard}", batch
