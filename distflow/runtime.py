@@ -17,7 +17,7 @@ from typing import Callable
 from distflow.buffer.shard import BufferShard
 from distflow.core.aio import woken
 from distflow.transport import Endpoint, Envelope, Transport, make_transport
-from distflow.core.config import Config
+from distflow.core.config import Config, replica_layout
 from distflow.core.launch_env import healing_replica, recovering_trainers
 from distflow.core.node import MeshConfig, Member, Node
 
@@ -44,9 +44,8 @@ class Groups:
 
     def replicas(self, n: int) -> list[list[Member]]:
         """The trainer ranks in ``n`` replica groups of consecutive ranks (``trainer_replicas``;
-        :func:`distflow.trainer.replicas.replica_layout`): one group when ``n`` is 1."""
-        size = len(self.trainer) // n
-        return [self.trainer[g * size:(g + 1) * size] for g in range(n)]
+        :func:`distflow.core.config.replica_layout`): one group when ``n`` is 1."""
+        return [[self.trainer[i] for i in ranks] for ranks in replica_layout(len(self.trainer), n)]
 
     def own_group(self, role: str, replicas: int = 1) -> list[Member]:
         """The members this node is one torch.distributed group with: a trainer's replica group

@@ -41,6 +41,16 @@ from distflow.rl.node_args import check_node_args  # torch-free
 MeshSettings = MeshSection  # its name before the sections
 
 
+def replica_layout(trainer_nodes: int, replicas: int) -> list[list[int]]:
+    """The trainer ranks of each replica group: ``replicas`` groups of ``trainer_nodes / replicas``
+    consecutive ranks (each an FSDP group of its own). ValueError when they do not divide."""
+    if replicas < 1 or trainer_nodes % replicas:
+        raise ValueError(f"trainer_replicas: {replicas} must divide trainer_nodes: {trainer_nodes} "
+                         f"(each replica group is an FSDP group of trainer_nodes / trainer_replicas ranks)")
+    size = trainer_nodes // replicas
+    return [list(range(r * size, (r + 1) * size)) for r in range(replicas)]
+
+
 class Config(BaseModel):
     """A DistFlow run: one section per concern. See docs/configuration.md for every key."""
 
@@ -213,9 +223,7 @@ class Config(BaseModel):
         r = self.trainer_replicas
         if r == 1:
             return
-        if self.trainer_nodes % r:
-            raise ValueError(f"trainer_replicas: {r} must divide trainer_nodes: {self.trainer_nodes} (each replica "
-                             "group is trainer_nodes / trainer_replicas ranks)")
+        replica_layout(self.trainer_nodes, r)  # (a ValueError naming both keys when r does not divide)
         if self.trainer_nodes != r:
             raise ValueError(f"trainer_replicas: {r} groups of {self.trainer_nodes // r} ranks: replica groups of "
                              "several FSDP ranks are not built yet (torchft's manager on every rank of a group); "

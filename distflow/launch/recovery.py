@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from distflow.core.config import Config
+from distflow.core.config import Config, replica_layout
 from distflow.core.launch_env import HEAL_ENV
 from distflow.launch.checkpoint import STATE_FILE, checkpoint_version, newest_checkpoint
 from distflow.launch.children import Child, error_line, exit_text, kill_children
@@ -51,8 +51,7 @@ class TrainerRecovery:
     def replica_groups(self, children: list[Child]) -> list[list[Child]]:
         """The trainer children in their replica groups (consecutive ranks, ``trainer_replicas``)."""
         trainers = sorted((c for c in children if c.role == "trainer"), key=lambda c: int(c.node_id.rsplit("-", 1)[1]))
-        size = len(trainers) // self.cfg.trainer_replicas
-        return [trainers[g * size:(g + 1) * size] for g in range(self.cfg.trainer_replicas)]
+        return [[trainers[i] for i in ranks] for ranks in replica_layout(len(trainers), self.cfg.trainer_replicas)]
 
     def restart_replicas(self, children: list[Child], dead: list[Child], tell: Callable[[str], None]) -> bool:
         """Restart only the replica groups ``dead`` (trainers of :meth:`possible`) belong to, when

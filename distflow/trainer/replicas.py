@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 import torch
 
+from distflow.core.config import replica_layout  # noqa: F401 - the groups' ranks, the rule the config checks
+
 log = logging.getLogger(__name__)
 
 __all__ = ["LIGHTHOUSE_META", "ReplicaSync", "StepNotCommitted", "actor_state_fns", "find_lighthouse", "publish_lighthouse", "replica_layout",
@@ -57,16 +59,6 @@ class StepNotCommitted(RuntimeError):
     """The replica groups' quorum did not commit this optimizer step (a group died in it): the
     weights, the optimizer state and the policy version are unchanged; the step is taken again
     from a new quorum (:meth:`ReplicaSync.take_step`)."""
-
-
-def replica_layout(trainer_nodes: int, replicas: int) -> list[list[int]]:
-    """The trainer ranks of each replica group: ``replicas`` groups of ``trainer_nodes / replicas``
-    consecutive ranks (each an FSDP group of its own). ValueError when they do not divide."""
-    if replicas < 1 or trainer_nodes % replicas:
-        raise ValueError(f"trainer_replicas: {replicas} must divide trainer_nodes: {trainer_nodes} "
-                         f"(each replica group is an FSDP group of trainer_nodes / trainer_replicas ranks)")
-    size = trainer_nodes // replicas
-    return [list(range(r * size, (r + 1) * size)) for r in range(replicas)]
 
 
 def replica_share(sample_ids: list[str], participants: int, rank: int) -> list[int]:
