@@ -288,6 +288,70 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
     assert set(trained.values()) == {1}
 
 
+def test_two_replica_groups_shares_make_the_whole_steps_update_however_the_tokens_split(toy_model, world1):
+    """Two real FSDP2 actors, each a replica group under torchft (one in-process lighthouse, a thread
+    each), train their shares of a step whose shares hold different token counts: each share's loss is
+    normalised by the whole step's tokens over the participants (``Actor.step_counts``), so after the
+    quorum's average both hold exactly the weights of one actor trained on the whole step."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    from distflow.core.config import load_config
+    from distflow.rl.shaping import trained_token_counts
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.replicas import ReplicaSync, actor_state_fns
+    from tests.conftest import ROOT as REPO
+    from tests.test_packing import make_batch
+
+    cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
+                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01"])
+    node = cfg.node("ACTOR", "MODEL_TRAIN")
+    plain, actors = Actor(cfg, with_reference=False), [Actor(cfg, with_reference=False) for _ in range(2)]
+    for a in (plain, *actors):  # AdamW's first step is ~lr * sign(g): with eps 1 it is ~lr * g, so the weights
+        for group in a.optim.param_groups:  # compare the gradients (a summation order's noise, not amplified)
+            group["eps"] = 1.0
+    step = make_batch(10, seed=11, max_resp=8)
+    lens = trained_token_counts(step, cfg)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    syncs = [ReplicaSync(f"replica{r}", lighthouse.address(), *actor_state_fns(a), host="127.0.0.1", timeout_s=30)
+             for r, a in enumerate(actors)]
+    shares: list = [None, None]
+    errors: list = []
+
+    def train(r: int) -> None:
+        try:
+            syncs[r].begin()
+            share = step.select(syncs[r].share(step.sample_ids))
+            shares[r] = (syncs[r].participants, len(share), float(trained_token_counts(share, cfg).sum()))
+            actors[r].replicas = syncs[r]
+            actors[r].step_counts = (float(lens.sum()), float((lens > 0).sum()))
+            actors[r].update(node, share)
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+            errors.append(e)
+
+    try:
+        plain.update(node, step)
+        threads = [threading.Thread(target=train, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert [p for p, _, _ in shares] == [2, 2] and sum(n for _, n, _ in shares) == 10
+        assert shares[0][2] != shares[1][2]  # the shares' tokens differ: a share's own mean would be off
+        want = plain.full_state_dict()
+        for a in actors:
+            assert a.version == 1
+            for name, t in a.full_state_dict().items():
+                torch.testing.assert_close(t, want[name], rtol=1e-6, atol=1e-9)
+    finally:
+        for sync in syncs:
+            sync.close()
+        lighthouse.shutdown()
+
+
 @pytest.mark.parametrize("ingress", [True, False], ids=["posted", "messages"])
 def test_scatter_gives_every_replica_group_the_whole_step_each_sample_at_its_owner(ingress):
     """``scatter(..., replicas=2)`` to 4 consumers (2 groups of 2): each group receives every sample once,

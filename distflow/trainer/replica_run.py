@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable
 
 from distflow.buffer.batch import SampleBatch
 from distflow.core.launch_env import healing_replica
+from distflow.rl.shaping import trained_token_counts
 from distflow.runtime import Groups, Runtime
 from distflow.trainer.metrics import MetricsWriter, read_metrics
 from distflow.trainer.replicas import (LIGHTHOUSE_META, ReplicaSync, StepNotCommitted, actor_state_fns, find_lighthouse,
@@ -209,6 +210,8 @@ class ReplicaSteps:
         """Train this group's share of ``batch`` (step ``step``, its quorum begun); when the quorum
         does not commit it (a group died in it), a new quorum and the share of that one, the
         weights untouched meanwhile. Returns (the share trained, the update's stats)."""
+        lens = trained_token_counts(batch, self.actor.cfg)  # the whole step's: the loss's normaliser (Actor.step_counts)
+        self.actor.step_counts = (float(lens.sum()), float((lens > 0).sum()))
         for attempt in range(1, ATTEMPTS + 1):
             share = batch.select(self.sync.share(batch.sample_ids))
             try:

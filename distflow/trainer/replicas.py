@@ -128,7 +128,11 @@ class ReplicaSync:
     restarted replica copies from a live one (weights, optimizer state, the step counter).
     Every wait has a deadline: ``timeout_s`` for the quorum, the all-reduce and the commit.
     ``start_step``: the steps this replica has committed already (a resumed run's, or a manager
-    built again on a new lighthouse): torchft's step count, which decides who heals from whom."""
+    built again on a new lighthouse): torchft's step count, which decides who heals from whom.
+    No heal at step 0 (torchft's ``init_sync`` off): the replicas start from the same weights (one
+    seed, one checkpoint), and the state dict a heal reads would initialise an optimizer that has
+    not stepped yet by stepping it on zero gradients (``get_optimizer_state_dict``): Adam's step
+    count, one ahead, would change every later update's bias correction."""
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], dict],
                  load_state_dict: Callable[[dict], None], *, host: str, timeout_s: float, start_step: int = 0):
@@ -148,7 +152,7 @@ class ReplicaSync:
         self.manager = Manager(pg=ProcessGroupGloo(timeout=limit), min_replica_size=1, load_state_dict=load,
                                state_dict=state_dict, replica_id=replica_id, store_addr=host,
                                store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
-                               hostname=host, port=0, use_async_quorum=False, timeout=limit,
+                               hostname=host, port=0, use_async_quorum=False, init_sync=False, timeout=limit,
                                quorum_timeout=limit, connect_timeout=limit)
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
 
