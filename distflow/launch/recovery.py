@@ -82,6 +82,13 @@ class TrainerRecovery:
                           "heals from a live one", ("--seeds", seeds) if seeds else (), env={HEAL_ENV: "1"})
         return True
 
+    def replica_finished(self, children: list[Child]) -> bool:
+        """With replica groups: whether one group has finished the run (each of its ranks exited 0:
+        the final checkpoint is complete, ``trainer.replica_run.writes_final_checkpoint``). A group
+        restarted to heal as the run ended has nothing left to train."""
+        return self.cfg.trainer_replicas > 1 and any(all(c.proc.poll() == 0 for c in g)
+                                                     for g in self.replica_groups(children))
+
     def checkpoint(self) -> Path | None:
         """The newest complete checkpoint of this run, else the ``resume_from`` it started from."""
         ckpt = newest_checkpoint(self.cfg.output_dir, self.since)

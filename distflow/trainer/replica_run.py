@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from distflow.buffer.batch import SampleBatch
-from distflow.core.launch_env import healing_replica
+from distflow.core.launch_env import healing_replica, run_start
+from distflow.launch.checkpoint import STATE_FILE, checkpoint_version
 from distflow.rl.shaping import trained_token_counts
 from distflow.runtime import Groups, Runtime
 from distflow.trainer.metrics import MetricsWriter, read_metrics
@@ -36,7 +37,8 @@ from distflow.trainer.replicas import (LIGHTHOUSE_META, ReplicaSync, StepNotComm
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Lead", "ReplicaLink", "ReplicaRows", "ReplicaSteps", "replica_index", "wait_for_replicas"]
+__all__ = ["Lead", "NothingToHeal", "ReplicaLink", "ReplicaRows", "ReplicaSteps", "replica_index", "wait_for_replicas",
+           "writes_final_checkpoint"]
 
 READY_META = "ft_ready"  # mesh meta: the lighthouse this replica group's torchft manager uses
 LEAD_META = "replica_lead"  # mesh meta: this replica group publishes weights and writes the metrics rows (Lead)
@@ -117,10 +119,10 @@ class ReplicaLink:
         def ready(_: list) -> bool:
             if self.moved():  # (the lighthouse's host died meanwhile: build again on the one in use)
                 return True
-            on = [h for h in self.heads if h != me and node.is_alive(h)
-                  and (m := node.member(h)) is not None and m.meta.get(READY_META) == self.address]
-            alive = [h for h in self.heads if h != me and node.is_alive(h)]
-            return len(on) == len(alive) and (bool(on) or not healing_replica())
+            busy = [m for h in self.heads if h != me and node.is_alive(h) and (m := node.member(h)) is not None
+                    and m.meta.get("state") != "done"]  # (a group done with the run: nothing to wait for)
+            on = [m for m in busy if m.meta.get(READY_META) == self.address]
+            return len(on) == len(busy) and (bool(on) or not healing_replica() or not busy)
 
         while True:
             await node.wait_for(ready, timeout=self.rt.cfg.mesh.join_timeout_s,
@@ -172,6 +174,11 @@ class Lead:
         return True
 
 
+class NothingToHeal(RuntimeError):
+    """A restarted replica group found no live group to heal from, and every other group is done:
+    the run ended while it restarted; it stops without training (its quorum was itself alone)."""
+
+
 class ReplicaSteps:
     """One replica group's steps under the quorum: :meth:`begin` before the step's samples are
     taken, :meth:`step` to train them. ``train(share)``: the trainer pipeline on a share (in a
@@ -201,6 +208,14 @@ class ReplicaSteps:
                 break
             log.warning("the torchft lighthouse moved (its host died): asking the new one for the quorum")
             asked.add_done_callback(lambda f: f.cancelled() or f.exception())  # (the old manager's thread ends alone)
+        if healing_replica() and self.actor.version == 0 and self.sync.participants == 1:
+            node, me = self.link.rt.node, self.link.rt.node.node_id
+            others = [h for h in self.link.heads if h != me]
+            if all(not node.is_alive(h) or ((m := node.member(h)) is not None and m.meta.get("state") == "done")
+                   for h in others):
+                raise NothingToHeal("restarted to heal, but every other replica group is done: nothing to train")
+            raise RuntimeError("a restarted replica group formed a quorum alone, with no live group to heal from "
+                               f"(the others: {others}); it would start the run again at step {step}")
         if self.actor.version != step:
             log.warning("trainer replica group healed from a live one: at step %d (was %d), %d heal(s)",
                         self.actor.version, step, self.sync.healed)
@@ -257,6 +272,26 @@ class ReplicaRows:
                             f.write(json.dumps(r, sort_keys=True) + "\n")
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+async def writes_final_checkpoint(lead: Callable[[], bool], path: Path, step: int, timeout: float) -> bool:
+    """Whether this group writes the run's final checkpoint (``path``, of ``step`` steps): when it
+    leads, or when the leading group dies before that checkpoint is complete (a group that does not
+    lead waits for one or the other, bounded by ``timeout``), so a lead killed at the very end
+    still leaves the run its final checkpoint."""
+    deadline = time.monotonic() + timeout
+    while not lead():
+        try:
+            if checkpoint_version(path) == step and (path / STATE_FILE).stat().st_mtime >= run_start():
+                return False
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() > deadline:
+            log.warning("the leading replica group's final checkpoint is not complete after %.0fs; not written here",
+                        timeout)
+            return False
+        await asyncio.sleep(0.2)
+    return True
 
 
 async def wait_for_replicas(rt: Runtime, groups: Groups, timeout: float) -> None:

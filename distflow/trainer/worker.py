@@ -44,7 +44,8 @@ from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_ord
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
-from distflow.trainer.replica_run import Lead, ReplicaLink, ReplicaRows, ReplicaSteps, replica_index
+from distflow.trainer.replica_run import (Lead, NothingToHeal, ReplicaLink, ReplicaRows, ReplicaSteps, replica_index,
+                                          writes_final_checkpoint)
 from distflow.trainer.async_save import CheckpointWriter
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.step_stats import peak_memory, step_statistics
@@ -377,7 +378,11 @@ async def run_trainer(rt: Runtime) -> None:
         # behind another's for hang_timeout_s is named stuck (Runtime.watch_group).
         rt.node.set_meta(beat=2 * step)
         if steps is not None:  # replica groups: this step's quorum first (a restarted group heals: the quorum's step)
-            step = await steps.begin(step)
+            try:
+                step = await steps.begin(step)
+            except NothingToHeal as e:  # restarted as the run ended: the other groups are done
+                log.warning("trainer rank %d: %s", rank, e)
+                break
             if step > inbox.consumed:
                 inbox.consumed = step
                 inbox.dropped["late"] += await rt.shard.discard_before(step)
@@ -460,11 +465,12 @@ async def run_trainer(rt: Runtime) -> None:
         due = saves.due(step, inbox.total)
         if saves.interval and world > 1:  # each rank's clock: the ranks agree (any due: all save at this step)
             due = (await on_gpu(all_reduce, [float(due)], dist.ReduceOp.MAX))[0] > 0
-        if due and replica == 0:  # save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
+        if due and lead():  # (replica groups: the leading one's) save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
             await checkpoint(saves.name(step))
             saving.after(saves.saved(out_dir, step, remove=rank == 0))  # removals once it is complete
 
-    if replica == 0:  # (replica groups: replica 0's checkpoints, docs/recovery.md)
+    # (replica groups: the leading one's final checkpoint, or another's when it died first)
+    if steps is None or await writes_final_checkpoint(lead, out_dir / "checkpoint", step, cfg.step_timeout_s):
         await checkpoint("checkpoint")
         saving.after(saves.superseded(remove=rank == 0))
     await on_gpu(saving.close)  # the final checkpoint complete before the process group goes
