@@ -28,9 +28,10 @@ One step, on every replica group (``ReplicaSync``):
    participants split the whole step between them, so the dead group's share is trained by the
    survivors and no sample is trained twice into the weights.
 
-Where the lighthouse lives: it is started by replica 0's first rank (:func:`publish_lighthouse`)
-and named in that node's mesh metadata (``ft_lighthouse``); the others read it there. Replica 0's
-death therefore takes the lighthouse with it (see docs/recovery.md, Limits).
+Where the lighthouse lives: in a trainer process, which names it in its mesh metadata
+(``ft_lighthouse``, :func:`publish_lighthouse`); the others read it there (:func:`find_lighthouse`).
+Which process hosts it, and how the groups move to another when its host dies, is the run's
+business (:class:`distflow.trainer.replica_run.ReplicaLink`).
 """
 
 from __future__ import annotations
