@@ -99,7 +99,7 @@ def actor_state_fns(actor: Any) -> tuple[Callable[[], dict], Callable[[dict], No
     :class:`ReplicaSync`: what a restarted replica copies from a live one: the full (unsharded,
     host) weights, the optimizer state and the policy version. Full state dicts are collectives
     of the replica's own FSDP group; torchft calls these from its own thread, which is safe for a
-    one-rank group only (see docs/recovery.md, "Not built yet")."""
+    one-rank group only (see docs/recovery.md, "Limits")."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
