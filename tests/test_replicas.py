@@ -243,7 +243,7 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
     # group: itself, or trainer-0's new life when that was back first), and took over the weights and the rows
     lighthouses = {ln.split("torchft lighthouse ")[1].split()[0] for ln in log1.splitlines()
                    if "trainer replica group 1 of 2: torchft lighthouse" in ln}
-    assert len(lighthouses) == 2 and "trainer replica group 1 leads" in log1, log1[-3000:]
+    assert len(lighthouses) >= 2 and "trainer replica group 1 leads" in log1, log1[-3000:]
     for r in ("rollout-0", "rollout-1"):
         assert "----- distflow run:" not in (out / "logs" / f"{r}.log").read_text()
 
