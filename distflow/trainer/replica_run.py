@@ -5,8 +5,9 @@ commit, heal); this module is what a trainer node of ``distflow run`` does with 
 node loop (:mod:`distflow.trainer.worker`) that runs the same with or without replicas:
 
 - :class:`ReplicaLink`: every replica group builds its :class:`~distflow.trainer.replicas.ReplicaSync`
-  on the actor; the lowest live group's first rank hosts torchft's lighthouse (named in the mesh),
-  and when its host dies the next one hosts another and every group builds its side again on it.
+  on the actor; whenever no live member publishes torchft's lighthouse (in the mesh), the lowest
+  live group's first rank hosts one (at the start, replica 0's), and when its host dies every
+  group builds its side again on the next one.
 - :class:`ReplicaSteps`: each step's quorum (``begin``: a restarted group heals there, and its
   step becomes the quorum's), this group's share of the step's samples (the rollout nodes send
   every group the whole step), and the step taken again when the quorum did not commit it.
@@ -14,6 +15,9 @@ node loop (:mod:`distflow.trainer.worker`) that runs the same with or without re
   lowest at the start; when it dies, the lowest live group takes over (a restarted one does not).
 - :class:`ReplicaRows`: ``metrics.jsonl`` written by the leading group, each step's row once (under
   a file lock; a group that takes over writes the rows it holds that the file lacks).
+- The end: :func:`writes_final_checkpoint` (the lead's, or another group's when it died first),
+  :func:`wait_for_replicas` (the lighthouse's host outlives the others' last quorums), and
+  :class:`NothingToHeal` (a group restarted as the run ended stops without training).
 """
 
 from __future__ import annotations
@@ -225,7 +229,7 @@ class ReplicaSteps:
         """Train this group's share of ``batch`` (step ``step``, its quorum begun); when the quorum
         does not commit it (a group died in it), a new quorum and the share of that one, the
         weights untouched meanwhile. Returns (the share trained, the update's stats)."""
-        lens = trained_token_counts(batch, self.actor.cfg)  # the whole step's: the loss's normaliser (Actor.step_counts)
+        lens = trained_token_counts(batch, self.actor.cfg)  # the whole step's: the loss's (Actor.step_counts)
         self.actor.step_counts = (float(lens.sum()), float((lens > 0).sum()))
         for attempt in range(1, ATTEMPTS + 1):
             share = batch.select(self.sync.share(batch.sample_ids))

@@ -330,7 +330,7 @@ async def run_trainer(rt: Runtime) -> None:
         writer = ReplicaRows(out_dir, replica == 0 and not healing_replica(), actor.version if cfg.resume_from
                              else None, lead)
     trackers = None
-    if rank == 0 and replica == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
+    if rank == 0 and replica == 0:  # the rows also go to the trackers (distflow/trackers): a ConfigError if one can't start
         from distflow.trackers import open_trackers
 
         trackers = open_trackers(cfg, rt.node.node_id, actor.version if cfg.resume_from else None)
@@ -465,7 +465,7 @@ async def run_trainer(rt: Runtime) -> None:
         due = saves.due(step, inbox.total)
         if saves.interval and world > 1:  # each rank's clock: the ranks agree (any due: all save at this step)
             due = (await on_gpu(all_reduce, [float(due)], dist.ReduceOp.MAX))[0] > 0
-        if due and lead():  # (replica groups: the leading one's) save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
+        if due and lead():  # save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
             await checkpoint(saves.name(step))
             saving.after(saves.saved(out_dir, step, remove=rank == 0))  # removals once it is complete
 
