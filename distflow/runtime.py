@@ -17,8 +17,8 @@ from typing import Callable
 from distflow.buffer.shard import BufferShard
 from distflow.core.aio import woken
 from distflow.transport import Endpoint, Envelope, Transport, make_transport
-from distflow.core.config import Config
-from distflow.core.launch_env import recovering_trainers
+from distflow.core.config import Config, replica_layout
+from distflow.core.launch_env import healing_replica, recovering_trainers
 from distflow.core.node import MeshConfig, Member, Node
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,19 @@ class Groups:
         if group in ("rollout", "trainer", "controller"):
             return getattr(self, group)
         return self.workers[group]
+
+    def replicas(self, n: int) -> list[list[Member]]:
+        """The trainer ranks in ``n`` replica groups of consecutive ranks (``trainer_replicas``;
+        :func:`distflow.core.config.replica_layout`): one group when ``n`` is 1."""
+        return [[self.trainer[i] for i in ranks] for ranks in replica_layout(len(self.trainer), n)]
+
+    def own_group(self, role: str, replicas: int = 1) -> list[Member]:
+        """The members this node is one torch.distributed group with: a trainer's replica group
+        (the whole trainer group without ``trainer_replicas``), else its role's group."""
+        ms = self.members(role)
+        if role != "trainer" or replicas == 1:
+            return ms
+        return next(g for g in self.replicas(replicas) if any(m.node_id == ms[self.rank].node_id for m in g))
 
     def node_ids(self) -> set[str]:
         """Every node of the run (a `distflow status` client in the mesh is not one)."""
@@ -75,6 +88,8 @@ class Runtime:
                               advertise_host=advertise_host or cfg.advertise_host)
         meta = {"state": "starting", "policy_version": 0, "device": cfg.device,
                 "boot": time.time_ns()}  # boot tells a restarted node (same id) from its previous life
+        if role == "trainer" and healing_replica():
+            meta["heal"] = True  # a replica group restarted alone: it heals from a live one (launch_env.HEAL_ENV)
         if cfg.device == "cuda":
             from distflow.device import gpu_identity
 
@@ -186,8 +201,9 @@ class Runtime:
         return Endpoint(m.node_id, m.host, int(m.meta["data_port"]))
 
     def dead_peers(self, role: str) -> list[str]:
-        """Members of my ``role`` group (not me) the mesh has declared dead (not those that left)."""
-        group = self.groups.members(role) if self.groups is not None else []
+        """Members of my ``role`` group (not me) the mesh has declared dead (not those that left); a
+        trainer's: of its replica group (``trainer_replicas``), the ranks it shares a step with."""
+        group = self.groups.own_group(role, self.cfg.trainer_replicas) if self.groups is not None else []
         out = []
         for g in group:
             m = self.node.member(g.node_id) if g.node_id != self.node.node_id else None
@@ -202,7 +218,9 @@ class Runtime:
         death younger than the refute window. The nodes that feed the trainers (rollout, worker
         groups, the controller) all decide with this one rule. Under a ``distflow run`` that recovers
         dead trainers (``recover_retries``) a dead trainer is waited for too: the launcher restarts
-        every rank from a checkpoint (the waits stay bounded by ``step_timeout_s``)."""
+        every rank from a checkpoint (the waits stay bounded by ``step_timeout_s``). With replica
+        groups (``trainer_replicas``) a dead trainer is waited for while one replica group is wholly
+        alive: that group keeps training, and the dead one is restarted and heals from it."""
         assert self.groups is not None, "trainers_gone needs the groups (form_groups first)"
         node, now = self.node, time.time()
         trainers = [m for t in self.groups.trainer if (m := node.member(t.node_id)) is not None]
@@ -212,6 +230,8 @@ class Runtime:
         dead = {m.node_id: m.since for m in trainers if m.state == "dead"}
         if not dead or recovering_trainers():  # `distflow run` restarts them from a checkpoint: wait for them
             return
+        if any(all(node.is_alive(m.node_id) for m in g) for g in self.groups.replicas(self.cfg.trainer_replicas)):
+            return  # a replica group lives: it trains on without the dead one (distflow.trainer.replicas)
         if all(s in ("left", "dead") for s in states.values()) and "left" in states.values():
             raise PeerLostError(f"trainer {', '.join(dead)} died and the other trainers left: the run is over")
         cluster = self.groups.node_ids()  # a `distflow status` client in the mesh is no witness
@@ -264,6 +284,16 @@ class Runtime:
         """Say how far this rank is (mesh meta ``beat``: :func:`beat_of`; ``at``: what it is doing there)."""
         self.node.set_meta(beat=beat_of(step, point), at=where)
 
+    def stage_beats(self, step: int) -> Callable[[int, str], None]:
+        """``train_half``'s ``at_stage`` for ``step``: the training thread moves this rank's progress
+        counter, on the event loop (which owns the mesh metadata). Call it on the loop."""
+        loop = asyncio.get_running_loop()
+
+        def at_stage(i: int, stage: str) -> None:
+            loop.call_soon_threadsafe(self.set_beat, step, min(1 + i, STEP_DONE - 1), stage)
+
+        return at_stage
+
     def _at(self) -> dict[str, str]:
         """Where each member of my group says it is (meta ``at``: a stage's id), for the stuck message."""
         group = self.groups.members(self.role) if self.groups is not None else []
@@ -272,7 +302,7 @@ class Runtime:
 
     def _beats(self) -> dict[str, int]:
         """The step counter (meta ``beat``) of every alive member of my group, mine included."""
-        group = self.groups.members(self.role) if self.groups is not None else []
+        group = self.groups.own_group(self.role, self.cfg.trainer_replicas) if self.groups is not None else []
         return {g.node_id: m.meta["beat"] for g in group
                 if (m := self.node.member(g.node_id)) is not None and self.node.is_alive(g.node_id)
                 and type(m.meta.get("beat")) is int}

@@ -1,9 +1,10 @@
 """One trainer replica group (one rank) for tests/test_replicas.py: a process of its own, so a
 test can SIGKILL it and start it again.
 
-Why a small model and not a distflow cluster: the cluster wiring of ``trainer_replicas`` is not
-built yet (docs/recovery.md, "Not built yet"); what this exercises is the mechanism it will use, with real
-parts only: a gossip mesh node (where the lighthouse is found), torchft's lighthouse, manager and
+Why a small model and not a distflow cluster: the final weights can be compared with a single
+process's exactly (a share lost or trained twice changes them), which a run's loss (each share's
+token mean) does not allow; ``distflow run`` with ``trainer_replicas`` has its own test. What this
+exercises is the mechanism the run uses, with real parts only: a gossip mesh node (where the lighthouse is found), torchft's lighthouse, manager and
 gloo process group (distflow.trainer.replicas), and a torch model with its optimizer.
 
 Each step's samples are a function of the step (:func:`step_samples`); a replica trains its share

@@ -7,6 +7,10 @@ and committed steps alone while the other was dead; the restarted one copied liv
 not step 0) and committed the later steps in the quorum again; and both end with the weights of
 one process training every sample of every step exactly once (a share lost or trained twice in
 any step would change them).
+
+The run test starts ``distflow run`` with ``trainer_replicas: 2`` and kills replica group 0 (the
+lighthouse's host and the leading group): the other trains on, the killed one heals into the run,
+and every sample is trained once, counted by id in the trainers' traces.
 """
 
 from __future__ import annotations
@@ -187,3 +191,266 @@ def test_the_actor_steps_only_when_the_quorum_commits_and_heals_from_a_peers_sta
     finally:
         sync.close()
         lighthouse.shutdown()
+
+
+def _trace_lines(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+@pytest.mark.cluster
+def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoins_from_live_state(toy_model,
+                                                                                                  tmp_path):
+    """`distflow run` with ``trainer_replicas: 2`` (two groups of one rank): trainer-0, replica group 0, which
+    hosts torchft's lighthouse, publishes the weights and writes the metrics rows, is SIGKILLed once it
+    traced two committed steps. The launcher restarts it alone; trainer-1 trains on, never restarted: it
+    moves to a new lighthouse, takes over the weights and the rows, and trainer-0 heals into the run at the
+    quorum's step from trainer-1's live state (no checkpoint). Counted by sample id over the trainers'
+    traces (each group's share of each committed step; a share committed by trainer-0 just before its
+    death but not yet traced is the rest of the step, by the quorum's rule): every sample of every step
+    trained exactly once, within max_staleness."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
+    from collections import Counter
+
+    from distflow.trace import read_trace
+    from distflow.trainer.metrics import read_metrics
+    from tests.test_supervise import make_data, node_pid, start_run
+
+    rows, per_step = 64, 4
+    steps = rows // per_step
+    out = tmp_path / "run"
+    proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "trainer_replicas=2",
+                     "rollout_nodes=2", "eval_dataset=null", "eval_every=0", "max_staleness=1", "save_interval_s=0",
+                     "step_timeout_s=60")
+    victim_trace = out / "trace" / "trainer-0.jsonl"
+    try:
+        _wait("trainer-0's first committed step", lambda: len(_trace_lines(victim_trace)) >= 1, 120)
+        pid = node_pid(out, "trainer-0")
+        _wait("trainer-0's second committed step", lambda: len(_trace_lines(victim_trace)) >= 2, 60)
+        os.kill(pid, signal.SIGKILL)  # the whole group (its one rank), mid-run
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    assert "trainer-0 died (killed by SIGKILL)" in err and "restarting trainer replica group 0 alone" in err, err[-3000:]
+    assert "restarting the trainers from checkpoint" not in err  # no full recovery
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    log0, log1 = ((out / "logs" / f"trainer-{i}.log").read_text() for i in (0, 1))
+    assert "----- distflow run:" not in log1  # trainer-1 was never restarted
+    assert "recovery 1 of 3: trainer-0's replica group heals from a live one" in log0
+    # its lighthouse went with it: trainer-1 built its torchft side again on a new one (hosted by the lowest live
+    # group: itself, or trainer-0's new life when that was back first), and took over the weights and the rows
+    lighthouses = {ln.split("torchft lighthouse ")[1].split()[0] for ln in log1.splitlines()
+                   if "trainer replica group 1 of 2: torchft lighthouse" in ln}
+    assert len(lighthouses) >= 2 and "trainer replica group 1 leads" in log1, log1[-3000:]
+    for r in ("rollout-0", "rollout-1"):
+        assert "----- distflow run:" not in (out / "logs" / f"{r}.log").read_text()
+
+    trace = read_trace(out)
+    survivor = {rec["step"]: rec for rec in trace["trainer-1"]}
+    assert sorted(survivor) == list(range(steps))  # the survivor committed every step, in one life
+    # healed from live state at the quorum's step, not step 0 (its new life started at 0; no checkpoint was read)
+    healed = [ln for ln in log0.splitlines() if "healed from a live one: at step" in ln]
+    assert len(healed) == 1 and healed[0].split("(was ")[1].startswith("0)") and "resume_from" not in log0, log0[-3000:]
+    rejoined_at = int(healed[0].split("at step ")[1].split()[0])
+    victim = trace["trainer-0"]
+    first = [r["step"] for r in victim if r["step"] < rejoined_at]  # its first life's committed steps, traced
+    assert len(first) >= 2 and first == list(range(len(first))) and rejoined_at >= len(first)
+    assert [r["step"] for r in victim if r["step"] >= rejoined_at] == list(range(rejoined_at, steps))
+    # each committed step's samples: the prompts the rollout nodes generated for it (with weights within
+    # max_staleness of the step), two samples each
+    expected: dict[int, set] = {}
+    for node in ("rollout-0", "rollout-1"):
+        for rec in trace[node]:
+            assert rec["step"] - 1 <= rec["policy_version"] <= rec["step"], rec
+            expected.setdefault(rec["step"], set()).update(f"{p}:s{j}" for p in rec["prompt_ids"] for j in range(2))
+    trained, alone = Counter(), []
+    for k in range(steps):
+        recs = [survivor[k]] + [r for r in victim if r["step"] == k]
+        together = survivor[k]["participants"]
+        assert {r["participants"] for r in recs} == {together} and together in (1, 2), (k, recs)
+        ids = [s for r in recs for s in r["sample_ids"]]
+        assert len(ids) == len(set(ids)), k  # the shares are disjoint
+        if together == 1:
+            alone.append(k)  # trainer-1 alone while trainer-0 was dead: the whole step
+        elif len(recs) == 1:  # trainer-0 committed this step with trainer-1 and died before its trace line:
+            assert k == len(first), k  # its share's gradient is in trainer-1's weights (the average)
+            step_ids = sorted(expected[k])
+            shares = [{step_ids[i] for i in replica_share(step_ids, 2, r)} for r in (0, 1)]
+            assert set(ids) in shares, k  # trainer-1's share by the quorum's rule; trainer-0's is the rest
+            ids = step_ids
+        assert set(ids) == expected[k], k  # the step's every sample, once
+        trained.update(ids)
+        assert all(k - 1 <= v <= k for r in recs for v in r["policy_versions"]), k  # max_staleness 1
+    assert set(alone) <= set(range(len(first), rejoined_at)), alone  # only while it was dead
+    assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
+    assert set(trained.values()) == {1}
+
+
+def test_two_replica_groups_shares_make_the_whole_steps_update_however_the_tokens_split(toy_model, world1):
+    """Two real FSDP2 actors, each a replica group under torchft (one in-process lighthouse, a thread
+    each), train their shares of a step whose shares hold different token counts: each share's loss is
+    normalised by the whole step's tokens over the participants (``Actor.step_counts``), so after the
+    quorum's average both hold exactly the weights of one actor trained on the whole step."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    from distflow.core.config import load_config
+    from distflow.rl.shaping import trained_token_counts
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.replicas import ReplicaSync, actor_state_fns
+    from tests.conftest import ROOT as REPO
+    from tests.test_packing import make_batch
+
+    cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
+                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01"])
+    node = cfg.node("ACTOR", "MODEL_TRAIN")
+    plain, actors = Actor(cfg, with_reference=False), [Actor(cfg, with_reference=False) for _ in range(2)]
+    for a in (plain, *actors):  # AdamW's first step is ~lr * sign(g): with eps 1 it is ~lr * g, so the weights
+        for group in a.optim.param_groups:  # compare the gradients (a summation order's noise, not amplified)
+            group["eps"] = 1.0
+    step = make_batch(10, seed=11, max_resp=8)
+    lens = trained_token_counts(step, cfg)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    syncs = [ReplicaSync(f"replica{r}", lighthouse.address(), *actor_state_fns(a), host="127.0.0.1", timeout_s=30)
+             for r, a in enumerate(actors)]
+    shares: list = [None, None]
+    errors: list = []
+
+    def train(r: int) -> None:
+        try:
+            syncs[r].begin()
+            share = step.select(syncs[r].share(step.sample_ids))
+            shares[r] = (syncs[r].participants, len(share), float(trained_token_counts(share, cfg).sum()))
+            actors[r].replicas = syncs[r]
+            actors[r].step_counts = (float(lens.sum()), float((lens > 0).sum()))
+            actors[r].update(node, share)
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+            errors.append(e)
+
+    try:
+        plain.update(node, step)
+        threads = [threading.Thread(target=train, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert [p for p, _, _ in shares] == [2, 2] and sum(n for _, n, _ in shares) == 10
+        assert shares[0][2] != shares[1][2]  # the shares' tokens differ: a share's own mean would be off
+        want = plain.full_state_dict()
+        for a in actors:
+            assert a.version == 1
+            for name, t in a.full_state_dict().items():
+                torch.testing.assert_close(t, want[name], rtol=1e-6, atol=1e-9)
+    finally:
+        for sync in syncs:
+            sync.close()
+        lighthouse.shutdown()
+
+
+@pytest.mark.parametrize("ingress", [True, False], ids=["posted", "messages"])
+def test_scatter_gives_every_replica_group_the_whole_step_each_sample_at_its_owner(ingress):
+    """``scatter(..., replicas=2)`` to 4 consumers (2 groups of 2): each group receives every sample once,
+    at the rank owning it within the group, byte-exact; a part names that rank and the group's size."""
+    from distflow.buffer.redistribute import gather_step, scatter
+    from distflow.buffer.routing import owner
+    from tests.test_posting import batch, consumers, ep, run, samples
+    from distflow.transport import make_transport
+    from tests.test_posting import SECRET
+
+    async def main():
+        cons = await consumers(4, ingress=ingress)
+        prods = [make_transport("shm", f"p{i}", SECRET) for i in range(2)]
+        for p in prods:
+            await p.start()
+        sent: dict = {}
+        got: list[dict] = [{}, {}]
+        for step in range(2):
+            for i, p in enumerate(prods):
+                b = batch(p.node_id, step, [7, 5][i], seed=10 * step + i)
+                sent.update(samples(b))
+                await scatter(p, b, [ep(c) for c, _ in cons], step=step, source_rank=i, timeout=10, replicas=2)
+            for j, (_, shard) in enumerate(cons):
+                taken = await gather_step(shard, step, [p.node_id for p in prods], timeout=10)
+                for sid, v in samples(taken).items():
+                    assert owner(sid, 2) == j % 2 and sid not in got[j // 2]
+                    got[j // 2][sid] = v
+        assert got[0] == sent and got[1] == sent and len(sent) == 24
+        for c in [*prods, *(c for c, _ in cons)]:
+            await c.close()
+
+    run(main())
+
+
+def test_trainer_replicas_is_refused_where_the_groups_cannot_keep_in_step(toy_model):
+    from distflow.core.config import load_config
+    from distflow.core.config_keys import ConfigError
+    from tests.conftest import ROOT as REPO
+
+    def cfg(*more: str):
+        return load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
+                                                                         *more])
+
+    assert cfg("trainer_nodes=2", "trainer_replicas=2").trainer_replicas == 2
+    for more, why in [(("trainer_nodes=3", "trainer_replicas=2"), "trainer_replicas: 2 must divide trainer_nodes: 3"),
+                      (("trainer_nodes=4", "trainer_replicas=2"), "groups of 2 ranks: replica groups of several FSDP"),
+                      (("trainer_replicas=2", "ppo_epochs=2"), "cannot be combined with ppo_epochs"),
+                      (("trainer_replicas=2", "mini_batches_per_step=2"), "cannot be combined with mini_batches"),
+                      (("trainer_replicas=2", "controller=single"), "cannot be combined with controller")]:
+        with pytest.raises(ConfigError, match=why):
+            cfg(*more)
+
+
+def test_the_launcher_restarts_only_the_dead_replica_group_and_marks_it_healing(toy_model, tmp_path):
+    """Real child processes: trainer-1's group dead and trainer-0's alive: only trainer-1 is started again,
+    with DISTFLOW_HEAL_REPLICA=1 and the live nodes as seeds, no resume_from, counted against
+    recover_retries. With every group dead (or without replicas) nothing is done here (the full recovery)."""
+    from distflow.core.config import load_config
+    from distflow.launch.children import Child
+    from distflow.launch.recovery import TrainerRecovery
+    from tests.conftest import ROOT as REPO
+
+    cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [
+        f"model_path={toy_model}", "toy_model=false", f"output_dir={tmp_path}", "trainer_nodes=2",
+        "trainer_replicas=2", "recover_retries=2"])
+    report = "import os, sys; print('env', os.environ.get('DISTFLOW_HEAL_REPLICA'), 'args', sys.argv[1:])"
+
+    def child(node_id: str, role: str, port: int, live: bool) -> Child:
+        log = tmp_path / f"{node_id}.log"
+        cmd = [sys.executable, "-c", "import time; time.sleep(60)" if live else "import sys; sys.exit(-9 % 256)"]
+        with log.open("w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        c = Child(node_id, role, port, proc, log, [sys.executable, "-c", report], dict(os.environ))
+        if not live:
+            proc.wait(timeout=30)
+        return c
+
+    kids = [child("trainer-0", "trainer", 1000, True), child("trainer-1", "trainer", 1001, False),
+            child("rollout-0", "rollout", 1002, True)]
+    told: list[str] = []
+    try:
+        recovery = TrainerRecovery(cfg, since=0.0)
+        assert recovery.restart_replicas(kids, [kids[1]], told.append)
+        assert recovery.attempts == 1 and kids[0].proc.poll() is None  # the live group untouched
+        kids[1].proc.wait(timeout=30)
+        out = (tmp_path / "trainer-1.log").read_text()
+        assert "heals from a live one" in out
+        assert "env 1 args ['--seeds', '127.0.0.1:1000,127.0.0.1:1002']" in out, out  # no resume_from
+        assert "restarting trainer replica group 1 alone; it heals from the live replica group 0 (attempt 1/2)" \
+            in told[0]
+        every = [kids[0], kids[1]]
+        kids[0].proc.kill()
+        kids[0].proc.wait(timeout=30)
+        assert not recovery.restart_replicas(kids, every, told.append)  # every group dead: the full recovery
+        single = TrainerRecovery(load_config(REPO / "examples" / "grpo_quickstart.yaml", [
+            f"model_path={toy_model}", "toy_model=false", f"output_dir={tmp_path}"]), since=0.0)
+        assert not single.restart_replicas(kids, [kids[1]], told.append) and recovery.attempts == 1
+    finally:
+        for c in kids:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait(timeout=30)

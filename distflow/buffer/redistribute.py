@@ -75,6 +75,7 @@ async def scatter(
     num_sources: int | None = None,
     extra_meta: dict[str, Any] | None = None,
     only: Collection[int] | None = None,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """Send this producer's part of ``step`` to every consumer (concurrently); one message each.
 
@@ -83,6 +84,9 @@ async def scatter(
     ``part``, ``num_parts``, ``balance`` and any ``extra_meta`` (msgpack-able, not those keys).
     ``only`` (consumer indices) sends just those parts, e.g. a retry to the consumers a first
     attempt could not reach; the split is the same, so each part still goes to its owner.
+    ``replicas`` > 1: the consumers are that many replica groups of equal size, in order
+    (``trainer_replicas``), and each group receives the whole batch: consumer ``k`` gets the part of
+    rank ``k mod size`` of its group (``part`` / ``num_parts`` name that rank and the group's size).
     Returns ``{"step", "samples": [per consumer], "bytes", "seconds"}``. Raises ScatterError
     naming the consumers that failed (the others did receive their part).
 
@@ -97,9 +101,13 @@ async def scatter(
     if len({c.node_id for c in consumers}) != len(consumers):
         raise ValueError(f"duplicate consumer node ids in {[c.node_id for c in consumers]}")
     t0 = time.perf_counter()
-    groups = groups_for(batch, len(consumers), balance, source_rank)
+    size = len(consumers) // replicas
+    if replicas < 1 or size * replicas != len(consumers):
+        raise ValueError(f"{len(consumers)} consumers are not {replicas} replica groups of equal size")
+    owned = groups_for(batch, size, balance, source_rank)
+    groups = [owned[k % size] for k in range(len(consumers))]  # every replica group: the whole batch
     common = {**(extra_meta or {}), "step": step, "source_rank": source_rank, "num_sources": num_sources,
-              "num_parts": len(consumers), "balance": balance}
+              "num_parts": size, "balance": balance}
     wanted = [k for k in range(len(consumers)) if only is None or k in only]
     posted, nbytes = await _post(channel, batch, groups, consumers, wanted, kind, common)
     rest = set(wanted) - posted
@@ -110,7 +118,7 @@ async def scatter(
         if part is None:
             continue
         wire_meta, tensors = part.to_wire()
-        meta = {**common, **wire_meta, "part": rank}
+        meta = {**common, **wire_meta, "part": rank % size}
         sends[consumer.node_id] = asyncio.create_task(
             channel.send(consumer, kind, meta, tensors, timeout=timeout),
             name=f"scatter-{kind}-s{step}-r{source_rank}->{consumer.node_id}")
@@ -146,7 +154,8 @@ async def _post(channel: Transport, batch: SampleBatch, groups: list[list[int]],
     ids, prompt_ids, extras = batch.sample_ids, batch.prompt_ids, batch.extras
     metas = [msgpack.packb({**common, "sample_ids": [ids[i] for i in groups[k]],
                             "prompt_ids": [prompt_ids[i] for i in groups[k]],
-                            "extras": [extras[i] for i in groups[k]], PACKED: part_layout, "part": k},
+                            "extras": [extras[i] for i in groups[k]], PACKED: part_layout,
+                            "part": k % common["num_parts"]},
                            use_bin_type=True) for k, (_, _, part_layout) in zip(local, spans)]
     buf = await channel.shared_buffer(total, sum(len(m) + 8 for m in metas))
     if buf is None:

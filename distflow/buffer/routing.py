@@ -165,7 +165,7 @@ def split_parts(batch: SampleBatch, groups: list[list[int]],
         if only is not None and k not in only:
             out.append(None)
         elif packer is None:
-            out.append(batch if k == whole else batch.select([]))
+            out.append(batch if len(group) == len(batch) else batch.select([]))  # (replicas: several whole)
         else:
             out.append(packer.pack(group, None if alloc is None else functools.partial(alloc, k)))
     return out

@@ -41,6 +41,16 @@ from distflow.rl.node_args import check_node_args  # torch-free
 MeshSettings = MeshSection  # its name before the sections
 
 
+def replica_layout(trainer_nodes: int, replicas: int) -> list[list[int]]:
+    """The trainer ranks of each replica group: ``replicas`` groups of ``trainer_nodes / replicas``
+    consecutive ranks (each an FSDP group of its own). ValueError when they do not divide."""
+    if replicas < 1 or trainer_nodes % replicas:
+        raise ValueError(f"trainer_replicas: {replicas} must divide trainer_nodes: {trainer_nodes} "
+                         f"(each replica group is an FSDP group of trainer_nodes / trainer_replicas ranks)")
+    size = trainer_nodes // replicas
+    return [list(range(r * size, (r + 1) * size)) for r in range(replicas)]
+
+
 class Config(BaseModel):
     """A DistFlow run: one section per concern. See docs/configuration.md for every key."""
 
@@ -167,6 +177,7 @@ class Config(BaseModel):
             raise ValueError(f"sequence_parallel ({self.sequence_parallel}) x tensor_parallel "
                              f"({self.tensor_parallel}) must divide trainer_nodes ({self.trainer_nodes}): the "
                              "trainers form data-parallel shards of sequence_parallel x tensor_parallel ranks each")
+        self._check_replicas()
         if self.tensor_parallel > 1 and self.lora is not None:
             raise ValueError("tensor_parallel: LoRA adapters wrap the projections the tensor-parallel plan splits; "
                              "use tensor_parallel: 1 with lora (or lora: null)")
@@ -214,6 +225,29 @@ class Config(BaseModel):
                                  f"rollout group, not on {p.group_of[n.id]!r} (key 'group', or its deps: it runs where "
                                  "they are)")
         return self
+
+    def _check_replicas(self) -> None:
+        """``trainer_replicas``: what the replica groups (distflow.trainer.replicas) can keep in step."""
+        r = self.trainer_replicas
+        if r == 1:
+            return
+        replica_layout(self.trainer_nodes, r)  # (a ValueError naming both keys when r does not divide)
+        if self.trainer_nodes != r:
+            raise ValueError(f"trainer_replicas: {r} groups of {self.trainer_nodes // r} ranks: replica groups of "
+                             "several FSDP ranks are not built yet (torchft's manager on every rank of a group); "
+                             f"use trainer_nodes: {r} (one rank a group)")
+        why = {"tensor_parallel": self.tensor_parallel > 1, "sequence_parallel": self.sequence_parallel > 1,
+               "mini_batches_per_step": self.mini_batches_per_step != 1,
+               "ppo_epochs": self.ppo_epochs != 1, "controller": self.controller != "distributed",
+               "worker_groups": bool(self.worker_groups),
+               "workflow": any(n.role.value == "CRITIC" for n in self.workflow)}
+        bad = [k for k, v in why.items() if v]
+        if bad:
+            raise ValueError(f"trainer_replicas: {r} cannot be combined with {bad[0]} (replica groups commit one "
+                             "optimizer step a step of the actor alone, fed straight by the rollout nodes: "
+                             "mini_batches_per_step and ppo_epochs 1, tensor_parallel and sequence_parallel 1, no "
+                             "critic node in the "
+                             "workflow, controller: distributed without worker_groups)")
 
     def _check_eval(self, p: Any) -> None:
         """The evaluation keys: set only with eval_dataset, whose scores need every REWARD node on

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["GPU_NODES_ENV", "LAUNCHER_PID_ENV", "RECOVER_ENV", "T0_ENV", "recovering_trainers", "launch_time", "process_start_time", "run_start"]
+__all__ = ["GPU_NODES_ENV", "HEAL_ENV", "LAUNCHER_PID_ENV", "RECOVER_ENV", "T0_ENV", "healing_replica", "recovering_trainers", "launch_time", "process_start_time", "run_start"]
 
 T0_ENV = "DISTFLOW_T0"  # wall-clock start of the launcher process, for the start-up figure
 LAUNCHER_PID_ENV = "DISTFLOW_LAUNCHER_PID"  # the launcher's pid, for the node's die_with_launcher
@@ -21,12 +21,21 @@ GPU_NODES_ENV = "DISTFLOW_GPU_NODES"  # how many nodes of the run share this nod
 # Set ("1") by `distflow run` when it restarts dead trainer ranks from a checkpoint (recover_retries): a
 # rollout node then waits for the trainers to come back instead of stopping at a trainer's death.
 RECOVER_ENV = "DISTFLOW_RECOVER_TRAINERS"
+# Set ("1") by `distflow run` on the ranks of a trainer replica group it restarts alone (trainer_replicas):
+# the rank heals from a live replica; its mesh meta says so (``heal``), so the rollout nodes send it the
+# steps it missed instead of going back to a checkpoint with every trainer.
+HEAL_ENV = "DISTFLOW_HEAL_REPLICA"
 
 
 def recovering_trainers() -> bool:
     """Whether this node's launcher restarts dead trainer ranks (``RECOVER_ENV``): a dead trainer is
     then a pause, not the end of the run (:meth:`distflow.runtime.Runtime.trainers_gone`)."""
     return os.environ.get(RECOVER_ENV) == "1"
+
+
+def healing_replica() -> bool:
+    """Whether this trainer process is a replica group's rank restarted alone (``HEAL_ENV``)."""
+    return os.environ.get(HEAL_ENV) == "1"
 
 
 def launch_time() -> float | None:

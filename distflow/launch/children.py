@@ -97,14 +97,15 @@ class Child:
         self.restarts += 1
         self.start_again(f"restart {self.restarts} of {self.node_id}")
 
-    def start_again(self, banner: str, overrides: tuple[str, ...] = ()) -> None:
+    def start_again(self, banner: str, overrides: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         """Start the node again under a ``banner`` line in its log (appended to), with config
         ``overrides`` (``key=value``, e.g. a trainer recovered from a checkpoint's ``resume_from``)
-        after the command's own arguments; same id, same ports, same environment."""
+        after the command's own arguments; same id, same ports, same environment (plus ``env`` for
+        this start only: a replica group restarted alone, ``launch_env.HEAL_ENV``)."""
         with self.log_path.open("a") as f:
             f.write(f"\n----- distflow run: {banner} -----\n")
             f.flush()
-            self.proc = spawn(self.cmd + list(overrides), f, self.env, self.zygote)
+            self.proc = spawn(self.cmd + list(overrides), f, {**self.env, **(env or {})}, self.zygote)
 
 
 def free_ports(host: str, n: int) -> list[int]:

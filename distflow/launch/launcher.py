@@ -56,6 +56,10 @@ from distflow.launch.roles import RESTARTABLE
 from distflow.launch.signals import catch_stop_signals, restore_signals, signum_of, stop_name
 
 CONFIG_EXIT = 2  # a node's exit status on a configuration or data error (launch.node.exit_code_of): never restarted
+# trainer_replicas: once one replica group finished the run, how long the others may take to end by themselves
+# (their last step, the lighthouse's host waiting for them) before they are stopped (one restarted as the run
+# ended would wait for peers that are gone)
+REPLICA_GRACE_S = 30.0
 
 
 def check_bind_host(host: str) -> None:
@@ -295,6 +299,10 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
         codes = {c.node_id: c.proc.poll() for c in children}
         if all(codes[t.node_id] == 0 for t in trainers):
             break  # the trainers finished: the run is done
+        if recovery.replica_finished(children):  # a replica group finished the run: the others' last moments
+            if not wait_all([t for t in trainers if t.proc.poll() is None], REPLICA_GRACE_S):
+                stop_children([t for t in trainers if t.proc.poll() is None])
+            break
         misconfigured = [c for c in children if codes[c.node_id] == CONFIG_EXIT]
         if misconfigured:  # deterministic: a restart would fail the same way, and so would the adopters of its work
             _report(misconfigured, cfg, f"{misconfigured[0].node_id} exited {CONFIG_EXIT} on a configuration or data "
@@ -302,6 +310,8 @@ def supervise(cfg: Config, children: list[Child], bar: Progress | None = None, p
             stop_children(children)
             return CONFIG_EXIT
         fatal = [c for c in children if c.role not in RESTARTABLE and codes[c.node_id] not in (None, 0)]
+        if fatal and recovery.restart_replicas(children, fatal, lambda text: _tell(bar, text)):
+            continue  # trainer_replicas: only the dead replica group, healing from a live one
         if fatal and recovery.possible(children, fatal):  # every trainer rank again, from the newest checkpoint
             if recovery.recover(children, fatal, lambda text: _tell(bar, text),
                                 lambda step: bar.rows_dropped() if bar is not None else None):

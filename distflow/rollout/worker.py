@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from distflow.buffer.dataloader import PromptShard
 from distflow.device import call_on, chosen_device, gpu_sharers, node_device
@@ -113,7 +113,8 @@ class TrainersRestarted(RuntimeError):
 
 
 async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: int, shard: int, extra: dict,
-                     check: Callable[[], None] | None = None, source_group: str = "rollout") -> None:
+                     check: Callable[[], None] | None = None, source_group: str = "rollout",
+                     to: Collection[str] | None = None) -> None:
     """Each trainer gets the samples it owns, through the data plane's one routing function
     (``buffer.redistribute.scatter``: one message per trainer, empty or not). A trainer that is
     cut off is retried until it is back, or until the trainers no longer need this step.
@@ -121,20 +122,30 @@ async def send_parts(rt: Runtime, groups: Groups, batch: SampleBatch, *, step: i
     for its ack, so a trainer that dies mid-send is noticed within a second, not after
     ``step_timeout_s``. With ``controller: single`` the whole batch goes to the controller, and
     when the plan puts a worker group next (``worker_groups``) to its rank ``shard % size``
-    (:meth:`Runtime.targets_after`); a stage worker forwards through here too (``source_group``)."""
+    (:meth:`Runtime.targets_after`); a stage worker forwards through here too (``source_group``).
+    With trainer replica groups (``trainer_replicas``) every group gets the whole batch, each rank
+    the samples it owns in its group; a trainer not alive is not waited for (the rollout node
+    keeps the part and sends it to the trainer's next life: :meth:`RolloutLoop.rejoin_replicas`).
+    ``to``: only these targets (a resend)."""
     cfg = rt.cfg
     targets = rt.targets_after(source_group, shard)
+    replicas = cfg.trainer_replicas if targets == [m.node_id for m in groups.trainer] else 1
     consumers = [rt.endpoint(t) for t in targets]
-    pending = set(range(len(targets)))
+    pending = {i for i, t in enumerate(targets) if to is None or t in to}
     deadline = time.monotonic() + cfg.step_timeout_s
     while pending:
+        if replicas > 1:  # a dead replica group is not waited for: its next life gets the kept part
+            pending -= {i for i in pending if not rt.node.is_alive(targets[i])}
+            if not pending:
+                return
         live = {i for i in pending if rt.node.is_alive(targets[i])}
         if live:
             for i in live:  # where the mesh says it is now: a consumer back from a restart may have moved
                 consumers[i] = rt.endpoint(targets[i])
             send = asyncio.create_task(
                 scatter(rt.channel, batch, consumers, step=step, source_rank=shard, timeout=cfg.step_timeout_s,
-                        balance=cfg.route_by, num_sources=len(groups.rollout), extra_meta=extra, only=live),
+                        balance=cfg.route_by, num_sources=len(groups.rollout), extra_meta=extra, only=live,
+                        replicas=replicas),
                 name=f"send-step{step}-shard{shard}")
             lives = {i: _life(rt, targets[i]) for i in live}
             try:
@@ -232,6 +243,8 @@ class RolloutLoop:
                                            self.load_fresh_weights, rank)
         self.trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples)
         self.lives = trainer_lives(rt, groups)  # the trainer processes this node generates for
+        # trainer_replicas: the parts sent of the steps the quorum has not committed, for a replica group's next life
+        self.kept: dict[tuple[int, int], tuple[SampleBatch, dict]] = {}
         log.info("rollout rank %d: shard %d of %d rows, %d steps, pipeline %s", rank, rank,
                  self.loaders[rank].num_rows, self.total, [n.id for n in self.pipeline])
         stopped = False
@@ -256,6 +269,7 @@ class RolloutLoop:
         progress: tuple = ()  # (weights version, trainers' step, evaluations) last seen: any moving is progress
         while inbox.version < total:  # until the trainers have published the final version
             rt.trainers_gone()  # raises when they are gone for good
+            await self.rejoin_replicas()
             restarted = self.trainers_restarted()
             if restarted is not None:  # every trainer is back from a checkpoint: generate from its step again
                 next_step, stalled_since = dict.fromkeys(next_step, restarted), time.monotonic()
@@ -326,6 +340,8 @@ class RolloutLoop:
             except TrainersRestarted:  # made with weights that are gone: the step is generated again
                 log.warning("rollout rank %d: the trainers restarted; step %d shard %d not sent", rank, step, shard)
                 continue
+            if cfg.trainer_replicas > 1:
+                self.kept[(step, shard)] = (batch, extra)
             if self.trace.path is not None:
                 self.trace.write(step=step, rank=rank, shard=shard, epoch=epoch,
                                  prompt_ids=[r.prompt_id for r in rows], policy_version=engine.version,
@@ -336,8 +352,42 @@ class RolloutLoop:
             stalled_since = time.monotonic()
 
     def trainer_lives_changed(self) -> bool:
-        """Whether a trainer alive now is in another life than the one this node generates for."""
-        return any(self.lives.get(t) != b for t, b in trainer_lives(self.rt, self.groups).items())
+        """Whether a trainer alive now is in another life than the one this node generates for (a
+        replica group restarted alone, which heals from a live one, is not: :meth:`rejoin_replicas`)."""
+        return any(self.lives.get(t) != b for t, b in trainer_lives(self.rt, self.groups).items()
+                   if t not in self.healing())
+
+    def healing(self) -> list[str]:
+        """Trainers in a new life that heal from a live replica group (``trainer_replicas``: the
+        launcher restarted their group alone; mesh meta ``heal``)."""
+        if self.cfg.trainer_replicas == 1:
+            return []
+        return [t for t, b in trainer_lives(self.rt, self.groups).items() if self.lives.get(t) != b
+                and (m := self.rt.node.member(t)) is not None and m.meta.get("heal") is True]
+
+    async def rejoin_replicas(self) -> None:
+        """A replica group restarted alone heals to the quorum's step from a live group and trains
+        on from there (no step goes back): send its new life every kept part of the steps the
+        quorum has not committed yet (those sent to its previous life, or not sent while it was
+        dead), and forget the kept parts of the committed ones."""
+        if self.cfg.trainer_replicas == 1:
+            return
+        committed = max((int(m.meta.get("policy_version", 0)) for t in self.groups.trainer
+                         if self.rt.node.is_alive(t.node_id) and (m := self.rt.node.member(t.node_id)) is not None),
+                        default=0)
+        for key in [k for k in self.kept if k[0] < committed]:
+            del self.kept[key]
+        back = self.healing()
+        if not back:
+            return
+        now = trainer_lives(self.rt, self.groups)
+        self.lives = {**self.lives, **{t: now[t] for t in back}}
+        log.warning("rollout rank %d: trainer replica %s rejoined (it heals from a live replica); sending it the "
+                    "%d parts of steps %s again", self.groups.rank, ", ".join(back), len(self.kept),
+                    sorted({k[0] for k in self.kept}))
+        for (step, shard), (batch, extra) in sorted(self.kept.items(), key=lambda kv: kv[0]):
+            await send_parts(self.rt, self.groups, batch, step=step, shard=shard, to=set(back),
+                             extra={**extra, "trainer_lives": self.lives}, check=self.rt.trainers_gone)
 
     def check_trainers(self) -> None:
         """For ``send_parts``: raise when the trainers are gone for good (``trainers_gone``) or were

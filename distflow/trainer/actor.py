@@ -241,7 +241,11 @@ class Actor:
         self.version = 0
         # Replica groups kept in step (distflow.trainer.replicas.ReplicaSync, or None): the optimizer step
         # averages the gradients over the quorum and is taken only when it commits (StepNotCommitted).
+        # step_counts: this rank's (trained tokens, trained sequences) of the WHOLE step, of which it trains a
+        # share: the loss is normalised by the step's count over the participants, so the quorum's mean gradient
+        # is the step's token mean however the shares split the tokens.
         self.replicas: Any = None
+        self.step_counts: tuple[float, float] | None = None
         self.total_steps: int | None = cfg.max_steps  # the worker sets the run's length when it learns it
         if self.resumed is not None:
             self._resume(Path(cfg.resume_from), self.resumed)
@@ -353,13 +357,17 @@ class Actor:
         """One optimizer step over ``batch`` (this rank's part of a mini-batch; every rank calls it)."""
         cfg = self.cfg
         lens = trained_token_counts(batch, cfg)  # overlong: mask drops truncated ones
-        global_tokens, global_seqs, global_all = self._all_reduce(
-            [float(lens.sum()), float((lens > 0).sum()), float(batch.num_tokens().sum()) if len(batch) else 0.0])
+        whole = list(self.step_counts) if self.replicas is not None and self.step_counts is not None else []
+        global_tokens, global_seqs, global_all, *whole = self._all_reduce(
+            [float(lens.sum()), float((lens > 0).sum()), float(batch.num_tokens().sum()) if len(batch) else 0.0, *whole])
         # FSDP averages gradients over ranks: normalise by the global count / world.
         # (With tensor or sequence parallelism every sample is counted N times, on each rank of its group, and
-        # each of those computes its whole loss: the same quotient. See trainer/ulysses.py for SP's gradients.)
-        normalizer = max(global_tokens, 1.0) / self.world
-        seq_normalizer = max(global_seqs, 1.0) / self.world
+        # each of those computes its whole loss: the same quotient. See trainer/ulysses.py for SP's gradients.
+        # With replica groups, the whole step's counts over the quorum's participants: trainer/replicas.py.)
+        norm_tokens, norm_seqs = (w / self.replicas.participants for w in whole) if whole else (global_tokens,
+                                                                                                  global_seqs)
+        normalizer = max(norm_tokens, 1.0) / self.world
+        seq_normalizer = max(norm_seqs, 1.0) / self.world
         self.optim.zero_grad(set_to_none=True)
         sums = DeviceSums(["loss", "pg_loss", "kl", "clip_frac", "entropy",  # the same keys on every rank
                            *(k for m in OPTIONAL_METRICS for k in (m, f"{m}/w"))], self.device)

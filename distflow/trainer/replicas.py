@@ -28,9 +28,10 @@ One step, on every replica group (``ReplicaSync``):
    participants split the whole step between them, so the dead group's share is trained by the
    survivors and no sample is trained twice into the weights.
 
-Where the lighthouse lives: it is started by replica 0's first rank (:func:`publish_lighthouse`)
-and named in that node's mesh metadata (``ft_lighthouse``); the others read it there. Replica 0's
-death therefore takes the lighthouse with it (see docs/recovery.md, Limits).
+Where the lighthouse lives: in a trainer process, which names it in its mesh metadata
+(``ft_lighthouse``, :func:`publish_lighthouse`); the others read it there (:func:`find_lighthouse`).
+Which process hosts it, and how the groups move to another when its host dies, is the run's
+business (:class:`distflow.trainer.replica_run.ReplicaLink`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+
+from distflow.core.config import replica_layout  # noqa: F401 - the groups' ranks, the rule the config checks
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +60,6 @@ class StepNotCommitted(RuntimeError):
     """The replica groups' quorum did not commit this optimizer step (a group died in it): the
     weights, the optimizer state and the policy version are unchanged; the step is taken again
     from a new quorum (:meth:`ReplicaSync.take_step`)."""
-
-
-def replica_layout(trainer_nodes: int, replicas: int) -> list[list[int]]:
-    """The trainer ranks of each replica group: ``replicas`` groups of ``trainer_nodes / replicas``
-    consecutive ranks (each an FSDP group of its own). ValueError when they do not divide."""
-    if replicas < 1 or trainer_nodes % replicas:
-        raise ValueError(f"trainer_replicas: {replicas} must divide trainer_nodes: {trainer_nodes} "
-                         f"(each replica group is an FSDP group of trainer_nodes / trainer_replicas ranks)")
-    size = trainer_nodes // replicas
-    return [list(range(r * size, (r + 1) * size)) for r in range(replicas)]
 
 
 def replica_share(sample_ids: list[str], participants: int, rank: int) -> list[int]:
@@ -106,7 +99,7 @@ def actor_state_fns(actor: Any) -> tuple[Callable[[], dict], Callable[[dict], No
     :class:`ReplicaSync`: what a restarted replica copies from a live one: the full (unsharded,
     host) weights, the optimizer state and the policy version. Full state dicts are collectives
     of the replica's own FSDP group; torchft calls these from its own thread, which is safe for a
-    one-rank group only (see docs/recovery.md, "Not built yet")."""
+    one-rank group only (see docs/recovery.md, "Limits")."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -134,10 +127,16 @@ class ReplicaSync:
     """One replica group's side of torchft (a 1-rank group: this process is the group's rank 0 and
     hosts its torchft manager server and store). ``state_dict`` / ``load_state_dict``: what a
     restarted replica copies from a live one (weights, optimizer state, the step counter).
-    Every wait has a deadline: ``timeout_s`` for the quorum, the all-reduce and the commit."""
+    Every wait has a deadline: ``timeout_s`` for the quorum, the all-reduce and the commit.
+    ``start_step``: the steps this replica has committed already (a resumed run's, or a manager
+    built again on a new lighthouse): torchft's step count, which decides who heals from whom.
+    No heal at step 0 (torchft's ``init_sync`` off): the replicas start from the same weights (one
+    seed, one checkpoint), and the state dict a heal reads would initialise an optimizer that has
+    not stepped yet by stepping it on zero gradients (``get_optimizer_state_dict``): Adam's step
+    count, one ahead, would change every later update's bias correction."""
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], dict],
-                 load_state_dict: Callable[[dict], None], *, host: str, timeout_s: float):
+                 load_state_dict: Callable[[dict], None], *, host: str, timeout_s: float, start_step: int = 0):
         import torch.distributed as dist
         from torchft import Manager, ProcessGroupGloo
 
@@ -154,8 +153,9 @@ class ReplicaSync:
         self.manager = Manager(pg=ProcessGroupGloo(timeout=limit), min_replica_size=1, load_state_dict=load,
                                state_dict=state_dict, replica_id=replica_id, store_addr=host,
                                store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
-                               hostname=host, port=0, use_async_quorum=False, timeout=limit,
+                               hostname=host, port=0, use_async_quorum=False, init_sync=False, timeout=limit,
                                quorum_timeout=limit, connect_timeout=limit)
+        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
 
     def begin(self) -> None:
         """A new quorum for the next optimizer step (heals this replica first when it is behind)."""

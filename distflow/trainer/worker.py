@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,11 +39,13 @@ from distflow.device import call_on, node_device
 from distflow.runtime import STEP_DONE, Groups, Runtime, shard_cover
 from distflow.transport.select import weight_tier
 from distflow.weights.tiers import serving_plan
-from distflow.core.launch_env import run_start
+from distflow.core.launch_env import healing_replica, run_start
 from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_order
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
 from distflow.trainer.health import DivergenceWatch, EmptyRunWatch
+from distflow.trainer.replica_run import (Lead, NothingToHeal, ReplicaLink, ReplicaRows, ReplicaSteps, replica_index,
+                                          writes_final_checkpoint)
 from distflow.trainer.async_save import CheckpointWriter
 from distflow.trainer.stages import build_context, save_checkpoint
 from distflow.trainer.step_stats import peak_memory, step_statistics
@@ -91,13 +94,18 @@ def collective_timeout_s(cfg: Any) -> float:
 
 
 async def init_process_group(rt: Runtime, groups: Groups) -> None:
-    """The trainer group's torch.distributed group. Rank 0 opens the rendezvous store on
-    any free port and gossips it; the others read it from rank 0's metadata. On CUDA the
-    group is bound to this node's GPU (``device_id``), so device-less collectives such as
-    ``barrier`` use it from any thread. Collectives may wait :func:`collective_timeout_s`."""
-    head, world, timeout = groups.trainer[0], len(groups.trainer), timedelta(seconds=rt.cfg.step_timeout_s)
-    if groups.rank == 0:
-        store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, rt.cfg.rendezvous_port, world, is_master=True,
+    """The trainer group's torch.distributed group (with ``trainer_replicas``: this rank's replica
+    group's, a rendezvous of its own). Its rank 0 opens the rendezvous store on any free port
+    (``rendezvous_port`` plus the replica index, when pinned) and gossips it; the others read it
+    from that rank's metadata. On CUDA the group is bound to this node's GPU (``device_id``), so
+    device-less collectives such as ``barrier`` use it from any thread. Collectives may wait
+    :func:`collective_timeout_s`."""
+    own = groups.own_group("trainer", rt.cfg.trainer_replicas)
+    rank = [m.node_id for m in own].index(rt.node.node_id)
+    head, world, timeout = own[0], len(own), timedelta(seconds=rt.cfg.step_timeout_s)
+    port = rt.cfg.rendezvous_port and rt.cfg.rendezvous_port + groups.trainer.index(head) // world
+    if rank == 0:
+        store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, port, world, is_master=True,
                                                               timeout=timeout, wait_for_workers=False))
         rt.node.set_meta(pg_port=store.port)
     else:
@@ -109,7 +117,7 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
     cuda = rt.cfg.device == "cuda"
     extra = {"device_id": node_device("cuda")} if cuda else {}
     collective = timedelta(seconds=collective_timeout_s(rt.cfg))
-    await asyncio.to_thread(dist.init_process_group, "nccl" if cuda else "gloo", store=store, rank=groups.rank,
+    await asyncio.to_thread(dist.init_process_group, "nccl" if cuda else "gloo", store=store, rank=rank,
                             world_size=world, timeout=collective, **extra)
 
 
@@ -197,8 +205,11 @@ class SampleInbox:
             self.dropped["late"] += 1
             return None
         lives = env.meta.get("trainer_lives")
-        if isinstance(lives, dict) and lives.get(self.rt.node.node_id, self.life) != self.life:
-            self.dropped["other_life"] += 1  # made for this rank's previous life (before a recovery): regenerated
+        # A part made for this rank's previous life (before a recovery) is regenerated. A replica group restarted
+        # alone goes back no step: a part made for its previous life is as good (it heals into the same steps).
+        if isinstance(lives, dict) and not healing_replica() and lives.get(self.rt.node.node_id,
+                                                                            self.life) != self.life:
+            self.dropped["other_life"] += 1
             return None
         return step, f"shard-{shard}", batch
 
@@ -288,13 +299,24 @@ async def run_trainer(rt: Runtime) -> None:
 
     actor = await on_gpu(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
     ctx = await on_gpu(build_context, cfg, pipeline, actor)
-    rank, world = groups.rank, len(groups.trainer)
+    own = groups.own_group("trainer", cfg.trainer_replicas)  # the torch.distributed group (a replica group's)
+    rank, world = [m.node_id for m in own].index(rt.node.node_id), len(own)
+    replica, steps, lead = 0, None, lambda: True
+    if cfg.trainer_replicas > 1:  # replica groups kept in step by torchft (trainer.replica_run)
+        replica = replica_index(rt, groups)
+        link = ReplicaLink(rt, groups, actor, on_gpu)
+        await link.start()
+        steps = ReplicaSteps(link, lambda share: train_half(pipeline, ctx, share))
+        lead = Lead(rt, groups)  # the group that publishes weights and writes the metrics rows
+        if replica:
+            evals = None  # the held-out evaluation reports go to trainer rank 0 (replica 0's)
     peak = trainer_peak_flops(cfg)
     sources = [f"shard-{s}" for s in range(cfg.rollout_nodes)]
     shard_of = {src: s for s, src in enumerate(sources)}
     rollout_ids = [m.node_id for m in groups.rollout]
-    mine = serving_plan([(m.node_id, m.host, m.meta.get("gpu")) for m in groups.trainer],
-                        [(m.node_id, m.host, m.meta.get("gpu")) for m in groups.rollout])[groups.trainer[rank].node_id]
+    # (replica groups: each group's plan covers every rollout node; the leading group publishes, trainer.replica_run)
+    mine = serving_plan([(m.node_id, m.host, m.meta.get("gpu")) for m in own],
+                        [(m.node_id, m.host, m.meta.get("gpu")) for m in groups.rollout])[rt.node.node_id]
     publisher = make_publisher(rt, mine)
     publish = publishing(cfg, actor, publisher, keep=bool(mine))
     out_dir = Path(cfg.output_dir)
@@ -302,16 +324,20 @@ async def run_trainer(rt: Runtime) -> None:
     # One checkpoint written at a time in the background (trainer.async_save), each within as long as a
     # collective may wait for it.
     saving = await on_gpu(CheckpointWriter, collective_timeout_s(cfg))
-    writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) if rank == 0 else None
+    writer = MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None) \
+        if rank == 0 and steps is None else None
+    if rank == 0 and steps is not None:  # every group's rank 0 keeps its rows; the leading one writes them
+        writer = ReplicaRows(out_dir, replica == 0 and not healing_replica(), actor.version if cfg.resume_from
+                             else None, lead)
     trackers = None
-    if rank == 0:  # the rows also go to the configured trackers (distflow/trackers): a ConfigError if one can't start
+    if rank == 0 and replica == 0:  # the rows also go to the trackers (distflow/trackers): a ConfigError if one can't start
         from distflow.trackers import open_trackers
 
         trackers = open_trackers(cfg, rt.node.node_id, actor.version if cfg.resume_from else None)
         writer = trackers.tee(writer)
-    if evals is not None and rank == 0:
-        evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=actor.version if cfg.resume_from else None,
-                                                name="eval.jsonl"), "log_eval"))
+    if evals is not None and rank == 0:  # (a replica group healing into the run keeps every row: sys.maxsize)
+        kept = actor.version if cfg.resume_from else sys.maxsize if healing_replica() else None
+        evals.attach(trackers.tee(MetricsWriter(out_dir, resume_step=kept, name="eval.jsonl"), "log_eval"))
     # A trainer restarted from a checkpoint in the same run (recover_retries) keeps the trace of the steps
     # before it only: the later ones are trained again (like metrics.jsonl's rows).
     trace = Trace(cfg.output_dir, rt.node.node_id, cfg.trace_samples,
@@ -352,6 +378,17 @@ async def run_trainer(rt: Runtime) -> None:
         # The progress counter the other ranks watch (the step's start, each stage of its train half, its
         # end): a rank whose count stays behind another's for hang_timeout_s is named stuck (Runtime.watch_group).
         rt.set_beat(step)
+        if steps is not None:  # replica groups: this step's quorum first (a restarted group heals: the quorum's step)
+            try:
+                step = await steps.begin(step)
+            except NothingToHeal as e:  # restarted as the run ended: the other groups are done
+                log.warning("trainer rank %d: %s", rank, e)
+                break
+            if step > inbox.consumed:
+                inbox.consumed = step
+                inbox.dropped["late"] += await rt.shard.discard_before(step)
+            if inbox.total is not None and step >= inbox.total:
+                break
         t_wait = time.perf_counter()
         batch: SampleBatch | None = None
         error: Exception | None = None
@@ -387,11 +424,17 @@ async def run_trainer(rt: Runtime) -> None:
         times = {"time_wait_s": time.perf_counter() - t_wait}
         inbox.consumed = step + 1
         actor.total_steps = inbox.total
-        trace.write(step=step, rank=rank, sample_ids=batch.sample_ids,
-                    policy_versions=batch.tensors.get("policy_version", torch.zeros(0)).tolist())
-        stats = await on_gpu(train_half, pipeline, ctx, batch, stage_beats(rt, step))
+        trained = batch
+        if steps is None:
+            stats = await on_gpu(train_half, pipeline, ctx, batch, rt.stage_beats(step))
+        else:  # this group's share of the step, taken again if the quorum does not commit it
+            trained, stats = await steps.step(step, batch)
+        # the samples trained into the weights (a committed step): like metrics.jsonl, what the final weights saw
+        trace.write(step=step, rank=rank, sample_ids=trained.sample_ids,
+                    policy_versions=trained.tensors.get("policy_version", torch.zeros(0)).tolist(),
+                    **({"participants": steps.sync.participants} if steps is not None else {}))
         t_weights = time.perf_counter()
-        published = await publish(actor.version)
+        published = await publish(actor.version) if lead() else 0  # (replica groups: the leading one)
         times["time_weights_s"] = time.perf_counter() - t_weights
         if cfg.lora is not None:
             check_reported_adapters(rt.node.member, mine, publish.checksums)
@@ -414,7 +457,8 @@ async def run_trainer(rt: Runtime) -> None:
                           "step_time_s": now - t_last, "throughput": tokens / (now - t_last) / world,
                           "elapsed_s": now - t_start, "dropped_parts": sum(inbox.dropped.values()),
                           **rollout_stats, **stats, **times})
-            trackers.samples(step, batch)
+            if trackers is not None:  # (replica groups: replica 0's)
+                trackers.samples(step, batch)
         divergence.after_step(step, stats)  # after the row is written: the metrics show the step that stopped it
         emptiness.after_step(step, int(n), rollout_stats)
         t_last = now
@@ -422,12 +466,14 @@ async def run_trainer(rt: Runtime) -> None:
         due = saves.due(step, inbox.total)
         if saves.interval and world > 1:  # each rank's clock: the ranks agree (any due: all save at this step)
             due = (await on_gpu(all_reduce, [float(due)], dist.ReduceOp.MAX))[0] > 0
-        if due:  # save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
+        if due and lead():  # save_every, and every save_interval_s by default: a dead trainer loses little (launch/checkpoint)
             await checkpoint(saves.name(step))
             saving.after(saves.saved(out_dir, step, remove=rank == 0))  # removals once it is complete
 
-    await checkpoint("checkpoint")
-    saving.after(saves.superseded(remove=rank == 0))
+    # (replica groups: the leading one's final checkpoint, or another's when it died first)
+    if steps is None or await writes_final_checkpoint(lead, out_dir / "checkpoint", step, cfg.step_timeout_s):
+        await checkpoint("checkpoint")
+        saving.after(saves.superseded(remove=rank == 0))
     await on_gpu(saving.close)  # the final checkpoint complete before the process group goes
     if writer is not None:
         if evals is None:  # else once the final evaluation is in (below)
@@ -436,6 +482,8 @@ async def run_trainer(rt: Runtime) -> None:
     await publisher.flush(timeout=30)
     await publisher.close()
     rt.node.set_meta(state="done")
+    if steps is not None:  # (a lighthouse hosted here: the other groups' last quorums need it)
+        await steps.link.close(cfg.step_timeout_s)
     await on_gpu(dist.barrier)
     dist.destroy_process_group()
     if evals is not None and writer is not None:  # rank 0: the rollout nodes evaluate the final weights now
@@ -458,17 +506,6 @@ async def run_trainer(rt: Runtime) -> None:
     log.info("trainer rank %d: done after %d steps (dropped parts: %s; parts taken in %d, of them posted by "
              "same-host nodes %d, posts refused %d)", rank, step, inbox.dropped, st["puts"], st["posted_parts"],
              st["posts_refused"])
-
-
-def stage_beats(rt: Runtime, step: int) -> Callable[[int, str], None]:
-    """train_half's ``at_stage`` for this step: the training thread moves this rank's progress counter
-    (on the event loop, which owns the mesh metadata)."""
-    loop = asyncio.get_running_loop()
-
-    def at_stage(i: int, stage: str) -> None:
-        loop.call_soon_threadsafe(rt.set_beat, step, min(1 + i, STEP_DONE - 1), stage)
-
-    return at_stage
 
 
 def make_publisher(rt: Runtime, peers: list[str]) -> WeightPublisher:
