@@ -29,10 +29,28 @@ from tests.conftest import ROOT
 ROWS, PER_STEP, GROUP = 1200, 6, 2
 
 
-def start(node_id: str, role: str, cfg: Path, port: int, seeds: str, env: dict, logs: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())",
-           "--role", role, "--config", str(cfg), "--node-id", node_id, "--port", str(port), "--seeds", seeds]
-    with (logs / f"{node_id}.log").open("a") as f:
+_zygote = None  # this pytest process's client of the suite's shared zygote (tests/conftest.py: shared_zygote)
+
+
+def start(node_id: str, role: str, cfg: Path, port: int, seeds: str, env: dict, logs: Path):
+    """``distflow-node ARGS`` as a person starts it on a host, its output appended to its log. Under
+    the suite's shared zygote (``DISTFLOW_ZYGOTE``) the node is forked from it, as `distflow run`
+    forks its nodes (the same ``node_main(ARGS)``, torch already imported); otherwise, or if that
+    fails, a fresh interpreter (tests/test_cluster.py always execs the real command)."""
+    global _zygote
+    from distflow.launch.zygote import SHARED_ENV, Zygote
+
+    args = ["--role", role, "--config", str(cfg), "--node-id", node_id, "--port", str(port), "--seeds", seeds]
+    log = logs / f"{node_id}.log"
+    if os.environ.get(SHARED_ENV):
+        try:
+            if _zygote is None or not _zygote.alive():
+                _zygote = Zygote(dict(os.environ))
+            return _zygote.spawn(args, str(log), env)  # .poll/.wait/.send_signal/.kill, as a Popen's
+        except (OSError, RuntimeError):
+            _zygote = None
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())", *args]
+    with log.open("a") as f:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 

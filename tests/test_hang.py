@@ -22,7 +22,7 @@ HANG_S = 4.0
 
 
 def test_a_rank_hung_in_its_own_stage_is_named_within_seconds_and_the_run_recovers(toy_model, tmp_path):
-    rows, per_step = 32, 4
+    rows, per_step = 16, 4
     out, marker = tmp_path / "run", tmp_path / "hung"
     proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "rollout_nodes=1", "save_every=1",
                      "save_interval_s=0", "eval_dataset=null", "eval_every=0", f"hang_timeout_s={HANG_S}",
