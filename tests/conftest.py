@@ -196,18 +196,8 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
-# The modules whose tests (or fixture groups) run longest, longest first: the two xdist workers start
-# them first, and the short tests fill the end, instead of one worker finishing a 70 s group alone
-# (pyproject's addopts keep this order: --no-loadscope-reorder). A scheduling hint only.
-LONGEST_FIRST = ("test_algorithm_configs", "test_slurm", "test_multihost", "test_elastic", "test_agent_learning",
-                 "test_supervise", "test_agent_elastic", "test_deploy", "test_cluster", "test_hang", "test_replicas",
-                 "test_tensor_parallel", "test_resume", "test_worker_groups", "test_trackers", "test_vlm")
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda it: rank.get(it.module.__name__.rpartition(".")[2] if it.module else "", len(rank)))
     cuda = None
     for item in items:
         _group_by_shared_fixture(item)
