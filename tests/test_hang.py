@@ -46,7 +46,7 @@ def test_a_rank_hung_in_its_own_stage_is_named_within_seconds_and_the_run_recove
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-4000:]
-    assert HANG_S <= named_after < HANG_S + 10, named_after  # hang_timeout_s, then the next watch poll
+    assert HANG_S - 0.5 <= named_after < HANG_S + 10, named_after  # hang_timeout_s (from when trainer-0 saw it behind)
     line = next(ln for ln in log0.read_text().splitlines() if "is stuck" in ln)
     assert "its progress stayed at step 2 (advantage)" in line and "trainer-0 reached step 2 (update)" in line, line
     assert "restarting the trainers from checkpoint step 2" in err, err[-3000:]
