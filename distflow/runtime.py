@@ -294,18 +294,18 @@ class Runtime:
 
         return at_stage
 
+    def _watched(self) -> list[Member]:
+        """The mesh view of every alive member of my own group (a trainer's: its replica group), mine included."""
+        group = self.groups.own_group(self.role, self.cfg.trainer_replicas) if self.groups is not None else []
+        return [m for g in group if (m := self.node.member(g.node_id)) is not None and self.node.is_alive(g.node_id)]
+
     def _at(self) -> dict[str, str]:
         """Where each member of my group says it is (meta ``at``: a stage's id), for the stuck message."""
-        group = self.groups.members(self.role) if self.groups is not None else []
-        return {g.node_id: str(m.meta["at"]) for g in group
-                if (m := self.node.member(g.node_id)) is not None and "at" in m.meta}
+        return {m.node_id: str(m.meta["at"]) for m in self._watched() if "at" in m.meta}
 
     def _beats(self) -> dict[str, int]:
-        """The step counter (meta ``beat``) of every alive member of my group, mine included."""
-        group = self.groups.own_group(self.role, self.cfg.trainer_replicas) if self.groups is not None else []
-        return {g.node_id: m.meta["beat"] for g in group
-                if (m := self.node.member(g.node_id)) is not None and self.node.is_alive(g.node_id)
-                and type(m.meta.get("beat")) is int}
+        """The progress counter (meta ``beat``) of every alive member of my group, mine included."""
+        return {m.node_id: m.meta["beat"] for m in self._watched() if type(m.meta.get("beat")) is int}
 
     async def stop(self, graceful: bool = True) -> None:
         """Leave the mesh and close. ``graceful=False`` (this node failed): no leave announcement,
