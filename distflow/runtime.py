@@ -55,6 +55,11 @@ class Groups:
             return ms
         return next(g for g in self.replicas(replicas) if any(m.node_id == ms[self.rank].node_id for m in g))
 
+    def own_rank(self, role: str, replicas: int = 1) -> int:
+        """This node's rank in :meth:`own_group` (its torch.distributed rank)."""
+        me = self.members(role)[self.rank].node_id
+        return [m.node_id for m in self.own_group(role, replicas)].index(me)
+
     def node_ids(self) -> set[str]:
         """Every node of the run (a `distflow status` client in the mesh is not one)."""
         return {m.node_id for m in self.rollout + self.trainer + self.controller} | {

@@ -101,7 +101,7 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
     device-less collectives such as ``barrier`` use it from any thread. Collectives may wait
     :func:`collective_timeout_s`."""
     own = groups.own_group("trainer", rt.cfg.trainer_replicas)
-    rank = [m.node_id for m in own].index(rt.node.node_id)
+    rank = groups.own_rank("trainer", rt.cfg.trainer_replicas)
     head, world, timeout = own[0], len(own), timedelta(seconds=rt.cfg.step_timeout_s)
     port = rt.cfg.rendezvous_port and rt.cfg.rendezvous_port + groups.trainer.index(head) // world
     if rank == 0:
@@ -300,7 +300,7 @@ async def run_trainer(rt: Runtime) -> None:
     actor = await on_gpu(Actor, cfg, any(n.role.value == "REFERENCE" for n in pipeline))
     ctx = await on_gpu(build_context, cfg, pipeline, actor)
     own = groups.own_group("trainer", cfg.trainer_replicas)  # the torch.distributed group (a replica group's)
-    rank, world = [m.node_id for m in own].index(rt.node.node_id), len(own)
+    rank, world = groups.own_rank("trainer", cfg.trainer_replicas), len(own)
     replica, steps, lead = 0, None, lambda: True
     if cfg.trainer_replicas > 1:  # replica groups kept in step by torchft (trainer.replica_run)
         replica = replica_index(rt, groups)
