@@ -32,11 +32,9 @@ _ROW = ("self_attn.o_proj.", "mlp.down_proj.")
 def check_divisible(config: Any, n: int) -> None:
     """Raise ValueError naming ``rollout_tensor_parallel`` when ``n`` does not divide the query
     heads, the KV heads and the MLP width (each rank computes whole heads and whole columns)."""
-    heads = int(config.num_attention_heads)
-    kv = int(getattr(config, "num_key_value_heads", None) or heads)
-    width = int(config.intermediate_size)
-    bad = [f"{what} ({v})" for what, v in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                                           ("intermediate_size", width)) if v % n]
+    from distflow.model_shape import undivided
+
+    bad = [f"{what} ({v})" for what, v in undivided(config, n).items()]
     if bad:
         raise ValueError(f"rollout_tensor_parallel ({n}) must divide {', '.join(bad)} of the model: each engine rank "
                          "holds whole attention heads, whole KV heads and an equal share of the MLP")

@@ -121,14 +121,13 @@ def check_tp_model(config: Any, tp: int) -> None:
     computes whole heads), or that is not of the Llama/Qwen layout :data:`TP_PLAN` names."""
     if tp == 1:
         return
-    cfg = getattr(config, "text_config", None) or config
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    width = cfg.intermediate_size
-    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv), ("intermediate_size", width)):
-        if n % tp:
-            raise ValueError(f"tensor_parallel: {tp} must divide the model's {what} ({n}): each tensor-parallel "
-                             "rank computes whole heads and an equal share of the MLP")
+    from distflow.model_shape import undivided
+
+    bad = undivided(config, tp)
+    if bad:
+        what, n = next(iter(bad.items()))
+        raise ValueError(f"tensor_parallel: {tp} must divide the model's {what} ({n}): each tensor-parallel "
+                         "rank computes whole heads and an equal share of the MLP")
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh: Any) -> None:
