@@ -20,6 +20,7 @@ from distflow.transport import Endpoint, Envelope, Transport, make_transport
 from distflow.core.config import Config, replica_layout
 from distflow.core.launch_env import healing_replica, recovering_trainers
 from distflow.core.node import MeshConfig, Member, Node
+from distflow.progress import LAST_STAGE, PROGRESS, ProgressWatch, beat_of, position_of
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Runtime:
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _plan: object = None
     _down: set = field(default_factory=set)  # this run's peers last seen dead (for "alive again")
+    _said_coll: list | None = None  # the collective count last gossiped (meta ``coll``)
 
     @classmethod
     def create(cls, cfg: Config, role: str, node_id: str, secret: str, *, host: str, port: int,
@@ -269,11 +271,12 @@ class Runtime:
         refute window (a node declared dead by mistake refutes in that time). For the trainer group: the
         ranks of a torch.distributed group cannot be replaced, so a dead rank ends the group,
         and the surviving ranks must say which one instead of a transport error, promptly,
-        whatever they are waiting for. A peer alive but stuck is treated the same way (:func:`rank_stuck`):
-        its progress counter (mesh meta ``beat``) stays behind mine for ``hang_s`` (default
-        ``hang_timeout_s``; 0: not watched): see :class:`BeatWatch`."""
+        whatever they are waiting for. A peer alive but stuck is treated the same way: its position (mesh
+        meta ``beat`` and ``coll``) stays behind mine for ``hang_s`` (default ``hang_timeout_s``; 0: not
+        watched); and so is the whole group when a collective every rank entered has not completed here
+        for ``hang_s``: see :mod:`distflow.progress`."""
         hang_s = self.cfg.hang_timeout_s if hang_s is None else hang_s
-        beats = BeatWatch(hang_s)
+        watch = ProgressWatch(hang_s)
         while True:
             if self.groups is not None:
                 now, window = time.time(), self.refute_window_s()  # Member.since is time.time()
@@ -282,20 +285,40 @@ class Runtime:
                 if gone:
                     raise GroupMemberLost(self.role, gone)
                 if hang_s > 0:
-                    beats.check(self._beats(), time.monotonic(), self.node.node_id, self.role, self._at())
+                    self._say_collectives()
+                    lost = watch.check(self._positions(), time.monotonic(), self.node.node_id, self.role, self._at(),
+                                       PROGRESS.oldest_pending() if self.role == "trainer" else None)
+                    if lost is not None:
+                        raise GroupMemberLost(self.role, *lost)
             await asyncio.sleep(poll_s)
 
     def set_beat(self, step: int, point: int = 0, where: str = "samples") -> None:
-        """Say how far this rank is (mesh meta ``beat``: :func:`beat_of`; ``at``: what it is doing there)."""
-        self.node.set_meta(beat=beat_of(step, point), at=where)
+        """Say how far this rank is (mesh meta ``beat``: :func:`~distflow.progress.beat_of`; ``at``: what it
+        is doing there); its collectives count from 0 again (:data:`~distflow.progress.PROGRESS`). Call it
+        on the loop while no collective is in flight (the step's start, publish and end)."""
+        PROGRESS.mark(beat_of(step, point))
+        self._say_beat(beat_of(step, point), where)
+
+    def _say_beat(self, beat: int, where: str) -> None:
+        self.node.set_meta(beat=beat, at=where)
+        self._say_collectives()
+
+    def _say_collectives(self) -> None:
+        """Gossip this rank's collective count (mesh meta ``coll``: ``[beat, n]``) when it changed."""
+        if self.role == "trainer" and (pos := list(PROGRESS.position())) != self._said_coll:
+            self._said_coll = pos
+            self.node.set_meta(coll=pos)
 
     def stage_beats(self, step: int) -> Callable[[int, str], None]:
         """``train_half``'s ``at_stage`` for ``step``: the training thread moves this rank's progress
-        counter, on the event loop (which owns the mesh metadata). Call it on the loop."""
+        counter (in that thread: its next collective counts in the new stage), and its meta on the event
+        loop (which owns the mesh metadata). Call it on the loop."""
         loop = asyncio.get_running_loop()
 
         def at_stage(i: int, stage: str) -> None:
-            loop.call_soon_threadsafe(self.set_beat, step, min(1 + i, STEP_DONE - 1), stage)
+            beat = beat_of(step, min(1 + i, LAST_STAGE))
+            PROGRESS.mark(beat)
+            loop.call_soon_threadsafe(self._say_beat, beat, stage)
 
         return at_stage
 
@@ -308,9 +331,10 @@ class Runtime:
         """Where each member of my group says it is (meta ``at``: a stage's id), for the stuck message."""
         return {m.node_id: str(m.meta["at"]) for m in self._watched() if "at" in m.meta}
 
-    def _beats(self) -> dict[str, int]:
-        """The progress counter (meta ``beat``) of every alive member of my group, mine included."""
-        return {m.node_id: m.meta["beat"] for m in self._watched() if type(m.meta.get("beat")) is int}
+    def _positions(self) -> dict[str, tuple[int, int]]:
+        """The position (meta ``beat`` and ``coll``: :func:`~distflow.progress.position_of`) of every alive
+        member of my group, mine included."""
+        return {m.node_id: pos for m in self._watched() if (pos := position_of(m.meta)) is not None}
 
     async def stop(self, graceful: bool = True) -> None:
         """Leave the mesh and close. ``graceful=False`` (this node failed): no leave announcement,
@@ -320,66 +344,6 @@ class Runtime:
             await asyncio.wait_for(self.node.stop(graceful=graceful), timeout=10)
         finally:
             await asyncio.wait_for(self.channel.close(), timeout=10)
-
-
-# A rank's progress counter (mesh meta ``beat``): BEATS_PER_STEP points per step. Point 0: the step's
-# start (waiting for its samples); 1 + i: before the i-th stage of its train half (distflow.step.train_half),
-# so a rank stuck in one stage is behind a rank that went on to the next stage's collectives; the last
-# point: the step trained and its weights published.
-BEATS_PER_STEP = 100
-STEP_DONE = BEATS_PER_STEP - 1
-
-
-def beat_of(step: int, point: int = 0) -> int:
-    """The progress counter of ``point`` (0 .. STEP_DONE) of ``step``."""
-    if not 0 <= point <= STEP_DONE:
-        raise ValueError(f"beat point {point} is not within 0..{STEP_DONE}")
-    return step * BEATS_PER_STEP + point
-
-
-def describe_beat(beat: int, at: str | None = None) -> str:
-    """``beat`` in words: the step and where in it (``at``: the stage it names)."""
-    step, point = divmod(beat, BEATS_PER_STEP)
-    where = at or ("its samples" if point == 0 else "done" if point == STEP_DONE else f"stage {point - 1}")
-    return f"step {step} ({where})"
-
-
-class BeatWatch:
-    """Which ranks of a group are stuck, from their progress counters (``beat``, gossiped in the mesh).
-
-    Ranks of one torch.distributed group move through a step together (its collectives pair
-    them), so a rank whose count stays behind another's for ``hang_s`` is not slow in a shared
-    collective (there the counts stay equal) but stuck in its own part of a step: a stage it has
-    not left while the others wait in the next stage's collectives, its weight publish, rank 0's
-    metrics and trackers, while its event loop still answers the mesh (else the mesh declares it
-    dead). A hang inside one collective that every rank entered keeps the counts equal: that is
-    ``collective_timeout_s``'s case. The time counts from when this node first saw it behind, at
-    that count."""
-
-    def __init__(self, hang_s: float):
-        self.hang_s = hang_s
-        self.behind: dict[str, tuple[int, int, float]] = {}  # peer -> (its beat, mine, since when)
-
-    def stuck(self, beats: dict[str, int], me: str, now: float) -> list[tuple[str, int, int, float]]:
-        """(peer, its beat, my beat, seconds behind) of every peer behind me for ``hang_s`` or more."""
-        mine = beats.get(me)
-        out = []
-        for peer, beat in beats.items():
-            if peer == me or mine is None or beat >= mine:
-                self.behind.pop(peer, None)
-                continue
-            seen = self.behind.get(peer)
-            if seen is None or seen[0] != beat:
-                seen = self.behind[peer] = (beat, mine, now)
-            if now - seen[2] >= self.hang_s:
-                out.append((peer, beat, mine, now - seen[2]))
-        return out
-
-    def check(self, beats: dict[str, int], now: float, me: str, role: str, at: dict[str, str] | None = None) -> None:
-        """Raise :func:`rank_stuck` naming the stuck peers, if any (``at``: each rank's meta ``at``)."""
-        stuck = self.stuck(beats, me, now)
-        if stuck:
-            raise rank_stuck(role, stuck, me, at or {})
 
 
 def shard_cover(rollout_ids: list[str], alive: Callable[[str], bool], shard: int) -> str | None:
@@ -416,21 +380,10 @@ class ClusterStopped(PeerLostError):
 
 
 class GroupMemberLost(PeerLostError):
-    """A member of this node's own worker group died, or is alive but stuck (:func:`rank_stuck`);
-    the group cannot go on without it."""
+    """A member of this node's own worker group died, or is alive but stuck, or the group is hung in a
+    collective (:class:`~distflow.progress.ProgressWatch`); the group cannot go on without it."""
 
     def __init__(self, role: str, node_ids: list[str], message: str | None = None):
         self.role, self.node_ids = role, node_ids
         super().__init__(message or f"{role} rank {', '.join(node_ids)} died (the mesh declared it dead): the {role} "
                                     f"group cannot go on without it")
-
-
-def rank_stuck(role: str, stuck: list[tuple[str, int, int, float]], me: str,
-               at: dict[str, str] | None = None) -> GroupMemberLost:
-    """Members alive but stuck (:class:`BeatWatch`), as lost ones: treated as dead, so the group
-    stops and a supervising launcher restarts it from a checkpoint."""
-    at = at or {}
-    return GroupMemberLost(role, [peer for peer, *_ in stuck], "; ".join(
-        f"{role} rank {peer} is stuck: its progress stayed at {describe_beat(beat, at.get(peer))} for {secs:.0f}s "
-        f"while {me} reached {describe_beat(mine, at.get(me))} (hang_timeout_s)" for peer, beat, mine, secs in stuck)
-        + f": the {role} group cannot go on with it; treated as dead")

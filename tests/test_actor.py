@@ -35,9 +35,10 @@ def _cfg(toy_model, *overrides):
                                     "grad_clip=1000", *overrides])
 
 
-def _counted_update(actor, cfg, batch) -> tuple[dict, list[bool], int]:
+def _counted_update(actor, cfg, batch) -> tuple[dict, list[bool], int, dict[str, int]]:
     """``actor.update`` of ``batch``, with the flags given to ``set_requires_gradient_sync`` and
-    the number of FSDP2 parameter all-gathers (one per FSDP unit and gather) it made."""
+    the number of FSDP2 parameter all-gathers (one per FSDP unit and gather) it made, and the
+    collectives the hang watch counted in it, by op (distflow.progress)."""
     calls: list[bool] = []
     sync = actor.model.set_requires_gradient_sync
     actor.model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), sync(flag, **kw))
@@ -46,11 +47,17 @@ def _counted_update(actor, cfg, batch) -> tuple[dict, list[bool], int]:
     gathers = []  # one foreach_all_gather per FSDP unit and gather (the name the param group calls)
     real_gather = group.foreach_all_gather
     group.foreach_all_gather = lambda *a, **kw: (gathers.append(1), real_gather(*a, **kw))[1]
+    from distflow.progress import PROGRESS
+
+    PROGRESS.mark(PROGRESS.beat + 1)  # (the hang watch's count of the update's collectives: distflow.progress)
+    ops = dict(PROGRESS.ops)
     try:
         stats = actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch)
     finally:
         group.foreach_all_gather = real_gather
-    return stats, calls, len(gathers)
+    counted = {op: n - ops.get(op, 0) for op, n in PROGRESS.ops.items() if n > ops.get(op, 0)}
+    assert sum(counted.values()) == PROGRESS.position()[1]
+    return stats, calls, len(gathers), counted
 
 
 def _one_step(world: int, rank: int, toy_model, overrides) -> dict:
@@ -63,12 +70,12 @@ def _one_step(world: int, rank: int, toy_model, overrides) -> dict:
         batch = batch.select(range(7) if rank == 0 else [7])
     batch = actor.reference_logprobs(batch)
     n_mb = len(list(actor._micro_batches(batch)))
-    stats, calls, gathers = _counted_update(actor, cfg, batch)
+    stats, calls, gathers, counted = _counted_update(actor, cfg, batch)
     units = 1 + len(actor.model.model.layers)  # the root and each decoder layer
     state = actor.full_state_dict()
     assert (state == {}) == (rank != 0)  # a collective, but only rank 0 keeps a host copy
     return {"stats": stats, "state": state, "n_mb": n_mb, "ref": actor.ref is not None, "mode": actor.grad_sync,
-            "sync_calls": calls, "gathers": gathers, "units": units}
+            "sync_calls": calls, "gathers": gathers, "units": units, "counted": counted}
 
 
 def _step(rank: int, world: int, store: str, toy_model: str, overrides: list[str], out: str) -> None:
@@ -77,6 +84,8 @@ def _step(rank: int, world: int, store: str, toy_model: str, overrides: list[str
         result = _one_step(world, rank, toy_model, overrides)
         if rank == 0:
             torch.save(result, out)
+        else:
+            torch.save(result["counted"], f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +144,14 @@ def test_packed_uneven_two_ranks_equal_one_rank_padded(tmp_path, toy_model):
     n, units = two["n_mb"], two["units"]
     assert per_mb["n_mb"] == n and per_mb["gathers"] == n * (2 * units - 1)
     assert two["gathers"] == units
+    # The hang watch counts each of them, each reduce-scatter (every unit, once per gradient sync) and the
+    # step's metric all-reduce: the same on both ranks, whose samples and micro-batches differ.
+    for run, syncs in ((two, 1), (per_mb, n)):
+        assert run["counted"] == {"all_gather": run["gathers"], "reduce_scatter": units * syncs,
+                                  "all_reduce": run["counted"]["all_reduce"]}, run["counted"]
+        assert run["counted"]["all_reduce"] >= 1
+    assert torch.load(str(tmp_path / "two.pt") + ".1") == two["counted"]
+    assert torch.load(str(tmp_path / "per_mb.pt") + ".1") == per_mb["counted"]
     for other in (two, per_mb):
         b = other["stats"]
         for key in ("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"):
@@ -195,7 +212,7 @@ def test_fused_pass_skips_reference_at_kl_zero_and_recomputes_old_logprobs(toy_m
     with torch.no_grad():
         expect, _ = response_forward(plain, pad_inputs(batch.ragged("prompt_tokens"), batch.ragged("response_tokens")))
     assert torch.allclose(batch.tensors["old_logprobs"], expect, atol=1e-5)
-    stats, calls, _ = _counted_update(actor, cfg, batch)
+    stats, calls, _, _ = _counted_update(actor, cfg, batch)
     n_mb = len(list(actor._micro_batches(batch)))
     assert n_mb >= 2 and calls == [False] * (n_mb - 1) + [True, True]  # reduce-scatter on the last micro-batch only
     # proximal = current policy: every ratio is 1, nothing is clipped (the engine's made-up logprobs would clip)

@@ -10,8 +10,10 @@ checkpoint (docs/recovery.md), and the run ends with every prompt trained exactl
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
+from pathlib import Path
 
 from distflow.trace import read_trace
 from distflow.trainer.metrics import read_metrics
@@ -21,13 +23,15 @@ from tests.test_supervise import make_data, start_run
 HANG_S = 4.0
 
 
-def test_a_rank_hung_in_its_own_stage_is_named_within_seconds_and_the_run_recovers(toy_model, tmp_path):
-    rows, per_step = 16, 4
+def _hang_and_recover(tmp_path, toy_model, *extra: str) -> tuple[float, str, str, Path]:
+    """Run until trainer-1 writes its marker (it hangs), then until trainer-0's log names it; the run
+    must end by itself with every prompt trained exactly once. Returns (seconds from the hang to the
+    name, the naming line, the run's stderr, its output dir)."""
+    rows = 16
     out, marker = tmp_path / "run", tmp_path / "hung"
     proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "rollout_nodes=1", "save_every=1",
                      "save_interval_s=0", "eval_dataset=null", "eval_every=0", f"hang_timeout_s={HANG_S}",
-                     "workflow.2.fn=tests.hang_fns:grpo_hanging_once", "workflow.2.group=trainer",
-                     f"workflow.2.args.marker={marker}")
+                     *(e.replace("MARKER", str(marker)) for e in extra))
     try:
         deadline = time.monotonic() + 120
         while not marker.is_file():
@@ -47,13 +51,34 @@ def test_a_rank_hung_in_its_own_stage_is_named_within_seconds_and_the_run_recove
             proc.kill()
     assert proc.returncode == 0, err[-4000:]
     assert HANG_S - 0.5 <= named_after < HANG_S + 10, named_after  # hang_timeout_s (from when trainer-0 saw it behind)
-    line = next(ln for ln in log0.read_text().splitlines() if "is stuck" in ln)
-    assert "its progress stayed at step 2 (advantage)" in line and "trainer-0 reached step 2 (update)" in line, line
-    assert "restarting the trainers from checkpoint step 2" in err, err[-3000:]
-    steps = rows // per_step
+    steps = rows // 4
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
     trace = read_trace(out)
     trained = Counter(s for node in ("trainer-0", "trainer-1") for rec in trace[node] for s in rec["sample_ids"])
     assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
     assert set(trained.values()) == {1}  # every sample trained exactly once
     assert not run_pids(out)
+    line = next(ln for ln in (out / "logs" / "trainer-0.log").read_text().splitlines() if "is stuck" in ln)
+    return named_after, line, err, out
+
+
+def test_a_rank_hung_in_its_own_stage_is_named_within_seconds_and_the_run_recovers(toy_model, tmp_path):
+    _, line, err, _ = _hang_and_recover(tmp_path, toy_model, "workflow.2.fn=tests.hang_fns:grpo_hanging_once",
+                                        "workflow.2.group=trainer", "workflow.2.args.marker=MARKER")
+    assert "its progress stayed at step 2 (advantage" in line and "trainer-0 reached step 2 (update" in line, line
+    assert "restarting the trainers from checkpoint step 2" in err, err[-3000:]
+
+
+def test_a_rank_hung_between_the_models_collectives_is_named_by_its_collective_count(toy_model, tmp_path,
+                                                                                      monkeypatch):
+    """trainer-1 hangs in its policy loss (tests/hang_fns.py: after the forward's all-gathers, before the
+    backward's); trainer-0 goes on into the backward's all-gathers and waits there, in the same stage
+    (equal beats). Its collective count (mesh meta ``coll``) stays behind trainer-0's: named."""
+    monkeypatch.setenv("HANG_MARKER", str(tmp_path / "hung"))
+    _, line, err, _ = _hang_and_recover(tmp_path, toy_model, "workflow.4.fn=tests.hang_fns:loss_hanging_once")
+    m = re.search(r"its progress stayed at step (\d+) \(update, after (\d+) collectives?\) for \d+s while "
+                  r"trainer-0 reached step (\d+) \(update, after (\d+) collectives?\)", line)
+    assert m, line
+    step, behind, step0, ahead = map(int, m.groups())
+    assert step == step0 and ahead > behind > 0, line
+    assert f"restarting the trainers from checkpoint step {step}" in err, err[-3000:]

@@ -276,11 +276,13 @@ class TrainerSection(Section):
         "removed once the next is written (those of `save_every` are kept). 0: only `save_every` and the "
         "final `checkpoint/`"))
     hang_timeout_s: float = Field(30.0, ge=0, description=(
-        "a trainer rank whose progress counter (its `beat` in the mesh: the step's start, before each stage of "
-        "its train half, its end) stays behind another rank's this long is named as stuck, and the ranks that "
-        "see it stop (so `distflow run` recovers the trainers). Raise it where one rank's own part of a step (a "
-        "stage without collectives, its weight publish to the rollout nodes it serves) may take longer. 0: off "
-        "(a hang inside a collective every rank entered is bounded by `collective_timeout_s`)"))
+        "a trainer rank whose position (its `beat` in the mesh: the step's start, each stage of its train half, "
+        "the publish, its end; and in the train half the collectives it called in the stage) stays behind "
+        "another rank's this long is named as stuck, and a collective every rank entered that has not completed "
+        "this long is named as a hung group; the ranks that see it stop (so `distflow run` recovers the "
+        "trainers; docs/recovery.md). Raise it where one rank's own work in a stage (a stage without "
+        "collectives, a long compute between two of the model's all-gathers) may take longer. 0: off (hangs "
+        "are then bounded by `collective_timeout_s`)"))
     keep_checkpoints: int = Field(0, ge=0, description=(
         "keep only the N newest `checkpoint-N/` directories of this run (older ones are removed once a newer one "
         "is complete); 0: keep every `save_every` checkpoint. The final `checkpoint/` is always kept"))

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from distflow.trainer.collectives import counted
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
@@ -107,7 +108,7 @@ def all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM, group=N
         t = values.detach().to(dev, torch.float64, copy=True)
     else:
         t = torch.tensor(values, dtype=torch.float64).to(dev)
-    dist.all_reduce(t, op=op, group=group)
+    counted("all_reduce", dist.all_reduce, t, op=op, group=group)
     return t.tolist()
 
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from distflow.trainer.collectives import counted
 from distflow.device import iterate_on
 
 PLACES = ("device", "pinned", "cpu")
@@ -115,7 +116,8 @@ class _Gatherer:
 
             flag = torch.tensor([1 if self.keep else 0], dtype=torch.int32, device=device)
             flags = torch.empty(world, dtype=torch.int32, device=device)
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flags, flag, group=group)
+            counted("all_gather", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, flags, flag,
+                    group=group)
             self._servers[key] = [r for r, f in enumerate(flags.tolist()) if f]
         return self._servers[key]
 
@@ -164,7 +166,7 @@ class _Gatherer:
         finish = (lambda: out.copy_(dst)) if (out is not None and not direct) else None
         if len(servers) == world:
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-            self._pending.append((gather(dst, local, group=group, async_op=True), finish))
+            self._pending.append((counted("all_gather", gather, dst, local, group=group, async_op=True), finish))
             return
         # Shard(0) rows as torch.chunk cuts them: ceil(rows / world) each, the last ones shorter or empty
         size = -(-rows // world)

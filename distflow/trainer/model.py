@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from distflow.trainer.collectives import count_fsdp, counted
 from distflow.device import COMPUTE_DTYPES
 from distflow.hf import load_causal_lm, meta_causal_lm
 from distflow.trainer.attention import use_varlen_attention
@@ -91,6 +92,7 @@ def shard_mixed_precision(model: torch.nn.Module, mesh: Any, compute_dtype: torc
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    count_fsdp(model)  # the hang watch counts its all-gathers and reduce-scatters (distflow.progress)
     return model
 
 
@@ -203,7 +205,7 @@ def load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, mesh: 
     for name, buf in model.named_buffers():
         if full is not None:
             buf.copy_(src[name])
-        dist.broadcast(buf, src=root, group=group)
+        counted("broadcast", dist.broadcast, buf, src=root, group=group)
 
 
 def gather_full_state(model: torch.nn.Module, keep: bool, device: torch.device | str,

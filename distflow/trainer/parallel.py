@@ -161,9 +161,10 @@ def share_union(batch: Any, mesh: Any) -> tuple[Any, slice]:
     if share is None:
         return batch, slice(None)
     from distflow.buffer.batch import SampleBatch
+    from distflow.trainer.collectives import counted
 
     parts: list[Any] = [None] * share.size()
-    dist.all_gather_object(parts, batch, group=share.get_group())
+    counted("all_gather_object", dist.all_gather_object, parts, batch, group=share.get_group())
     me = share.get_local_rank()
     start = sum(len(p) for p in parts[:me])
     nonempty = [p for p in parts if len(p)]

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from distflow.trainer.collectives import counted
 from distflow.buffer.batch import SampleBatch
 from distflow.core.config import Config
 from distflow.core.dag import WorkflowNode
@@ -64,7 +65,7 @@ class TrainerContext:
             return self.all_reduce(values)
         if dist.is_available() and dist.is_initialized():
             t = torch.tensor(values, dtype=torch.float64, device=collective_device())
-            dist.all_reduce(t)
+            counted("all_reduce", dist.all_reduce, t)
             return t.tolist()
         return list(values)
 
@@ -73,7 +74,7 @@ class TrainerContext:
             return self.all_gather(obj)
         if dist.is_available() and dist.is_initialized():
             out: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(out, obj)
+            counted("all_gather_object", dist.all_gather_object, out, obj)
             return out
         return [obj]
 

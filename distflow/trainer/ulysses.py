@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distflow.trainer.collectives import counted
 from distflow.trainer.packing import ModelInputs
 
 __all__ = ["SequenceShard", "check_sp_model", "gather_tokens", "shard_inputs", "ulysses_attention"]
@@ -108,7 +109,7 @@ def _all_to_all(x: Tensor, group: Any, scatter: int, gather: int) -> Tensor:
     size = dist.get_world_size(group)
     ins = [c.contiguous() for c in x.chunk(size, dim=scatter)]
     outs = [torch.empty_like(ins[0]) for _ in range(size)]
-    dist.all_to_all(outs, ins, group=group)
+    counted("all_to_all", dist.all_to_all, outs, ins, group=group)
     return torch.cat(outs, dim=gather)
 
 
@@ -151,14 +152,14 @@ class _GatherTokens(torch.autograd.Function):
         padded = x.new_zeros((width, *x.shape[1:]))
         padded[:x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(shard.size)]
-        dist.all_gather(parts, padded, group=shard.group)
+        counted("all_gather", dist.all_gather, parts, padded, group=shard.group)
         return torch.cat([p[:n] for p, n in zip(parts, shard.counts)])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         shard = ctx.shard
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=shard.group)
+        counted("all_reduce", dist.all_reduce, grad, group=shard.group)
         start = sum(shard.counts[:shard.rank])
         return grad[start:start + shard.counts[shard.rank]], None
 

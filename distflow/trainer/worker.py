@@ -30,13 +30,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from distflow.trainer.collectives import counted
 from distflow.buffer.batch import SampleBatch
 from distflow.buffer.redistribute import open_ingress, parse_packed
 from distflow.buffer.shard import DuplicatePartError, SourceLostError
 from distflow.transport import Envelope
 from distflow.transport.movers.posting import Post
 from distflow.device import call_on, node_device
-from distflow.runtime import STEP_DONE, Groups, Runtime, shard_cover
+from distflow.progress import PUBLISH, STEP_DONE
+from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.transport.select import weight_tier
 from distflow.weights.tiers import serving_plan
 from distflow.core.launch_env import healing_replica, run_start
@@ -434,6 +436,7 @@ async def run_trainer(rt: Runtime) -> None:
                     policy_versions=trained.tensors.get("policy_version", torch.zeros(0)).tolist(),
                     **({"participants": steps.sync.participants} if steps is not None else {}))
         t_weights = time.perf_counter()
+        rt.set_beat(step, PUBLISH, "publish")  # each rank sends to its own rollout nodes: not compared by collective
         published = await publish(actor.version) if lead() else 0  # (replica groups: the leading one)
         times["time_weights_s"] = time.perf_counter() - t_weights
         if cfg.lora is not None:
@@ -484,7 +487,7 @@ async def run_trainer(rt: Runtime) -> None:
     rt.node.set_meta(state="done")
     if steps is not None:  # (a lighthouse hosted here: the other groups' last quorums need it)
         await steps.link.close(cfg.step_timeout_s)
-    await on_gpu(dist.barrier)
+    await on_gpu(counted, "barrier", dist.barrier)
     dist.destroy_process_group()
     if evals is not None and writer is not None:  # rank 0: the rollout nodes evaluate the final weights now
         if inbox.total is not None and step == inbox.total:
