@@ -36,7 +36,9 @@ def loss_hanging_once(*args, **kwargs):
     """The GRPO policy loss, except that rank 1 hangs in its ``HANG_LOSS_CALL``-th call (default 3) when
     ``HANG_MARKER`` (a path in the environment) does not exist yet: it writes it and sleeps. That is a
     hang between two of the model's collectives: the forward's all-gathers are behind, the backward's
-    ahead, and the other rank goes on into them and waits there, in the same stage."""
+    ahead, and the other rank goes on into them and waits there, in the same stage. With ``HANG_INSIDE``
+    set it sleeps inside a collective it entered (as a rank whose collective kernel hangs): both ranks
+    are then in their collective of the same index, and neither completes."""
     import torch.distributed as dist
 
     from distflow.rl.registry import POLICY_LOSSES
@@ -47,6 +49,10 @@ def loss_hanging_once(*args, **kwargs):
     if dist.get_rank() == 1 and _loss_calls == int(os.environ.get("HANG_LOSS_CALL", "3")) and not os.path.exists(marker):
         with open(marker, "w") as f:
             f.write(f"{os.getpid()} {time.time()}")
+        if os.environ.get("HANG_INSIDE"):  # inside a collective: entered (counted), never left, as a hung kernel
+            from distflow.trainer.collectives import counted
+
+            counted("all_reduce", time.sleep, 3600)
         time.sleep(3600)
     loss = POLICY_LOSSES["grpo"]
     takes = inspect.signature(loss).parameters  # (the trainer calls a loss with the keywords it takes)

@@ -23,7 +23,8 @@ from tests.test_supervise import make_data, start_run
 HANG_S = 4.0
 
 
-def _hang_and_recover(tmp_path, toy_model, *extra: str) -> tuple[float, str, str, Path]:
+def _hang_and_recover(tmp_path, toy_model, *extra: str, named: str = "trainer rank trainer-1 is stuck"
+                      ) -> tuple[float, str, str, Path]:
     """Run until trainer-1 writes its marker (it hangs), then until trainer-0's log names it; the run
     must end by itself with every prompt trained exactly once. Returns (seconds from the hang to the
     name, the naming line, the run's stderr, its output dir)."""
@@ -40,7 +41,7 @@ def _hang_and_recover(tmp_path, toy_model, *extra: str) -> tuple[float, str, str
             time.sleep(0.05)
         hung_at = float(marker.read_text().split()[1])
         log0 = out / "logs" / "trainer-0.log"
-        while "trainer rank trainer-1 is stuck" not in log0.read_text():
+        while named not in log0.read_text():
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.time() - hung_at < HANG_S + 30, f"the hung rank was not named: {log0.read_text()[-2000:]}"
             time.sleep(0.05)
@@ -58,7 +59,7 @@ def _hang_and_recover(tmp_path, toy_model, *extra: str) -> tuple[float, str, str
     assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
     assert set(trained.values()) == {1}  # every sample trained exactly once
     assert not run_pids(out)
-    line = next(ln for ln in (out / "logs" / "trainer-0.log").read_text().splitlines() if "is stuck" in ln)
+    line = next(ln for ln in (out / "logs" / "trainer-0.log").read_text().splitlines() if named in ln)
     return named_after, line, err, out
 
 
@@ -82,3 +83,19 @@ def test_a_rank_hung_between_the_models_collectives_is_named_by_its_collective_c
     step, behind, step0, ahead = map(int, m.groups())
     assert step == step0 and ahead > behind > 0, line
     assert f"restarting the trainers from checkpoint step {step}" in err, err[-3000:]
+
+
+def test_a_rank_hung_inside_a_collective_every_rank_entered_is_named_as_that_collective(toy_model, tmp_path,
+                                                                                       monkeypatch):
+    """trainer-1 enters a collective in its policy loss and never leaves it (tests/hang_fns.py, as a hung
+    kernel); trainer-0 waits in its backward's collective of the same index. Equal positions, so no
+    rank is behind: after hang_timeout_s trainer-0's pending collective names the group as hung there."""
+    monkeypatch.setenv("HANG_MARKER", str(tmp_path / "hung"))
+    monkeypatch.setenv("HANG_INSIDE", "1")
+    _, line, err, _ = _hang_and_recover(tmp_path, toy_model, "workflow.4.fn=tests.hang_fns:loss_hanging_once",
+                                        named="the trainer group is hung in collective")
+    m = re.search(r"hung in collective (\d+) \((?:all_gather|reduce_scatter), [\d.]+ MiB\) of step (\d+) "
+                  r"\(update\): every rank entered it \(trainer-0, trainer-1\) and it has not completed on "
+                  r"trainer-0 for \d+s", line)
+    assert m, line
+    assert f"restarting the trainers from checkpoint step {m.group(2)}" in err, err[-3000:]
