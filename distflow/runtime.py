@@ -289,7 +289,7 @@ class Runtime:
                     lost = watch.check(self._positions(), time.monotonic(), self.node.node_id, self.role, self._at(),
                                        PROGRESS.oldest_pending() if self.role == "trainer" else None)
                     if lost is not None:
-                        raise GroupMemberLost(self.role, *lost)
+                        raise GroupMemberLost(self.role, *lost, stuck=True)
             await asyncio.sleep(poll_s)
 
     def set_beat(self, step: int, point: int = 0, where: str = "samples") -> None:
@@ -383,7 +383,10 @@ class GroupMemberLost(PeerLostError):
     """A member of this node's own worker group died, or is alive but stuck, or the group is hung in a
     collective (:class:`~distflow.progress.ProgressWatch`); the group cannot go on without it."""
 
-    def __init__(self, role: str, node_ids: list[str], message: str | None = None):
+    def __init__(self, role: str, node_ids: list[str], message: str | None = None, stuck: bool = False):
         self.role, self.node_ids = role, node_ids
+        # alive but stuck, or the group hung in a collective: this node fails with its group (it does not
+        # leave the mesh gracefully, which its peers would take for the orderly end of the run)
+        self.stuck = stuck
         super().__init__(message or f"{role} rank {', '.join(node_ids)} died (the mesh declared it dead): the {role} "
                                     f"group cannot go on without it")

@@ -102,8 +102,9 @@ async def run_node(cfg: Config, role: str, node_id: str, secret: str, host: str,
     except Exception as e:
         from distflow.runtime import PeerLostError
 
-        code, failed_here = exit_code_of(e), not isinstance(e, PeerLostError)
-        dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" else []
+        stuck = getattr(e, "stuck", False)  # (GroupMemberLost: a rank stuck, the group hung: it fails here)
+        code, failed_here = exit_code_of(e), not isinstance(e, PeerLostError) or stuck
+        dead = await rt.wait_dead_peers(role, cfg.mesh.suspicion_timeout_s + 2.0) if role == "trainer" and not stuck else []
         if dead:  # name the dead rank, not the transport error it caused here
             failed_here = False
             from distflow.core.launch_env import recovering_trainers, run_start
