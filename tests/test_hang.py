@@ -23,9 +23,10 @@ from tests.test_supervise import make_data, start_run
 HANG_S = 4.0
 
 
-def _hang_and_recover(tmp_path, toy_model, *extra: str, named: str = "trainer rank trainer-1 is stuck"
-                      ) -> tuple[float, str, str, Path]:
-    """Run until trainer-1 writes its marker (it hangs), then until trainer-0's log names it; the run
+def _hang_and_recover(tmp_path, toy_model, *extra: str, named: str = "trainer rank trainer-1 is stuck",
+                      namers: tuple[str, ...] = ("trainer-0",)) -> tuple[float, str, str, Path]:
+    """Run until trainer-1 writes its marker (it hangs), then until the log of one of ``namers`` names it
+    (``named``: the phrase); the run
     must end by itself with every prompt trained exactly once. Returns (seconds from the hang to the
     name, the naming line, the run's stderr, its output dir)."""
     rows = 16
@@ -40,10 +41,10 @@ def _hang_and_recover(tmp_path, toy_model, *extra: str, named: str = "trainer ra
             assert time.monotonic() < deadline, "trainer-1 never reached its hang"
             time.sleep(0.05)
         hung_at = float(marker.read_text().split()[1])
-        log0 = out / "logs" / "trainer-0.log"
-        while named not in log0.read_text():
+        logs = [out / "logs" / f"{n}.log" for n in namers]
+        while not any(named in log.read_text() for log in logs):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.time() - hung_at < HANG_S + 30, f"the hung rank was not named: {log0.read_text()[-2000:]}"
+            assert time.time() - hung_at < HANG_S + 30, f"the hang was not named: {logs[0].read_text()[-2000:]}"
             time.sleep(0.05)
         named_after = time.time() - hung_at
         _, err = proc.communicate(timeout=180)
@@ -59,7 +60,7 @@ def _hang_and_recover(tmp_path, toy_model, *extra: str, named: str = "trainer ra
     assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
     assert set(trained.values()) == {1}  # every sample trained exactly once
     assert not run_pids(out)
-    line = next(ln for ln in (out / "logs" / "trainer-0.log").read_text().splitlines() if named in ln)
+    line = next(ln for log in logs for ln in log.read_text().splitlines() if named in ln)
     return named_after, line, err, out
 
 
@@ -89,13 +90,15 @@ def test_a_rank_hung_inside_a_collective_every_rank_entered_is_named_as_that_col
                                                                                        monkeypatch):
     """trainer-1 enters a collective in its policy loss and never leaves it (tests/hang_fns.py, as a hung
     kernel); trainer-0 waits in its backward's collective of the same index. Equal positions, so no
-    rank is behind: after hang_timeout_s trainer-0's pending collective names the group as hung there."""
+    rank is behind: after hang_timeout_s each rank's pending collective names the group as hung there (the
+    first to say it stops the run; trainer-1's pending one is its own)."""
     monkeypatch.setenv("HANG_MARKER", str(tmp_path / "hung"))
     monkeypatch.setenv("HANG_INSIDE", "1")
     _, line, err, _ = _hang_and_recover(tmp_path, toy_model, "workflow.4.fn=tests.hang_fns:loss_hanging_once",
-                                        named="the trainer group is hung in collective")
-    m = re.search(r"hung in collective (\d+) \((?:all_gather|reduce_scatter), [\d.]+ MiB\) of step (\d+) "
-                  r"\(update\): every rank entered it \(trainer-0, trainer-1\) and it has not completed on "
-                  r"trainer-0 for \d+s", line)
+                                        named="the trainer group is hung in collective",
+                                        namers=("trainer-0", "trainer-1"))  # (both see it; the first one stops the run)
+    m = re.search(r"hung in collective (\d+) \((?:all_gather|reduce_scatter|all_reduce)(?:, [\d.]+ MiB)?\) of step "
+                  r"(\d+) \(update\): every rank entered it \(trainer-0, trainer-1\) and it has not completed on "
+                  r"trainer-[01] for \d+s", line)
     assert m, line
     assert f"restarting the trainers from checkpoint step {m.group(2)}" in err, err[-3000:]
