@@ -153,7 +153,8 @@ def test_the_actor_steps_only_when_the_quorum_commits_and_heals_from_a_peers_sta
     from tests.test_packing import make_batch
 
     cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
-                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01"])
+                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01",
+                                                                   *lora])
     node = cfg.node("ACTOR", "MODEL_TRAIN")
     plain, actor = Actor(cfg, with_reference=False), Actor(cfg, with_reference=False)
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
@@ -288,11 +289,13 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
     assert set(trained.values()) == {1}
 
 
-def test_two_replica_groups_shares_make_the_whole_steps_update_however_the_tokens_split(toy_model, world1):
+@pytest.mark.parametrize("lora", [[], ["lora.rank=4", "lora.target_modules=[q_proj,v_proj]"]], ids=["full", "lora"])
+def test_two_replica_groups_shares_make_the_whole_steps_update_however_the_tokens_split(toy_model, world1, lora):
     """Two real FSDP2 actors, each a replica group under torchft (one in-process lighthouse, a thread
     each), train their shares of a step whose shares hold different token counts: each share's loss is
     normalised by the whole step's tokens over the participants (``Actor.step_counts``), so after the
-    quorum's average both hold exactly the weights of one actor trained on the whole step."""
+    quorum's average both hold exactly the weights of one actor trained on the whole step. With LoRA
+    (``lora``): the adapters are what the quorum averages and what both end with."""
     pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
     import threading
 
@@ -306,7 +309,8 @@ def test_two_replica_groups_shares_make_the_whole_steps_update_however_the_token
     from tests.test_packing import make_batch
 
     cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
-                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01"])
+                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01",
+                                                                   *lora])
     node = cfg.node("ACTOR", "MODEL_TRAIN")
     plain, actors = Actor(cfg, with_reference=False), [Actor(cfg, with_reference=False) for _ in range(2)]
     for a in (plain, *actors):  # AdamW's first step is ~lr * sign(g): with eps 1 it is ~lr * g, so the weights
@@ -332,6 +336,7 @@ def test_two_replica_groups_shares_make_the_whole_steps_update_however_the_token
             errors.append(e)
 
     try:
+        fresh = plain.full_state_dict()
         plain.update(node, step)
         threads = [threading.Thread(target=train, args=(r,)) for r in range(2)]
         for t in threads:
@@ -342,6 +347,9 @@ def test_two_replica_groups_shares_make_the_whole_steps_update_however_the_token
         assert [p for p, _, _ in shares] == [2, 2] and sum(n for _, n, _ in shares) == 10
         assert shares[0][2] != shares[1][2]  # the shares' tokens differ: a share's own mean would be off
         want = plain.full_state_dict()
+        assert all("lora_" in name for name in want) == bool(lora) and want  # (LoRA: the adapters only)
+        moved = {n for n, t in want.items() if not torch.equal(t, fresh[n])}
+        assert moved and all("lora_B" in n for n in moved) == bool(lora), sorted(moved)[:4]  # the step trained
         for a in actors:
             assert a.version == 1
             for name, t in a.full_state_dict().items():
