@@ -378,6 +378,11 @@ def _gpu_steps(rank: int, store: str, toy_model: str, dtype: str, out: str) -> N
             assert batch.tensors["ref_logprobs"].device.type == "cpu"  # results leave the GPU
             stats.append(dict(actor.update(cfg.node("ACTOR", "MODEL_TRAIN"), batch), flash_calls=calls[0] - before))
         torch.save(stats, out)
+        from distflow.progress import PROGRESS  # the hang watch's collective counts, on NCCL
+
+        torch.cuda.synchronize()
+        comm = type(actor.model._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm).__name__
+        torch.save({"ops": dict(PROGRESS.ops), "pending": PROGRESS.oldest_pending(), "comm": comm}, out + ".counts")
 
 
 @pytest.mark.gpu
@@ -390,6 +395,11 @@ def test_cuda_packed_varlen_update_matches_padded(toy_model, dtype, tmp_path):
     mp.start_processes(_gpu_steps, args=(str(tmp_path / "store"), str(toy_model), dtype, out), nprocs=1, join=True,
                        start_method="spawn")
     padded, packed = torch.load(out)
+    counts = torch.load(out + ".counts", weights_only=False)
+    # the hang watch counts FSDP2's collectives through its comm hooks (on this torch), and each NCCL
+    # collective is done once its kernel is (nothing pending after a synchronize)
+    assert counts["comm"] == "CountedAllGather" and counts["ops"].get("all_reduce", 0) >= 2, counts
+    assert counts["pending"] is None, counts
     assert padded["flash_calls"] == 0  # padded rows: one causal SDPA
     # packed rows: FlashAttention varlen in bf16 (the path the docs promise; torch.nn.attention.varlen
     # on this torch must take the call), per-sample SDPA in fp32
