@@ -153,8 +153,7 @@ def test_the_actor_steps_only_when_the_quorum_commits_and_heals_from_a_peers_sta
     from tests.test_packing import make_batch
 
     cfg = load_config(REPO / "examples" / "grpo_quickstart.yaml", [f"model_path={toy_model}", "toy_model=false",
-                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01",
-                                                                   *lora])
+                                                                   "micro_batch_size=4", "grad_clip=1000", "lr=0.01"])
     node = cfg.node("ACTOR", "MODEL_TRAIN")
     plain, actor = Actor(cfg, with_reference=False), Actor(cfg, with_reference=False)
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
