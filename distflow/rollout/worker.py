@@ -311,6 +311,9 @@ class RolloutLoop:
                 continue
             step, shard = min(todo)
             await self.load_fresh_weights()
+            if engine.version > step:  # the weights just loaded were trained on that step already (a shard
+                next_step[shard] = engine.version  # adopted, a gossiped step behind): no sample of it is needed
+                continue
             epoch, in_epoch = divmod(step, self.per_epoch)
             bad_before = loaders[shard].bad_rows_skipped
             rows = loaders[shard].batch(epoch, in_epoch, cfg.rollout_batch)
