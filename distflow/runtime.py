@@ -276,7 +276,7 @@ class Runtime:
         watched); and so is the whole group when a collective every rank entered has not completed here
         for ``hang_s``: see :mod:`distflow.progress`."""
         hang_s = self.cfg.hang_timeout_s if hang_s is None else hang_s
-        watch = ProgressWatch(hang_s)
+        watch, said = ProgressWatch(hang_s), 0.0
         while True:
             if self.groups is not None:
                 now, window = time.time(), self.refute_window_s()  # Member.since is time.time()
@@ -285,7 +285,9 @@ class Runtime:
                 if gone:
                     raise GroupMemberLost(self.role, gone)
                 if hang_s > 0:
-                    self._say_collectives()
+                    if time.monotonic() - said >= min(1.0, hang_s / 8):  # (a rank calls thousands a step:
+                        said = time.monotonic()  # gossip its count a few times a hang_s, not at each poll)
+                        self._say_collectives()
                     lost = watch.check(self._positions(), time.monotonic(), self.node.node_id, self.role, self._at(),
                                        PROGRESS.oldest_pending() if self.role == "trainer" else None)
                     if lost is not None:
