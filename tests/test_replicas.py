@@ -197,6 +197,33 @@ def _trace_lines(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
 
 
+def _kill_after_two_steps(tmp_path: Path, toy_model, rows: int, victim: str, *extra: str) -> None:
+    """`distflow run` of ``rows`` prompts (4 a step) with two replica groups into ``tmp_path / "run"``;
+    SIGKILL ``victim`` (of replica group 0) once it traced two committed steps. The run must end with exit
+    0 and every step's row, its group restarted alone (no recovery of every trainer from a checkpoint)."""
+    from distflow.trainer.metrics import read_metrics
+    from tests.test_supervise import make_data, node_pid, start_run
+
+    out = tmp_path / "run"
+    proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_replicas=2", "eval_dataset=null",
+                     "eval_every=0", "max_staleness=1", "save_interval_s=0", "step_timeout_s=60", *extra)
+    trace = out / "trace" / f"{victim}.jsonl"
+    try:
+        _wait(f"{victim}'s first committed step", lambda: len(_trace_lines(trace)) >= 1, 180)
+        pid = node_pid(out, victim)
+        _wait(f"{victim}'s second committed step", lambda: len(_trace_lines(trace)) >= 2, 60)
+        os.kill(pid, signal.SIGKILL)  # mid-run
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    assert f"{victim} died (killed by SIGKILL)" in err and "restarting trainer replica group 0 alone" in err, err[-3000:]
+    assert "restarting the trainers from checkpoint" not in err  # no full recovery
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(rows // 4))
+
+
 @pytest.mark.cluster
 def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoins_from_live_state(toy_model,
                                                                                                   tmp_path):
@@ -212,30 +239,11 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
     from collections import Counter
 
     from distflow.trace import read_trace
-    from distflow.trainer.metrics import read_metrics
-    from tests.test_supervise import make_data, node_pid, start_run
 
     rows, per_step = 64, 4
     steps = rows // per_step
     out = tmp_path / "run"
-    proc = start_run(out, toy_model, make_data(tmp_path, rows), "trainer_nodes=2", "trainer_replicas=2",
-                     "rollout_nodes=2", "eval_dataset=null", "eval_every=0", "max_staleness=1", "save_interval_s=0",
-                     "step_timeout_s=60")
-    victim_trace = out / "trace" / "trainer-0.jsonl"
-    try:
-        _wait("trainer-0's first committed step", lambda: len(_trace_lines(victim_trace)) >= 1, 120)
-        pid = node_pid(out, "trainer-0")
-        _wait("trainer-0's second committed step", lambda: len(_trace_lines(victim_trace)) >= 2, 60)
-        os.kill(pid, signal.SIGKILL)  # the whole group (its one rank), mid-run
-        _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-4000:]
-    assert "trainer-0 died (killed by SIGKILL)" in err and "restarting trainer replica group 0 alone" in err, err[-3000:]
-    assert "restarting the trainers from checkpoint" not in err  # no full recovery
-    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))
+    _kill_after_two_steps(tmp_path, toy_model, rows, "trainer-0", "trainer_nodes=2", "rollout_nodes=2")
     log0, log1 = ((out / "logs" / f"trainer-{i}.log").read_text() for i in (0, 1))
     assert "----- distflow run:" not in log1  # trainer-1 was never restarted
     assert "recovery 1 of 3: trainer-0's replica group heals from a live one" in log0
@@ -286,6 +294,97 @@ def test_distflow_run_keeps_training_when_a_replica_group_is_killed_and_it_rejoi
     assert set(alone) <= set(range(len(first), rejoined_at)), alone  # only while it was dead
     assert set(trained) == {f"e0:{i}:s{j}" for i in range(rows) for j in range(2)}
     assert set(trained.values()) == {1}
+
+
+@pytest.mark.cluster
+def test_replica_groups_of_two_fsdp_ranks_keep_training_when_one_rank_dies_and_the_group_heals_rank_by_rank(
+        toy_model, tmp_path):
+    """`distflow run` with ``trainer_nodes: 4, trainer_replicas: 2``: two FSDP2 groups of two ranks (trainer-0/1,
+    trainer-2/3). trainer-1 (rank 1 of group 0, whose rank 0 hosts torchft's lighthouse and which leads) is
+    SIGKILLed mid-run: the launcher stops its group and starts it again alone; group 1 trains on, never
+    restarted: both its ranks build their torchft side again together on a new lighthouse, and it takes over
+    the weights and the rows; each rank of group 0 heals from the same rank of group 1 (its own shards) at the
+    quorum's step. Counted by sample id over the four traces: every sample of every step trained exactly once
+    (but for a share group 0 committed as it died, before its trace line)."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install -e '.[ft]'; scripts/setup.sh does)")
+    from collections import Counter
+
+    from distflow.trace import read_trace
+
+    rows, per_step = 48, 4
+    steps = rows // per_step
+    out = tmp_path / "run"
+    _kill_after_two_steps(tmp_path, toy_model, rows, "trainer-1", "trainer_nodes=4", "rollout_nodes=1")
+    logs = {i: (out / "logs" / f"trainer-{i}.log").read_text() for i in range(4)}
+    for i in (2, 3):
+        assert "----- distflow run:" not in logs[i]  # group 1 was never restarted
+    for i in (0, 1):  # each rank of group 0 healed from live state at the quorum's step (its new life began at 0)
+        healed = [ln for ln in logs[i].splitlines() if "healed from a live one: at step" in ln]
+        assert len(healed) == 1 and healed[0].split("(was ")[1].startswith("0)"), logs[i][-3000:]
+    for i in (2, 3):  # the lighthouse died with trainer-0: both ranks of group 1 moved to a new one, and it leads
+        lighthouses = {ln.split("torchft lighthouse ")[1].split()[0] for ln in logs[i].splitlines()
+                       if "trainer replica group 1 of 2: torchft lighthouse" in ln}
+        assert len(lighthouses) == 2 and "trainer replica group 1 leads" in logs[i], logs[i][-3000:]
+    trace = read_trace(out)
+    expected: dict[int, set] = {}
+    for rec in trace["rollout-0"]:
+        expected.setdefault(rec["step"], set()).update(f"{p}:s{j}" for p in rec["prompt_ids"] for j in range(2))
+    trained: Counter = Counter()
+    for k in range(steps):
+        ids = [s for node in ("trainer-0", "trainer-1", "trainer-2", "trainer-3")
+               for r in trace.get(node, []) if r["step"] == k for s in r["sample_ids"]]
+        assert len(ids) == len(set(ids)), k  # the shares are disjoint
+        trained.update(ids)
+        missing = expected[k] - set(ids)  # a share of group 0 committed as it died, before its trace line
+        assert set(ids) <= expected[k] and (not missing or k <= 3), (k, sorted(missing))
+    assert set(trained.values()) == {1}
+    assert len(trained) >= rows * 2 - per_step * 2  # at most the untraced share of one step
+
+
+def _shard_heal(rank: int, world: int, store: str, toy_model: str, out: str) -> None:
+    """One rank of a two-rank FSDP2 group: actor ``a`` trains a step; a fresh actor ``b`` loads ``a``'s shard
+    state (``shard_state_fns``, through bytes as over torchft's transport); both take the same next step."""
+    import io
+
+    from distflow.trainer.actor import Actor
+    from distflow.trainer.replicas import shard_state_fns
+    from tests.process_group import process_group
+    from tests.test_actor import _cfg
+    from tests.test_packing import make_batch
+
+    torch.set_num_threads(1)
+    with process_group(store, rank, world):
+        cfg = _cfg(toy_model, "lr=0.01")
+        node = cfg.node("ACTOR", "MODEL_TRAIN")
+        a, b = Actor(cfg, with_reference=False), Actor(cfg, with_reference=False)
+        first, second = (make_batch(8, seed=s).select(range(rank * 4, rank * 4 + 4)) for s in (3, 4))
+        a.update(node, first)
+        buf = io.BytesIO()
+        torch.save(shard_state_fns(a)[0](), buf)
+        buf.seek(0)
+        shard_state_fns(b)[1](torch.load(buf, weights_only=False))
+        assert b.version == a.version == 1
+        stats = [actor.update(node, second) for actor in (a, b)]
+        local = [{n: p.to_local().detach().clone() for n, p in actor.model.named_parameters()} for actor in (a, b)]
+        moments = [[st["exp_avg"].to_local().clone() for st in actor.optim.state.values()] for actor in (a, b)]
+        torch.save({"stats": stats, "local": local, "moments": moments}, f"{out}.{rank}")
+
+
+def test_a_rank_of_a_group_of_two_heals_from_the_same_rank_of_another_groups_shards(toy_model, tmp_path):
+    """What a rank of a restarted group of several FSDP ranks copies (``shard_state_fns``): its own parameter
+    and Adam shards, no collective. A fresh actor loaded from a trained one's shards takes the next step
+    exactly as its source: the same loss, the same weight and moment shards on both ranks."""
+    from tests.test_actor import _forked_fn
+
+    out = str(tmp_path / "heal")
+    _forked_fn(_shard_heal, 2, (2, str(tmp_path / "store"), str(toy_model), out))
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}", weights_only=False)
+        (sa, sb), (la, lb), (ma, mb) = got["stats"], got["local"], got["moments"]
+        assert sa["loss"] == sb["loss"] and sa["grad_norm"] == sb["grad_norm"], (sa, sb)
+        assert la.keys() == lb.keys() and all(torch.equal(la[n], lb[n]) for n in la)
+        assert len(ma) == len(mb) > 0 and all(torch.equal(x, y) for x, y in zip(ma, mb))
+        assert any(t.numel() for t in la.values())  # each rank holds its own shards
 
 
 @pytest.mark.parametrize("lora", [[], ["lora.rank=4", "lora.target_modules=[q_proj,v_proj]"]], ids=["full", "lora"])
@@ -403,8 +502,8 @@ def test_trainer_replicas_is_refused_where_the_groups_cannot_keep_in_step(toy_mo
                                                                          *more])
 
     assert cfg("trainer_nodes=2", "trainer_replicas=2").trainer_replicas == 2
+    assert cfg("trainer_nodes=4", "trainer_replicas=2").trainer_replicas == 2  # two FSDP groups of two ranks
     for more, why in [(("trainer_nodes=3", "trainer_replicas=2"), "trainer_replicas: 2 must divide trainer_nodes: 3"),
-                      (("trainer_nodes=4", "trainer_replicas=2"), "groups of 2 ranks: replica groups of several FSDP"),
                       (("trainer_replicas=2", "ppo_epochs=2"), "cannot be combined with ppo_epochs"),
                       (("trainer_replicas=2", "mini_batches_per_step=2"), "cannot be combined with mini_batches"),
                       (("trainer_replicas=2", "controller=single"), "cannot be combined with controller")]:

@@ -232,10 +232,6 @@ class Config(BaseModel):
         if r == 1:
             return
         replica_layout(self.trainer_nodes, r)  # (a ValueError naming both keys when r does not divide)
-        if self.trainer_nodes != r:
-            raise ValueError(f"trainer_replicas: {r} groups of {self.trainer_nodes // r} ranks: replica groups of "
-                             "several FSDP ranks are not built yet (torchft's manager on every rank of a group); "
-                             f"use trainer_nodes: {r} (one rank a group)")
         why = {"tensor_parallel": self.tensor_parallel > 1, "sequence_parallel": self.sequence_parallel > 1,
                "mini_batches_per_step": self.mini_batches_per_step != 1,
                "ppo_epochs": self.ppo_epochs != 1, "controller": self.controller != "distributed",

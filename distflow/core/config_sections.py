@@ -449,8 +449,8 @@ class LaunchSection(Section):
         "trainer replica groups that keep training when one dies (torchft; docs/recovery.md): the `trainer_nodes` "
         "ranks split into this many groups of consecutive ranks, each its own torch.distributed group, kept in step "
         "by a quorum; a dead group is restarted alone and copies the live state from a peer. Each group receives "
-        "every step (R times the trainer-bound bytes). Must divide trainer_nodes; for now one rank a group "
-        "(trainer_nodes == trainer_replicas); needs `mini_batches_per_step` and `ppo_epochs` 1, no critic, "
+        "every step (R times the trainer-bound bytes). Must divide trainer_nodes (each group an FSDP2 group of "
+        "trainer_nodes / R ranks); needs `mini_batches_per_step` and `ppo_epochs` 1, no critic, "
         "`tensor_parallel` 1 and `controller: distributed` without `worker_groups`. 1: one group (off)"))
     tensor_parallel: int = Field(1, ge=1, description=(
         "tensor-parallel degree of the trainer: the `trainer_nodes` ranks form a 2-D mesh (trainer_nodes / N "

@@ -35,6 +35,7 @@ from distflow.core.launch_env import healing_replica, run_start
 from distflow.launch.checkpoint import STATE_FILE, checkpoint_version
 from distflow.rl.shaping import trained_token_counts
 from distflow.runtime import Groups, Runtime
+from distflow.trainer.actor import all_reduce
 from distflow.trainer.metrics import MetricsWriter, read_metrics
 from distflow.trainer.replicas import (LIGHTHOUSE_META, ReplicaSync, StepNotCommitted, actor_state_fns, find_lighthouse,
                                        publish_lighthouse)
@@ -78,6 +79,8 @@ class ReplicaLink:
     def __init__(self, rt: Runtime, groups: Groups, actor: Any, on_gpu: Callable[..., Awaitable[Any]]):
         self.rt, self.groups, self.actor, self.on_gpu = rt, groups, actor, on_gpu
         self.replica, self.heads = replica_index(rt, groups), _heads(rt, groups)
+        self.rank = groups.own_rank("trainer", rt.cfg.trainer_replicas)  # in the group (its torch.distributed rank)
+        self.world = len(groups.own_group("trainer", rt.cfg.trainer_replicas))
         self.host = rt.node.member(rt.node.node_id).host
         self.sync: ReplicaSync | None = None
         self.server: Any = None  # the lighthouse this process hosts, if any
@@ -102,10 +105,28 @@ class ReplicaLink:
         await find_lighthouse(node, timeout=cfg.mesh.join_timeout_s)
         holder, self.address = _published(self.rt)
         state_dict, load_state_dict = actor_state_fns(self.actor)
-        self.sync = await self.on_gpu(lambda: ReplicaSync(f"replica{self.replica}", self.address, state_dict,
-                                                          load_state_dict, host=self.host,
-                                                          timeout_s=cfg.step_timeout_s,
-                                                          start_step=self.actor.version))
+
+        def build(store: tuple[str, int] | None) -> ReplicaSync:
+            return ReplicaSync(f"replica{self.replica}", self.address, state_dict, load_state_dict, host=self.host,
+                               timeout_s=cfg.step_timeout_s, start_step=self.actor.version, group_rank=self.rank,
+                               group_world=self.world, store=store)
+
+        def build_in_group() -> ReplicaSync:
+            """Rank 0 of the group builds its side first (its manager server, the store the group's torchft
+            sides share); the others get that store's address (a broadcast over the group: every rank of
+            it builds its side again together) and reach the new server through it."""
+            if self.world == 1:
+                return build(None)
+            import torch.distributed as dist
+
+            from distflow.trainer.collectives import counted
+
+            sync = build(None) if self.rank == 0 else None
+            box = [(self.host, sync.store.port) if sync is not None else None]
+            counted("broadcast_object", dist.broadcast_object_list, box, src=0)
+            return sync if sync is not None else build(tuple(box[0]))
+
+        self.sync = await self.on_gpu(build_in_group)
         self.actor.replicas = self.sync
         node.set_meta(**{READY_META: self.address})
         log.info("trainer replica group %d of %d: torchft lighthouse %s (hosted by %s)", self.replica,
@@ -230,7 +251,10 @@ class ReplicaSteps:
         does not commit it (a group died in it), a new quorum and the share of that one, the
         weights untouched meanwhile. Returns (the share trained, the update's stats)."""
         lens = trained_token_counts(batch, self.actor.cfg)  # the whole step's: the loss's (Actor.step_counts)
-        self.actor.step_counts = (float(lens.sum()), float((lens > 0).sum()))
+        counts = [float(lens.sum()), float((lens > 0).sum())]
+        if self.link.world > 1:  # (this rank holds its position's samples of the step: the group's sum is the step's)
+            counts = await self.on_gpu(all_reduce, counts)
+        self.actor.step_counts = (counts[0], counts[1])
         for attempt in range(1, ATTEMPTS + 1):
             share = batch.select(self.sync.share(batch.sample_ids))
             try:

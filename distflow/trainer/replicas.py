@@ -48,7 +48,7 @@ from distflow.core.config import replica_layout  # noqa: F401 - the groups' rank
 log = logging.getLogger(__name__)
 
 __all__ = ["LIGHTHOUSE_META", "ReplicaSync", "StepNotCommitted", "actor_state_fns", "find_lighthouse", "publish_lighthouse", "replica_layout",
-           "replica_share"]
+           "replica_share", "shard_state_fns"]
 
 LIGHTHOUSE_META = "ft_lighthouse"  # mesh meta key: the torchft lighthouse's address, set by its host
 # The lighthouse's clocks: a replica whose heartbeats stop for HEARTBEAT_S is out of the next quorum,
@@ -96,10 +96,13 @@ async def find_lighthouse(node: Any, timeout: float) -> str:
 
 def actor_state_fns(actor: Any) -> tuple[Callable[[], dict], Callable[[dict], None]]:
     """``(state_dict, load_state_dict)`` of an :class:`~distflow.trainer.actor.Actor` for
-    :class:`ReplicaSync`: what a restarted replica copies from a live one: the full (unsharded,
-    host) weights, the optimizer state and the policy version. Full state dicts are collectives
-    of the replica's own FSDP group; torchft calls these from its own thread, which is safe for a
-    one-rank group only (see docs/recovery.md, "Limits")."""
+    :class:`ReplicaSync`: what a restarted replica copies from a live one: the weights, the optimizer
+    state and the policy version. A one-rank group: the full state dicts (host copies). A group of
+    several FSDP ranks: each rank's own shards (:func:`shard_state_fns`), copied rank to rank (the
+    same rank of a live group has the same shards): torchft calls these from its own thread, where a
+    full state dict, a collective of the group, could pair with the training's."""
+    if getattr(actor, "world", 1) > 1:
+        return shard_state_fns(actor)
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -118,14 +121,60 @@ def actor_state_fns(actor: Any) -> tuple[Callable[[], dict], Callable[[dict], No
     return state_dict, load_state_dict
 
 
+def shard_state_fns(actor: Any) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+    """:func:`actor_state_fns` of one rank of a group of several: its parameter shards, buffers and
+    optimizer state as host tensors (no collective), loaded into the same shards of the same rank of
+    another group (its optimizer's sharded states rebuilt on this rank's mesh)."""
+
+    def host(v: Any) -> Any:
+        return _local(v).detach().cpu().clone() if torch.is_tensor(v) else v
+
+    def state_dict() -> dict:
+        optim = actor.optim.state_dict()
+        return {"model": {n: host(p) for n, p in actor.model.named_parameters()},
+                "buffers": {n: host(b) for n, b in actor.model.named_buffers()},
+                "optim": {"state": {i: {k: host(v) for k, v in st.items()} for i, st in optim["state"].items()},
+                          "param_groups": optim["param_groups"]},
+                "version": actor.version}
+
+    def load_state_dict(state: dict) -> None:
+        with torch.no_grad():
+            for n, p in actor.model.named_parameters():
+                _local(p.data).copy_(state["model"][n])
+            for n, b in actor.model.named_buffers():
+                b.copy_(state["buffers"][n])
+        params = [p for g in actor.optim.param_groups for p in g["params"]]
+        optim = {"state": {i: {k: _like(v, params[int(i)]) for k, v in st.items()}
+                           for i, st in state["optim"]["state"].items()},
+                 "param_groups": state["optim"]["param_groups"]}
+        actor.optim.load_state_dict(optim)
+        actor.version = int(state["version"])
+
+    return state_dict, load_state_dict
+
+
+def _like(v: Any, param: torch.Tensor) -> Any:
+    """An optimizer state value read as a host shard, back where ``param`` is: a sharded state (its
+    local shape) as a DTensor placed as the parameter; anything else (Adam's step count) as it was."""
+    if not torch.is_tensor(v) or not hasattr(param, "to_local") or v.dim() == 0 or v.shape != param.to_local().shape:
+        return v
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(v.to(param.device), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A gradient's local tensor (an FSDP2 DTensor's shard; the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 class ReplicaSync:
-    """One replica group's side of torchft (a 1-rank group: this process is the group's rank 0 and
-    hosts its torchft manager server and store). ``state_dict`` / ``load_state_dict``: what a
+    """One rank's side of its replica group's torchft manager. Rank 0 of the group (``group_rank``)
+    hosts the group's torchft store (``store`` None) and manager server; the group's other ranks are
+    given that store's address (``store``) and reach the server through it. Each rank all-reduces its
+    own gradient shard with the ranks of the same position in the other groups, and a healing rank
+    copies the state of the same rank of a live group. ``state_dict`` / ``load_state_dict``: what a
     restarted replica copies from a live one (weights, optimizer state, the step counter).
     Every wait has a deadline: ``timeout_s`` for the quorum, the all-reduce and the commit.
     ``start_step``: the steps this replica has committed already (a resumed run's, or a manager
@@ -136,12 +185,15 @@ class ReplicaSync:
     count, one ahead, would change every later update's bias correction."""
 
     def __init__(self, replica_id: str, lighthouse: str, state_dict: Callable[[], dict],
-                 load_state_dict: Callable[[dict], None], *, host: str, timeout_s: float, start_step: int = 0):
+                 load_state_dict: Callable[[dict], None], *, host: str, timeout_s: float, start_step: int = 0,
+                 group_rank: int = 0, group_world: int = 1, store: tuple[str, int] | None = None):
         import torch.distributed as dist
         from torchft import Manager, ProcessGroupGloo
 
         limit = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=limit)
+        if store is None:  # (rank 0 of the group: the store its torchft side shares with the group's other ranks)
+            self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=limit)
+            store = (host, self.store.port)
         self.healed = 0  # live-state copies this replica took from a peer
         self.retries = 0  # steps taken again because a quorum did not commit them
         self._load = load_state_dict
@@ -151,8 +203,8 @@ class ReplicaSync:
             self._load(state)
 
         self.manager = Manager(pg=ProcessGroupGloo(timeout=limit), min_replica_size=1, load_state_dict=load,
-                               state_dict=state_dict, replica_id=replica_id, store_addr=host,
-                               store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                               state_dict=state_dict, replica_id=replica_id, store_addr=store[0],
+                               store_port=store[1], rank=group_rank, world_size=group_world, lighthouse_addr=lighthouse,
                                hostname=host, port=0, use_async_quorum=False, init_sync=False, timeout=limit,
                                quorum_timeout=limit, connect_timeout=limit)
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
