@@ -89,6 +89,17 @@ def shared_zygote(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _one_intra_op_thread() -> None:
+    """Every test starts on one torch intra-op thread, as a node runs (``torch_threads: 1``); a test
+    that wants more sets them in its body. Two xdist workers and their cluster processes share the
+    2-core machine: a worker spinning two OpenMP threads waits for a time slice at every small op
+    (tests/test_engine_batching.py: 5 s alone, ~100 s beside the rest of the suite on two threads)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def _cluster_tests_share_a_zygote(request: pytest.FixtureRequest) -> None:
     if dict(request.node.user_properties).get("tier") == "cluster":
         request.getfixturevalue("shared_zygote")
