@@ -170,8 +170,17 @@ def _starts_processes(code, namespace: dict, seen: set) -> bool:
     return False
 
 
+_IMPORTED_HERE: dict = {}  # code -> _imported_here(code): every test of a function reads the same code
+
+
 def _imported_here(code) -> list:
     """What ``from tests.x import y`` inside this function brings in (a local name, not a global)."""
+    if code not in _IMPORTED_HERE:
+        _IMPORTED_HERE[code] = _read_imports(code)
+    return _IMPORTED_HERE[code]
+
+
+def _read_imports(code) -> list:
     import dis
     import importlib
 
