@@ -89,6 +89,17 @@ def shared_zygote(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _one_intra_op_thread() -> None:
+    """Every test starts on one torch intra-op thread, as a node runs (``torch_threads: 1``); a test
+    that wants more sets them in its body. Two xdist workers and their cluster processes share the
+    2-core machine: a worker spinning two OpenMP threads waits for a time slice at every small op
+    (tests/test_engine_batching.py: 5 s alone, ~100 s beside the rest of the suite on two threads)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def _cluster_tests_share_a_zygote(request: pytest.FixtureRequest) -> None:
     if dict(request.node.user_properties).get("tier") == "cluster":
         request.getfixturevalue("shared_zygote")
@@ -159,8 +170,17 @@ def _starts_processes(code, namespace: dict, seen: set) -> bool:
     return False
 
 
+_IMPORTED_HERE: dict = {}  # code -> _imported_here(code): every test of a function reads the same code
+
+
 def _imported_here(code) -> list:
     """What ``from tests.x import y`` inside this function brings in (a local name, not a global)."""
+    if code not in _IMPORTED_HERE:
+        _IMPORTED_HERE[code] = _read_imports(code)
+    return _IMPORTED_HERE[code]
+
+
+def _read_imports(code) -> list:
     import dis
     import importlib
 

@@ -17,7 +17,7 @@ def learning_run(example: Path, kind: str, tmp_path: Path) -> tuple:
     from distflow.toy import ensure_toy_model
     from tests.process_group import process_group, store_path
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     model = ensure_toy_model(tmp_path / "model", kind=kind)
     cfg = load_config(example, [f"model_path={model}", "toy_model=false", f"output_dir={tmp_path / 'out'}"])
     t0 = time.perf_counter()

@@ -20,7 +20,6 @@ from distflow.rollout.torch_engine import TorchEngine
 
 @pytest.fixture(scope="module")
 def engine(toy_model):
-    torch.set_num_threads(2)
     eng = TorchEngine(str(toy_model), max_slots=8)
     yield eng
     eng.close()
@@ -238,7 +237,6 @@ def test_multi_turn_episodes_on_the_continuous_path_train_the_sampled_tokens_and
     from distflow.env import EpisodeRunner
     from distflow.toy import ensure_toy_model
 
-    torch.set_num_threads(2)
     eng = TorchEngine(ensure_toy_model(tmp_path / "m", kind="tool"), max_slots=8)
     try:
         # newline and "0" stop a turn too: most turns of the random toy policy end before the length cut

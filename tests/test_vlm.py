@@ -121,7 +121,6 @@ def test_trainer_logprobs_with_images_are_the_engines(vlm_model, tmp_path):
     from distflow.trainer.actor import Actor
     from tests.process_group import process_group, store_path
 
-    torch.set_num_threads(2)
     path = make_vlm_dataset(tmp_path / "d.jsonl", 4, n_images=4)
     with_ref = tmp_path / "with_reference.yaml"  # the example with a reference node: a KL penalty
     reference = "  - {id: reference, role: REFERENCE, type: MODEL_INFERENCE, fn: ref_logprob, deps: [generate]}\n"
