@@ -35,7 +35,7 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable
 
-__all__ = ["BEATS_PER_STEP", "PROGRESS", "PUBLISH", "STEP_DONE", "Pending", "Progress", "ProgressWatch", "beat_of",
+__all__ = ["BEATS_PER_STEP", "LAST_STAGE", "PROGRESS", "PUBLISH", "STEP_DONE", "Pending", "Progress", "ProgressWatch", "beat_of",
            "describe_position", "hung_message", "in_train_half", "position_of", "stuck_message"]
 
 # A rank's progress counter (mesh meta ``beat``): BEATS_PER_STEP points per step. Point 0: the step's
