@@ -195,6 +195,7 @@ class ReplicaSync:
             self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=limit)
             store = (host, self.store.port)
         self.healed = 0  # live-state copies this replica took from a peer
+        self._host_said = False  # (the host copy of a GPU's gradients, logged once)
         self.retries = 0  # steps taken again because a quorum did not commit them
         self._load = load_state_dict
 
@@ -231,10 +232,19 @@ class ReplicaSync:
 
     def average_gradients(self, model: torch.nn.Module) -> None:
         """Average ``model``'s gradients over the quorum's replicas: one flat all-reduce (a
-        parameter without a gradient counts as zeros, so every replica sends the same layout)."""
+        parameter without a gradient counts as zeros, so every replica sends the same layout). The
+        replica dimension's group is gloo: the tensor it is given lives on the host (a GPU's gradients
+        are copied there and back, said once in the log)."""
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.data)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).float()
+        if flat.device.type != "cpu":
+            if not self._host_said:
+                self._host_said = True
+                log.warning("trainer replica groups average their gradients through host memory (%.1f MiB a step "
+                            "on this rank): the replica dimension's process group is gloo",
+                            flat.numel() * 4 / 2**20)
+            flat = flat.cpu()
         self.manager.allreduce(flat).wait()
         off = 0
         for p, g in zip(params, grads):
