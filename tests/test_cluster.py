@@ -128,9 +128,10 @@ def test_ctrl_c_in_process_saves_the_last_completed_step_like_a_cluster(toy_mode
     assert f"resume_from={out / 'checkpoint'}" in err and "Traceback" not in err
 
 
-def test_node_check_validates_without_joining(tmp_path):
+def test_node_check_validates_without_joining(tmp_path, toy_model):
     env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
-    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())",
+           f"model_path={toy_model}"]  # (the suite's toy model: a fresh checkout has no outputs/toy-model)
     ok = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, "--seeds", "127.0.0.1:7000", "--check"],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "generate" in ok.stdout
@@ -154,11 +155,12 @@ def test_node_check_validates_without_joining(tmp_path):
     assert ids[0] != ids[1] and all(i.startswith("rollout-127.0.0.1-pid") for i in ids), ids
 
 
-def test_node_on_a_taken_port_exits_with_one_line(tmp_path):
+def test_node_on_a_taken_port_exits_with_one_line(tmp_path, toy_model):
     """A port another process holds (control or data) is a one-line error naming it and exit 1,
     not a traceback."""
     env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
-    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())",
+           f"model_path={toy_model}"]  # (the suite's toy model: a fresh checkout has no outputs/toy-model)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -171,11 +173,12 @@ def test_node_on_a_taken_port_exits_with_one_line(tmp_path):
             assert "Traceback" not in r.stderr, r.stderr
 
 
-def test_node_stops_on_sigterm_while_still_joining_the_mesh(tmp_path):
+def test_node_stops_on_sigterm_while_still_joining_the_mesh(tmp_path, toy_model):
     """A node whose seeds do not answer waits up to mesh.join_timeout_s to join; SIGTERM (a launcher,
     Slurm, a person stopping a half-started cluster) ends that wait at once, with exit 143."""
     env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
-    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())",
+           f"model_path={toy_model}"]  # (the suite's toy model: a fresh checkout has no outputs/toy-model)
     with socket.socket() as a, socket.socket() as b:  # two free ports: this node's, and a seed nobody serves
         a.bind(("127.0.0.1", 0))
         b.bind(("127.0.0.1", 0))
@@ -202,11 +205,12 @@ def test_node_stops_on_sigterm_while_still_joining_the_mesh(tmp_path):
             proc.kill()
 
 
-def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path):
+def test_node_names_a_bad_workflow_function_at_start_without_check(tmp_path, toy_model):
     """Every start resolves the workflow's functions (not only --check): a typo is named before the
     node joins anything, instead of failing its pipeline at step 1 (here: it would wait for peers)."""
     env = {**os.environ, "DISTFLOW_SECRET": "x" * 32}
-    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())"]
+    cmd = [sys.executable, "-c", "import sys; from distflow.launch.cli import node_main; sys.exit(node_main())",
+           f"model_path={toy_model}"]  # (the suite's toy model: a fresh checkout has no outputs/toy-model)
     r = subprocess.run(cmd + ["--role", "rollout", "--config", QUICKSTART, f"output_dir={tmp_path}",
                               "workflow.1.fn=exact_matchh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)

@@ -47,7 +47,8 @@ def test_a_signal_reaches_the_forked_node_and_its_status_says_so(zygote, tmp_pat
 
 
 @pytest.mark.cluster
-def test_a_shared_zygote_stops_the_nodes_a_launcher_leaves_when_its_connection_ends(shared_zygote, tmp_path):
+def test_a_shared_zygote_stops_the_nodes_a_launcher_leaves_when_its_connection_ends(shared_zygote, tmp_path,
+                                                                                     toy_model):
     """DISTFLOW_ZYGOTE: runs share one zygote (the test suite does); a launcher that ends or dies
     closes its connection, and its nodes still running get SIGTERM, as with a zygote of its own."""
     import os
@@ -60,7 +61,7 @@ def test_a_shared_zygote_stops_the_nodes_a_launcher_leaves_when_its_connection_e
     z = Zygote({SHARED_ENV: str(shared_zygote)})
     # The first node of a mesh (no seeds): up at once, then waiting for peers that never come.
     node = z.spawn(["--role", "rollout", "--config", str(ROOT / "examples" / "grpo_quickstart.yaml"),
-                    "--seeds", "", "--node-id", "z-1"], str(tmp_path / "node.log"),
+                    "--seeds", "", "--node-id", "z-1", f"model_path={toy_model}"], str(tmp_path / "node.log"),
                    {"DISTFLOW_SECRET": "s" * 32})
     up = time.monotonic() + 60
     while " up: control " not in (tmp_path / "node.log").read_text():
