@@ -33,7 +33,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 __all__ = ["BEATS_PER_STEP", "LAST_STAGE", "PROGRESS", "PUBLISH", "STEP_DONE", "Pending", "Progress", "ProgressWatch", "beat_of",
            "describe_position", "hung_message", "in_train_half", "position_of", "stuck_message"]
@@ -72,22 +73,40 @@ def describe_position(pos: int | tuple[int, int], at: str | None = None) -> str:
     return f"step {step} ({where}" + (f", after {n} collective{'s' * (n != 1)}" if n else "") + ")"
 
 
-class Pending(tuple):
-    """One collective still pending on this rank: ``(beat, index, op, nbytes, age_s)``; ``index``: its
-    count in the stage (1 = the stage's first collective)."""
+class Pending(NamedTuple):
+    """One collective still pending on this rank; ``index``: its count in the stage (1 = the stage's
+    first collective)."""
 
-    @property
-    def beat(self) -> int:
-        return self[0]
-
-    @property
-    def index(self) -> int:
-        return self[1]
+    beat: int
+    index: int
+    op: str
+    nbytes: int
+    age_s: float
 
     def describe(self, at: str | None = None) -> str:
-        beat, index, op, nbytes, _ = self
-        size = f", {nbytes / 2**20:.2f} MiB" if nbytes else ""
-        return f"collective {index} ({op}{size}) of {describe_position(beat, at)}"
+        size = f", {self.nbytes / 2**20:.2f} MiB" if self.nbytes else ""
+        return f"collective {self.index} ({self.op}{size}) of {describe_position(self.beat, at)}"
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A collective this rank entered: done when its call returned (synchronous) or its work completed."""
+
+    beat: int
+    index: int
+    op: str
+    nbytes: int
+    t0: float
+    work: Any = None
+    done: bool = False
+
+    def completed(self) -> bool:
+        if self.done or self.work is None:
+            return self.done
+        try:
+            return bool(self.work.is_completed())
+        except Exception:  # noqa: BLE001 - a failed collective is not pending: its caller raises
+            return True
 
 
 class Progress:
@@ -101,7 +120,7 @@ class Progress:
         self._lock = threading.Lock()
         self.beat, self.n = 0, 0
         self.ops: Counter[str] = Counter()  # every collective entered, by op, over the process's life
-        self._pending: deque[list] = deque()  # [beat, index, op, nbytes, t0, work, done]
+        self._pending: deque[_Entry] = deque()
 
     def mark(self, beat: int) -> None:
         """The beat moved (a new stage, a new step): collectives count from 0 again."""
@@ -112,36 +131,30 @@ class Progress:
         with self._lock:
             return self.beat, self.n
 
-    def enter(self, op: str, nbytes: int = 0) -> list:
+    def enter(self, op: str, nbytes: int = 0) -> _Entry:
         """A collective is being called: counted now (a rank that hangs inside it has entered it)."""
         with self._lock:
             self._prune()
             self.n += 1
             self.ops[op] += 1
-            entry = [self.beat, self.n, op, int(nbytes), self._clock(), None, False]
+            entry = _Entry(self.beat, self.n, op, int(nbytes), self._clock())
             self._pending.append(entry)
             if len(self._pending) > PENDING_KEPT:
                 self._pending.popleft()
             return entry
 
     @staticmethod
-    def issued(entry: list, work: Any) -> None:
-        """The call returned ``work`` (asynchronous): pending until ``work.is_completed()``."""
-        if work is None:
-            entry[6] = True
-        else:
-            entry[5] = work
+    def issued(entry: _Entry, work: Any) -> None:
+        """The call returned ``work`` (asynchronous): pending until ``work.is_completed()`` (None: done)."""
+        entry.work, entry.done = work, work is None
 
     @staticmethod
-    def left(entry: list) -> None:
+    def left(entry: _Entry) -> None:
         """The call returned, done (synchronous), or raised."""
-        entry[6] = True
+        entry.done = True
 
     def _prune(self) -> None:
-        while self._pending:
-            e = self._pending[0]
-            if not (e[6] or (e[5] is not None and _completed(e[5]))):
-                return
+        while self._pending and self._pending[0].completed():
             self._pending.popleft()
 
     def oldest_pending(self) -> Pending | None:
@@ -150,15 +163,8 @@ class Progress:
             self._prune()
             if not self._pending:
                 return None
-            beat, index, op, nbytes, t0, _, _ = self._pending[0]
-            return Pending((beat, index, op, nbytes, self._clock() - t0))
-
-
-def _completed(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # noqa: BLE001 - a failed collective is not pending: its caller raises
-        return True
+            e = self._pending[0]
+            return Pending(e.beat, e.index, e.op, e.nbytes, self._clock() - e.t0)
 
 
 PROGRESS = Progress()  # this process's (a trainer rank is one process: the default process group is per process)
@@ -205,7 +211,7 @@ class ProgressWatch:
         """Rule 2: my oldest pending collective, issued in the train half ``hang_s`` ago or more, that
         every peer has entered too."""
         peers = [pos for peer, pos in positions.items() if peer != me]
-        return (pending is not None and pending[4] >= self.hang_s and in_train_half(pending.beat) and bool(peers)
+        return (pending is not None and pending.age_s >= self.hang_s and in_train_half(pending.beat) and bool(peers)
                 and all(pos >= (pending.beat, pending.index) for pos in peers))
 
     def check(self, positions: dict[str, Any], now: float, me: str, role: str, at: dict[str, str] | None = None,
@@ -236,5 +242,5 @@ def hung_message(role: str, me: str, peers: list[str], pending: Pending, at: dic
     """Every rank of the group entered one collective and it has not completed here for ``hang_timeout_s``:
     no rank can be blamed, the group is lost as a whole (every rank says so)."""
     return (f"the {role} group is hung in {pending.describe(at.get(me))}: every rank entered it "
-            f"({', '.join(sorted([me, *peers]))}) and it has not completed on {me} for {pending[4]:.0f}s "
+            f"({', '.join(sorted([me, *peers]))}) and it has not completed on {me} for {pending.age_s:.0f}s "
             f"(hang_timeout_s): the {role} group cannot go on; treated as a dead rank")

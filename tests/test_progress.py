@@ -49,18 +49,18 @@ def test_a_rank_that_did_not_reach_my_collective_is_named_after_hang_s():
 
 def test_a_collective_every_rank_entered_is_a_hung_group_after_hang_s_and_one_not_entered_is_not():
     watch = ProgressWatch(hang_s=4.0)
-    pending = Pending((UPDATE, 6, "all_gather", 3 * 2**20, 4.0))
+    pending = Pending(UPDATE, 6, "all_gather", 3 * 2**20, 4.0)
     lost, why = watch.check({"t0": (UPDATE, 6), "t1": (UPDATE, 6)}, 0.0, "t0", "trainer", {"t0": "update"}, pending)
     assert lost == ["t1"]
     assert why == ("the trainer group is hung in collective 6 (all_gather, 3.00 MiB) of step 2 (update): every rank "
                    "entered it (t0, t1) and it has not completed on t0 for 4s (hang_timeout_s): the trainer group "
                    "cannot go on; treated as a dead rank")
-    young = Pending((UPDATE, 6, "all_gather", 0, 3.9))
+    young = Pending(UPDATE, 6, "all_gather", 0, 3.9)
     assert ProgressWatch(4.0).check({"t0": (UPDATE, 6), "t1": (UPDATE, 6)}, 0.0, "t0", "trainer", pending=young) is None
     # t1 has not entered it: not a hung collective (rule 1 names t1 once it stayed behind hang_s)
     assert not ProgressWatch(4.0).hung({"t0": (UPDATE, 6), "t1": (UPDATE, 5)}, "t0", pending)
     # a collective pending at the step's start (the ranks wait for their samples there) is never a hang
-    at_start = Pending((beat_of(2, 0), 1, "all_reduce", 0, 600.0))
+    at_start = Pending(beat_of(2, 0), 1, "all_reduce", 0, 600.0)
     assert not ProgressWatch(4.0).hung({"t0": (beat_of(2, 0), 0), "t1": (beat_of(2, 0), 0)}, "t0", at_start)
     assert not ProgressWatch(4.0).hung({"t0": (UPDATE, 6)}, "t0", pending)  # alone: nobody to wait for
 
