@@ -26,7 +26,7 @@ from distflow.progress import PROGRESS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["count_fsdp", "counted"]
+__all__ = ["CountedAllGather", "CountedReduceScatter", "count_fsdp", "counted"]
 
 
 def counted(name: str, fn: Callable[..., Any], /, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
@@ -55,17 +55,33 @@ def _nbytes(args: tuple) -> int:
     return 0
 
 
-def _comms() -> tuple[type, type, Callable[[], Any], Callable[[], Any]] | None:
-    """FSDP2's comm interfaces and default comms, or None where this torch has no comm hooks."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return None
-    if not hasattr(FSDPModule, "set_custom_all_gather") or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        return None
-    return AllGather, ReduceScatter, DefaultAllGather, DefaultReduceScatter
+class CountedAllGather:
+    """FSDP2's default all-gather, counted (FSDP2's ``AllGather`` comm interface: ``allocate`` and the call)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        return counted("all_gather", self.inner, output_tensor, input_tensor, group, async_op=async_op)
+
+
+class CountedReduceScatter:
+    """FSDP2's default reduce-scatter, counted (its ``ReduceScatter`` comm interface)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        return counted("reduce_scatter", self.inner, output_tensor, input_tensor, group, op, async_op=async_op,
+                       nbytes=input_tensor.numel() * input_tensor.element_size())
 
 
 _warned: set[str] = set()
@@ -79,49 +95,24 @@ def _warn_once(why: str) -> None:
 
 
 def count_fsdp(model: torch.nn.Module) -> int:
-    """Count the all-gathers and reduce-scatters of every FSDP2 unit of ``model`` (its comms wrapped).
-    Returns how many units count; 0 (logged once) where this torch has no comm hooks."""
-    comms = _comms()
-    if comms is None:
-        _warn_once(f"torch {torch.__version__} has no FSDPModule.set_custom_all_gather")
-        return 0
-    all_gather, reduce_scatter, default_all_gather, default_reduce_scatter = comms
-
-    class CountedAllGather(all_gather):  # type: ignore[misc, valid-type] - FSDP2's interface, implemented here
-        """FSDP2's default all-gather, counted."""
-
-        def __init__(self) -> None:
-            self.inner = default_all_gather()
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.inner.allocate(size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                     async_op: bool = False) -> Any:
-            return counted("all_gather", self.inner, output_tensor, input_tensor, group, async_op=async_op)
-
-    class CountedReduceScatter(reduce_scatter):  # type: ignore[misc, valid-type]
-        """FSDP2's default reduce-scatter, counted."""
-
-        def __init__(self) -> None:
-            self.inner = default_reduce_scatter()
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.inner.allocate(size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                     async_op: bool = False) -> Any:
-            return counted("reduce_scatter", self.inner, output_tensor, input_tensor, group, op, async_op=async_op,
-                           nbytes=input_tensor.numel() * input_tensor.element_size())
-
+    """Count the all-gathers and reduce-scatters of every FSDP2 unit of ``model`` (its default comms
+    wrapped). Returns how many units count; 0 (logged once) where this torch has no comm hooks."""
     from torch.distributed.fsdp import FSDPModule
 
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:
+        _warn_once(f"torch {torch.__version__} has no FSDP2 default comms to wrap")
+        return 0
+    if not hasattr(FSDPModule, "set_custom_all_gather"):
+        _warn_once(f"torch {torch.__version__} has no FSDPModule.set_custom_all_gather")
+        return 0
     units = 0
     for m in model.modules():
         if isinstance(m, FSDPModule):
             try:
-                m.set_custom_all_gather(CountedAllGather())
-                m.set_custom_reduce_scatter(CountedReduceScatter())
+                m.set_custom_all_gather(CountedAllGather(DefaultAllGather()))
+                m.set_custom_reduce_scatter(CountedReduceScatter(DefaultReduceScatter()))
             except ValueError as e:  # (several parameter groups in one unit: FSDP2 refuses a custom comm)
                 _warn_once(f"{type(m).__name__}: {e}")
                 continue
