@@ -8,28 +8,35 @@ no test hook in the trainer. The first process life to reach ``hang_call`` on ra
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 
-_calls = 0
+_calls: dict[str, int] = {}  # calls of each function in this process life
+
+
+def _hang_once(fn: str, hang_call: int, rank: int, marker: str, inside: bool = False) -> None:
+    """On rank ``rank``, at the ``hang_call``-th call of ``fn``, in the first process life to get there
+    (no ``marker`` yet): write ``marker`` (pid, time) and sleep, the rank's event loop still answering
+    the mesh; ``inside``: in a collective it entered (counted, never left), as a hung kernel."""
+    import torch.distributed as dist
+
+    _calls[fn] = _calls.get(fn, 0) + 1
+    if dist.get_rank() != rank or _calls[fn] != hang_call or os.path.exists(marker):
+        return
+    with open(marker, "w") as f:
+        f.write(f"{os.getpid()} {time.time()}")
+    if inside:
+        from distflow.trainer.collectives import counted
+
+        counted("all_reduce", time.sleep, 3600)
+    time.sleep(3600)
 
 
 def grpo_hanging_once(rewards, group_ids, marker: str, hang_call: int = 3, rank: int = 1, **args):
-    import torch.distributed as dist
-
     from distflow.rl.registry import ADVANTAGE_ESTIMATORS
 
-    global _calls
-    _calls += 1
-    if dist.get_rank() == rank and _calls == hang_call and not os.path.exists(marker):
-        with open(marker, "w") as f:
-            f.write(f"{os.getpid()} {time.time()}")
-        time.sleep(3600)  # the hang: the rank's event loop still answers the mesh
+    _hang_once("advantage", hang_call, rank, marker)
     return ADVANTAGE_ESTIMATORS["grpo"](rewards, group_ids, **args)
-
-
-_loss_calls = 0
 
 
 def loss_hanging_once(*args, **kwargs):
@@ -39,21 +46,8 @@ def loss_hanging_once(*args, **kwargs):
     ahead, and the other rank goes on into them and waits there, in the same stage. With ``HANG_INSIDE``
     set it sleeps inside a collective it entered (as a rank whose collective kernel hangs): both ranks
     are then in their collective of the same index, and neither completes."""
-    import torch.distributed as dist
-
     from distflow.rl.registry import POLICY_LOSSES
 
-    global _loss_calls
-    _loss_calls += 1
-    marker = os.environ["HANG_MARKER"]
-    if dist.get_rank() == 1 and _loss_calls == int(os.environ.get("HANG_LOSS_CALL", "3")) and not os.path.exists(marker):
-        with open(marker, "w") as f:
-            f.write(f"{os.getpid()} {time.time()}")
-        if os.environ.get("HANG_INSIDE"):  # inside a collective: entered (counted), never left, as a hung kernel
-            from distflow.trainer.collectives import counted
-
-            counted("all_reduce", time.sleep, 3600)
-        time.sleep(3600)
-    loss = POLICY_LOSSES["grpo"]
-    takes = inspect.signature(loss).parameters  # (the trainer calls a loss with the keywords it takes)
-    return loss(*args, **{k: v for k, v in kwargs.items() if k in takes})
+    _hang_once("loss", int(os.environ.get("HANG_LOSS_CALL", "3")), 1, os.environ["HANG_MARKER"],
+               inside=bool(os.environ.get("HANG_INSIDE")))
+    return POLICY_LOSSES["grpo"](*args, **kwargs)  # (it takes every keyword the trainer passes: **shared)
