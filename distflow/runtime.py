@@ -302,8 +302,8 @@ class Runtime:
         self._say_beat(beat_of(step, point), where)
 
     def _say_beat(self, beat: int, where: str) -> None:
-        self.node.set_meta(beat=beat, at=where)
-        self._say_collectives()
+        self._said_coll = list(PROGRESS.position())
+        self.node.set_meta(beat=beat, at=where, coll=self._said_coll)  # (one gossiped update)
 
     def _say_collectives(self) -> None:
         """Gossip this rank's collective count (mesh meta ``coll``: ``[beat, n]``) when it changed."""
