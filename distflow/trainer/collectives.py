@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from distflow.core.once import log_once
 from distflow.progress import PROGRESS
 
 log = logging.getLogger(__name__)
@@ -84,14 +85,10 @@ class CountedReduceScatter:
                        nbytes=input_tensor.numel() * input_tensor.element_size())
 
 
-_warned: set[str] = set()
-
-
 def _warn_once(why: str) -> None:
-    if why not in _warned:
-        _warned.add(why)
-        log.warning("the hang watch does not count FSDP2's collectives: %s; it counts distflow's own "
-                    "(a hang between two of the model's all-gathers is named only by collective_timeout_s)", why)
+    log_once(log, f"collectives.fsdp:{why}", logging.WARNING, "the hang watch does not count FSDP2's collectives: "
+             "%s; it counts distflow's own (a hang between two of the model's all-gathers is named only by "
+             "collective_timeout_s)", why)
 
 
 def count_fsdp(model: torch.nn.Module) -> int:

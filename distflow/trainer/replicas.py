@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from distflow.core.config import replica_layout  # noqa: F401 - the groups' ranks, the rule the config checks
+from distflow.core.once import log_once
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,6 @@ class ReplicaSync:
             self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=limit)
             store = (host, self.store.port)
         self.healed = 0  # live-state copies this replica took from a peer
-        self._host_said = False  # (the host copy of a GPU's gradients, logged once)
         self.retries = 0  # steps taken again because a quorum did not commit them
         self._load = load_state_dict
 
@@ -239,11 +239,9 @@ class ReplicaSync:
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.data)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).float()
         if flat.device.type != "cpu":
-            if not self._host_said:
-                self._host_said = True
-                log.warning("trainer replica groups average their gradients through host memory (%.1f MiB a step "
-                            "on this rank): the replica dimension's process group is gloo",
-                            flat.numel() * 4 / 2**20)
+            log_once(log, "replicas.host_gradients", logging.WARNING, "trainer replica groups average their "
+                     "gradients through host memory (%.1f MiB a step on this rank): the replica dimension's "
+                     "process group is gloo", flat.numel() * 4 / 2**20)
             flat = flat.cpu()
         self.manager.allreduce(flat).wait()
         off = 0
