@@ -72,3 +72,22 @@ def test_a_shared_zygote_stops_the_nodes_a_launcher_leaves_when_its_connection_e
     while os.path.exists(f"/proc/{node.pid}") and b"z-1" in open(f"/proc/{node.pid}/cmdline", "rb").read():
         assert time.monotonic() < deadline, "the node outlived its launcher's connection"
         time.sleep(0.1)
+
+
+def test_a_shared_zygote_outlives_a_launcher_that_resets_its_connection(shared_zygote):
+    """A launcher killed before it read the zygote's replies resets the connection (ECONNRESET on the
+    zygote's read): the zygote drops that client and still serves the next one."""
+    import socket
+    import time
+
+    if shared_zygote is None:
+        pytest.skip("the shared zygote did not start")
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gone.connect(str(shared_zygote))
+    time.sleep(0.3)  # the zygote's {"ready"} is waiting, unread, when the connection ends
+    gone.close()
+    time.sleep(0.3)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as next_one:
+        next_one.settimeout(10)
+        next_one.connect(str(shared_zygote))
+        assert b'"ready"' in next_one.makefile("rb").readline()

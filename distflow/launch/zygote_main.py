@@ -85,6 +85,8 @@ class _Client:
         self.in_fd, self.out, self.conn, self.buf, self.pids = in_fd, out, conn, b"", set()
 
     def send(self, msg: dict) -> None:
+        if self.out is None:  # closed: its launcher is gone (a node of it that ends now is only reaped)
+            return
         try:
             self.out.write(json.dumps(msg) + "\n")
             self.out.flush()
@@ -98,6 +100,7 @@ class _Client:
                     f.close()
             except OSError:
                 pass
+        self.out = self.conn = None
 
 
 def _serve(first: _Client | None, listener) -> int:
@@ -139,7 +142,10 @@ def _serve(first: _Client | None, listener) -> int:
                 add(_Client(conn.fileno(), conn.makefile("w", buffering=1), conn))
             else:
                 c = key.data
-                chunk = os.read(c.in_fd, 65536)
+                try:
+                    chunk = os.read(c.in_fd, 65536)
+                except OSError:  # reset: a launcher killed with replies it had not read (ECONNRESET)
+                    chunk = b""
                 if not chunk:  # the launcher is done (its nodes are stopped) or gone
                     if first is not None:
                         return 0
