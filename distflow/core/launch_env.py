@@ -25,12 +25,25 @@ RECOVER_ENV = "DISTFLOW_RECOVER_TRAINERS"
 # the rank heals from a live replica; its mesh meta says so (``heal``), so the rollout nodes send it the
 # steps it missed instead of going back to a checkpoint with every trainer.
 HEAL_ENV = "DISTFLOW_HEAL_REPLICA"
+# Set by `distflow run` on the trainer ranks it starts again (either recovery): which start of the trainers
+# this is (its recovery attempt; 0 or unset: the first). The ranks of one torch.distributed group are of one
+# start: a rank rendezvouses with its group's rank 0 of the same start, never with the gossiped port of that
+# rank's previous life (a record the mesh may still hold for a moment).
+TRAINER_START_ENV = "DISTFLOW_TRAINER_START"
 
 
 def recovering_trainers() -> bool:
     """Whether this node's launcher restarts dead trainer ranks (``RECOVER_ENV``): a dead trainer is
     then a pause, not the end of the run (:meth:`distflow.runtime.Runtime.trainers_gone`)."""
     return os.environ.get(RECOVER_ENV) == "1"
+
+
+def trainer_start() -> int:
+    """Which start of the trainers this process is (``TRAINER_START_ENV``; 0: the first)."""
+    try:
+        return int(os.environ.get(TRAINER_START_ENV, "0"))
+    except ValueError:
+        return 0
 
 
 def healing_replica() -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from distflow.core.config import Config, replica_layout
-from distflow.core.launch_env import HEAL_ENV
+from distflow.core.launch_env import HEAL_ENV, TRAINER_START_ENV
 from distflow.launch.checkpoint import STATE_FILE, checkpoint_version, newest_checkpoint
 from distflow.launch.children import Child, error_line, exit_text, kill_children
 from distflow.launch.roles import trainers_recoverable
@@ -79,7 +79,8 @@ class TrainerRecovery:
                          if c not in restart and c.proc.poll() is None)
         for t in restart:
             t.start_again(f"recovery {self.attempts} of {self.cfg.recover_retries}: {t.node_id}'s replica group "
-                          "heals from a live one", ("--seeds", seeds) if seeds else (), env={HEAL_ENV: "1"})
+                          "heals from a live one", ("--seeds", seeds) if seeds else (),
+                          env={HEAL_ENV: "1", TRAINER_START_ENV: str(self.attempts)})
         return True
 
     def replica_finished(self, children: list[Child]) -> bool:
@@ -126,5 +127,6 @@ class TrainerRecovery:
                          if c.role != "trainer" and c.proc.poll() is None)
         for t in trainers:
             t.start_again(f"recovery {self.attempts} of {self.cfg.recover_retries}: {t.node_id} from {ckpt}",
-                          (*(("--seeds", seeds) if seeds else ()), f"resume_from={ckpt}"))
+                          (*(("--seeds", seeds) if seeds else ()), f"resume_from={ckpt}"),
+                          env={TRAINER_START_ENV: str(self.attempts)})
         return True

@@ -41,7 +41,7 @@ from distflow.progress import PUBLISH, STEP_DONE
 from distflow.runtime import Groups, Runtime, shard_cover
 from distflow.transport.select import weight_tier
 from distflow.weights.tiers import serving_plan
-from distflow.core.launch_env import healing_replica, run_start
+from distflow.core.launch_env import healing_replica, run_start, trainer_start
 from distflow.launch.checkpoint import PeriodicSaves, check_data_order, data_order
 from distflow.step import train_half
 from distflow.trainer.actor import Actor, all_reduce
@@ -109,11 +109,16 @@ async def init_process_group(rt: Runtime, groups: Groups) -> None:
     if rank == 0:
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, port, world, is_master=True,
                                                               timeout=timeout, wait_for_workers=False))
-        rt.node.set_meta(pg_port=store.port)
+        rt.node.set_meta(pg_port=store.port, trainer_start=trainer_start())
     else:
-        ms = await rt.node.wait_for(lambda ms: any(m.node_id == head.node_id and "pg_port" in m.meta for m in ms),
-                                    timeout=rt.cfg.mesh.join_timeout_s, what=f"{head.node_id}'s rendezvous port")
-        port = next(m.meta["pg_port"] for m in ms if m.node_id == head.node_id)
+        start = trainer_start()  # (the head's port of this start: not the one its previous life gossiped)
+
+        def head_up(m: Any) -> bool:
+            return m.node_id == head.node_id and "pg_port" in m.meta and m.meta.get("trainer_start", 0) == start
+
+        ms = await rt.node.wait_for(lambda ms: any(head_up(m) for m in ms), timeout=rt.cfg.mesh.join_timeout_s,
+                                    what=f"{head.node_id}'s rendezvous port (trainer start {start})")
+        port = next(m.meta["pg_port"] for m in ms if head_up(m))
         store = await asyncio.to_thread(lambda: dist.TCPStore(head.host, port, world, is_master=False,
                                                                 timeout=timeout))
     cuda = rt.cfg.device == "cuda"
